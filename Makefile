@@ -1,0 +1,39 @@
+# `make demo` and `make test` are the first two commands on a fresh machine (README "Quick start").
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# vLLM's CPU build where no NVIDIA GPU answers, upstream vLLM (CUDA) where one does.
+EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+PYTEST_ARGS ?=
+
+.PHONY: setup model demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing kvferry[$(EXTRA),test] into $(VENV) (about 3 minutes the first time)"
+	@# The CPU build needs torch 2.13.0 (a local wheel here); installing it first stops pip
+	@# from pulling a CUDA torch from the index.
+	if [ "$(EXTRA)" = cpu ]; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e ".[$(EXTRA),test]"
+	@# vLLM pulls these in; their CUDA builds break the CPU torch.
+	if [ "$(EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(VENV)/bin/kvferry make-tiny-model
+
+demo: setup model
+	$(VENV)/bin/kvferry up
+
+test: setup model
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

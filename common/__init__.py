@@ -1,0 +1,1 @@
+"""Config, wire messages, hashing, logging and metrics shared by every layer (stdlib + msgspec only)."""

@@ -1,0 +1,321 @@
+"""One typed configuration for every kvferry component, drop-in compatible with LMCache's keys.
+
+Sources, lowest precedence first (a later one overrides an earlier one key by key):
+
+1. built-in defaults,
+2. the YAML file named by ``KVFERRY_CONFIG_FILE`` (or LMCache's ``LMCACHE_CONFIG_FILE``),
+3. environment variables ``LMCACHE_<KEY>`` then ``KVFERRY_<KEY>`` (KVFERRY wins over LMCACHE),
+4. a dict, e.g. vLLM's ``kv_connector_extra_config`` (keys may carry a ``lmcache.`` or
+   ``kvferry.`` prefix).
+
+Unknown keys, wrong types and contradictions raise :class:`ConfigError` with one line naming the
+key, where it came from, and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, Union, get_args, get_origin
+
+import msgspec
+import yaml
+
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+Ports = Union[int, list[int], None]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line that names the key and the fix."""
+
+
+class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every key kvferry reads. Sizes: GB where LMCache says GB, bytes for *_buffer_size."""
+
+    # --- KV engine (seed 002, 2.1 / 3.1) ---
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0  # GB
+    local_disk: str | None = None  # "file:///path/" or a plain path
+    max_local_disk_size: float = 0.0  # GB
+    remote_url: str | None = None
+    remote_serde: str = "naive"
+    save_unfull_chunk: bool = True
+    discard_partial_chunks: bool = False
+    enable_async_loading: bool = False
+    use_layerwise: bool = False
+    save_decode_cache: bool = False
+    blocking_timeout_secs: float = 10.0
+    cache_policy: str = "LRU"
+    numa_mode: str | None = None
+    pre_caching_hash_algorithm: str = "xxh3_128"
+    py_enable_gc: bool = True
+    use_experimental: bool = True  # LMCACHE_USE_EXPERIMENTAL; kvferry has one engine
+    lmcache_rpc_port: str | int | None = None  # LMCache's per-instance RPC name; unused
+
+    # --- prefill/decode disaggregation (seed 004) ---
+    enable_pd: bool = False
+    pd_role: str | None = None  # "sender" (prefiller) | "receiver" (decoder)
+    pd_buffer_size: int = 1 << 30  # bytes
+    pd_buffer_device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    pd_peer_host: str | None = None
+    pd_peer_init_port: Ports = None  # one per decoder TP rank
+    pd_peer_alloc_port: Ports = None
+    pd_proxy_host: str | None = None
+    pd_proxy_port: int | None = None
+    transfer_channel: str | None = None  # "nixl"
+    nixl_buffer_size: int | None = None
+    nixl_buffer_device: str | None = None
+    # kvferry's own bounds on every wait of the transfer path (seconds).
+    pd_handshake_timeout: float = 5.0
+    pd_alloc_timeout: float = 10.0
+    pd_lease_seconds: float = 30.0
+    pd_kv_ready_timeout: float = 30.0
+    pd_kv_timeout_action: str = "recompute"  # "recompute" | "fail"
+    pd_chunk_format: str = "block"  # "block" | "token"
+
+    # --- P2P sharing and controller (seeds 000/001/003) ---
+    enable_p2p: bool = False
+    p2p_host: str | None = None
+    p2p_init_ports: Ports = None
+    p2p_lookup_ports: Ports = None
+    enable_controller: bool = False
+    lmcache_instance_id: str = "kvferry_default_instance"
+    controller_url: str | None = None
+    controller_pull_url: str | None = None
+    controller_reply_url: str | None = None
+    lmcache_worker_ports: Ports = None
+    lmcache_worker_heartbeat_time: float = 10.0
+    lmcache_worker_heartbeat_timeout: float = 30.0
+
+    # Free-form, backend-specific settings (Mooncake, NIXL storage, lookup_backoff_time, ...).
+    extra_config: dict[str, Any] | None = None
+
+    def ports(self, key: str) -> list[int]:
+        """A port key as a list (one entry per TP rank); [] when unset."""
+        value = getattr(self, key)
+        if value is None:
+            return []
+        return [value] if isinstance(value, int) else list(value)
+
+
+FIELD_TYPES: dict[str, Any] = {
+    f.name: f.type for f in msgspec.structs.fields(KVFerryConfig)
+}
+
+# Environment variables that are not config keys.
+_NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL"}
+_PREFIXES = ("lmcache.", "kvferry.")
+_REMOTE_SCHEMES = ("redis", "redis-sentinel", "lm", "mooncakestore", "infinistore")
+_SERDES = ("naive", "cachegen", "zstd")
+# Keys LMCache knows that kvferry accepts for drop-in use but does not act on.
+IGNORED_KEYS = ("numa_mode", "use_layerwise", "py_enable_gc", "lmcache_rpc_port", "use_experimental")
+
+ChunkFormat = Literal["block", "token"]
+
+
+def _type_name(tp: Any) -> str:
+    args = get_args(tp)
+    if get_origin(tp) in (Union, type(int | None)) or (args and type(None) in args):
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    if get_origin(tp) is list:
+        return f"list of {_type_name(args[0])}"
+    if get_origin(tp) is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    tp = FIELD_TYPES[key]
+    try:
+        return msgspec.convert(value, tp, strict=True)
+    except msgspec.ValidationError:
+        raise ConfigError(
+            f"config key {key} ({source}): expected {_type_name(tp)}, got "
+            f"{type(value).__name__} {value!r}"
+        ) from None
+
+
+def _parse_env(key: str, raw: str, source: str) -> Any:
+    """Env values are strings; read them as YAML scalars unless the key is a plain string."""
+    tp = FIELD_TYPES[key]
+    allows_none = type(None) in get_args(tp)
+    if allows_none and raw.strip().lower() in ("", "none", "null"):
+        return None
+    if tp in (str, str | None):
+        return raw
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return _convert(key, value, source)
+
+
+def _canonical(key: str) -> str:
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def _unknown(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELD_TYPES, n=3, cutoff=0.75)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see README 'Configuration'"
+    return ConfigError(f"unknown config key {key!r} ({source}){hint}")
+
+
+def read_yaml(path: str, source: str) -> dict[str, Any]:
+    """Read a config YAML file into a dict, with errors that name the file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{source}: config file {path!r} does not exist: fix the path")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {path!r} must hold a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def config_file_from_env(env: Mapping[str, str]) -> tuple[str, str] | None:
+    for var in ("KVFERRY_CONFIG_FILE", "LMCACHE_CONFIG_FILE"):
+        if env.get(var):
+            return env[var], var
+    return None
+
+
+def load_config(
+    extra: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    path: str | None = None,
+) -> KVFerryConfig:
+    """Merge defaults < YAML file < env < `extra` into a validated KVFerryConfig."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    file_src = (path, "config file") if path else config_file_from_env(env)
+    if file_src:
+        fpath, var = file_src
+        for key, value in read_yaml(fpath, var).items():
+            key = _canonical(str(key))
+            source = f"{fpath}"
+            if key not in FIELD_TYPES:
+                raise _unknown(key, source)
+            values[key] = _convert(key, value, source)
+            sources[key] = source
+
+    for prefix in ("LMCACHE_", "KVFERRY_"):
+        for var, raw in env.items():
+            if not var.startswith(prefix) or var[len(prefix):] in _NON_KEY_ENV:
+                continue
+            key = var[len(prefix):].lower()
+            if key not in FIELD_TYPES:
+                if prefix == "KVFERRY_":
+                    raise _unknown(key, f"env {var}")
+                # LMCache has many env switches of its own; a drop-in must not die on them.
+                logger.warning("ignoring env %s: not a kvferry config key", var)
+                continue
+            values[key] = _parse_env(key, raw, f"env {var}")
+            sources[key] = f"env {var}"
+
+    for key, value in (extra or {}).items():
+        ckey = _canonical(str(key))
+        if ckey not in FIELD_TYPES:
+            raise _unknown(ckey, "kv_connector_extra_config")
+        values[ckey] = _convert(ckey, value, "kv_connector_extra_config")
+        sources[ckey] = "kv_connector_extra_config"
+
+    config = msgspec.convert(values, KVFerryConfig)
+    validate(config, sources)
+    return config
+
+
+def _src(sources: Mapping[str, str], key: str) -> str:
+    return sources.get(key, "not set")
+
+
+def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None:
+    """Reject values and combinations that cannot work, naming the key and the fix."""
+    s = sources or {}
+
+    def err(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"config key {key} ({_src(s, key)}): {msg}")
+
+    if c.chunk_size <= 0:
+        raise err("chunk_size", f"must be a positive number of tokens, got {c.chunk_size}")
+    for key in ("max_local_cpu_size", "max_local_disk_size"):
+        if getattr(c, key) < 0:
+            raise err(key, f"must be >= 0 GB, got {getattr(c, key)}")
+    if c.local_disk and c.max_local_disk_size <= 0:
+        raise err("max_local_disk_size", "local_disk is set but its size is 0: set max_local_disk_size in GB")
+    if c.remote_url is not None:
+        scheme, sep, rest = c.remote_url.partition("://")
+        if not sep or not rest:
+            raise err("remote_url", f"{c.remote_url!r} is not scheme://host:port (e.g. redis://localhost:6379)")
+        if scheme not in _REMOTE_SCHEMES:
+            raise err("remote_url", f"scheme {scheme!r} is not one of {', '.join(_REMOTE_SCHEMES)}")
+    if c.remote_serde not in _SERDES:
+        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(_SERDES)}")
+    for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
+                "blocking_timeout_secs", "lmcache_worker_heartbeat_time", "lmcache_worker_heartbeat_timeout"):
+        if getattr(c, key) <= 0:
+            raise err(key, f"must be a positive number of seconds, got {getattr(c, key)}")
+    if c.pd_kv_timeout_action not in ("recompute", "fail"):
+        raise err("pd_kv_timeout_action", f"{c.pd_kv_timeout_action!r} is not 'recompute' or 'fail'")
+    if c.pd_chunk_format not in get_args(ChunkFormat):
+        raise err("pd_chunk_format", f"{c.pd_chunk_format!r} is not 'block' or 'token'")
+    for key in ("pd_peer_init_port", "pd_peer_alloc_port", "pd_proxy_port", "p2p_init_ports",
+                "p2p_lookup_ports", "lmcache_worker_ports"):
+        for port in c.ports(key):
+            if not 0 < port < 65536:
+                raise err(key, f"port {port} is outside 1-65535")
+
+    if c.transfer_channel is not None and c.transfer_channel != "nixl":
+        raise err("transfer_channel", f"{c.transfer_channel!r} is not supported: use 'nixl'")
+    if c.pd_role is not None and c.pd_role not in ("sender", "receiver"):
+        raise err("pd_role", f"{c.pd_role!r} is not 'sender' (prefiller) or 'receiver' (decoder)")
+    if c.enable_pd:
+        if c.pd_role is None:
+            raise err("pd_role", "enable_pd is true but pd_role is not set: set pd_role to 'sender' "
+                      "(prefiller) or 'receiver' (decoder)")
+        if c.pd_buffer_size <= 0:
+            raise err("pd_buffer_size", f"must be a positive number of bytes, got {c.pd_buffer_size}")
+        dev = c.pd_buffer_device
+        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise err("pd_buffer_device", f"{dev!r} is not 'cpu', 'cuda' or 'cuda:N'")
+        if c.pd_role == "receiver":
+            for key in ("pd_peer_host", "pd_peer_init_port", "pd_peer_alloc_port"):
+                if getattr(c, key) is None:
+                    raise err(key, "pd_role is 'receiver' but this key is not set: the decoder needs "
+                              "pd_peer_host, pd_peer_init_port and pd_peer_alloc_port to listen on")
+            if len(c.ports("pd_peer_init_port")) != len(c.ports("pd_peer_alloc_port")):
+                raise err("pd_peer_alloc_port", "needs as many ports as pd_peer_init_port (one per TP rank)")
+    elif c.pd_role is not None:
+        raise err("enable_pd", f"pd_role is {c.pd_role!r} but enable_pd is false: set enable_pd: true "
+                  "or remove pd_role")
+
+    if c.enable_p2p:
+        if not c.enable_controller:
+            raise err("enable_controller", "enable_p2p needs the controller: set enable_controller: true")
+        for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports"):
+            if getattr(c, key) is None:
+                raise err(key, "enable_p2p is true but this key is not set")
+        if not c.local_cpu:
+            raise err("local_cpu", "enable_p2p shares the local CPU tier: set local_cpu: true")
+    if c.enable_controller:
+        if not (c.controller_pull_url or c.controller_url):
+            raise err("controller_pull_url", "enable_controller is true but no controller address is "
+                      "set: set controller_pull_url (e.g. localhost:8300)")
+        if c.lmcache_worker_ports is None:
+            raise err("lmcache_worker_ports", "enable_controller is true but the worker port is not set")

@@ -1,0 +1,254 @@
+"""Every control message kvferry puts on a wire, as tagged, versioned msgspec Structs.
+
+Frames are msgpack maps. :func:`decode` is the only way in: it bounds the frame size, checks the
+protocol version, validates types and lengths, and raises :class:`MessageError` (never anything
+else) for bad input, so a hostile peer can cost a log line but not a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 4 << 20
+
+# Length limits: generous for real use, small enough that a hostile frame cannot balloon memory.
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=1 << 16)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=2 << 20)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Tokens = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=1 << 20)]
+Indices = Annotated[list[NonNeg], msgspec.Meta(max_length=1 << 16)]
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid kvferry message; `kind` says why."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind  # too_large | malformed | version | unexpected
+
+
+class Msg(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
+    """Base of every wire message; `v` is the protocol version of the sender."""
+
+    v: int = PROTOCOL_VERSION
+
+
+class LayoutFingerprint(msgspec.Struct, kw_only=True, frozen=True):
+    """What must match between a prefiller and a decoder for KV bytes to mean the same thing."""
+
+    model: Text
+    dtype: Text
+    num_layers: NonNeg
+    num_kv_heads: NonNeg  # per TP rank
+    head_size: NonNeg
+    block_size: NonNeg
+    kv_layout: Text  # e.g. "cpu:[blocks,kv_heads,block_size,2*head_size]"
+    chunk_format: Text  # "block" | "token"
+    chunk_size: NonNeg
+    tp_size: NonNeg = 1
+    page_bytes: NonNeg = 0
+
+    def diff(self, other: LayoutFingerprint) -> list[str]:
+        """Field-by-field differences, for an error message that shows both sides."""
+        return [
+            f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
+            for f in self.__struct_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+
+
+# ---- init port: NIXL handshake ----
+class HandshakeRequest(Msg, tag="handshake_req"):
+    sender_id: Id
+    tp_rank: NonNeg
+    agent_name: Id
+    agent_metadata: Blob
+    fingerprint: LayoutFingerprint
+
+
+class HandshakeResponse(Msg, tag="handshake_resp"):
+    receiver_id: Id
+    epoch: NonNeg  # changes on every receiver restart
+    agent_name: Id
+    agent_metadata: Blob
+    buffer_addr: NonNeg
+    page_bytes: NonNeg
+    num_pages: NonNeg
+    fingerprint: LayoutFingerprint
+    device_id: NonNeg = 0
+    mem_type: Text = "DRAM"  # "DRAM" | "VRAM"
+
+
+# ---- alloc port: page reservation ----
+class AllocRequest(Msg, tag="alloc_req"):
+    transfer_id: Id
+    sender_id: Id
+    epoch: NonNeg  # the receiver epoch the sender handshook with
+    chunk_keys: Keys
+    num_tokens: NonNeg
+
+
+class AllocResponse(Msg, tag="alloc_resp"):
+    transfer_id: Id
+    generation: NonNeg
+    pages: Indices  # page index for each chunk to send, in order; skipped chunks omitted
+    skip: Indices  # chunk indices the receiver already holds: do not send them
+    lease_seconds: float
+
+
+class ErrorReply(Msg, tag="error"):
+    code: Text  # e.g. "buffer_full", "too_large", "bad_message", "stale_epoch", "fingerprint"
+    message: Text
+    transfer_id: str | None = None
+
+
+# ---- NIXL notification payload and aborts ----
+class ArrivalNotice(Msg, tag="arrived"):
+    transfer_id: Id
+    generation: NonNeg
+
+
+class AbortTransfer(Msg, tag="abort"):
+    transfer_id: Id
+    generation: NonNeg = 0
+    reason: Text = ""
+
+
+class ProxyNotification(Msg, tag="proxy_notify"):
+    """Sent to the seed's pd_proxy_host:pd_proxy_port once a whole transfer has arrived."""
+
+    transfer_id: Id
+    receiver_id: Id
+    num_chunks: NonNeg
+    num_tokens: NonNeg
+
+
+# ---- controller ----
+class RegisterWorker(Msg, tag="register"):
+    instance_id: Id
+    worker_id: NonNeg
+    host: Text
+    worker_port: Port | None = None
+    p2p_init_port: Port | None = None
+    p2p_lookup_port: Port | None = None
+
+
+class DeregisterWorker(Msg, tag="deregister"):
+    instance_id: Id
+    worker_id: NonNeg
+
+
+class Heartbeat(Msg, tag="heartbeat"):
+    instance_id: Id
+    worker_id: NonNeg
+    sent_at: float
+
+
+class ChunkAdmit(Msg, tag="admit"):
+    instance_id: Id
+    worker_id: NonNeg
+    location: Text  # e.g. "LocalCPUBackend"
+    keys: Keys
+    nbytes: NonNeg = 0
+
+
+class ChunkEvict(Msg, tag="evict"):
+    instance_id: Id
+    worker_id: NonNeg
+    location: Text
+    keys: Keys
+
+
+class LookupRequest(Msg, tag="lookup_req"):
+    keys: Keys
+
+
+class LookupResponse(Msg, tag="lookup_resp"):
+    instance_id: str | None
+    location: str | None
+    num_chunks: NonNeg
+    p2p_host: str | None = None
+    p2p_init_port: Port | None = None
+
+
+class MoveRequest(Msg, tag="move_req"):
+    event_id: Id
+    old_instance: Id
+    old_location: Text
+    new_instance: Id
+    new_location: Text
+    keys: Keys
+    copy: bool = False
+
+
+class MoveResult(Msg, tag="move_result"):
+    event_id: Id
+    ok: bool
+    num_chunks: NonNeg
+    message: Text = ""
+
+
+Message = Union[
+    HandshakeRequest,
+    HandshakeResponse,
+    AllocRequest,
+    AllocResponse,
+    ErrorReply,
+    ArrivalNotice,
+    AbortTransfer,
+    ProxyNotification,
+    RegisterWorker,
+    DeregisterWorker,
+    Heartbeat,
+    ChunkAdmit,
+    ChunkEvict,
+    LookupRequest,
+    LookupResponse,
+    MoveRequest,
+    MoveResult,
+]
+
+
+class _Header(msgspec.Struct):
+    t: Any = None
+    v: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(msg: Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes | memoryview, expect: type | tuple[type, ...] | None = None,
+           max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Decode one frame, checking size, version, types and (optionally) the message class."""
+    if len(frame) > max_bytes:
+        raise MessageError("too_large", f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        msg = _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        # A peer on another protocol version fails validation: say so rather than "malformed".
+        try:
+            header = _header_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            header = None
+        if header is not None and isinstance(header.v, int) and header.v != PROTOCOL_VERSION:
+            raise MessageError("version", f"peer speaks protocol {header.v}, this side {PROTOCOL_VERSION}") from None
+        raise MessageError("malformed", str(e)[:300]) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise MessageError("version", f"peer speaks protocol {msg.v}, this side {PROTOCOL_VERSION}")
+    if expect is not None and not isinstance(msg, expect):
+        names = [t.__name__ for t in (expect if isinstance(expect, tuple) else (expect,))]
+        raise MessageError("unexpected", f"got {type(msg).__name__}, expected {' or '.join(names)}")
+    return msg

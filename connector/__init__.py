@@ -1,0 +1,1 @@
+"""vLLM KVConnectorBase_V1 adapter (scheduler side and worker side)."""

@@ -1,0 +1,1 @@
+"""Cluster controller: registry, lookup, move, and a web page."""

@@ -1,0 +1,1 @@
+"""Command-line entry points: the tiny test model and the local cluster launcher."""

@@ -1,0 +1,5 @@
+import sys
+
+from kvferry.launcher.cli import main
+
+sys.exit(main())

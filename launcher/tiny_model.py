@@ -1,0 +1,198 @@
+"""A small random-weight Llama model with a locally trained tokenizer, for tests and the demo.
+
+No network: the tokenizer is trained on seeded synthetic text and the weights are drawn from a
+seeded torch generator, so every machine builds the same files. Sized so vLLM's CPU build loads
+it in seconds while its KV cache is 16 KiB per token (8 layers x 8 KV heads x 64 x 2 x bf16).
+
+Initialisation is at unit scale (not the usual 0.02) so attention, not just the last token,
+decides the next token: a transfer that delivers wrong KV changes the output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when anything below changes what is written; a cached model of another version is rebuilt.
+TINY_MODEL_VERSION = 1
+SEED = 1234
+STAMP = "kvferry_tiny_model.json"
+
+ARCH = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+TARGET_VOCAB = 4096
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is was that for on as with by at from his her they this which be or had "
+    "an not are but were we all one their has have been there who its more would when will no "
+    "if out so said what up about into than them can only other new some time could these two "
+    "may first then do any like my now over such our man me even most made after also did many "
+    "before must through back years where much your way well down should because each just those "
+    "people how too little state good very make world still own see men work long get here "
+    "between both life being under never day same another know while last might us great old "
+    "year off come since against go came right used take three cache memory token model layer "
+    "prefill decode transfer buffer page chunk kernel network engine proxy request stream answer "
+    "question system server client vector tensor matrix value key query head attention weight "
+    "river mountain forest ocean city garden window kitchen letter music paper story picture "
+    "quickly slowly happily bright dark green blue red yellow purple silver golden ancient "
+    "explain describe significance language models latest generation comprehensive suite dense "
+    "experts tell me a story about once upon there lived king queen dragon castle village"
+).split()
+
+
+def default_dir() -> Path:
+    base = os.environ.get("KVFERRY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvferry")
+    return Path(base) / "tiny-llama"
+
+
+def _corpus(n_lines: int = 20000) -> list[str]:
+    rng = random.Random(SEED)
+    punct = [".", ",", "?", "!", ";", ":"]
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 24))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        lines.append(" ".join(words).capitalize() + rng.choice(punct))
+    return lines
+
+
+def _train_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_VOCAB,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": ARCH["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2))
+    return tok.get_vocab_size()
+
+
+def _write_weights(out: Path, vocab: int, eos_id: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(SEED)
+    h, inter = ARCH["hidden_size"], ARCH["intermediate_size"]
+    nh, nkv, hd = ARCH["num_attention_heads"], ARCH["num_key_value_heads"], ARCH["head_dim"]
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, h, std=1.0)}
+    for i in range(ARCH["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        # Sharp attention (q, k at 2x unit scale) makes outputs depend on specific past tokens.
+        w[p + "self_attn.q_proj.weight"] = rnd(nh * hd, h, std=2.0 / h**0.5)
+        w[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h, std=2.0 / h**0.5)
+        w[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h, std=1.0 / h**0.5)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd, std=1.0 / (nh * hd) ** 0.5)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h, std=1.0 / h**0.5)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h, std=1.0 / h**0.5)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter, std=1.0 / inter**0.5)
+    w["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    lm_head = rnd(vocab, h, std=1.0 / h**0.5)
+    # EOS never wins a greedy step, so every answer runs to max_tokens (stable benchmarks).
+    lm_head[eos_id] = 0
+    w["lm_head.weight"] = lm_head
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build(out: Path) -> Path:
+    """Write the tiny model into `out` (atomically) and return it."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    try:
+        tok_vocab = _train_tokenizer(tmp)
+        tok = json.loads((tmp / "tokenizer.json").read_text())
+        ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+        vocab = (tok_vocab + 63) // 64 * 64
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "bos_token_id": ids["<s>"],
+            "eos_token_id": ids["</s>"],
+            "pad_token_id": ids["<pad>"],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "initializer_range": 0.02,
+            **ARCH,
+        }
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
+        _write_weights(tmp, vocab, ids["</s>"])
+        digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+        (tmp / STAMP).write_text(json.dumps(
+            {"version": TINY_MODEL_VERSION, "seed": SEED, "weights_sha256": digest}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def is_current(path: Path) -> bool:
+    try:
+        return json.loads((Path(path) / STAMP).read_text())["version"] == TINY_MODEL_VERSION
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def ensure(path: Path | None = None) -> Path:
+    """The tiny model's directory, built on first use (or when its version is stale)."""
+    path = Path(path) if path else default_dir()
+    if not is_current(path):
+        build(path)
+    return path

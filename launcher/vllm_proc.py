@@ -1,0 +1,111 @@
+"""Start, wait for and stop one vLLM OpenAI server process (used by the launcher and the tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+class VLLMStartError(RuntimeError):
+    """vLLM exited or did not become healthy in time; the message carries its log tail."""
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "".join(Path(path).read_text(errors="replace").splitlines(True)[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class VLLMServer:
+    """One `python -m vllm.entrypoints.openai.api_server` in its own process group."""
+
+    def __init__(self, model: str, port: int, log_path: Path, *, served_name: str = "tiny",
+                 cores: str | None = None, kv_transfer_config: Mapping | None = None,
+                 env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+                 kv_cache_gb: int = 1) -> None:
+        self.model, self.port, self.log_path = model, port, Path(log_path)
+        self.url = f"http://127.0.0.1:{port}"
+        self.served_name = served_name
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--enforce-eager", "--max-model-len", "8192", "--disable-uvicorn-access-log"]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        self.args = args + list(extra_args)
+        self.env = dict(os.environ)
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+        self.env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        self.env["PYTHONUNBUFFERED"] = "1"
+        if cores is not None:
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        # Own session: stop() can signal vLLM and its engine-core children as one group.
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        return self
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 240.0, progress: bool = False) -> VLLMServer:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        last_note = t0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VLLMStartError(f"vLLM on port {self.port} exited with {self.proc.returncode}; "
+                                     f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            if self.healthy():
+                return self
+            if progress and time.monotonic() - last_note > 10:
+                print(f"  waiting for vLLM on :{self.port} ({time.monotonic() - t0:.0f}s)", flush=True)
+                last_note = time.monotonic()
+            time.sleep(0.5)
+        self.stop()
+        raise VLLMStartError(f"vLLM on port {self.port} not healthy after {timeout:.0f}s; "
+                             f"log {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the group, SIGKILL whatever is left after `timeout`."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=5)
+        self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""The OpenAI-facing router for prefill/decode disaggregation (no torch, no vLLM)."""

@@ -1,0 +1,1 @@
+"""Prefiller side of a KV transfer: handshake, alloc request, NIXL WRITE, completion."""

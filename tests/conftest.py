@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny model and real vLLM CPU servers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.common.netutil import free_port
+from kvferry.launcher import tiny_model
+from kvferry.launcher.vllm_proc import VLLMServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return tiny_model.ensure()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = os.environ.get("KVFERRY_TEST_LOG_DIR")
+    return Path(d) if d else tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(tiny_model_path: Path, log_dir: Path) -> Iterator[VLLMServer]:
+    """One plain vLLM CPU server (no connector) on core 0, shared by the session."""
+    port = free_port()
+    server = VLLMServer(str(tiny_model_path), port, log_dir / f"vllm-plain-{port}.log", cores="0")
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

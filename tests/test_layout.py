@@ -1,0 +1,74 @@
+"""Package layout: kvferry.* subpackages only, imports point down DESIGN.md's layer table."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# DESIGN.md "Layout": which kvferry subpackages (and heavy libraries) each folder may import.
+ALLOWED = {
+    "common": set(),
+    "kernels": {"common"},
+    "buffer": {"kernels", "common"},
+    "sender": {"buffer", "kernels", "common"},
+    "receiver": {"buffer", "kernels", "common"},
+    "engine": {"buffer", "kernels", "sender", "receiver", "common"},
+    "connector": {"engine", "buffer", "kernels", "sender", "receiver", "common"},
+    "proxy": {"common"},
+    "controller": {"common"},
+    "launcher": {"common", "proxy", "controller", "engine", "buffer", "kernels", "sender", "receiver",
+                 "connector"},
+}
+NO_TORCH = {"common", "proxy", "controller"}
+NO_VLLM = set(ALLOWED) - {"connector", "launcher"}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_point_down_the_layers(folder: str) -> None:
+    for path in (REPO / folder).rglob("*.py"):
+        for name in imports_of(path):
+            parts = name.split(".")
+            if parts[0] == "kvferry" and len(parts) > 1 and parts[1] != folder:
+                assert parts[1] in ALLOWED[folder], f"{path.relative_to(REPO)} imports {name}"
+            if folder in NO_TORCH:
+                assert parts[0] not in ("torch", "vllm", "nixl"), f"{path.relative_to(REPO)} imports {name}"
+            if folder in NO_VLLM:
+                assert parts[0] != "vllm", f"{path.relative_to(REPO)} imports {name}"
+
+
+def run_clean(code: str) -> subprocess.CompletedProcess:
+    """Run in `/` so the repo root is not on sys.path: only what is installed counts."""
+    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
+
+
+def test_subpackages_import_and_generic_names_do_not() -> None:
+    r = run_clean("import kvferry.proxy, kvferry.buffer, kvferry.kernels, kvferry.common.config")
+    assert r.returncode == 0, r.stderr
+    for generic in ("proxy", "buffer", "kernels", "common", "engine"):
+        r = run_clean(f"import {generic}")
+        assert r.returncode != 0 and "No module named" in r.stderr, generic
+
+
+def test_proxy_and_common_import_without_torch_or_vllm() -> None:
+    code = ("import sys, kvferry.proxy, kvferry.common.config, kvferry.common.messages, "
+            "kvferry.common.hashing, kvferry.controller; "
+            "bad = [m for m in ('torch', 'vllm', 'nixl') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = run_clean(code)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,118 @@
+"""Wire messages: round trips, and nothing but MessageError out of hostile frames."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvferry.common import messages as m
+
+FP = m.LayoutFingerprint(model="tiny", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
+                         block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=256)
+SAMPLES = [
+    m.HandshakeRequest(sender_id="p0", tp_rank=0, agent_name="a", agent_metadata=b"\x00" * 100,
+                       fingerprint=FP),
+    m.HandshakeResponse(receiver_id="d0", epoch=7, agent_name="b", agent_metadata=b"x",
+                        buffer_addr=1 << 40, page_bytes=4 << 20, num_pages=256, fingerprint=FP),
+    m.AllocRequest(transfer_id="t1", sender_id="p0", epoch=7, chunk_keys=[b"k" * 16] * 3, num_tokens=700),
+    m.AllocResponse(transfer_id="t1", generation=3, pages=[4, 5], skip=[0], lease_seconds=30.0),
+    m.ErrorReply(code="buffer_full", message="raise pd_buffer_size", transfer_id="t1"),
+    m.ArrivalNotice(transfer_id="t1", generation=3),
+    m.AbortTransfer(transfer_id="t1", reason="client gone"),
+    m.ProxyNotification(transfer_id="t1", receiver_id="d0", num_chunks=3, num_tokens=700),
+    m.RegisterWorker(instance_id="i1", worker_id=0, host="localhost", worker_port=8500),
+    m.DeregisterWorker(instance_id="i1", worker_id=0),
+    m.Heartbeat(instance_id="i1", worker_id=0, sent_at=1.5),
+    m.ChunkAdmit(instance_id="i1", worker_id=0, location="LocalCPUBackend", keys=[b"a" * 16]),
+    m.ChunkEvict(instance_id="i1", worker_id=0, location="LocalCPUBackend", keys=[b"a" * 16]),
+    m.LookupRequest(keys=[b"a" * 16]),
+    m.LookupResponse(instance_id="i1", location="LocalCPUBackend", num_chunks=1),
+    m.MoveRequest(event_id="e1", old_instance="i1", old_location="LocalCPUBackend", new_instance="i2",
+                  new_location="LocalCPUBackend", keys=[b"a" * 16], copy=True),
+    m.MoveResult(event_id="e1", ok=True, num_chunks=1),
+]
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert {type(s) for s in SAMPLES} == set(m.Message.__args__)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip(msg: m.Msg) -> None:
+    assert m.decode(m.encode(msg)) == msg
+    assert m.decode(m.encode(msg), expect=type(msg)) == msg
+
+
+def test_wrong_version_is_named() -> None:
+    frame = msgspec.msgpack.encode({"t": "arrived", "v": 99, "transfer_id": "t", "generation": 1})
+    with pytest.raises(m.MessageError) as e:
+        m.decode(frame)
+    assert e.value.kind == "version"
+    # A future version with fields this side does not know is still reported as a version issue.
+    frame = msgspec.msgpack.encode({"t": "arrived", "v": 2, "new_field": [1]})
+    with pytest.raises(m.MessageError) as e:
+        m.decode(frame)
+    assert e.value.kind == "version"
+
+
+def test_oversized_frame_rejected_before_parsing() -> None:
+    with pytest.raises(m.MessageError) as e:
+        m.decode(b"\x00" * 100, max_bytes=99)
+    assert e.value.kind == "too_large"
+
+
+def test_unexpected_type() -> None:
+    with pytest.raises(m.MessageError) as e:
+        m.decode(m.encode(SAMPLES[5]), expect=(m.AllocRequest, m.HandshakeRequest))
+    assert e.value.kind == "unexpected" and "AllocRequest" in str(e.value)
+
+
+def test_limits_enforced() -> None:
+    too_many = msgspec.msgpack.encode({"t": "lookup_req", "v": 1, "keys": [b"k"] * ((1 << 16) + 1)})
+    with pytest.raises(m.MessageError):
+        m.decode(too_many)
+    negative = msgspec.msgpack.encode({"t": "arrived", "v": 1, "transfer_id": "t", "generation": -1})
+    with pytest.raises(m.MessageError):
+        m.decode(negative)
+
+
+def test_fingerprint_diff_shows_both_sides() -> None:
+    other = msgspec.structs.replace(FP, dtype="float16", block_size=32)
+    assert other.diff(FP) == ["dtype: 'float16' != 'bfloat16'", "block_size: 32 != 16"]
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_message_error(frame: bytes) -> None:
+    try:
+        m.decode(frame)
+    except m.MessageError:
+        pass
+
+
+TAGS = [s.__struct_config__.tag for s in SAMPLES]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(tag=st.sampled_from(TAGS), version=st.sampled_from([1, 1, 0, 2, "1", None]), data=st.data())
+def test_wrong_typed_messages_only_raise_message_error(tag: str, version: object, data: st.DataObject) -> None:
+    sample = next(s for s in SAMPLES if s.__struct_config__.tag == tag)
+    body = {f: getattr(sample, f) for f in sample.__struct_fields__}
+    # Replace a random subset of fields with values of random types.
+    for f in data.draw(st.lists(st.sampled_from(sample.__struct_fields__), max_size=3)):
+        body[f] = data.draw(json_values)
+    body.update(t=tag, v=version)
+    frame = msgspec.msgpack.encode(msgspec.to_builtins(body))
+    try:
+        msg = m.decode(frame)
+    except m.MessageError:
+        return
+    assert isinstance(msg, type(sample)) and msg.v == m.PROTOCOL_VERSION

@@ -1,0 +1,65 @@
+"""The tiny model: deterministic, big enough KV, and served by real vLLM with context-dependent output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvferry.launcher import tiny_model
+from kvferry.launcher.vllm_proc import VLLMServer
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_build_is_deterministic(tmp_path: Path, tiny_model_path: Path) -> None:
+    fresh = tiny_model.build(tmp_path / "m")
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert sha(fresh / name) == sha(tiny_model_path / name), name
+
+
+def test_kv_is_at_least_16_kib_per_token(tiny_model_path: Path) -> None:
+    c = json.loads((tiny_model_path / "config.json").read_text())
+    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # K+V, bf16
+    assert kv_bytes >= 16 * 1024
+
+
+def test_stale_model_is_rebuilt(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / tiny_model.STAMP).write_text(json.dumps({"version": -1}))
+    assert not tiny_model.is_current(out)
+    tiny_model.ensure(out)
+    assert tiny_model.is_current(out) and (out / "model.safetensors").exists()
+
+
+def complete(server: VLLMServer, prompt: str | list[int], n: int = 16) -> list[int]:
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "model": server.served_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == n and choice["finish_reason"] == "length"
+    return choice["token_ids"]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_it_and_output_depends_on_context(plain_vllm: VLLMServer) -> None:
+    prompts = ["Tell me a story about the king", "Explain the significance of KV cache.",
+               "The river and the mountain", "Once upon a time there lived a dragon"]
+    outs = [complete(plain_vllm, p) for p in prompts]
+    assert len({tuple(o) for o in outs}) == len(prompts), "greedy continuations must differ"
+    # Changing only the first token changes the continuation: attention reaches far back.
+    base = list(range(100, 400))
+    other = [101] + base[1:]
+    assert complete(plain_vllm, base) != complete(plain_vllm, other)
+    r = httpx.post(f"{plain_vllm.url}/v1/chat/completions", timeout=120, json={
+        "model": plain_vllm.served_name, "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8, "temperature": 0})
+    r.raise_for_status()
+    assert r.json()["choices"][0]["message"]["content"]
