@@ -1,0 +1,108 @@
+"""KV cache layouts as strided views, and the byte size of each chunk format.
+
+Every supported per-layer layout is described by two views of logical shape
+``[num_blocks, block_size, kv_heads, head_size]`` (K and V) over the layer's memory, plus the
+"block planes" whose rows are whole blocks. Copies never care which physical order a layout has:
+they index these views.
+
+- ``cpu``: vLLM's CPU cache ``[num_blocks, kv_heads, block_size, 2*head_size]``; per head the
+  first ``block_size`` rows of ``head_size`` are K, the next ``block_size`` are V.
+- ``flash_nhd``: FlashAttention ``[2, num_blocks, block_size, kv_heads, head_size]``.
+- ``flash_hnd``: its permutation ``[2, num_blocks, kv_heads, block_size, head_size]``.
+
+Chunk formats:
+- ``block``: ``[layers, planes, blocks, block_bytes]`` bytes, whole blocks as they lie in memory.
+- ``token``: ``[2, layers, tokens, kv_heads*head_size]`` in the cache dtype (portable).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("cpu", "flash_nhd", "flash_hnd")
+FORMATS = ("block", "token")
+
+
+class LayoutError(ValueError):
+    """A KV cache tensor kvferry cannot describe; the message names the shape it saw."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    name: str
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def planes(self) -> int:
+        """Block rows per layer per block: 1 when K and V share a block, 2 when split."""
+        return 1 if self.name == "cpu" else 2
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one plane."""
+        per_block = self.block_size * self.num_kv_heads * self.head_size * self.elem_bytes
+        return per_block * 2 // self.planes
+
+    @property
+    def token_row_bytes(self) -> int:
+        return self.num_kv_heads * self.head_size * self.elem_bytes
+
+    def expected_shape(self) -> tuple[int, ...]:
+        nb, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        return {"cpu": (nb, h, bs, 2 * d), "flash_nhd": (2, nb, bs, h, d),
+                "flash_hnd": (2, nb, h, bs, d)}[self.name]
+
+    def kv_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_blocks, block_size, kv_heads, head_size] views of one layer."""
+        nb, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        if self.name == "cpu":
+            v = t.view(nb, h, 2 * bs, d)
+            return v[:, :, :bs].permute(0, 2, 1, 3), v[:, :, bs:].permute(0, 2, 1, 3)
+        if self.name == "flash_nhd":
+            return t[0], t[1]
+        return t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)
+
+    def block_planes(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The layer as `planes` tensors whose dim 0 is the block index."""
+        return [t] if self.name == "cpu" else [t[0], t[1]]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def chunk_nbytes(self, fmt: str, num_layers: int, num_tokens: int) -> int:
+        """Bytes a chunk of `num_tokens` takes in format `fmt` (the pd_buffer page size for a full one)."""
+        if fmt == "block":
+            return num_layers * self.planes * self.num_blocks_for(num_tokens) * self.block_bytes
+        if fmt == "token":
+            return 2 * num_layers * num_tokens * self.token_row_bytes
+        raise LayoutError(f"chunk format {fmt!r} is not one of {FORMATS}")
+
+    def describe(self) -> str:
+        return (f"{self.name}:{list(self.expected_shape()[1 if self.name == 'cpu' else 2:])}"
+                f":{str(self.dtype).removeprefix('torch.')}")
+
+
+def detect_layout(t: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> KVLayout:
+    """Name the layout of one layer's KV cache tensor from its shape, or fail clearly."""
+    shape = tuple(t.shape)
+    for name in LAYOUTS:
+        nb = shape[0] if name == "cpu" else (shape[1] if len(shape) > 1 else 0)
+        lay = KVLayout(name, nb, block_size, num_kv_heads, head_size, t.dtype)
+        if shape == lay.expected_shape():
+            return lay
+    raise LayoutError(
+        f"KV cache tensor of shape {list(shape)} ({t.dtype}) matches none of kvferry's layouts for "
+        f"block_size={block_size}, kv_heads={num_kv_heads}, head_size={head_size}: cpu "
+        f"[blocks, kv_heads, block_size, 2*head_size], flash_nhd [2, blocks, block_size, kv_heads, "
+        f"head_size], flash_hnd [2, blocks, kv_heads, block_size, head_size]")

@@ -1,0 +1,182 @@
+"""gather/scatter: byte-exact against a naive per-token reference, all layouts and formats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.kernels.layout import KVLayout, LayoutError, detect_layout
+from kvferry.kernels.paged_copy import PagedKV, gather, scatter
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
+
+
+def make_caches(name: str, layers: int, nb: int, bs: int, h: int, d: int, dtype: torch.dtype,
+                device: str = "cpu", seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = KVLayout(name, nb, bs, h, d, dtype).expected_shape()
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    return [torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), dtype=torch.uint8, generator=g)
+            .view(dtype).to(device) for _ in range(layers)]
+
+
+def ref_token_rows(lay: KVLayout, t: torch.Tensor, blk: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V bytes of one token, by explicit indexing of the documented layout."""
+    b = t.cpu().view(torch.uint8)
+    e = lay.elem_bytes
+    d = lay.head_size * e
+    if lay.name == "cpu":
+        per_head = b[blk]  # [H, bs, 2*d] bytes
+        k = torch.stack([per_head[h].reshape(2 * lay.block_size, d)[slot] for h in range(lay.num_kv_heads)])
+        v = torch.stack([per_head[h].reshape(2 * lay.block_size, d)[lay.block_size + slot]
+                         for h in range(lay.num_kv_heads)])
+    elif lay.name == "flash_nhd":
+        k, v = b[0, blk, slot], b[1, blk, slot]
+    else:
+        k, v = b[0, blk, :, slot], b[1, blk, :, slot]
+    return k.reshape(-1), v.reshape(-1)
+
+
+def ref_gather(lay: KVLayout, caches: list[torch.Tensor], ids: list[int], fmt: str, n: int) -> bytes:
+    out = []
+    if fmt == "block":
+        for t in caches:
+            b = t.cpu().view(torch.uint8)
+            planes = [b] if lay.name == "cpu" else [b[0], b[1]]
+            for p in planes:
+                for i in ids:
+                    out.append(p[i].reshape(-1))
+    else:
+        for kv in range(2):
+            for t in caches:
+                for tok in range(n):
+                    out.append(ref_token_rows(lay, t, ids[tok // lay.block_size], tok % lay.block_size)[kv])
+    return torch.cat(out).numpy().tobytes()
+
+
+CASES = st.tuples(
+    st.sampled_from(["cpu", "flash_nhd", "flash_hnd"]),
+    st.sampled_from(["block", "token"]),
+    st.sampled_from(DTYPES),
+    st.sampled_from([1, 4, 16, 32]),  # block size
+    st.integers(1, 3),  # kv heads
+    st.sampled_from([8, 16, 64]),  # head size
+    st.integers(1, 3),  # layers
+    st.integers(1, 80),  # tokens in the chunk
+    st.integers(0, 2**31),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(CASES)
+def test_gather_matches_reference_and_scatter_round_trips(case) -> None:
+    name, fmt, dtype, bs, h, d, layers, n, seed = case
+    nblk = -(-n // bs)
+    nb = nblk + 3
+    caches = make_caches(name, layers, nb, bs, h, d, dtype, seed=seed % 1000)
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed))[:nblk].tolist()
+    kv = PagedKV(caches, name)
+    size = kv.chunk_nbytes(fmt, n)
+    out = torch.full((size + 64,), 0xAB, dtype=torch.uint8)  # a page larger than the chunk
+    assert kv.gather(ids, out, fmt, n) == size
+    assert out[:size].numpy().tobytes() == ref_gather(kv.layout, caches, ids, fmt, n)
+    assert out[size:].eq(0xAB).all(), "wrote past the chunk"
+
+    # Scatter into a fresh cache, then gathering from it gives the same chunk back.
+    fresh = make_caches(name, layers, nb, bs, h, d, dtype, seed=seed % 1000 + 1)
+    before = [t.clone() for t in fresh]
+    kv2 = PagedKV(fresh, name)
+    kv2.scatter(out, ids, fmt, n)
+    again = torch.zeros_like(out)
+    kv2.gather(ids, again, fmt, n)
+    assert torch.equal(again[:size], out[:size])
+    # Blocks not in the chunk are untouched.
+    others = [i for i in range(nb) if i not in ids]
+    for t, t0 in zip(fresh, before, strict=True):
+        tb, t0b = t.view(torch.uint8), t0.view(torch.uint8)
+        if name == "cpu":
+            assert torch.equal(tb[others], t0b[others])
+        else:
+            assert torch.equal(tb[:, others], t0b[:, others])
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd"])
+def test_full_round_trip_restores_the_cache(name: str) -> None:
+    """gather every chunk of a sequence, wipe the cache, scatter back: identical cache."""
+    caches = make_caches(name, 4, 12, 16, 2, 64, torch.bfloat16)
+    orig = [t.clone() for t in caches]
+    kv = PagedKV(caches, name)
+    blocks = list(range(11, -1, -1))
+    chunks = []
+    for fmt in ("block", "token"):
+        chunks = []
+        for start in range(0, 12, 4):  # 64-token chunks of 4 blocks
+            buf = torch.empty(kv.chunk_nbytes(fmt, 64), dtype=torch.uint8)
+            kv.gather(blocks[start:start + 4], buf, fmt)
+            chunks.append(buf)
+        for t in caches:
+            t.zero_()
+        for i, start in enumerate(range(0, 12, 4)):
+            kv.scatter(chunks[i], blocks[start:start + 4], fmt)
+        for t, o in zip(caches, orig, strict=True):
+            assert torch.equal(t.view(torch.uint8), o.view(torch.uint8)), fmt
+
+
+def test_token_format_moves_kv_between_layouts_and_block_sizes() -> None:
+    """The portable format: NHD with block 16 -> vLLM CPU layout with block 32, same tokens."""
+    n = 50
+    src = make_caches("flash_nhd", 2, 8, 16, 2, 64, torch.bfloat16)
+    dst = make_caches("cpu", 2, 4, 32, 2, 64, torch.bfloat16, seed=9)
+    a, b = PagedKV(src, "flash_nhd"), PagedKV(dst, "cpu")
+    buf = torch.empty(a.chunk_nbytes("token", n), dtype=torch.uint8)
+    a.gather([5, 1, 7, 2], buf, "token", n)
+    b.scatter(buf, [3, 0], "token", n)
+    for tok in range(n):
+        for layer in range(2):
+            ks, vs = ref_token_rows(a.layout, src[layer], [5, 1, 7, 2][tok // 16], tok % 16)
+            kd, vd = ref_token_rows(b.layout, dst[layer], [3, 0][tok // 32], tok % 32)
+            assert torch.equal(ks, kd) and torch.equal(vs, vd)
+
+
+def test_one_shot_functions_and_chunk_size() -> None:
+    caches = make_caches("cpu", 8, 10, 32, 8, 64, torch.bfloat16)
+    out = torch.empty(8 * 8 * 32 * 8 * 64 * 2 * 2, dtype=torch.uint8)  # 256 tokens: 4 MiB
+    assert out.numel() == 4 << 20
+    assert gather(caches, [1, 2, 3, 4, 5, 6, 7, 8], out) == 4 << 20
+    assert scatter(out, caches, [1, 2, 3, 4, 5, 6, 7, 8]) == 4 << 20
+
+
+def test_bad_input_is_rejected_clearly() -> None:
+    caches = make_caches("cpu", 2, 4, 16, 2, 64, torch.bfloat16)
+    kv = PagedKV(caches, "cpu")
+    small = torch.empty(10, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="chunk buffer holds 10 bytes"):
+        kv.gather([0], small)
+    with pytest.raises(IndexError):
+        kv.gather([7], torch.empty(kv.chunk_nbytes("block", 16), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="20 tokens do not fit the 1 blocks"):
+        kv.gather([0], torch.empty(1 << 20, dtype=torch.uint8), num_tokens=20)
+    with pytest.raises(ValueError, match="20 tokens need 2 blocks, got 3"):
+        kv.gather([0, 1, 2], torch.empty(1 << 20, dtype=torch.uint8), num_tokens=20)
+    with pytest.raises(LayoutError, match="layer 1"):
+        PagedKV([caches[0], caches[1][:2]], "cpu")
+    with pytest.raises(LayoutError, match="matches none"):
+        detect_layout(torch.empty(3, 4, 5), 16, 2, 64)
+    assert detect_layout(caches[0], 16, 2, 64).name == "cpu"
+    nhd = make_caches("flash_nhd", 1, 4, 16, 2, 64, torch.bfloat16)[0]
+    assert detect_layout(nhd, 16, 2, 64).name == "flash_nhd"
+    hnd = make_caches("flash_hnd", 1, 4, 16, 2, 64, torch.bfloat16)[0]
+    assert detect_layout(hnd, 16, 2, 64).name == "flash_hnd"
+
+
+def test_layers_as_views_of_one_big_tensor() -> None:
+    """vLLM may hand out layers as views of one allocation (block-major across layers)."""
+    big = torch.randint(0, 256, (6, 3, 2, 16, 128), dtype=torch.uint8).view(torch.bfloat16)  # [NB, L, ...]
+    layers = [big[:, i] for i in range(3)]  # non-contiguous per layer: stride(0) spans 3 layers
+    kv = PagedKV(layers, "cpu")
+    out = torch.empty(kv.chunk_nbytes("block", 32), dtype=torch.uint8)
+    kv.gather([4, 1], out)
+    expect = torch.cat([big[[4, 1], i].reshape(-1).view(torch.uint8) for i in range(3)])
+    assert torch.equal(out, expect)
