@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	@echo "installing kvferry[$(EXTRA),test] into $(VENV) (about 3 minutes the first time)"
 	@# The CPU build needs torch 2.13.0 (a local wheel here); installing it first stops pip
 	@# from pulling a CUDA torch from the index.
-	if [ "$(EXTRA)" = cpu ]; then $(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -e ".[$(EXTRA),test]"
+	@# pip's output goes to a log (it is long and noisy); its tail is shown if it fails.
+	if [ "$(EXTRA)" = cpu ]; then $(PIP) install torch==2.13.0 > $(VENV)/install.log 2>&1 \
+		|| { tail -40 $(VENV)/install.log; exit 1; }; fi
+	$(PIP) install -e ".[$(EXTRA),test]" >> $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; }
 	@# vLLM pulls these in; their CUDA builds break the CPU torch.
 	if [ "$(EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $@

@@ -27,19 +27,23 @@ LAYERS, HEADS, HEAD, DTYPE = 8, 8, 64, torch.bfloat16
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD * 2
 
 
-def timed(fn, reps: int, device: str) -> float:
-    """Median seconds of one call; `fn(i)` must touch different memory for each i."""
-    fn(reps)
-    times = []
+def timed_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
+    """Median seconds per call of each fn; the fns take turns within every rep, so noise from
+    this machine (a shared 2-core VM whose timings swing several-fold) hits them alike.
+    `fn(i)` must touch different memory for each i."""
+    for fn in fns.values():
+        fn(reps)
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for i in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn(i)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn(i)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_mib: int) -> dict:
@@ -60,10 +64,13 @@ def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_m
     flat.random_(0, 255)
     stride = flat.numel() // (reps + 1) // 4096 * 4096
     region = [flat[i * stride:i * stride + chunk_bytes] for i in range(reps + 1)]
-    t_copy = timed(lambda i: chunk.copy_(region[i]), reps, device)
-    t_copy_out = timed(lambda i: region[i].copy_(chunk), reps, device)
-    t_gather = timed(lambda i: kv.gather(sets[i], chunk, fmt), reps, device)
-    t_scatter = timed(lambda i: kv.scatter(chunk, sets[i], fmt), reps, device)
+    t = timed_interleaved({
+        "copy": lambda i: chunk.copy_(region[i]),
+        "gather": lambda i: kv.gather(sets[i], chunk, fmt),
+        "copy_out": lambda i: region[i].copy_(chunk),
+        "scatter": lambda i: kv.scatter(chunk, sets[i], fmt),
+    }, reps, device)
+    t_copy, t_gather, t_copy_out, t_scatter = t["copy"], t["gather"], t["copy_out"], t["scatter"]
     gb = chunk_bytes / 1e9
     return {"chunk_bytes": chunk_bytes, "tokens": tokens, "block_size": bs,
             "gather_gbps": round(gb / t_gather, 2), "scatter_gbps": round(gb / t_scatter, 2),
@@ -77,10 +84,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layout", default=None, help="cpu (vLLM CPU) or flash_nhd; default by device")
     ap.add_argument("--format", default="block", choices=["block", "token"])
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--cache-mib", type=int, default=512, help="size of the paged cache per run")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     layout = args.layout or ("cpu" if args.device == "cpu" else "flash_nhd")
     sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     rows = [row(s, args.device, layout, args.format, args.reps, args.cache_mib) for s in sizes if s <= args.max_mib << 20]

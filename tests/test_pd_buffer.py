@@ -307,3 +307,21 @@ class BufferMachine(RuleBasedStateMachine):
 
 TestBufferMachine = BufferMachine.TestCase
 TestBufferMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_registers_once_with_a_real_nixl_agent() -> None:
+    """The whole region is registered with NIXL (UCX) exactly once."""
+    nixl_api = pytest.importorskip("nixl._api")
+    agent = nixl_api.nixl_agent("kvferry-test-buffer",
+                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf = PDBuffer(PAGE * 64, "cpu", PAGE)
+    descs = buf.register(agent)
+    assert buf.register(agent) is descs
+    other = nixl_api.nixl_agent("kvferry-test-other",
+                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    with pytest.raises(PDBufferError, match="already registered"):
+        buf.register(other)
+    assert buf.page_addr(3) == buf.base_addr + 3 * PAGE
+    buf.deregister()
+    buf.register(other)  # after deregistering it may move to another agent
+    buf.deregister()
