@@ -238,6 +238,10 @@ def load_config(
 
     config = msgspec.convert(values, KVFerryConfig)
     validate(config, sources)
+    for key in IGNORED_KEYS:
+        if key in sources:
+            logger.info("config key %s (%s) is accepted for LMCache compatibility; kvferry does not "
+                        "use it", key, sources[key])
     return config
 
 

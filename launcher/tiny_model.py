@@ -192,7 +192,15 @@ def is_current(path: Path) -> bool:
 
 def ensure(path: Path | None = None) -> Path:
     """The tiny model's directory, built on first use (or when its version is stale)."""
+    import fcntl
+
     path = Path(path) if path else default_dir()
-    if not is_current(path):
-        build(path)
+    if is_current(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Several test processes may ask at once: one builds, the others wait and reuse it.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_current(path):
+            build(path)
     return path
