@@ -239,38 +239,31 @@ class BufferMachine(RuleBasedStateMachine):
         self.model[res.rid] = (res, "reserved", self.clock.t + lease)
         return res
 
-    @rule(res=live)
-    def commit(self, res: Reservation | None) -> None:
+    def _transition(self, res: Reservation | None, op, need: str, new: str) -> None:
+        """Apply `op` and check it against the model: gone, wrong state, or the new state."""
         if res is None:
             return
         self._expire_model()
         entry = self.model.get(res.rid)
         if entry is None:
             with pytest.raises(ReservationGone):
-                self.buf.commit(res)
-        elif entry[1] != "reserved":
+                op(res)
+        elif entry[1] != need:
             with pytest.raises(PDBufferError):
-                self.buf.commit(res)
+                op(res)
         else:
             lease = self.buf._records[res.rid].lease_seconds
-            self.buf.commit(res)
-            self.model[res.rid] = (res, "committed", self.clock.t + lease)
+            op(res)
+            # Commit restarts the lease; reading pins the pages (no expiry).
+            self.model[res.rid] = (res, new, self.clock.t + lease if new == "committed" else float("inf"))
+
+    @rule(res=live)
+    def commit(self, res: Reservation | None) -> None:
+        self._transition(res, self.buf.commit, "reserved", "committed")
 
     @rule(res=live)
     def read(self, res: Reservation | None) -> None:
-        if res is None:
-            return
-        self._expire_model()
-        entry = self.model.get(res.rid)
-        if entry is None:
-            with pytest.raises(ReservationGone):
-                self.buf.begin_read(res)
-        elif entry[1] != "committed":
-            with pytest.raises(PDBufferError):
-                self.buf.begin_read(res)
-        else:
-            self.buf.begin_read(res)
-            self.model[res.rid] = (res, "reading", float("inf"))
+        self._transition(res, self.buf.begin_read, "committed", "reading")
 
     @rule(res=consumes(live))
     def release(self, res: Reservation | None) -> None:
