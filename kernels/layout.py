@@ -88,10 +88,6 @@ class KVLayout:
             return 2 * num_layers * num_tokens * self.token_row_bytes
         raise LayoutError(f"chunk format {fmt!r} is not one of {FORMATS}")
 
-    def describe(self) -> str:
-        return (f"{self.name}:{list(self.expected_shape()[1 if self.name == 'cpu' else 2:])}"
-                f":{str(self.dtype).removeprefix('torch.')}")
-
 
 def detect_layout(t: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> KVLayout:
     """Name the layout of one layer's KV cache tensor from its shape, or fail clearly."""

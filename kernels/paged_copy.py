@@ -148,7 +148,10 @@ class PagedKV:
         return ids, n
 
     def chunk_bytes_view(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
-        flat = buf.reshape(-1)
+        # reshape() of a strided tensor would copy: a gather would then fill a temporary.
+        if not buf.is_contiguous():
+            raise ValueError("chunk buffer must be contiguous (e.g. a pd_buffer page)")
+        flat = buf.view(-1)
         if flat.dtype != torch.uint8:
             flat = flat.view(torch.uint8)
         if flat.numel() < nbytes:

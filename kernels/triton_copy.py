@@ -46,7 +46,11 @@ def _copy_rows(plane_ptrs, plane_strides, chunk_ptrs, row_idx, rows_per_chunk, n
 
 def copy_rows(kv: PagedKV, table: RowTable, fmt: str, chunks: list[tuple[torch.Tensor, int]],
               bufs: list[torch.Tensor], to_chunk: bool) -> int:
-    """Gather (to_chunk) or scatter a batch of (block ids, tokens) chunks in one launch."""
+    """Gather (to_chunk) or scatter a batch of (block ids, tokens) chunks in one launch.
+
+    Asynchronous on the current CUDA stream: synchronize before reading a gathered chunk from
+    another stream, NIXL or the host, and keep the buffers alive until then.
+    """
     dev = kv.device
     rows = [kv.rows(fmt, ids, n) for ids, n in chunks]
     nbytes = [kv.chunk_nbytes(fmt, n) for _, n in chunks]

@@ -141,11 +141,14 @@ def test_token_format_moves_kv_between_layouts_and_block_sizes() -> None:
 
 
 def test_one_shot_functions_and_chunk_size() -> None:
-    caches = make_caches("cpu", 8, 10, 32, 8, 64, torch.bfloat16)
+    caches = make_caches("cpu", 8, 20, 32, 8, 64, torch.bfloat16)
     out = torch.empty(8 * 8 * 32 * 8 * 64 * 2 * 2, dtype=torch.uint8)  # 256 tokens: 4 MiB
     assert out.numel() == 4 << 20
-    assert gather(caches, [1, 2, 3, 4, 5, 6, 7, 8], out) == 4 << 20
-    assert scatter(out, caches, [1, 2, 3, 4, 5, 6, 7, 8]) == 4 << 20
+    src, dst = [1, 2, 3, 4, 5, 6, 7, 8], [19, 17, 15, 13, 11, 9, 0, 12]
+    assert gather(caches, src, out) == 4 << 20
+    assert scatter(out, caches, dst) == 4 << 20
+    for t in caches:
+        assert torch.equal(t[dst].view(torch.uint8), t[src].view(torch.uint8))
 
 
 def test_bad_input_is_rejected_clearly() -> None:
@@ -154,6 +157,9 @@ def test_bad_input_is_rejected_clearly() -> None:
     small = torch.empty(10, dtype=torch.uint8)
     with pytest.raises(ValueError, match="chunk buffer holds 10 bytes"):
         kv.gather([0], small)
+    strided = torch.empty(2, kv.chunk_nbytes("block", 16), dtype=torch.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):  # would otherwise fill a hidden copy
+        kv.gather([0], strided)
     with pytest.raises(IndexError):
         kv.gather([7], torch.empty(kv.chunk_nbytes("block", 16), dtype=torch.uint8))
     with pytest.raises(ValueError, match="20 tokens do not fit the 1 blocks"):

@@ -73,6 +73,16 @@ def test_lifecycle_and_generation() -> None:
     assert buf.fully_free()
 
 
+def test_reading_context_releases_even_when_the_reader_fails() -> None:
+    buf = PDBuffer(PAGE * 4, "cpu", PAGE)
+    r = buf.reserve(4, "t", lease_seconds=5)
+    buf.commit(r)
+    with pytest.raises(RuntimeError, match="scatter failed"), buf.reading(r) as views:
+        assert len(views) == 4 and buf.state(r) is State.READING
+        raise RuntimeError("scatter failed")
+    assert buf.fully_free() and not buf.is_live(r)
+
+
 def test_expiry_in_reserved_and_committed_states() -> None:
     clock = FakeClock()
     buf = PDBuffer(PAGE * 4, "cpu", PAGE, clock=clock)
