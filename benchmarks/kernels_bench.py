@@ -3,7 +3,8 @@
     python benchmarks/kernels_bench.py --json [--device cpu|cuda] [--layout cpu|flash_nhd]
 
 Chunks have the tiny model's shape (8 layers, 8 KV heads of 64, bf16: 16 KiB per token), from
-64 KiB to 64 MiB. The paged cache is several times larger than the chunk and the blocks are
+64 KiB to 64 MiB. Blocks have vLLM's default size for the device (128 tokens on CPU, 16 on GPU;
+`--block-size`), capped at the chunk's token count. The paged cache is several times larger than the chunk and the blocks are
 picked at random, as in a real cache. Each timed call touches a different cold region, and so
 does each memcpy: `memcpy_gbps` (cold source -> the chunk) is gather's baseline, and
 `memcpy_to_cold_gbps` (the chunk -> a cold destination) is scatter's. Each figure is the median
@@ -46,9 +47,10 @@ def timed_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_mib: int) -> dict:
+def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_mib: int,
+        block_size: int) -> dict:
     tokens = chunk_bytes // TOKEN_BYTES
-    bs = min(16, tokens)
+    bs = min(block_size, tokens)
     nblk = tokens // bs
     # Every timed call reads (or writes) a different, cold region of a cache far larger than the
     # CPU's caches; memcpy gets the same treatment, so both pay for main memory alike.
@@ -87,13 +89,17 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=31)
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--cache-mib", type=int, default=512, help="size of the paged cache per run")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="vLLM block size (default: vLLM's own, 128 on CPU, 16 on GPU; capped at the chunk)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = args.layout or ("cpu" if args.device == "cpu" else "flash_nhd")
     sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-    rows = [row(s, args.device, layout, args.format, args.reps, args.cache_mib) for s in sizes if s <= args.max_mib << 20]
+    block_size = args.block_size or (128 if layout == "cpu" else 16)
+    rows = [row(s, args.device, layout, args.format, args.reps, args.cache_mib, block_size)
+            for s in sizes if s <= args.max_mib << 20]
     big = [r for r in rows if r["chunk_bytes"] >= 1 << 20]
     result = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
               "layout": layout, "format": args.format, "torch_threads": torch.get_num_threads(),

@@ -41,7 +41,7 @@ class KVLayout:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def planes(self) -> int:

@@ -4,8 +4,9 @@ All copies work on bytes, so bf16, fp16 and fp8 caches are the same to them. Whe
 made of whole memory rows (the block format always; the token format for NHD) every copy is a
 list of (plane, row) pairs over per-plane row tables: base address, row stride, row size.
 
-- CPU: one ``index_select`` (gather) or ``index_copy_`` (scatter) moves the whole chunk, all
-  layers at once, through a single overlapping ``[words, row_words]`` view (strides ``(1, 1)``)
+- CPU: the compiled row copy of ``native`` (one memcpy per row, rows over torch's threads)
+  takes the address table of every row of the chunk, all layers at once. Without a C compiler,
+  one ``index_select`` (gather) or ``index_copy_`` (scatter) moves the whole chunk through a single overlapping ``[words, row_words]`` view (strides ``(1, 1)``)
   of the address span that holds every layer: row *r* of that view starts at word *r*, so any
   row of any layer is one index. Per-layer calls cost ~5 us of dispatch each here, more than
   copying 1 MiB, which is why one call matters. Rows are moved as the widest integer word that
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvferry.kernels import native
 from kvferry.kernels.layout import FORMATS, KVLayout, LayoutError, detect_layout
 
 # complex128 is the widest element torch has: its copies move 16 bytes per element (moves only,
@@ -52,6 +54,8 @@ class RowTable:
     word: int = 1  # widest integer word dividing every base, stride and row size
     base_words: torch.Tensor | None = None  # relative to the span start, in words (CPU)
     stride_words: torch.Tensor | None = None
+    base_addr: torch.Tensor | None = None  # absolute, in bytes, for the compiled row copy (CPU)
+    stride_bytes: torch.Tensor | None = None
 
     def finish(self, span_lo: int | None) -> RowTable:
         g = math.gcd(self.row_bytes, 16, *self.strides, *self.bases)
@@ -59,6 +63,8 @@ class RowTable:
         if span_lo is not None:  # [planes, 1] columns: offsets = base + row * stride, one addcmul
             self.base_words = torch.tensor([[(b - span_lo) // self.word] for b in self.bases])
             self.stride_words = torch.tensor([[s // self.word] for s in self.strides])
+            self.base_addr = torch.tensor(self.bases, dtype=torch.int64)
+            self.stride_bytes = torch.tensor(self.strides, dtype=torch.int64)
         return self
 
     @property
@@ -126,14 +132,21 @@ class PagedKV:
         return self.layout.chunk_nbytes(fmt, self.num_layers, num_tokens)
 
     def _indices(self, block_ids: Sequence[int] | torch.Tensor, fmt: str,
-                 num_tokens: int | None) -> tuple[torch.Tensor, int]:
+                 num_tokens: int | None, check_range: bool = True) -> tuple[torch.Tensor, int]:
+        """Block ids as a contiguous long tensor and the token count, validated.
+
+        `check_range=False` leaves the id range check to the caller (the compiled copy checks
+        every row itself, cheaper than a separate min/max op)."""
         if fmt not in FORMATS:
             raise LayoutError(f"chunk format {fmt!r} is not one of {FORMATS}")
+        lo = hi = 0
         if isinstance(block_ids, torch.Tensor):
-            ids = block_ids.to(self.device, torch.long)
-            lo, hi = ids.aminmax() if ids.numel() else (0, 0)
+            ids = block_ids.to(self.device, torch.long).contiguous()
+            if check_range and ids.numel():
+                lo, hi = ids.aminmax()
         else:
-            lo, hi = (min(block_ids), max(block_ids)) if len(block_ids) else (0, 0)
+            if block_ids:
+                lo, hi = min(block_ids), max(block_ids)
             ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         bs = self.layout.block_size
         n = ids.numel() * bs if num_tokens is None else num_tokens
@@ -147,15 +160,20 @@ class PagedKV:
             raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})")
         return ids, n
 
-    def chunk_bytes_view(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+    @staticmethod
+    def check_chunk_buf(buf: torch.Tensor, nbytes: int) -> None:
         # reshape() of a strided tensor would copy: a gather would then fill a temporary.
         if not buf.is_contiguous():
             raise ValueError("chunk buffer must be contiguous (e.g. a pd_buffer page)")
+        have = buf.numel() * buf.element_size()
+        if have < nbytes:
+            raise ValueError(f"chunk buffer holds {have} bytes, this chunk needs {nbytes}")
+
+    def chunk_bytes_view(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+        self.check_chunk_buf(buf, nbytes)
         flat = buf.view(-1)
         if flat.dtype != torch.uint8:
             flat = flat.view(torch.uint8)
-        if flat.numel() < nbytes:
-            raise ValueError(f"chunk buffer holds {flat.numel()} bytes, this chunk needs {nbytes}")
         return flat[:nbytes]
 
     def rows(self, fmt: str, ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -178,8 +196,12 @@ class PagedKV:
     def copy_batch(self, block_ids: Sequence[Sequence[int] | torch.Tensor], bufs: Sequence[torch.Tensor],
                    fmt: str, num_tokens: Sequence[int | None], to_chunk: bool) -> int:
         """Gather (to_chunk) or scatter several chunks; on CUDA one kernel launch for all of them."""
+        table = self._tables[fmt] if fmt in self._tables else None
+        rowcopy = native.row_copier() if self.device.type == "cpu" and table is not None else None
+        if rowcopy is not None:
+            return sum(self._copy_native(rowcopy, table, fmt, b, buf, n, to_chunk)
+                       for b, buf, n in zip(block_ids, bufs, num_tokens, strict=True))
         checked = [self._indices(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
-        table = self._tables[fmt]
         if table is None:
             return sum(self.token_copy_indexed(i, b, n, to_chunk)
                        for (i, n), b in zip(checked, bufs, strict=True))
@@ -201,6 +223,21 @@ class PagedKV:
                 span.index_copy_(0, offsets, chunk)
             total += nbytes
         return total
+
+    def _copy_native(self, rowcopy: native.RowCopier, table: RowTable, fmt: str,
+                     block_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor, num_tokens: int | None,
+                     to_chunk: bool) -> int:
+        # Lean on purpose: at 1 MiB the copy takes ~40 us here, so each us of Python counts.
+        ids, n = self._indices(block_ids, fmt, num_tokens, check_range=False)
+        nbytes = self.chunk_nbytes(fmt, n)
+        self.check_chunk_buf(buf, nbytes)
+        row_limit = self.layout.num_blocks * (1 if fmt == "block" else self.layout.block_size)
+        try:
+            rowcopy.copy(table.base_addr, table.stride_bytes, self.rows(fmt, ids, n), row_limit,
+                         table.row_bytes, buf.data_ptr(), to_chunk)
+        except IndexError:
+            raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})") from None
+        return nbytes
 
     def token_copy_indexed(self, ids: torch.Tensor, buf: torch.Tensor, n: int, to_chunk: bool) -> int:
         """Token format for layouts whose token rows are not memory rows (HND, vLLM CPU)."""

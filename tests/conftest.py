@@ -15,6 +15,18 @@ from kvferry.launcher.vllm_proc import VLLMServer
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture
+def kvf_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for kvferry's loggers, which do not propagate to the root logger."""
+    import logging
+    root = logging.getLogger("kvferry")
+    root.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return tiny_model.ensure()

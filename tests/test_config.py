@@ -94,9 +94,10 @@ def test_unknown_key_in_dict_and_kvferry_env() -> None:
     assert "KVFERRY_BOGUS" in one_line_error(env={"KVFERRY_BOGUS": "1"})
 
 
-def test_unknown_lmcache_env_is_tolerated(caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_lmcache_env_is_tolerated(kvf_logs: pytest.LogCaptureFixture) -> None:
     cfg = load_config(env={"LMCACHE_SOMETHING_ELSE": "1", "LMCACHE_LOG_LEVEL": "DEBUG"})
     assert cfg.chunk_size == 256
+    assert "LMCACHE_SOMETHING_ELSE" in kvf_logs.text
 
 
 def test_wrong_types_name_key_and_source(tmp_path: Path) -> None:

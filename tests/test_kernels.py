@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvferry.kernels import native
 from kvferry.kernels.layout import KVLayout, LayoutError, detect_layout
 from kvferry.kernels.paged_copy import PagedKV, gather, scatter
 
@@ -56,6 +57,17 @@ def ref_gather(lay: KVLayout, caches: list[torch.Tensor], ids: list[int], fmt: s
     return torch.cat(out).numpy().tobytes()
 
 
+@pytest.fixture(params=["native", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the compiled row copy and through the torch fallback."""
+    if request.param == "native":
+        if native.row_copier() is None:
+            pytest.skip("no C compiler: the compiled row copy is not built")
+    else:
+        monkeypatch.setattr(native, "_loaded", (True, None))
+    return request.param
+
+
 CASES = st.tuples(
     st.sampled_from(["cpu", "flash_nhd", "flash_hnd"]),
     st.sampled_from(["block", "token"]),
@@ -69,9 +81,9 @@ CASES = st.tuples(
 )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(CASES)
-def test_gather_matches_reference_and_scatter_round_trips(case) -> None:
+def test_gather_matches_reference_and_scatter_round_trips(copy_path: str, case) -> None:
     name, fmt, dtype, bs, h, d, layers, n, seed = case
     nblk = -(-n // bs)
     nb = nblk + 3
@@ -151,7 +163,7 @@ def test_one_shot_functions_and_chunk_size() -> None:
         assert torch.equal(t[dst].view(torch.uint8), t[src].view(torch.uint8))
 
 
-def test_bad_input_is_rejected_clearly() -> None:
+def test_bad_input_is_rejected_clearly(copy_path: str) -> None:
     caches = make_caches("cpu", 2, 4, 16, 2, 64, torch.bfloat16)
     kv = PagedKV(caches, "cpu")
     small = torch.empty(10, dtype=torch.uint8)
@@ -160,8 +172,12 @@ def test_bad_input_is_rejected_clearly() -> None:
     strided = torch.empty(2, kv.chunk_nbytes("block", 16), dtype=torch.uint8)[:, ::2]
     with pytest.raises(ValueError, match="contiguous"):  # would otherwise fill a hidden copy
         kv.gather([0], strided)
+    untouched = torch.full((kv.chunk_nbytes("block", 32),), 7, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=r"block ids must lie in \[0, 4\)"):
+        kv.gather([0, 4], untouched)  # block 0 is valid: nothing may be copied before the check
+    assert untouched.eq(7).all()
     with pytest.raises(IndexError):
-        kv.gather([7], torch.empty(kv.chunk_nbytes("block", 16), dtype=torch.uint8))
+        kv.scatter(untouched, torch.tensor([-1, 2]))
     with pytest.raises(ValueError, match="20 tokens do not fit the 1 blocks"):
         kv.gather([0], torch.empty(1 << 20, dtype=torch.uint8), num_tokens=20)
     with pytest.raises(ValueError, match="20 tokens need 2 blocks, got 3"):
@@ -186,3 +202,30 @@ def test_layers_as_views_of_one_big_tensor() -> None:
     kv.gather([4, 1], out)
     expect = torch.cat([big[[4, 1], i].reshape(-1).view(torch.uint8) for i in range(3)])
     assert torch.equal(out, expect)
+
+
+def test_without_a_compiler_the_torch_path_is_used_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                  kvf_logs: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    assert native.row_copier() is None
+    assert "install a C compiler" in kvf_logs.text
+    assert not list(tmp_path.rglob("*.so")), "a failed build left a library behind"
+    caches = make_caches("cpu", 2, 4, 16, 2, 64, torch.bfloat16)
+    out = torch.empty(PagedKV(caches, "cpu").chunk_nbytes("block", 32), dtype=torch.uint8)
+    gather(caches, [2, 0], out)
+    assert out.numpy().tobytes() == ref_gather(PagedKV(caches, "cpu").layout, caches, [2, 0], "block", 32)
+
+
+def test_the_compiled_copy_is_built_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    if native.row_copier() is None:
+        pytest.skip("no C compiler")
+    libs = list(tmp_path.rglob("rowcopy-*.so"))
+    assert len(libs) == 1
+    mtime = libs[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    assert native.row_copier() is not None
+    assert libs[0].stat().st_mtime_ns == mtime, "rebuilt although the source did not change"
