@@ -1,0 +1,323 @@
+"""The decoder side of a transfer, one per TP rank: init port, alloc port, NIXL arrivals.
+
+Two threads, neither of which spins:
+
+- ``kvf-recv-ports``: an asyncio loop serving the init and alloc ports (ZMQ ROUTER). Each
+  request is its own task, and allocations that must wait for pages wait in a thread pool, so a
+  slow or stuck request never holds up another.
+- ``kvf-recv-nixl``: the only user of the NIXL agent after start-up. It polls notifications
+  (every 0.2 ms while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
+  commits arrived transfers, sends the optional proxy notification, and expires leases. Its
+  polls also drive UCX's progress on this side, which large writes need: UCX's rendezvous
+  protocol moves the data when the target answers, so idle polling would stall a write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvferry.buffer import nixl_agent
+from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer
+from kvferry.common import messages as m
+from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferTable
+
+logger = get_logger(__name__)
+
+ACTIVE_POLL_S = 0.0002
+IDLE_POLL_S = 0.02
+SWEEP_S = 0.5
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    host: str
+    init_port: int
+    alloc_port: int
+    alloc_timeout: float = 10.0  # pd_alloc_timeout
+    lease_seconds: float = 30.0  # pd_lease_seconds
+    kv_ready_timeout: float = 30.0  # pd_kv_ready_timeout
+    proxy_host: str | None = None  # pd_proxy_host
+    proxy_port: int | None = None  # pd_proxy_port
+    max_waiting_allocs: int = 64
+
+
+class ReceiverError(RuntimeError):
+    """The receiver cannot start (port taken, NIXL missing); the message names the fix."""
+
+
+class KVReceiver:
+    """Serves one TP rank's pd_buffer to senders; hands arrived transfers to the engine."""
+
+    def __init__(self, cfg: ReceiverConfig, buffer: PDBuffer, fingerprint: m.LayoutFingerprint, *,
+                 receiver_id: str | None = None, holds: Callable[[bytes], bool] | None = None) -> None:
+        if fingerprint.page_bytes and fingerprint.page_bytes != buffer.page_bytes:
+            raise ReceiverError(f"fingerprint says {fingerprint.page_bytes}-byte chunks, the pd_buffer "
+                                f"has {buffer.page_bytes}-byte pages")
+        self.cfg = cfg
+        self.buffer = buffer
+        self.fingerprint = fingerprint
+        # Changes on every start: a sender holding an older epoch must handshake again.
+        self.epoch = random.SystemRandom().randrange(1, 1 << 62)
+        self.receiver_id = receiver_id or f"{cfg.host}:{cfg.init_port}"
+        self._holds = holds
+        self.table = TransferTable(buffer)
+        self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}")
+        self._agent_metadata = b""
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the NIXL thread out of its idle wait
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_waiting_allocs, thread_name_prefix="kvf-alloc")
+        self._bad = RateLimitedLog(logger)
+        self._ready = threading.Event()
+        self._stop_async: Callable[[], object] = lambda: None
+        self._start_error: BaseException | None = None
+        self.counters = {"handshakes": 0, "allocs": 0, "arrivals": 0, "bad_frames": 0, "skipped_chunks": 0,
+                         "alloc_errors": 0, "proxy_notifications": 0}
+
+    # ---- lifecycle ----
+    def start(self) -> KVReceiver:
+        self.buffer.register(self._agent)
+        self._agent_metadata = self._agent.get_agent_metadata()
+        t = threading.Thread(target=self._ports_main, name="kvf-recv-ports", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if not self._ready.wait(10) or self._start_error is not None:
+            self.close()
+            raise ReceiverError(f"receiver ports did not start: {self._start_error}")
+        t = threading.Thread(target=self._nixl_main, name="kvf-recv-nixl", daemon=True)
+        t.start()
+        self._threads.append(t)
+        logger.info("receiver %s listening: init port %d, alloc port %d, pd_buffer %d pages of %d bytes "
+                    "(epoch %d)", self.receiver_id, self.cfg.init_port, self.cfg.alloc_port,
+                    self.buffer.num_pages, self.buffer.page_bytes, self.epoch)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        with contextlib.suppress(RuntimeError):  # the loop already ended
+            self._stop_async()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.table.close()
+        self.buffer.deregister()
+
+    def __enter__(self) -> KVReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- engine side ----
+    @contextmanager
+    def claim(self, transfer_id: str, timeout: float | None = None) -> Iterator[ReceivedTransfer]:
+        """The arrived transfer's pages, pinned until the block exits; waits up to pd_kv_ready_timeout."""
+        with self.table.claim(transfer_id, self.cfg.kv_ready_timeout if timeout is None else timeout) as t:
+            yield t
+
+    def wait(self, transfer_id: str, timeout: float) -> bool:
+        return self.table.wait(transfer_id, timeout)
+
+    def lookup(self, key: bytes) -> str | None:
+        return self.table.lookup(key)
+
+    # ---- ports ----
+    def _ports_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._start_error = e
+            self._ready.set()
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        socks = []
+        try:
+            for port in (self.cfg.init_port, self.cfg.alloc_port):
+                s = ctx.socket(zmq.ROUTER)
+                s.setsockopt(zmq.LINGER, 0)
+                # A hard cap far above any valid frame; decode() rejects, with a reply, what lies between.
+                s.setsockopt(zmq.MAXMSGSIZE, 4 * m.MAX_FRAME_BYTES)
+                try:
+                    s.bind(f"tcp://{self.cfg.host}:{port}")
+                except zmq.ZMQError as e:
+                    s.close()
+                    raise ReceiverError(f"cannot bind {self.cfg.host}:{port} ({e}): the port is in use; "
+                                        "choose other pd_peer_init_port / pd_peer_alloc_port") from None
+                socks.append(s)
+            init, alloc = socks
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
+            self._ready.set()
+            tasks: set[asyncio.Task] = set()
+            # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
+            readers = [asyncio.ensure_future(self._read_port(sock, name, handler, tasks))
+                       for sock, name, handler in ((init, "init", self._on_init), (alloc, "alloc", self._on_alloc))]
+            if self._stop.is_set():
+                stop.set()
+            await stop.wait()
+            for task in [*readers, *tasks]:
+                task.cancel()
+            await asyncio.gather(*readers, *tasks, return_exceptions=True)
+        finally:
+            for s in socks:
+                s.close(linger=0)
+
+    async def _read_port(self, sock: zmq.asyncio.Socket, name: str, handler, tasks: set[asyncio.Task]) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:  # [identity, body] from a DEALER; anything else is junk
+                self._bad_frame(f"a {len(frames) - 1}-part message", name)
+                continue
+            task = asyncio.ensure_future(handler(sock, frames[0], frames[1]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _reply(self, sock: zmq.asyncio.Socket, ident: bytes, msg: m.Msg) -> None:
+        try:
+            await sock.send_multipart([ident, m.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone: ROUTER drops; nothing to undo for a reply
+            logger.debug("reply to a gone peer dropped: %s", e)
+
+    def _bad_frame(self, why: str, port_name: str) -> None:
+        self.counters["bad_frames"] += 1
+        self._bad.warning("receiver %s: rejected %s on the %s port", self.receiver_id, why, port_name)
+
+    async def _on_init(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        try:
+            req = m.decode(body, expect=m.HandshakeRequest)
+        except m.MessageError as e:
+            self._bad_frame(f"a bad frame ({e})", "init")
+            await self._reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            return
+        diff = self.fingerprint.diff(req.fingerprint)
+        if diff:
+            msg = (f"KV layout mismatch between sender {req.sender_id} and receiver {self.receiver_id}: "
+                   + "; ".join(diff) + f". sender: {req.fingerprint}; receiver: {self.fingerprint}")
+            logger.error(msg)
+            await self._reply(sock, ident, m.ErrorReply(code="fingerprint", message=msg[:4000]))
+            return
+        self.counters["handshakes"] += 1
+        logger.info("handshake from %s (rank %d, agent %s)", req.sender_id, req.tp_rank, req.agent_name)
+        await self._reply(sock, ident, m.HandshakeResponse(
+            receiver_id=self.receiver_id, epoch=self.epoch, agent_name=self._agent.name,
+            agent_metadata=self._agent_metadata, buffer_addr=self.buffer.base_addr,
+            page_bytes=self.buffer.page_bytes, num_pages=self.buffer.num_pages, fingerprint=self.fingerprint,
+            device_id=nixl_agent.device_id(self.buffer.device), mem_type=nixl_agent.mem_type(self.buffer.device)))
+
+    async def _on_alloc(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        try:
+            req = m.decode(body, expect=(m.AllocRequest, m.AbortTransfer))
+        except m.MessageError as e:
+            self._bad_frame(f"a bad frame ({e})", "alloc")
+            await self._reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            return
+        if isinstance(req, m.AbortTransfer):
+            self.table.abort(req.transfer_id, req.generation, req.reason)
+            return
+        tid = req.transfer_id
+
+        def error(code: str, message: str) -> m.ErrorReply:
+            self.counters["alloc_errors"] += 1
+            return m.ErrorReply(code=code, message=message[:4000], transfer_id=tid)
+
+        if req.epoch != self.epoch:
+            await self._reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
+                                                 f"(epoch {self.epoch}, request carried {req.epoch}): handshake again"))
+            return
+        if tid in self.table:
+            await self._reply(sock, ident, error("duplicate", f"transfer {tid} is already in progress"))
+            return
+        skip = [i for i, k in enumerate(req.chunk_keys) if self._holds is not None and self._holds(k)]
+        need = len(req.chunk_keys) - len(skip)
+        res = None
+        if need:
+            try:
+                res = self.buffer.reserve(need, tid, self.cfg.lease_seconds, timeout=0)
+            except BufferTooSmall as e:
+                await self._reply(sock, ident, error("too_large", str(e)))
+                return
+            except BufferFullTimeout:
+                # Wait our turn (FIFO) off the loop; other requests go on meanwhile.
+                logger.info("transfer %s waits for %d pages (pd_alloc_timeout %.1fs)", tid, need,
+                            self.cfg.alloc_timeout)
+                try:
+                    res = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, lambda: self.buffer.reserve(need, tid, self.cfg.lease_seconds,
+                                                                timeout=self.cfg.alloc_timeout))
+                except (BufferFullTimeout, BufferTooSmall) as e:
+                    await self._reply(sock, ident, error("buffer_full", str(e)))
+                    return
+        self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), skip, req.num_tokens, res))
+        self._kick.set()  # poll fast from now on: UCX needs this side's progress to move the data
+        self.counters["allocs"] += 1
+        self.counters["skipped_chunks"] += len(skip)
+        await self._reply(sock, ident, m.AllocResponse(
+            transfer_id=tid, generation=res.generation if res else 0, pages=list(res.pages) if res else [],
+            skip=skip, lease_seconds=self.cfg.lease_seconds))
+
+    # ---- NIXL arrivals ----
+    def _nixl_main(self) -> None:
+        proxy = None
+        if self.cfg.proxy_host and self.cfg.proxy_port:
+            proxy = zmq.Context.instance().socket(zmq.PUSH)
+            proxy.setsockopt(zmq.LINGER, 0)
+            proxy.setsockopt(zmq.SNDHWM, 1000)
+            proxy.connect(f"tcp://{self.cfg.proxy_host}:{self.cfg.proxy_port}")
+        next_sweep = time.monotonic() + SWEEP_S
+        try:
+            while not self._stop.is_set():
+                for _agent, msgs in self._agent.get_new_notifs().items():
+                    for raw in msgs:
+                        self._on_notif(raw, proxy)
+                now = time.monotonic()
+                if now >= next_sweep:
+                    self.table.sweep()
+                    next_sweep = now + SWEEP_S
+                self._kick.wait(ACTIVE_POLL_S if self.table.expecting() else IDLE_POLL_S)
+                self._kick.clear()
+        finally:
+            if proxy is not None:
+                proxy.close(linger=0)
+
+    def _on_notif(self, raw: bytes, proxy: zmq.Socket | None) -> None:
+        try:
+            note = m.decode(raw, expect=m.ArrivalNotice)
+        except m.MessageError as e:
+            self.counters["bad_frames"] += 1
+            self._bad.warning("receiver %s: bad NIXL notification dropped (%s)", self.receiver_id, e)
+            return
+        inc = self.table.arrived(note.transfer_id, note.generation)
+        if inc is None:
+            return
+        self.counters["arrivals"] += 1
+        if proxy is not None:
+            try:
+                proxy.send(m.encode(m.ProxyNotification(
+                    transfer_id=inc.transfer_id, receiver_id=self.receiver_id,
+                    num_chunks=len(inc.chunk_keys), num_tokens=inc.num_tokens)), flags=zmq.NOBLOCK)
+                self.counters["proxy_notifications"] += 1
+            except zmq.Again:
+                self._bad.warning("proxy at %s:%s is not reading notifications; dropped one",
+                                  self.cfg.proxy_host, self.cfg.proxy_port)
+

@@ -1,0 +1,443 @@
+"""The prefiller side of a transfer: handshake, alloc, NIXL WRITE into the decoder's pd_buffer.
+
+`KVSender.send()` returns a `concurrent.futures.Future` at once; the work runs on the sender's
+own thread (``kvf-send``), an asyncio loop that owns the NIXL agent and every ZMQ socket, so the
+caller (vLLM's forward pass) never waits on the network. Completion is polled with short sleeps,
+never a spinning core, and every wait is bounded:
+
+- handshake: pd_handshake_timeout, once per receiver, cached; a receiver that restarted (new
+  epoch) answers the next alloc with ``stale_epoch`` and the sender handshakes again, once.
+- alloc: pd_alloc_timeout (the receiver's own bound) plus the handshake bound as slack.
+- write: the lease. No write is posted after the lease deadline, counted from when the alloc
+  request left (earlier than the receiver's own start of the lease), less a safety margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from kvferry.buffer import nixl_agent
+from kvferry.common import messages as m
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+POLL_S = 0.0002
+LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
+
+
+class SendError(RuntimeError):
+    """A transfer failed; the message names the receiver and the key that bounds the failed step."""
+
+    code = "send_failed"
+
+
+class HandshakeFailed(SendError):
+    code = "handshake"
+
+
+class FingerprintMismatch(HandshakeFailed):
+    code = "fingerprint"
+
+
+class AllocFailed(SendError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # buffer_full | too_large | timeout | ...
+
+
+class LeaseExpired(SendError):
+    code = "lease_expired"
+
+
+class WriteFailed(SendError):
+    code = "write"
+
+
+class _NixlThread:
+    """The only thread that touches the sender's NIXL agent (it is not thread-safe).
+
+    Runs calls handed to it and polls in-flight writes every POLL_S (a real sleep, not an
+    asyncio timer, whose resolution is a millisecond); blocks on its queue, using no CPU, when
+    no write is in flight. Results go back to the asyncio loop as futures.
+    """
+
+    def __init__(self, agent, loop: asyncio.AbstractEventLoop) -> None:
+        self.agent = agent
+        self._loop = loop
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: list[tuple[object, float, asyncio.Future]] = []
+        self._thread = threading.Thread(target=self._run, name="kvf-send-nixl", daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args) -> asyncio.Future:
+        fut = self._loop.create_future()
+        self._q.put(("call", fn, args, fut))
+        return fut
+
+    def write(self, local: list, local_mem: str, remote: list, remote_mem: str, agent_name: str,
+              notif: bytes, deadline: float) -> asyncio.Future:
+        """Post one WRITE; the future gets "DONE", "EXPIRED" (cancelled at `deadline`) or "ERR ..."."""
+        fut = self._loop.create_future()
+        self._q.put(("write", (local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(("stop",))
+        self._thread.join(timeout=5)
+
+    def _resolve(self, fut: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
+        def set_() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+        self._loop.call_soon_threadsafe(set_)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._q.get(timeout=POLL_S) if self._inflight else self._q.get()
+            except queue.Empty:
+                item = None
+            if item is not None:
+                if item[0] == "stop":
+                    for handle, _, fut in self._inflight:
+                        self._release(handle)
+                        self._resolve(fut, "ERR (sender closed)")
+                    return
+                if item[0] == "call":
+                    _, fn, args, fut = item
+                    try:
+                        self._resolve(fut, fn(*args))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        self._resolve(fut, exc=e)
+                else:
+                    self._post(*item[1], item[2])
+            self._poll()
+
+    def _post(self, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
+        if time.monotonic() >= deadline:
+            self._resolve(fut, "EXPIRED")
+            return
+        a = self.agent
+        try:
+            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
+                                       a.get_xfer_descs(remote, remote_mem), agent_name, notif)
+            state = a.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own types
+            self._resolve(fut, f"ERR ({e})")
+            return
+        if state == "PROC":
+            self._inflight.append((handle, deadline, fut))
+            return
+        self._release(handle)
+        self._resolve(fut, state)
+
+    def _poll(self) -> None:
+        still = []
+        now = time.monotonic()
+        for handle, deadline, fut in self._inflight:
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as e:  # noqa: BLE001
+                state = f"ERR ({e})"
+            if state == "PROC" and now >= deadline:
+                state = "EXPIRED"  # release() below cancels it: no write after the lease
+            if state == "PROC":
+                still.append((handle, deadline, fut))
+                continue
+            self._release(handle)
+            self._resolve(fut, state)
+        self._inflight = still
+
+    def _release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not release a NIXL transfer handle: %s", e)
+
+
+@dataclass(frozen=True)
+class ReceiverAddr:
+    host: str
+    init_port: int
+    alloc_port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.init_port}/{self.alloc_port}"
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    sender_id: str
+    handshake_timeout: float = 5.0  # pd_handshake_timeout
+    alloc_timeout: float = 10.0  # pd_alloc_timeout
+    tp_rank: int = 0
+
+
+@dataclass
+class SendResult:
+    transfer_id: str
+    sent_chunks: int
+    skipped_chunks: int
+    bytes: int
+    seconds: float
+    handshook: bool = False
+
+
+@dataclass
+class _Peer:
+    addr: ReceiverAddr
+    receiver_id: str
+    epoch: int
+    agent_name: str
+    buffer_addr: int
+    page_bytes: int
+    num_pages: int
+    mem_type: str
+    device_id: int
+    alloc_sock: zmq.asyncio.Socket
+    pending: dict[str, asyncio.Future] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+
+
+class KVSender:
+    """Sends chunks from this worker's registered memory to receivers; one per prefiller TP rank."""
+
+    def __init__(self, cfg: SenderConfig, fingerprint: m.LayoutFingerprint, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.device = device
+        self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}")
+        self._metadata = b""  # refreshed after each registration
+        self._regs: list = []
+        self._ranges: list[tuple[int, int]] = []
+        self._peers: dict[ReceiverAddr, _Peer] = {}
+        self._locks: dict[ReceiverAddr, asyncio.Lock] = {}
+        self._loop = asyncio.new_event_loop()
+        self._ctx = zmq.asyncio.Context()
+        self._nixl = _NixlThread(self._agent, self._loop)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
+        self._thread.start()
+        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "skipped_chunks": 0}
+
+    # ---- memory ----
+    def register(self, tensor) -> None:  # torch.Tensor
+        """Register local memory that chunks will be sent from (e.g. this worker's staging pages)."""
+        self._regs.append(self._call(self._agent.register_memory, tensor))
+        self._metadata = self._call(self._agent.get_agent_metadata)
+        start = tensor.data_ptr()
+        self._ranges.append((start, start + tensor.numel() * tensor.element_size()))
+
+    def _call(self, fn, *args):
+        """Run `fn` on the NIXL thread from a caller's thread, and wait (bounded) for it."""
+        async def run():
+            return await self._nixl.call(fn, *args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    # ---- API ----
+    def send(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes],
+             chunks: Sequence[tuple[int, int]], num_tokens: int) -> concurrent.futures.Future[SendResult]:
+        """Send `chunks` ((address, nbytes) in registered memory, one per key) for `transfer_id`."""
+        if len(chunk_keys) != len(chunks):
+            raise ValueError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
+        for addr, n in chunks:
+            if not any(lo <= addr and addr + n <= hi for lo, hi in self._ranges):
+                raise ValueError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+        return asyncio.run_coroutine_threadsafe(
+            self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens), self._loop)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+        finally:
+            self._nixl.stop()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._ctx.destroy(linger=0)
+
+    async def _shutdown(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)
+        for descs in self._regs:
+            await self._nixl.call(self._agent.deregister_memory, descs)
+        self._regs.clear()
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- peers ----
+    async def _peer(self, addr: ReceiverAddr) -> tuple[_Peer, bool]:
+        lock = self._locks.setdefault(addr, asyncio.Lock())
+        async with lock:
+            peer = self._peers.get(addr)
+            if peer is not None:
+                return peer, False
+            peer = await self._handshake(addr)
+            self._peers[addr] = peer
+            return peer, True
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
+        if peer.reader is not None:
+            peer.reader.cancel()
+        for fut in peer.pending.values():
+            if not fut.done():
+                fut.set_exception(SendError(f"connection to receiver {peer.addr} was reset"))
+        peer.alloc_sock.close(linger=0)
+        self._nixl.call(self._remove_agent, peer.agent_name)
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:  # noqa: BLE001 - already gone is fine
+            logger.debug("remove_remote_agent(%s): %s", name, e)
+
+    async def _handshake(self, addr: ReceiverAddr) -> _Peer:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{addr.host}:{addr.init_port}")
+        try:
+            await sock.send(m.encode(m.HandshakeRequest(
+                sender_id=self.cfg.sender_id, tp_rank=self.cfg.tp_rank, agent_name=self._agent.name,
+                agent_metadata=self._metadata, fingerprint=self.fingerprint)))
+            if not await sock.poll(int(self.cfg.handshake_timeout * 1000), zmq.POLLIN):
+                raise HandshakeFailed(f"receiver {addr} did not answer the handshake within "
+                                      f"{self.cfg.handshake_timeout:.1f}s (pd_handshake_timeout): is the "
+                                      "decoder up, and are pd_peer_host / pd_peer_init_port right?")
+            reply = m.decode(await sock.recv(), expect=(m.HandshakeResponse, m.ErrorReply))
+        except m.MessageError as e:
+            raise HandshakeFailed(f"receiver {addr} sent a bad handshake reply: {e}") from None
+        finally:
+            sock.close(linger=0)
+        if isinstance(reply, m.ErrorReply):
+            cls = FingerprintMismatch if reply.code == "fingerprint" else HandshakeFailed
+            raise cls(f"receiver {addr} refused the handshake: {reply.message}")
+        diff = self.fingerprint.diff(reply.fingerprint)
+        if diff:
+            raise FingerprintMismatch(f"receiver {addr} has a different KV layout: {'; '.join(diff)}. "
+                                      f"sender: {self.fingerprint}; receiver: {reply.fingerprint}")
+        name = await self._nixl.call(self._agent.add_remote_agent, reply.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        alloc = self._ctx.socket(zmq.DEALER)
+        alloc.setsockopt(zmq.LINGER, 0)
+        alloc.connect(f"tcp://{addr.host}:{addr.alloc_port}")
+        peer = _Peer(addr, reply.receiver_id, reply.epoch, name, reply.buffer_addr, reply.page_bytes,
+                     reply.num_pages, reply.mem_type, reply.device_id, alloc)
+        peer.reader = asyncio.ensure_future(self._read_allocs(peer))
+        self.counters["handshakes"] += 1
+        logger.info("connected to receiver %s (%s, epoch %d, %d pages of %d bytes)", addr, reply.receiver_id,
+                    reply.epoch, reply.num_pages, reply.page_bytes)
+        return peer
+
+    async def _read_allocs(self, peer: _Peer) -> None:
+        """Route alloc replies (which may come out of order) to their transfers."""
+        while True:
+            body = await peer.alloc_sock.recv()
+            try:
+                reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply))
+            except m.MessageError as e:
+                logger.warning("receiver %s sent a bad alloc reply: %s", peer.addr, e)
+                continue
+            fut = peer.pending.pop(reply.transfer_id or "", None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+            elif isinstance(reply, m.AllocResponse):
+                # We gave up on it already: hand the pages back at once.
+                await self._abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting")
+
+    async def _abort(self, peer: _Peer, transfer_id: str, generation: int, reason: str) -> None:
+        try:
+            await peer.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
+                                                                reason=reason[:4000])), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("abort of %s not sent: %s", transfer_id, e)
+
+    # ---- one transfer ----
+    async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
+                    num_tokens: int) -> SendResult:
+        t0 = time.monotonic()
+        try:
+            res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0, retry=True)
+        except SendError:
+            self.counters["failed"] += 1
+            raise
+        self.counters["transfers"] += 1
+        self.counters["bytes"] += res.bytes
+        self.counters["skipped_chunks"] += res.skipped_chunks
+        return res
+
+    async def _send_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
+                         num_tokens: int, t0: float, retry: bool) -> SendResult:
+        peer, handshook = await self._peer(addr)
+        for _, n in chunks:
+            if n > peer.page_bytes:
+                raise SendError(f"a {n}-byte chunk does not fit receiver {addr}'s {peer.page_bytes}-byte pages")
+        fut = asyncio.get_running_loop().create_future()
+        peer.pending[tid] = fut
+        sent_at = time.monotonic()
+        await peer.alloc_sock.send(m.encode(m.AllocRequest(
+            transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.epoch, chunk_keys=keys,
+            num_tokens=num_tokens)))
+        wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
+        try:
+            reply = await asyncio.wait_for(fut, wait)
+        except TimeoutError:
+            peer.pending.pop(tid, None)
+            await self._abort(peer, tid, 0, "alloc timed out")
+            raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
+                                         f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
+        if isinstance(reply, m.ErrorReply):
+            if reply.code == "stale_epoch" and retry:
+                logger.info("receiver %s restarted: handshaking again", addr)
+                self._drop_peer(peer)
+                return await self._send_once(tid, addr, keys, chunks, num_tokens, t0, retry=False)
+            raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
+        deadline = sent_at + reply.lease_seconds * (1 - LEASE_MARGIN)
+        skipped = set(reply.skip)
+        todo = [c for i, c in enumerate(chunks) if i not in skipped]
+        if len(todo) != len(reply.pages) or any(p >= peer.num_pages for p in reply.pages):
+            await self._abort(peer, tid, reply.generation, "bad page list")
+            raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
+        nbytes = sum(n for _, n in todo)
+        if todo:
+            await self._write(peer, tid, reply.generation, todo, list(reply.pages), deadline)
+        return SendResult(tid, len(todo), len(skipped), nbytes, time.monotonic() - t0, handshook)
+
+    async def _write(self, peer: _Peer, tid: str, generation: int, todo: list[tuple[int, int]],
+                     pages: list[int], deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            await self._abort(peer, tid, generation, "lease ran out before the write")
+            raise LeaseExpired(f"transfer {tid}: the lease ran out before the write could start; raise "
+                               "pd_lease_seconds")
+        local = [(a, n, nixl_agent.device_id(self.device)) for a, n in todo]
+        remote = [(peer.buffer_addr + p * peer.page_bytes, n, peer.device_id)
+                  for p, (_, n) in zip(pages, todo, strict=True)]
+        notif = m.encode(m.ArrivalNotice(transfer_id=tid, generation=generation))
+        state = await self._nixl.write(local, nixl_agent.mem_type(self.device), remote, peer.mem_type,
+                                       peer.agent_name, notif, deadline)
+        if state != "DONE":
+            await self._abort(peer, tid, generation, f"write {state}")
+            self._drop_peer(peer)  # the connection may be broken: handshake afresh next time
+            if state == "EXPIRED":
+                raise LeaseExpired(f"transfer {tid} to {peer.addr}: the write did not finish within the lease; "
+                                   "raise pd_lease_seconds")
+            raise WriteFailed(f"transfer {tid} to {peer.addr}: NIXL write failed: {state}")
