@@ -315,14 +315,14 @@ TestBufferMachine.settings = settings(max_examples=150, stateful_step_count=40, 
 
 def test_registers_once_with_a_real_nixl_agent() -> None:
     """The whole region is registered with NIXL (UCX) exactly once."""
-    nixl_api = pytest.importorskip("nixl._api")
-    agent = nixl_api.nixl_agent("kvferry-test-buffer",
-                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    pytest.importorskip("nixl._api")
+    from kvferry.buffer.nixl_agent import make_agent
+
+    agent = make_agent("kvferry-test-buffer")
     buf = PDBuffer(PAGE * 64, "cpu", PAGE)
     descs = buf.register(agent)
     assert buf.register(agent) is descs
-    other = nixl_api.nixl_agent("kvferry-test-other",
-                                nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    other = make_agent("kvferry-test-other")
     with pytest.raises(PDBufferError, match="already registered"):
         buf.register(other)
     assert buf.page_addr(3) == buf.base_addr + 3 * PAGE

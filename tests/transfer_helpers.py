@@ -1,0 +1,132 @@
+"""Run a real KVReceiver (or KVSender) in a separate process, driven over a multiprocessing pipe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+
+from kvferry.common import messages as m
+from kvferry.common.netutil import free_port
+
+PAGE = 64 << 10
+
+
+def fingerprint(page: int = PAGE, **over) -> m.LayoutFingerprint:
+    base = dict(model="tiny", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64, block_size=32,
+                kv_layout="cpu", chunk_format="block", chunk_size=64, page_bytes=page)
+    base.update(over)
+    return m.LayoutFingerprint(**base)
+
+
+def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict) -> None:
+    import torch
+
+    from kvferry.buffer.pd_buffer import PDBuffer
+    from kvferry.receiver.server import KVReceiver, ReceiverConfig
+    from kvferry.receiver.transfers import TransferError
+
+    torch.set_num_threads(1)
+    held: set[bytes] = set(opts.pop("holds", []))
+    fp = fingerprint(**opts.pop("fingerprint", {}))
+    buf = PDBuffer(pages * PAGE, "cpu", PAGE)
+    cfg = ReceiverConfig("127.0.0.1", init_port, alloc_port, **opts)
+    with KVReceiver(cfg, buf, fp, holds=held.__contains__) as r:
+        conn.send(("ready", r.epoch, os.getpid()))
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                conn.send(("stopped",))
+                return
+            if cmd == "claim":
+                tid, timeout = args
+                try:
+                    with r.claim(tid, timeout) as got:
+                        data = {i: bytes(v.numpy()) for i, v in got.pages.items()}
+                        conn.send(("ok", got.skip, data))
+                except TransferError as e:
+                    conn.send(("err", type(e).__name__, str(e)))
+            elif cmd == "state":
+                s = buf.stats()
+                conn.send(("state", buf.fully_free(), s.pages_free, dict(r.counters), s.leases_expired))
+            elif cmd == "hold":
+                held.update(args[0])
+                conn.send(("ok",))
+
+
+@dataclass
+class ReceiverProc:
+    """A receiver in its own process; `restart()` keeps its ports (a new epoch, as a real restart)."""
+
+    pages: int = 16
+    opts: dict = field(default_factory=dict)
+    init_port: int = field(default_factory=free_port)
+    alloc_port: int = field(default_factory=free_port)
+
+    def start(self) -> ReceiverProc:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=receiver_main, args=(child, self.init_port, self.alloc_port, self.pages,
+                                                            dict(self.opts)), daemon=True)
+        self.proc.start()
+        _, self.epoch, self.pid = self.ask("ready", timeout=60, send=False)
+        return self
+
+    def ask(self, *cmd, timeout: float = 30, send: bool = True):
+        if send:
+            self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"receiver process did not answer {cmd} within {timeout}s")
+        return self.conn.recv()
+
+    def state(self):
+        return self.ask("state")
+
+    def wait_fully_free(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state()[1]:
+                return True
+            time.sleep(0.1)
+        return False
+
+    @property
+    def addr(self):
+        from kvferry.sender.client import ReceiverAddr
+        return ReceiverAddr("127.0.0.1", self.init_port, self.alloc_port)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.ask("stop", timeout=15)
+            except (TimeoutError, EOFError, BrokenPipeError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def sender_main(conn, addr: tuple, pages: int, opts: dict) -> None:
+    """A sender that announces each step; the test kills it where it likes."""
+    import torch
+
+    from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig
+
+    src = torch.arange(pages * PAGE, dtype=torch.int64).to(torch.uint8)
+    with KVSender(SenderConfig("doomed"), fingerprint()) as s:
+        s.register(src)
+        conn.send(("ready", os.getpid()))
+        cmd, tid = conn.recv()
+        chunks = [(src.data_ptr() + i * PAGE, PAGE) for i in range(pages)]
+        keys = [bytes([i + 1]) * 16 for i in range(pages)]
+        fut = s.send(tid, ReceiverAddr(*addr), keys, chunks, pages * 32)
+        conn.send(("sent",))
+        fut.result(60)
+        conn.send(("done",))
+        time.sleep(3600)  # wait here to be killed
