@@ -30,12 +30,13 @@ import zmq.asyncio
 from kvferry.buffer import nixl_agent
 from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer
 from kvferry.common import messages as m
+from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferTable
 
 logger = get_logger(__name__)
 
-ACTIVE_POLL_S = 0.0002
+ACTIVE_POLL_S = 0.00005
 IDLE_POLL_S = 0.02
 SWEEP_S = 0.5
 
@@ -51,6 +52,18 @@ class ReceiverConfig:
     proxy_host: str | None = None  # pd_proxy_host
     proxy_port: int | None = None  # pd_proxy_port
     max_waiting_allocs: int = 64
+
+
+def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
+    """This TP rank's receiver settings from the seed's keys (one init/alloc port per rank)."""
+    init, alloc = cfg.ports("pd_peer_init_port"), cfg.ports("pd_peer_alloc_port")
+    if tp_rank >= len(init) or tp_rank >= len(alloc):
+        raise ReceiverError(f"TP rank {tp_rank} has no port: pd_peer_init_port / pd_peer_alloc_port list "
+                            f"{len(init)} / {len(alloc)} ports; give one per decoder TP rank")
+    return ReceiverConfig(cfg.pd_peer_host or "0.0.0.0", init[tp_rank], alloc[tp_rank],
+                          alloc_timeout=cfg.pd_alloc_timeout, lease_seconds=cfg.pd_lease_seconds,
+                          kv_ready_timeout=cfg.pd_kv_ready_timeout, proxy_host=cfg.pd_proxy_host,
+                          proxy_port=cfg.pd_proxy_port)
 
 
 class ReceiverError(RuntimeError):

@@ -27,11 +27,12 @@ import zmq.asyncio
 
 from kvferry.buffer import nixl_agent
 from kvferry.common import messages as m
+from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
-POLL_S = 0.0002
+POLL_S = 0.00005
 LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
 
 
@@ -185,6 +186,11 @@ class SenderConfig:
     handshake_timeout: float = 5.0  # pd_handshake_timeout
     alloc_timeout: float = 10.0  # pd_alloc_timeout
     tp_rank: int = 0
+
+
+def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> SenderConfig:
+    return SenderConfig(sender_id, handshake_timeout=cfg.pd_handshake_timeout, alloc_timeout=cfg.pd_alloc_timeout,
+                        tp_rank=tp_rank)
 
 
 @dataclass

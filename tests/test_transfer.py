@@ -350,3 +350,20 @@ def test_idle_sender_and_receiver_use_under_5_percent_of_a_core(receiver) -> Non
         proc.join(5)
     assert used[r.pid] < 0.05, f"idle receiver used {used[r.pid]:.1%} of a core"
     assert used[proc.pid] < 0.05, f"idle sender used {used[proc.pid]:.1%} of a core"
+
+
+def test_settings_come_from_the_seed_keys() -> None:
+    from kvferry.common.config import load_config
+    from kvferry.receiver.server import ReceiverError, receiver_config
+    from kvferry.sender.client import sender_config
+
+    cfg = load_config({"enable_pd": True, "pd_role": "receiver", "pd_peer_host": "127.0.0.1",
+                       "pd_peer_init_port": [7300, 7301], "pd_peer_alloc_port": [7400, 7401],
+                       "pd_proxy_host": "10.0.0.1", "pd_proxy_port": 7500, "pd_lease_seconds": 12.5}, env={})
+    rc = receiver_config(cfg, tp_rank=1)
+    assert (rc.host, rc.init_port, rc.alloc_port, rc.lease_seconds) == ("127.0.0.1", 7301, 7401, 12.5)
+    assert (rc.proxy_host, rc.proxy_port, rc.alloc_timeout) == ("10.0.0.1", 7500, cfg.pd_alloc_timeout)
+    with pytest.raises(ReceiverError, match="one per decoder TP rank"):
+        receiver_config(cfg, tp_rank=2)
+    sc = sender_config(load_config({"pd_handshake_timeout": 2.0}, env={}), "p0")
+    assert (sc.handshake_timeout, sc.sender_id) == (2.0, "p0")
