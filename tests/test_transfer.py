@@ -193,16 +193,24 @@ def test_interleaved_large_requests_do_not_deadlock(receiver, sender) -> None:
     assert r.state()[1]
 
 
-def test_sender_killed_mid_transfer_frees_pages_within_the_lease(receiver, sender) -> None:
-    r = receiver(pages=8, lease_seconds=2.0)
+def spawn_sender(r: ReceiverProc, pages: int):
+    """A sender process connected to `r`, waiting for ("go", transfer_id)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=sender_main, args=(child, (r.addr.host, r.init_port, r.alloc_port), 6, {}),
+    proc = ctx.Process(target=sender_main, args=(child, (r.addr.host, r.init_port, r.alloc_port), pages, {}),
                        daemon=True)
     proc.start()
+    if not conn.poll(60):
+        proc.kill()
+        raise TimeoutError("sender process did not start")
+    conn.recv()
+    return proc, conn
+
+
+def test_sender_killed_mid_transfer_frees_pages_within_the_lease(receiver, sender) -> None:
+    r = receiver(pages=8, lease_seconds=2.0)
+    proc, conn = spawn_sender(r, 6)
     try:
-        assert conn.poll(60)
-        conn.recv()
         conn.send(("go", "doomed-1"))
         # Kill it the moment the receiver has reserved its pages (before, during or just after
         # its write; whichever, the pages must come back).
@@ -329,14 +337,8 @@ def _cpu_seconds(pid: int) -> float:
 
 def test_idle_sender_and_receiver_use_under_5_percent_of_a_core(receiver) -> None:
     r = receiver()
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=sender_main, args=(child, (r.addr.host, r.init_port, r.alloc_port), 2, {}),
-                       daemon=True)
-    proc.start()
+    proc, conn = spawn_sender(r, 2)
     try:
-        assert conn.poll(60)
-        conn.recv()
         conn.send(("go", "warm"))  # connected and one transfer done: the realistic idle state
         assert conn.poll(30) and conn.recv() == ("sent",)
         assert conn.poll(30) and conn.recv() == ("done",)
