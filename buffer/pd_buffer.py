@@ -73,6 +73,7 @@ class _Waiter:
     cond: threading.Condition
     granted: Reservation | None = None
     cancelled: bool = False
+    aborted: str | None = None  # set by cancel_waiters(): why the wait ended early
 
 
 @dataclass
@@ -226,6 +227,8 @@ class PDBuffer:
             self._stats.waits += 1
             try:
                 while w.granted is None:
+                    if w.aborted is not None:
+                        raise PDBufferError(f"wait for {n} pages abandoned: {w.aborted}")
                     now = self._clock()
                     if now >= deadline:
                         w.cancelled = True
@@ -243,6 +246,19 @@ class PDBuffer:
                 if w.cancelled:
                     # Our leaving may unblock those behind us.
                     self._serve_waiters_locked()
+
+    def cancel_waiters(self, reason: str) -> int:
+        """End every waiting reserve() now with an error (its server is shutting down), so no
+        thread stays blocked for the rest of its timeout; returns how many were waiting."""
+        with self._lock:
+            n = 0
+            for w in self._waiters:
+                if not w.cancelled:
+                    w.cancelled = True
+                    w.aborted = reason
+                    w.cond.notify()
+                    n += 1
+            return n
 
     def _full_msg(self, n: int, waited: float) -> str:
         return (f"pd_buffer full: waited {waited:.1f}s for {n} of {self.num_pages} pages "

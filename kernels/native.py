@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvferry.common.log import get_logger
+from kvferry.common.paths import cache_root
 
 log = get_logger(__name__)
 
@@ -34,9 +35,7 @@ _loaded: tuple[bool, RowCopier | None] = (False, None)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVFERRY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvferry")
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _build() -> Path:
@@ -103,8 +102,3 @@ def row_copier() -> RowCopier | None:
         _loaded = (True, rc)
         return rc
 
-
-def reset_for_tests() -> None:
-    global _loaded
-    with _lock:
-        _loaded = (False, None)

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvferry.common.paths import cache_root
+
 # Bump when anything below changes what is written; a cached model of another version is rebuilt.
 TINY_MODEL_VERSION = 1
 SEED = 1234
@@ -60,9 +62,7 @@ _WORDS = (
 
 
 def default_dir() -> Path:
-    base = os.environ.get("KVFERRY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvferry")
-    return Path(base) / "tiny-llama"
+    return cache_root() / "tiny-llama"
 
 
 def _corpus(n_lines: int = 20000) -> list[str]:

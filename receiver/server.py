@@ -6,7 +6,7 @@ Two threads, neither of which spins:
   request is its own task, and allocations that must wait for pages wait in a thread pool, so a
   slow or stuck request never holds up another.
 - ``kvf-recv-nixl``: the only user of the NIXL agent after start-up. It polls notifications
-  (every 0.2 ms while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
+  (every 50 us while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
   commits arrived transfers, sends the optional proxy notification, and expires leases. Its
   polls also drive UCX's progress on this side, which large writes need: UCX's rendezvous
   protocol moves the data when the target answers, so idle polling would stall a write.
@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.buffer import nixl_agent
-from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer
+from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer, PDBufferError
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
@@ -91,7 +91,6 @@ class KVReceiver:
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the NIXL thread out of its idle wait
         self._threads: list[threading.Thread] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_waiting_allocs, thread_name_prefix="kvf-alloc")
         self._bad = RateLimitedLog(logger)
         self._ready = threading.Event()
@@ -126,7 +125,8 @@ class KVReceiver:
         for t in self._threads:
             t.join(timeout=5)
         self._threads.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.buffer.cancel_waiters("receiver closed")  # no pool thread blocks on for pd_alloc_timeout
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.table.close()
         self.buffer.deregister()
 
@@ -143,16 +143,12 @@ class KVReceiver:
         with self.table.claim(transfer_id, self.cfg.kv_ready_timeout if timeout is None else timeout) as t:
             yield t
 
-    def wait(self, transfer_id: str, timeout: float) -> bool:
-        return self.table.wait(transfer_id, timeout)
-
     def lookup(self, key: bytes) -> str | None:
         return self.table.lookup(key)
 
     # ---- ports ----
     def _ports_main(self) -> None:
         loop = asyncio.new_event_loop()
-        self._loop = loop
         try:
             loop.run_until_complete(self._serve())
         except BaseException as e:  # noqa: BLE001 - reported to start()
@@ -278,7 +274,7 @@ class KVReceiver:
                     res = await asyncio.get_running_loop().run_in_executor(
                         self._pool, lambda: self.buffer.reserve(need, tid, self.cfg.lease_seconds,
                                                                 timeout=self.cfg.alloc_timeout))
-                except (BufferFullTimeout, BufferTooSmall) as e:
+                except PDBufferError as e:  # timed out, or the receiver is closing
                     await self._reply(sock, ident, error("buffer_full", str(e)))
                     return
         self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), skip, req.num_tokens, res))

@@ -3,7 +3,8 @@
 A transfer is readable only once the sender's NIXL notification for it arrived (NIXL delivers a
 transfer's data before its notification). The engine claims it by `transfer_id`; the claim pins
 the pages while it copies them out and releases them on every exit path. A transfer that is
-never written, or written and never read, loses its pages when its lease expires.
+never written, or written and never read, loses its pages when its lease expires; its owner
+calls `sweep()` now and then to notice (the receiver's NIXL thread, every 0.5 s).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, ReservationGone
 from kvferry.common.log import get_logger
@@ -41,7 +42,6 @@ class Incoming:
     skip: list[int]  # chunk indices the receiver already held: not sent
     num_tokens: int
     res: Reservation | None  # None when every chunk was skipped
-    created: float = field(default_factory=time.monotonic)
     arrived: bool = False
     arrived_at: float = 0.0  # time.monotonic() when the notification was processed
 
@@ -74,6 +74,7 @@ class TransferTable:
         self._live: dict[str, Incoming] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why it ended
         self._by_key: dict[bytes, str] = {}
+        self._expecting = 0  # live transfers not yet arrived; read by the NIXL thread every poll
 
     def __contains__(self, transfer_id: str) -> bool:
         with self._cond:
@@ -84,23 +85,24 @@ class TransferTable:
             if inc.transfer_id in self._live:
                 raise TransferError(f"transfer {inc.transfer_id} is already in progress")
             self._live[inc.transfer_id] = inc
+            self._expecting += 1
             if inc.res is None:  # nothing to send: complete at once
                 self._arrive_locked(inc)
             self._cond.notify_all()
 
     def expecting(self) -> int:
         """Transfers reserved whose data has not arrived yet (the NIXL thread polls fast then)."""
-        with self._cond:
-            return sum(1 for i in self._live.values() if not i.arrived)
+        return self._expecting  # an int read: no lock needed
 
     def arrived(self, transfer_id: str, generation: int) -> Incoming | None:
         """The sender's notification came: commit the pages. None if the transfer is gone."""
         with self._cond:
             inc = self._live.get(transfer_id)
             if inc is None or inc.res is None or inc.res.generation != generation or inc.arrived:
-                why = self._finished.get(transfer_id, "unknown")
+                why = (self._finished.get(transfer_id, "unknown transfer") if inc is None
+                       else "duplicate or stale generation")
                 logger.warning("notification for transfer %s (generation %d) ignored: %s",
-                               transfer_id, generation, "duplicate" if inc is not None else why)
+                               transfer_id, generation, why)
                 return None
             try:
                 self.buffer.commit(inc.res)
@@ -116,20 +118,27 @@ class TransferTable:
     def _arrive_locked(self, inc: Incoming) -> None:
         inc.arrived = True
         inc.arrived_at = time.monotonic()
+        self._expecting -= 1
         for i in inc.sent_indices:
             self._by_key[inc.chunk_keys[i]] = inc.transfer_id
 
-    def _end_locked(self, inc: Incoming, why: str) -> None:
-        self._live.pop(inc.transfer_id, None)
+    def _forget_locked(self, inc: Incoming, why: str) -> None:
+        """Take `inc` out of the table (its pages are the caller's business)."""
+        del self._live[inc.transfer_id]
+        if not inc.arrived:
+            self._expecting -= 1
         for k in inc.chunk_keys:
             if self._by_key.get(k) == inc.transfer_id:
                 del self._by_key[k]
-        if inc.res is not None:
-            self.buffer.release(inc.res)
         self._finished[inc.transfer_id] = why
         while len(self._finished) > self._FINISHED_MEMORY:
             self._finished.popitem(last=False)
         self._cond.notify_all()
+
+    def _end_locked(self, inc: Incoming, why: str) -> None:
+        self._forget_locked(inc, why)
+        if inc.res is not None:
+            self.buffer.release(inc.res)
 
     def abort(self, transfer_id: str, generation: int, reason: str) -> bool:
         with self._cond:
@@ -170,10 +179,7 @@ class TransferTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                # Wake now and then: a lease can expire with nobody notifying.
-                self._cond.wait(min(left, 0.5))
-                if inc is not None and inc.res is not None and not self.buffer.is_live(inc.res):
-                    self._end_locked(inc, "lease expired")
+                self._cond.wait(left)  # arrivals and sweep()'s expiries notify
 
     @contextlib.contextmanager
     def claim(self, transfer_id: str, timeout: float) -> Iterator[ReceivedTransfer]:
@@ -186,11 +192,7 @@ class TransferTable:
             if inc is None:
                 raise TransferGone(f"transfer {transfer_id}: {self._finished.get(transfer_id, 'unknown')}")
             # Claimed: nobody else may read it, whatever happens next.
-            del self._live[transfer_id]
-            for k in inc.chunk_keys:
-                if self._by_key.get(k) == transfer_id:
-                    del self._by_key[k]
-            self._finished[transfer_id] = "already read"
+            self._forget_locked(inc, "already read")
         views: list = []
         try:
             if inc.res is not None:

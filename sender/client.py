@@ -1,9 +1,10 @@
 """The prefiller side of a transfer: handshake, alloc, NIXL WRITE into the decoder's pd_buffer.
 
-`KVSender.send()` returns a `concurrent.futures.Future` at once; the work runs on the sender's
-own thread (``kvf-send``), an asyncio loop that owns the NIXL agent and every ZMQ socket, so the
-caller (vLLM's forward pass) never waits on the network. Completion is polled with short sleeps,
-never a spinning core, and every wait is bounded:
+`KVSender.send()` returns a `concurrent.futures.Future` at once, so the caller (vLLM's forward
+pass) never waits on the network. The work runs on two threads of the sender's own: an asyncio
+loop (``kvf-send``) owning every ZMQ socket, and ``kvf-send-nixl``, the NIXL agent's only user,
+which posts writes and polls them every 50 us while one is in flight and sleeps on its queue
+otherwise. Every wait is bounded:
 
 - handshake: pd_handshake_timeout, once per receiver, cached; a receiver that restarted (new
   epoch) answers the next alloc with ``stale_epoch`` and the sender handshakes again, once.
@@ -206,7 +207,6 @@ class SendResult:
 @dataclass
 class _Peer:
     addr: ReceiverAddr
-    receiver_id: str
     epoch: int
     agent_name: str
     buffer_addr: int
@@ -277,6 +277,12 @@ class KVSender:
             self._ctx.destroy(linger=0)
 
     async def _shutdown(self) -> None:
+        # Transfers still running fail with CancelledError: no caller's future is left pending.
+        me = asyncio.current_task()
+        running = [t for t in asyncio.all_tasks() if t is not me]
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         for descs in self._regs:
@@ -346,7 +352,7 @@ class KVSender:
         alloc = self._ctx.socket(zmq.DEALER)
         alloc.setsockopt(zmq.LINGER, 0)
         alloc.connect(f"tcp://{addr.host}:{addr.alloc_port}")
-        peer = _Peer(addr, reply.receiver_id, reply.epoch, name, reply.buffer_addr, reply.page_bytes,
+        peer = _Peer(addr, reply.epoch, name, reply.buffer_addr, reply.page_bytes,
                      reply.num_pages, reply.mem_type, reply.device_id, alloc)
         peer.reader = asyncio.ensure_future(self._read_allocs(peer))
         self.counters["handshakes"] += 1
@@ -400,12 +406,13 @@ class KVSender:
         fut = asyncio.get_running_loop().create_future()
         peer.pending[tid] = fut
         sent_at = time.monotonic()
-        await peer.alloc_sock.send(m.encode(m.AllocRequest(
-            transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.epoch, chunk_keys=keys,
-            num_tokens=num_tokens)))
         wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
+        request = m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.epoch,
+                                          chunk_keys=keys, num_tokens=num_tokens))
         try:
-            reply = await asyncio.wait_for(fut, wait)
+            # The send is bounded too: with the receiver gone, ZMQ's queue can fill up.
+            await asyncio.wait_for(peer.alloc_sock.send(request), wait)
+            reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
         except TimeoutError:
             peer.pending.pop(tid, None)
             await self._abort(peer, tid, 0, "alloc timed out")

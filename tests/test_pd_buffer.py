@@ -122,6 +122,33 @@ def test_waiter_is_woken_by_lease_expiry_without_a_reaper() -> None:
     assert buf.fully_free()
 
 
+def test_cancel_waiters_ends_blocked_reserves_at_once() -> None:
+    """A closing receiver must not leave threads blocked for the rest of pd_alloc_timeout."""
+    buf = PDBuffer(PAGE * 2, "cpu", PAGE)
+    held = buf.reserve(2, "a", lease_seconds=60)
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            buf.reserve(1, "w", lease_seconds=60, timeout=30)
+        except PDBufferError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while buf.stats().extra["waiting"] < 2:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert buf.cancel_waiters("receiver closing") == 2
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - t0 < 2 and not any(t.is_alive() for t in threads)
+    assert len(errors) == 2 and all("receiver closing" in str(e) for e in errors)
+    buf.release(held)
+    assert buf.fully_free() and buf.stats().extra["waiting"] == 0
+
+
 def test_fifo_no_starvation_of_a_large_request() -> None:
     """A big waiter at the head is not overtaken by small requests that would fit."""
     buf = PDBuffer(PAGE * 4, "cpu", PAGE)

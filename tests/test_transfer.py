@@ -197,7 +197,7 @@ def spawn_sender(r: ReceiverProc, pages: int):
     """A sender process connected to `r`, waiting for ("go", transfer_id)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=sender_main, args=(child, (r.addr.host, r.init_port, r.alloc_port), pages, {}),
+    proc = ctx.Process(target=sender_main, args=(child, (r.addr.host, r.init_port, r.alloc_port), pages),
                        daemon=True)
     proc.start()
     if not conn.poll(60):
@@ -218,6 +218,7 @@ def test_sender_killed_mid_transfer_frees_pages_within_the_lease(receiver, sende
         while r.state()[2] == 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         os.kill(proc.pid, signal.SIGKILL)
+        assert r.state()[2] < 8, "the sender never got pages: nothing was tested"
         proc.join(5)
     finally:
         if proc.is_alive():
@@ -292,11 +293,10 @@ def test_hostile_frames_get_errors_and_change_nothing(shared_receiver, frames) -
         try:
             for f in frames:
                 sock.send(f)
-                if sock.poll(3000):
-                    reply = m.decode(sock.recv())
-                    # Hostile frames never get pages: an error, or (a well-formed alloc with a
-                    # stale epoch) an error too, since no real epoch is guessed.
-                    assert isinstance(reply, (m.ErrorReply, m.HandshakeResponse)), reply
+                assert sock.poll(3000), f"no reply to {f[:40]!r}"
+                # Every one is refused: garbage, a wrong type or version, or an alloc carrying
+                # an epoch this receiver never had.
+                assert isinstance(m.decode(sock.recv()), m.ErrorReply)
         finally:
             sock.close(linger=0)
     assert r.state()[1], "a hostile frame left pages reserved"
@@ -369,3 +369,33 @@ def test_settings_come_from_the_seed_keys() -> None:
         receiver_config(cfg, tp_rank=2)
     sc = sender_config(load_config({"pd_handshake_timeout": 2.0}, env={}), "p0")
     assert (sc.handshake_timeout, sc.sender_id) == (2.0, "p0")
+
+
+def test_closing_a_receiver_ends_waiting_allocs_at_once() -> None:
+    """No alloc thread stays blocked for the rest of pd_alloc_timeout after close()."""
+    import threading
+
+    from kvferry.buffer.pd_buffer import PDBuffer
+    from kvferry.receiver.server import KVReceiver, ReceiverConfig
+
+    rx = KVReceiver(ReceiverConfig("127.0.0.1", free_port(), free_port(), alloc_timeout=60),
+                    PDBuffer(2 * PAGE, "cpu", PAGE), fingerprint()).start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{rx.cfg.alloc_port}")
+    try:
+        for tid, n in (("fill", 2), ("waits", 1)):
+            sock.send(m.encode(m.AllocRequest(transfer_id=tid, sender_id="t", epoch=rx.epoch,
+                                              chunk_keys=keys(n, len(tid)), num_tokens=n)))
+        assert isinstance(m.decode(sock.recv()), m.AllocResponse)
+        deadline = time.monotonic() + 10
+        while rx.buffer.stats().extra["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.buffer.stats().extra["waiting"] == 1
+        t0 = time.monotonic()
+        rx.close()
+        assert time.monotonic() - t0 < 5
+        assert not [t for t in threading.enumerate() if t.name.startswith(("kvf-alloc", "kvf-recv"))]
+        assert rx.buffer.fully_free()
+    finally:
+        sock.close(linger=0)

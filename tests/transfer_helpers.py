@@ -112,7 +112,7 @@ class ReceiverProc:
         self.start()
 
 
-def sender_main(conn, addr: tuple, pages: int, opts: dict) -> None:
+def sender_main(conn, addr: tuple, pages: int) -> None:
     """A sender that announces each step; the test kills it where it likes."""
     import torch
 
@@ -129,4 +129,7 @@ def sender_main(conn, addr: tuple, pages: int, opts: dict) -> None:
         conn.send(("sent",))
         fut.result(60)
         conn.send(("done",))
-        time.sleep(3600)  # wait here to be killed
+        try:
+            conn.recv()  # wait to be killed; EOF when the test process is gone
+        except EOFError:
+            pass
