@@ -108,7 +108,8 @@ FIELD_TYPES: dict[str, Any] = {
 }
 
 # Environment variables that are not config keys.
-_NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL"}
+# kvferry's own switches (README "Configuration", environment table).
+_NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR"}
 _PREFIXES = ("lmcache.", "kvferry.")
 _REMOTE_SCHEMES = ("redis", "redis-sentinel", "lm", "mooncakestore", "infinistore")
 _SERDES = ("naive", "cachegen", "zstd")

@@ -105,6 +105,7 @@ class PagedKV:
             hi = max(t.data_ptr() + _extent(t) for t in nbytes)
 
         planes = [p for b in nbytes for p in blayout.block_planes(b)]  # q = layer * P + plane
+        self._planes = planes
         if not all(_dense(p[0]) for p in planes):
             raise LayoutError("a KV block is not one contiguous range of memory; use pd_chunk_format: token")
         self._tables: dict[str, RowTable | None] = {
@@ -192,6 +193,21 @@ class PagedKV:
                 num_tokens: int | None = None) -> int:
         """Copy one chunk from `chunk` into the blocks `block_ids`; returns bytes read."""
         return self.copy_batch([block_ids], [chunk], fmt, [num_tokens], to_chunk=False)
+
+    def scatter_blocks(self, chunk: torch.Tensor, block_ids: Sequence[int], first: int) -> int:
+        """Scatter only blocks `first`.. of one block-format chunk (the earlier ones belong to the
+        prefix cache and may be read by other requests); returns bytes read."""
+        ids, _ = self._indices(block_ids, "block", None)
+        nblk = ids.numel()
+        if not 0 <= first < nblk:
+            raise ValueError(f"first block {first} is outside the chunk's {nblk} blocks")
+        rb = self.layout.block_bytes
+        src = self.chunk_bytes_view(chunk, len(self._planes) * nblk * rb).view(len(self._planes), nblk, rb)
+        tail = ids[first:]
+        for q, plane in enumerate(self._planes):
+            rows = torch.as_strided(plane, (plane.shape[0], rb), (plane.stride(0), 1))
+            rows.index_copy_(0, tail, src[q, first:])
+        return len(self._planes) * (nblk - first) * rb
 
     def copy_batch(self, block_ids: Sequence[Sequence[int] | torch.Tensor], bufs: Sequence[torch.Tensor],
                    fmt: str, num_tokens: Sequence[int | None], to_chunk: bool) -> int:

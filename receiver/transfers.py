@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, ReservationGone
@@ -180,6 +180,28 @@ class TransferTable:
                 if left <= 0:
                     return False
                 self._cond.wait(left)  # arrivals and sweep()'s expiries notify
+
+    def status(self, transfer_id: str) -> str:
+        """'arrived', 'pending' (reserved, or not announced yet) or why it ended; never blocks."""
+        with self._cond:
+            inc = self._live.get(transfer_id)
+            if inc is not None:
+                return "arrived" if inc.arrived else "pending"
+            return self._finished.get(transfer_id, "pending")
+
+    def wait_any(self, transfer_ids: Collection[str], timeout: float) -> None:
+        """Return once one of `transfer_ids` arrived or ended, or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for tid in transfer_ids:
+                    inc = self._live.get(tid)
+                    if (inc is not None and inc.arrived) or (inc is None and tid in self._finished):
+                        return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     @contextlib.contextmanager
     def claim(self, transfer_id: str, timeout: float) -> Iterator[ReceivedTransfer]:

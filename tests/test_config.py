@@ -94,6 +94,12 @@ def test_unknown_key_in_dict_and_kvferry_env() -> None:
     assert "KVFERRY_BOGUS" in one_line_error(env={"KVFERRY_BOGUS": "1"})
 
 
+def test_kvferry_switches_are_not_config_keys() -> None:
+    env = {"KVFERRY_NATIVE_COPY": "0", "KVFERRY_CACHE_DIR": "/tmp/x", "KVFERRY_LOG_LEVEL": "DEBUG",
+           "KVFERRY_TEST_LOG_DIR": "/tmp/l", "KVFERRY_BENCH_DEBUG": "1"}
+    assert load_config(env=env).chunk_size == 256
+
+
 def test_unknown_lmcache_env_is_tolerated(kvf_logs: pytest.LogCaptureFixture) -> None:
     cfg = load_config(env={"LMCACHE_SOMETHING_ELSE": "1", "LMCACHE_LOG_LEVEL": "DEBUG"})
     assert cfg.chunk_size == 256

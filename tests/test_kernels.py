@@ -229,3 +229,29 @@ def test_the_compiled_copy_is_built_once_into_the_cache(monkeypatch: pytest.Monk
     monkeypatch.setattr(native, "_loaded", (False, None))
     assert native.row_copier() is not None
     assert libs[0].stat().st_mtime_ns == mtime, "rebuilt although the source did not change"
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd"])
+@pytest.mark.parametrize("first", [1, 2, 3])
+def test_scatter_blocks_writes_only_the_blocks_after_first(name: str, first: int) -> None:
+    """A decoder whose prefix cache holds the first blocks of a chunk writes only the others."""
+    src = make_caches(name, 3, 10, 16, 2, 32, torch.bfloat16, seed=1)
+    dst = make_caches(name, 3, 10, 16, 2, 32, torch.bfloat16, seed=2)
+    orig = [t.clone() for t in dst]
+    a, b = PagedKV(src, name), PagedKV(dst, name)
+    chunk = torch.empty(a.chunk_nbytes("block", 64), dtype=torch.uint8)
+    a.gather([0, 1, 2, 3], chunk, "block")
+    ids = [9, 5, 7, 2]
+    assert b.scatter_blocks(chunk, ids, first) == 3 * a.layout.planes * (4 - first) * a.layout.block_bytes
+    for i, blk in enumerate(ids):
+        for layer in range(3):
+            got = b.layout.block_planes(dst[layer])
+            want = a.layout.block_planes(src[layer]) if i >= first else b.layout.block_planes(orig[layer])
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g[blk].view(torch.uint8), w[i if i >= first else blk].view(torch.uint8))
+    untouched = set(range(10)) - set(ids)
+    for layer in range(3):
+        for g, o in zip(b.layout.block_planes(dst[layer]), b.layout.block_planes(orig[layer]), strict=True):
+            assert all(torch.equal(g[k].view(torch.uint8), o[k].view(torch.uint8)) for k in untouched)
+    with pytest.raises(ValueError, match="outside"):
+        b.scatter_blocks(chunk, ids, 4)

@@ -1,0 +1,304 @@
+"""The pd tier of the KV engine: a prefiller's chunks out to a decoder's pd_buffer, and back into
+the decoder's paged cache.
+
+- :class:`PDProducer` (prefiller worker): gathers a finished prompt's chunks into its own
+  registered staging pages (synchronous, a memcpy's worth) and hands them to the sender, which
+  runs the alloc round trip and the NIXL write on its own threads. The forward pass never waits
+  on the network; it waits on the staging pages only when they are all in flight
+  (bounded by ``pd_alloc_timeout``).
+- :class:`PDConsumer` (decoder worker): runs the receiver, waits (bounded by
+  ``pd_kv_ready_timeout``) for each expected transfer without blocking other requests, checks
+  that the chunk keys match the decoder's own prompt, scatters the chunks into the request's
+  blocks and frees the pages.
+
+Neither knows vLLM: the connector maps vLLM's requests and blocks onto these calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, fmt_bytes
+from kvferry.common import messages as m
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.hashing import chunk_keys, salt_for
+from kvferry.common.log import get_logger
+from kvferry.kernels.layout import LayoutError
+from kvferry.kernels.paged_copy import PagedKV
+from kvferry.receiver.server import KVReceiver, receiver_config
+from kvferry.receiver.transfers import TransferError
+from kvferry.sender.client import KVSender, ReceiverAddr, SendError, SendResult, sender_config
+
+logger = get_logger(__name__)
+
+KV_LAYOUT_NAMES = {
+    "cpu": "cpu:[blocks,kv_heads,block_size,2*head_size]",
+    "flash_nhd": "flash_nhd:[2,blocks,block_size,kv_heads,head_size]",
+    "flash_hnd": "flash_hnd:[2,blocks,kv_heads,block_size,head_size]",
+}
+
+
+def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_size: int = 1
+                ) -> m.LayoutFingerprint:
+    """What a prefiller and a decoder must agree on, from the KV caches vLLM registered."""
+    lay = kv.layout
+    if chunk_format == "block" and chunk_size % lay.block_size:
+        raise LayoutError(f"chunk_size {chunk_size} is not a multiple of vLLM's block_size {lay.block_size}: "
+                          f"set chunk_size to a multiple of {lay.block_size}, or pd_chunk_format: token")
+    if chunk_format == "token" and kv.table("token") is None and kv.device.type != "cpu":
+        raise LayoutError(f"pd_chunk_format: token is not supported for the {lay.name} layout on "
+                          f"{kv.device}: use pd_chunk_format: block")
+    return m.LayoutFingerprint(
+        model=model, dtype=str(lay.dtype).removeprefix("torch."), num_layers=kv.num_layers,
+        num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
+        kv_layout=KV_LAYOUT_NAMES[lay.name], chunk_format=chunk_format, chunk_size=chunk_size,
+        tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size))
+
+
+def key_salt(fp: m.LayoutFingerprint) -> bytes:
+    """Keys of different models or layouts never match."""
+    return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
+                    fp.chunk_format, fp.chunk_size)
+
+
+def chunk_plan(num_tokens: int, block_ids: Sequence[int], chunk_size: int, block_size: int
+               ) -> list[tuple[list[int], int]]:
+    """(block ids, tokens) of each chunk covering the first `num_tokens` tokens."""
+    need = -(-num_tokens // block_size)
+    if len(block_ids) < need:
+        raise ValueError(f"{num_tokens} tokens need {need} blocks, the request has {len(block_ids)}")
+    plan = []
+    for start in range(0, num_tokens, chunk_size):
+        n = min(chunk_size, num_tokens - start)
+        b0 = start // block_size
+        plan.append((list(block_ids[b0:b0 + -(-n // block_size)]), n))
+    return plan
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    num_tokens: int
+    nbytes: int
+    started: float
+    pages: object  # the staging Reservation
+
+
+class PDProducer:
+    """Prefiller side: one per worker (TP rank)."""
+
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, sender_id: str,
+                 tp_rank: int = 0) -> None:
+        self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
+        self.fmt = fp.chunk_format
+        device = str(kv.device) if kv.device.type == "cuda" else "cpu"
+        self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
+        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
+        self.sender.register(self.staging.tensor)
+        self._salt = key_salt(fp)
+        self._lock = threading.Lock()
+        self._done: set[str] = set()  # request ids whose send ended (either way)
+        # Staging pages are local: held for the longest a send may take, then taken back anyway.
+        self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
+        self.counters = {"sent": 0, "failed": 0, "bytes": 0, "tokens": 0}
+
+    def submit(self, req_id: str, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
+               block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
+        """Gather now, send in the background. None (logged) if the chunks could not be staged."""
+        t0 = time.monotonic()
+        plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        try:
+            res = self.staging.reserve(len(plan), transfer_id, self._staging_lease,
+                                       timeout=self.cfg.pd_alloc_timeout)
+        except PDBufferError as e:
+            logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(plan), e)
+            self.counters["failed"] += 1
+            self._finish(req_id)
+            return None
+        try:
+            views = [self.staging.page(p) for p in res.pages]
+            nbytes = self.kv.copy_batch([b for b, _ in plan], views, self.fmt, [n for _, n in plan],
+                                        to_chunk=True)
+            sizes = [self.kv.chunk_nbytes(self.fmt, n) for _, n in plan]
+            chunks = [(self.staging.page_addr(p), s) for p, s in zip(res.pages, sizes, strict=True)]
+            fut = self.sender.send(transfer_id, receiver, keys, chunks, num_tokens)
+        except BaseException:
+            self.staging.release(res)
+            self._finish(req_id)
+            raise
+        out = _Outgoing(transfer_id, num_tokens, nbytes, t0, res)
+        fut.add_done_callback(lambda f: self._sent(req_id, out, f))
+        return fut
+
+    def _sent(self, req_id: str, out: _Outgoing, fut: concurrent.futures.Future) -> None:
+        self.staging.release(out.pages)
+        try:
+            r = fut.result()
+        except (SendError, concurrent.futures.CancelledError) as e:
+            self.counters["failed"] += 1
+            logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
+                         e or type(e).__name__)
+        else:
+            dt = time.monotonic() - out.started
+            self.counters["sent"] += 1
+            self.counters["bytes"] += r.bytes
+            self.counters["tokens"] += out.num_tokens
+            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks sent, %d skipped)",
+                        out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
+                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks, r.skipped_chunks)
+        self._finish(req_id)
+
+    def _finish(self, req_id: str) -> None:
+        with self._lock:
+            self._done.add(req_id)
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            done, self._done = self._done, set()
+        return done
+
+    def close(self) -> None:
+        self.sender.close()
+        self.staging.deregister()
+
+
+@dataclass
+class _Expected:
+    req_id: str
+    transfer_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_tokens: int
+    skip_tokens: int  # already computed locally (prefix cache): those blocks are not written
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+
+
+class PDConsumer:
+    """Decoder side: one per worker (TP rank); owns the receiver and its pd_buffer."""
+
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, tp_rank: int = 0,
+                 receiver_id: str | None = None) -> None:
+        self.cfg, self.kv, self.fp = cfg, kv, fp
+        self.fmt = fp.chunk_format
+        device = str(kv.device) if kv.device.type == "cuda" else "cpu"
+        self.buffer = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
+        self.receiver = KVReceiver(receiver_config(cfg, tp_rank), self.buffer, fp, receiver_id=receiver_id)
+        self.receiver.start()
+        self._salt = key_salt(fp)
+        self._pending: dict[str, _Expected] = {}
+        self.counters = {"loaded": 0, "failed": 0, "timeouts": 0, "bytes": 0, "tokens": 0}
+
+    def expect(self, req_id: str, transfer_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
+               num_tokens: int, skip_tokens: int = 0) -> None:
+        self._pending[req_id] = _Expected(req_id, transfer_id, list(token_ids[:num_tokens]), list(block_ids),
+                                          num_tokens, skip_tokens,
+                                          time.monotonic() + self.cfg.pd_kv_ready_timeout)
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def cancel(self, req_id: str) -> bool:
+        """The request ended before its KV came (aborted): stop waiting; free the pages if they come."""
+        e = self._pending.pop(req_id, None)
+        if e is None:
+            return False
+        self._drop_later(e.transfer_id)
+        return True
+
+    def _drop_later(self, transfer_id: str) -> None:
+        # An unread transfer keeps its pages until its lease runs out; read-and-release it if it is
+        # here already, else the lease (pd_lease_seconds) takes the pages back.
+        if self.receiver.table.status(transfer_id) == "arrived":
+            try:
+                with self.receiver.claim(transfer_id, 0):
+                    pass
+            except TransferError:
+                pass
+
+    def poll(self, wait: float = 0.0) -> tuple[set[str], set[str]]:
+        """Load what arrived: (loaded request ids, failed request ids). `wait` > 0 blocks up to that
+        long for an arrival when nothing is ready (an idle engine step: no core spins)."""
+        if not self._pending:
+            return set(), set()
+        table = self.receiver.table
+        if wait > 0:
+            table.wait_any([e.transfer_id for e in self._pending.values()], wait)
+        loaded: set[str] = set()
+        failed: set[str] = set()
+        now = time.monotonic()
+        for req_id, e in list(self._pending.items()):
+            st = table.status(e.transfer_id)
+            if st == "pending":
+                if now < e.deadline:
+                    continue
+                self.counters["timeouts"] += 1
+                logger.warning("transfer %s (request %s): KV did not arrive within %.1fs (pd_kv_ready_timeout); "
+                               "%s", e.transfer_id, req_id, self.cfg.pd_kv_ready_timeout,
+                               "the request fails (pd_kv_timeout_action: fail)"
+                               if self.cfg.pd_kv_timeout_action == "fail" else "recomputing the prompt")
+                del self._pending[req_id]
+                failed.add(req_id)
+                continue
+            del self._pending[req_id]
+            if st != "arrived":
+                logger.warning("transfer %s (request %s) cannot be loaded: %s; %s", e.transfer_id, req_id, st,
+                               "the request fails" if self.cfg.pd_kv_timeout_action == "fail"
+                               else "recomputing the prompt")
+                failed.add(req_id)
+                continue
+            try:
+                self._load(e)
+            except (TransferError, ValueError, LayoutError) as err:
+                self.counters["failed"] += 1
+                logger.warning("transfer %s (request %s) not loaded: %s", e.transfer_id, req_id, err)
+                failed.add(req_id)
+            else:
+                loaded.add(req_id)
+        return loaded, failed
+
+    def _load(self, e: _Expected) -> None:
+        t0 = time.monotonic()
+        with self.receiver.claim(e.transfer_id, 0) as got:
+            want = chunk_keys(e.token_ids, self.fp.chunk_size, self._salt)
+            if got.num_tokens != e.num_tokens or list(got.chunk_keys) != want:
+                raise TransferError(f"the prefiller sent {got.num_tokens} tokens whose chunk keys do not match "
+                                    f"this request's first {e.num_tokens} prompt tokens (different prompt or "
+                                    "tokenizer?)")
+            if got.skip:
+                raise TransferError(f"chunks {got.skip} were skipped as already held, but this decoder "
+                                    "has no tier to read them from")
+            plan = chunk_plan(e.num_tokens, e.block_ids, self.fp.chunk_size, self.kv.layout.block_size)
+            first_block = e.skip_tokens // self.kv.layout.block_size
+            ids, bufs, ntoks = [], [], []
+            per = self.fp.chunk_size // self.kv.layout.block_size
+            nbytes = 0
+            for i, (blocks, n) in enumerate(plan):
+                if (i + 1) * per <= first_block:
+                    continue  # every block of this chunk is the prefix cache's: leave it alone
+                if i * per < first_block:
+                    # Shared (cached) blocks may be read by running requests: write only ours.
+                    if self.fmt != "block":
+                        raise TransferError(f"a local prefix hit of {e.skip_tokens} tokens ends inside "
+                                            f"chunk {i}: with pd_chunk_format token that chunk is recomputed")
+                    nbytes += self.kv.scatter_blocks(got.pages[i], blocks, first_block - i * per)
+                    continue
+                ids.append(blocks)
+                bufs.append(got.pages[i])
+                ntoks.append(n)
+            if ids:
+                nbytes += self.kv.copy_batch(ids, bufs, self.fmt, ntoks, to_chunk=False)
+        dt = time.monotonic() - t0
+        self.counters["loaded"] += 1
+        self.counters["bytes"] += nbytes
+        self.counters["tokens"] += e.num_tokens
+        logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
+                    e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
+
+    def close(self) -> None:
+        self.receiver.close()
