@@ -1,0 +1,125 @@
+"""1P1D through KVFerryConnector against one plain vLLM instance, same machine, same run.
+
+    python benchmarks/pd_bench.py --json [--requests 20] [--lengths 1000,3000] [--output-tokens 32]
+
+The prefiller runs on core 0, the decoder on core 1, the plain instance on core 0 (it runs only
+while the pair is idle: requests alternate plain / disaggregated, one at a time). Every prompt
+is unique (random token ids), so no prefix cache helps either side.
+
+Disaggregated requests are driven as the proxy does it: prefill on P with max_tokens=1 (its
+answer carries the first token: that is the TTFT a client of the proxy sees), then a streaming
+request on D for the rest. Plain requests stream from the start; TTFT is their first token.
+Reports p50 TTFT and total latency for both and their ratios. Targets: TTFT <= 1.15, total <= 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from kvferry.common.netutil import free_port
+from kvferry.launcher import tiny_model
+from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.vllm_proc import VLLMServer
+
+
+def stream(client: httpx.Client, server: VLLMServer, prompt: list[int], max_tokens: int,
+           params: dict | None = None) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds to the end, tokens) of one streaming completion."""
+    body = {"model": server.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    if params:
+        body["kv_transfer_params"] = params
+    t0 = time.perf_counter()
+    first, n = None, 0
+    with client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"][0].get("text") is not None:
+                n += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    return first or 0.0, time.perf_counter() - t0, n
+
+
+def disagg(client: httpx.Client, p: Prefiller, d: Decoder, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    tid = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    r = client.post(f"{p.url}/v1/completions", timeout=600, json={
+        "model": p.served_name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"transfer_id": tid, "ret_first_tok": True, "disagg_spec": d.disagg_spec()}})
+    r.raise_for_status()
+    ttft = time.perf_counter() - t0
+    first = r.json()["kv_transfer_params"]["first_tok"]
+    stream(client, d, prompt + [first], max_tokens - 1, {"transfer_id": tid})
+    return ttft, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--requests", type=int, default=20, help="per prompt length")
+    ap.add_argument("--lengths", default="1000,3000")
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--log-dir", default=None)
+    args = ap.parse_args()
+    model = str(tiny_model.ensure())
+    tmp = Path(tempfile.mkdtemp(prefix="kvferry-pd-bench-"))
+    logs = Path(args.log_dir) if args.log_dir else tmp
+    plain = VLLMServer(model, free_port(), logs / "vllm-plain.log", cores="0")
+    p = Prefiller(model, logs, "0", tmp)
+    d = Decoder(model, logs, "1", tmp)
+    servers = [plain, p, d]
+    rng = random.Random(0)
+    rows = []
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(progress=not args.json)
+        with httpx.Client() as client:
+            warm = [rng.randrange(10, 4000) for _ in range(300)]
+            stream(client, plain, warm, 4)
+            disagg(client, p, d, warm, 4)
+            for n in (int(x) for x in args.lengths.split(",")):
+                pt, ptot, dt, dtot = [], [], [], []
+                for _ in range(args.requests):
+                    prompt = [rng.randrange(10, 4000) for _ in range(n)]
+                    a, b, _ = stream(client, plain, prompt, args.output_tokens)
+                    pt.append(a)
+                    ptot.append(b)
+                    prompt = [rng.randrange(10, 4000) for _ in range(n)]
+                    a, b = disagg(client, p, d, prompt, args.output_tokens)
+                    dt.append(a)
+                    dtot.append(b)
+                row = {"prompt_tokens": n, "requests": args.requests, "output_tokens": args.output_tokens,
+                       "plain_ttft_ms": round(statistics.median(pt) * 1e3, 1),
+                       "pd_ttft_ms": round(statistics.median(dt) * 1e3, 1),
+                       "plain_total_ms": round(statistics.median(ptot) * 1e3, 1),
+                       "pd_total_ms": round(statistics.median(dtot) * 1e3, 1)}
+                row["ttft_ratio"] = round(row["pd_ttft_ms"] / row["plain_ttft_ms"], 3)
+                row["total_ratio"] = round(row["pd_total_ms"] / row["plain_total_ms"], 3)
+                rows.append(row)
+                if not args.json:
+                    print(row, flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    result = {"rows": rows, "target_met": all(r["ttft_ratio"] <= 1.15 and r["total_ratio"] <= 1.3 for r in rows)}
+    print(json.dumps(result) if args.json else ("target met" if result["target_met"] else "target NOT met"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Prefiller and decoder vLLM servers with KVFerryConnector: their config files and their flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import VLLMServer
+
+CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.connector"}
+
+
+def write_pd_config(path: Path, role: str, **keys: object) -> Path:
+    """A seed-style config file (the keys of LMCache's prefiller/decoder YAML) for a prefiller
+    (`role` "sender") or a decoder ("receiver"); `keys` override the defaults."""
+    cfg: dict[str, object] = {"local_cpu": False, "enable_pd": True, "transfer_channel": "nixl", "pd_role": role,
+                              "pd_buffer_size": 256 << 20, "pd_buffer_device": "cpu"}
+    cfg.update(keys)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+class Prefiller(VLLMServer):
+    """A kv_producer vLLM server."""
+
+    def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
+                 **keys: object) -> None:
+        port = port or free_port()
+        self.config_path = write_pd_config(conf_dir / f"prefiller-{port}.yaml", "sender", **keys)
+        super().__init__(model, port, log_dir / f"vllm-prefiller-{port}.log", cores=cores,
+                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer"},
+                         env={"KVFERRY_CONFIG_FILE": str(self.config_path)})
+
+
+class Decoder(VLLMServer):
+    """A kv_consumer vLLM server with its receiver's init and alloc ports."""
+
+    def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
+                 host: str = "127.0.0.1", init_port: int | None = None, alloc_port: int | None = None,
+                 **keys: object) -> None:
+        port = port or free_port()
+        self.host, self.init_port, self.alloc_port = host, init_port or free_port(), alloc_port or free_port()
+        self.config_path = write_pd_config(conf_dir / f"decoder-{port}.yaml", "receiver", pd_peer_host=host,
+                                           pd_peer_init_port=self.init_port, pd_peer_alloc_port=self.alloc_port,
+                                           **keys)
+        super().__init__(model, port, log_dir / f"vllm-decoder-{port}.log", cores=cores,
+                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer"},
+                         env={"KVFERRY_CONFIG_FILE": str(self.config_path)})
+
+    def disagg_spec(self) -> dict:
+        """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""
+        return {"receiver_host": self.host, "receiver_init_port": [self.init_port],
+                "receiver_alloc_port": [self.alloc_port]}

@@ -1,0 +1,120 @@
+"""A minimal prefill-then-decode driver (the proxy's job, done by hand) and raw looks at a decoder's
+receiver ports, for tests against real vLLM servers."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import zmq
+
+from kvferry.common import messages as m
+from kvferry.engine.pd import KV_LAYOUT_NAMES
+from kvferry.launcher.pd_instances import Decoder, Prefiller  # noqa: F401 - re-exported for the tests
+from kvferry.launcher.vllm_proc import VLLMServer
+
+
+def completion(server: VLLMServer, prompt: list[int], max_tokens: int, client: httpx.Client | None = None,
+               **extra) -> dict:
+    body = {"model": server.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "logprobs": 1, **extra}
+    r = (client or httpx).post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens_and_logprobs(resp: dict) -> tuple[list[int], list[float]]:
+    choice = resp["choices"][0]
+    return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+
+
+def plain(server: VLLMServer, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    return tokens_and_logprobs(completion(server, prompt, max_tokens))
+
+
+def disagg(p: VLLMServer, d: Decoder, prompt: list[int], max_tokens: int, transfer_id: str | None = None,
+           client: httpx.Client | None = None) -> tuple[list[int], list[float], dict]:
+    """Prefill on `p` (max_tokens=1) with its KV sent to `d`, then decode the rest on `d`."""
+    tid = transfer_id or uuid.uuid4().hex
+    first = completion(p, prompt, 1, client, kv_transfer_params={
+        "transfer_id": tid, "ret_first_tok": True, "disagg_spec": d.disagg_spec()})
+    params = first.get("kv_transfer_params") or {}
+    assert params.get("transfer_id") == tid, params
+    toks, lps = tokens_and_logprobs(first)
+    assert params["first_tok"] == toks[0]
+    if max_tokens > 1:
+        rest = completion(d, prompt + toks, max_tokens - 1, client, kv_transfer_params={"transfer_id": tid})
+        t2, l2 = tokens_and_logprobs(rest)
+        toks, lps = toks + t2, lps + l2
+    return toks, lps, params
+
+
+def source_tokens(server: VLLMServer) -> dict[str, float]:
+    """vllm:prompt_tokens_by_source_total by source."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            src = line.split('source="', 1)[1].split('"', 1)[0]
+            out[src] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def tiny_fingerprint(model_path: Path) -> m.LayoutFingerprint:
+    c = json.loads((model_path / "config.json").read_text())
+    heads, hd, layers = c["num_key_value_heads"], c["head_dim"], c["num_hidden_layers"]
+    return m.LayoutFingerprint(model=model_path.name, dtype="bfloat16", num_layers=layers, num_kv_heads=heads,
+                               head_size=hd, block_size=128, kv_layout=KV_LAYOUT_NAMES["cpu"],
+                               chunk_format="block", chunk_size=256, tp_size=1,
+                               page_bytes=layers * 256 * heads * hd * 2 * 2)
+
+
+class RawPeer:
+    """A bare ZMQ peer of a decoder's receiver: handshake, alloc and abort, no NIXL write."""
+
+    def __init__(self, d: Decoder, fp: m.LayoutFingerprint, name: str = "raw-test-peer") -> None:
+        self.d, self.fp, self.name = d, fp, name
+        self.ctx = zmq.Context()
+        s = self._sock(d.init_port)
+        s.send(m.encode(m.HandshakeRequest(sender_id=name, tp_rank=0, agent_name=name, agent_metadata=b"-",
+                                           fingerprint=fp)))
+        assert s.poll(10000), "no handshake reply"
+        reply = m.decode(s.recv(), expect=(m.HandshakeResponse, m.ErrorReply))
+        s.close()
+        assert isinstance(reply, m.HandshakeResponse), reply
+        self.epoch, self.num_pages = reply.epoch, reply.num_pages
+        self.alloc_sock = self._sock(d.alloc_port)
+
+    def _sock(self, port: int) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://{self.d.host}:{port}")
+        return s
+
+    def alloc(self, tid: str, chunks: int, timeout: float = 30) -> m.Msg:
+        keys = [uuid.uuid4().bytes for _ in range(chunks)]
+        self.alloc_sock.send(m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.name, epoch=self.epoch,
+                                                     chunk_keys=keys, num_tokens=chunks * 256)))
+        assert self.alloc_sock.poll(int(timeout * 1000)), "no alloc reply"
+        return m.decode(self.alloc_sock.recv(), expect=(m.AllocResponse, m.ErrorReply))
+
+    def abort(self, tid: str, generation: int) -> None:
+        self.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=generation, reason="test")))
+
+    def fully_free(self, timeout: float = 20) -> bool:
+        """True once an alloc of every page succeeds (it is handed back at once)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            tid = f"probe-{uuid.uuid4().hex}"
+            reply = self.alloc(tid, self.num_pages)
+            if isinstance(reply, m.AllocResponse):
+                self.abort(tid, reply.generation)
+                time.sleep(0.2)  # let the abort land before anyone allocates again
+                return True
+            assert reply.code == "buffer_full", reply
+        return False
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
