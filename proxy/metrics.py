@@ -1,0 +1,34 @@
+"""The proxy's Prometheus metrics (its own registry: a test can run several proxies in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvferry_proxy_requests", "Client requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("kvferry_proxy_errors", "Errors by kind and instance", ["kind", "instance"], registry=r)
+        self.in_flight = Gauge("kvferry_proxy_in_flight", "Requests in flight per instance", ["instance", "role"],
+                               registry=r)
+        self.healthy = Gauge("kvferry_proxy_instance_healthy", "1 if the instance passes health checks",
+                             ["instance", "role", "url"], registry=r)
+        self.prefill = Histogram("kvferry_proxy_prefill_seconds", "Prefill leg (prefiller answer) time",
+                                 buckets=_LAT, registry=r)
+        self.kv_wait = Histogram("kvferry_proxy_kv_transfer_wait_seconds",
+                                 "From the prefiller's answer to the decoder's KV-arrived notification",
+                                 buckets=_LAT, registry=r)
+        self.decoder_first = Histogram("kvferry_proxy_decoder_first_token_seconds",
+                                       "From the decode leg's start to its first chunk", buckets=_LAT, registry=r)
+        self.ttft = Histogram("kvferry_proxy_ttft_seconds", "Client time to first token", buckets=_LAT, registry=r)
+        self.itl = Histogram("kvferry_proxy_inter_token_seconds", "Gap between streamed chunks", buckets=_LAT,
+                             registry=r)
+        self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
+                               registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,222 @@
+"""The proxy's command line: LMCache's disagg_proxy_server.py flags, plus repeatable instance URLs and
+a YAML file. Every mistake is one line naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import yaml
+
+
+class OptionError(ValueError):
+    """A bad flag or config entry; the message names it."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    role: str  # "prefiller" | "decoder"
+    url: str  # http://host:port
+    init_port: int | None = None  # decoder: receiver init port (one per TP rank: the first)
+    alloc_port: int | None = None
+    init_ports: tuple[int, ...] = ()
+    alloc_ports: tuple[int, ...] = ()
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+
+@dataclass
+class ProxyOptions:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    prefillers: list[InstanceSpec] = field(default_factory=list)
+    decoders: list[InstanceSpec] = field(default_factory=list)
+    proxy_host: str | None = None  # where receivers PUSH "KV arrived" notifications
+    proxy_port: int | None = None
+    policy: str = "load"  # "load" (power of two choices) | "round_robin"
+    affinity_header: str | None = None
+    api_key: str | None = None
+    upstream_api_key: str | None = None
+    admin: bool = True
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0
+    health_interval: float = 5.0
+    log_level: str = "info"
+
+
+def _csv(flag: str, value: str | None, kind=str) -> list:
+    if value is None:
+        return []
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    try:
+        return [kind(v) for v in items]
+    except ValueError:
+        raise OptionError(f"{flag}: expected a comma-separated list of {kind.__name__}s, got {value!r}") from None
+
+
+def _port(flag: str, p: int) -> int:
+    if not 0 < p < 65536:
+        raise OptionError(f"{flag}: {p} is not a port number (1-65535)")
+    return p
+
+
+def _expand(flag: str, hosts: list[str], ports: list[int], count: int | None) -> list[tuple[str, int]]:
+    """LMCache's convention: lists pair up; one host and one port with a count mean consecutive ports."""
+    if not ports:
+        if hosts or count is not None:
+            raise OptionError(f"--{flag}-port is required with --{flag}-host / --num-{flag}s")
+        return []
+    for p in ports:
+        _port(f"--{flag}-port", p)
+    hosts = hosts or ["localhost"]
+    if count is not None and count < 1:
+        raise OptionError(f"--num-{flag}s must be at least 1, got {count}")
+    n = count if count is not None else max(len(hosts), len(ports))
+    if len(ports) == 1 and n > 1:
+        ports = [ports[0] + i for i in range(n)]
+    if len(hosts) == 1 and n > 1:
+        hosts = hosts * n
+    if len(ports) != n or len(hosts) != n:
+        raise OptionError(f"--{flag}-host/--{flag}-port: {len(hosts)} hosts and {len(ports)} ports for "
+                          f"--num-{flag}s {n}: give one of each per instance, or one host and the first port")
+    return list(zip(hosts, ports, strict=True))
+
+
+def _url(flag: str, raw: str) -> str:
+    u = raw if "://" in raw else f"http://{raw}"
+    parts = urlsplit(u)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise OptionError(f"{flag}: {raw!r} is not http://host:port")
+    return f"{parts.scheme}://{parts.hostname}:{parts.port}"
+
+
+def decoder_from(flag: str, raw: str) -> InstanceSpec:
+    """`URL[,init_port,alloc_port]` (init/alloc may be `a+b` lists for TP ranks)."""
+    url, *ports = [p.strip() for p in raw.split(",")]
+    if len(ports) not in (0, 2):
+        raise OptionError(f"{flag}: expected URL or URL,init_port,alloc_port, got {raw!r}")
+    if not ports:
+        return InstanceSpec("decoder", _url(flag, url))
+    try:
+        init = tuple(_port(flag, int(p)) for p in ports[0].split("+"))
+        alloc = tuple(_port(flag, int(p)) for p in ports[1].split("+"))
+    except ValueError:
+        raise OptionError(f"{flag}: ports must be numbers, got {raw!r}") from None
+    if len(init) != len(alloc):
+        raise OptionError(f"{flag}: as many init ports as alloc ports (one per TP rank), got {raw!r}")
+    return InstanceSpec("decoder", _url(flag, url), init[0], alloc[0], init, alloc)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvferry-proxy", description="OpenAI-compatible prefill/decode disaggregation proxy (kvferry).")
+    a = ap.add_argument
+    a("--host", default=None, help="bind address (default 127.0.0.1)")
+    a("--port", type=int, default=None, help="listen port (default 9000)")
+    a("--prefiller-host", default=None, help="comma-separated hosts (LMCache flag)")
+    a("--prefiller-port", default=None, help="comma-separated ports, or the first of consecutive ports")
+    a("--num-prefillers", type=int, default=None)
+    a("--decoder-host", default=None)
+    a("--decoder-port", default=None)
+    a("--decoder-init-port", default=None, help="receiver init ports, one per decoder")
+    a("--decoder-alloc-port", default=None, help="receiver alloc ports, one per decoder")
+    a("--num-decoders", type=int, default=None)
+    a("--proxy-host", default=None, help="where decoders' receivers send KV-arrived notifications")
+    a("--proxy-port", type=int, default=None)
+    a("--prefiller", action="append", default=[], metavar="URL", help="a prefiller (repeatable)")
+    a("--decoder", action="append", default=[], metavar="URL[,INIT,ALLOC]", help="a decoder (repeatable)")
+    a("--config", default=None, help="YAML file with any of these options (flags win)")
+    a("--policy", choices=("load", "round_robin"), default=None)
+    a("--affinity-header", default=None, help="route requests with the same header value to the same instances")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
+    a("--upstream-api-key", default=None, help="Authorization sent to the vLLM instances")
+    a("--connect-timeout", type=float, default=None)
+    a("--read-timeout", type=float, default=None)
+    a("--health-interval", type=float, default=None)
+    a("--no-admin", action="store_true", help="disable the /admin API")
+    a("--log-level", default=None)
+    return ap
+
+
+_YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefillers", "decoder_host", "decoder_port",
+              "decoder_init_port", "decoder_alloc_port", "num_decoders", "proxy_host", "proxy_port", "prefiller",
+              "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
+              "read_timeout", "health_interval", "no_admin", "log_level"}
+
+
+def parse(argv: list[str] | None = None) -> ProxyOptions:
+    ap = parser()
+    ns = ap.parse_args(argv)
+    vals = {k: v for k, v in vars(ns).items() if v is not None and v is not False and v != []}
+    if ns.config:
+        try:
+            with open(ns.config) as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise OptionError(f"--config {ns.config}: {e}") from None
+        if not isinstance(data, dict):
+            raise OptionError(f"--config {ns.config}: expected a mapping of options")
+        for k, v in data.items():
+            key = str(k).replace("-", "_")
+            if key not in _YAML_KEYS:
+                raise OptionError(f"--config {ns.config}: unknown option {k!r}")
+            if isinstance(v, list) and key not in ("prefiller", "decoder"):
+                v = ",".join(str(x) for x in v)
+            vals.setdefault(key, v)
+    o = ProxyOptions()
+    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "log_level"):
+        if key in vals:
+            setattr(o, key, str(vals[key]))
+    for key in ("port", "proxy_port"):
+        if key in vals:
+            setattr(o, key, _port(f"--{key.replace('_', '-')}", int(vals[key])))
+    for key in ("connect_timeout", "read_timeout", "health_interval"):
+        if key in vals:
+            v = float(vals[key])
+            if v <= 0:
+                raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
+            setattr(o, key, v)
+    o.admin = not vals.get("no_admin", False)
+    if o.policy not in ("load", "round_robin"):
+        raise OptionError(f"--policy: {o.policy!r} is not 'load' or 'round_robin'")
+
+    pf = _expand("prefiller", _csv("--prefiller-host", vals.get("prefiller_host")),
+                 _csv("--prefiller-port", vals.get("prefiller_port"), int), vals.get("num_prefillers"))
+    o.prefillers = [InstanceSpec("prefiller", _url("--prefiller-host", f"{h}:{p}")) for h, p in pf]
+    o.prefillers += [InstanceSpec("prefiller", _url("--prefiller", u)) for u in _list(vals.get("prefiller"))]
+    dc = _expand("decoder", _csv("--decoder-host", vals.get("decoder_host")),
+                 _csv("--decoder-port", vals.get("decoder_port"), int), vals.get("num_decoders"))
+    if dc:
+        init = _csv("--decoder-init-port", vals.get("decoder_init_port"), int)
+        alloc = _csv("--decoder-alloc-port", vals.get("decoder_alloc_port"), int)
+        for flag, ports in (("--decoder-init-port", init), ("--decoder-alloc-port", alloc)):
+            if not ports:
+                raise OptionError(f"{flag} is required with --decoder-host/--decoder-port: the decoders' "
+                                  "receiver ports (pd_peer_init_port / pd_peer_alloc_port of their configs)")
+            if len(ports) == 1 and len(dc) > 1:
+                ports[:] = [ports[0] + i for i in range(len(dc))]
+            if len(ports) != len(dc):
+                raise OptionError(f"{flag}: {len(ports)} ports for {len(dc)} decoders")
+            for p in ports:
+                _port(flag, p)
+        o.decoders = [InstanceSpec("decoder", _url("--decoder-host", f"{h}:{p}"), i, a, (i,), (a,))
+                      for (h, p), i, a in zip(dc, init, alloc, strict=True)]
+    o.decoders += [decoder_from("--decoder", d) for d in _list(vals.get("decoder"))]
+    if not o.prefillers:
+        raise OptionError("no prefiller: give --prefiller-host/--prefiller-port (or --prefiller URL)")
+    if not o.decoders:
+        raise OptionError("no decoder: give --decoder-host/--decoder-port with --decoder-init-port and "
+                          "--decoder-alloc-port (or --decoder URL,init_port,alloc_port)")
+    for d in o.decoders:
+        if d.init_port is None:
+            raise OptionError(f"--decoder {d.url}: its receiver ports are needed: URL,init_port,alloc_port")
+    return o
+
+
+def _list(v) -> list[str]:
+    if v is None:
+        return []
+    return [str(x) for x in v] if isinstance(v, list) else [str(v)]

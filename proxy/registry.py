@@ -1,0 +1,102 @@
+"""The instances the proxy routes to, their health and load, and the routing policies."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from kvferry.proxy.options import InstanceSpec
+
+FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
+
+
+@dataclass
+class Instance:
+    spec: InstanceSpec
+    id: str
+    healthy: bool = True
+    draining: bool = False
+    fails: int = 0
+    active: int = 0  # requests in flight (decoder: active sequences)
+    queued_tokens: int = 0  # prefiller: prompt tokens sent and not yet answered
+    served: int = 0
+    errors: int = 0
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def ok(self) -> None:
+        self.fails = 0
+        self.healthy = True
+
+    def failed(self) -> None:
+        self.fails += 1
+        if self.fails >= FAILS_TO_EJECT:
+            self.healthy = False
+
+    def disagg_spec(self) -> dict:
+        return {"receiver_host": self.spec.host, "receiver_init_port": list(self.spec.init_ports),
+                "receiver_alloc_port": list(self.spec.alloc_ports)}
+
+    def describe(self) -> dict:
+        d = {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy, "draining": self.draining,
+             "in_flight": self.active, "queued_prompt_tokens": self.queued_tokens, "served": self.served,
+             "errors": self.errors}
+        if self.role == "decoder":
+            d["init_ports"], d["alloc_ports"] = list(self.spec.init_ports), list(self.spec.alloc_ports)
+        return d
+
+
+class NoInstance(RuntimeError):
+    """No healthy instance of a role."""
+
+
+@dataclass
+class Registry:
+    policy: str = "load"
+    instances: dict[str, Instance] = field(default_factory=dict)
+    _rr: dict[str, itertools.count] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count())
+
+    def add(self, spec: InstanceSpec) -> Instance:
+        for inst in self.instances.values():
+            if inst.url == spec.url:
+                raise ValueError(f"{spec.url} is already registered as {inst.id}")
+        inst = Instance(spec, f"{spec.role[0]}{next(self._ids)}")
+        self.instances[inst.id] = inst
+        return inst
+
+    def remove(self, iid: str) -> Instance:
+        return self.instances.pop(iid)
+
+    def of(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def pick(self, role: str, affinity: str | None = None) -> Instance:
+        pool = [i for i in self.of(role) if i.usable]
+        if not pool:
+            raise NoInstance(f"no healthy {role} available")
+        if affinity is not None:
+            # Rendezvous hashing: the same key keeps its instance while that instance is healthy.
+            return max(pool, key=lambda i: hashlib.blake2b(f"{affinity}|{i.url}".encode(), digest_size=8).digest())
+        if len(pool) == 1:
+            return pool[0]
+        if self.policy == "round_robin":
+            return pool[next(self._rr.setdefault(role, itertools.count())) % len(pool)]
+        a, b = random.sample(pool, 2)  # power of two choices on the role's load measure
+        return min((a, b), key=(lambda i: (i.queued_tokens, i.active)) if role == "prefiller"
+                   else (lambda i: (i.active, i.queued_tokens)))
+
+    def ready(self) -> bool:
+        return any(i.usable for i in self.of("prefiller")) and any(i.usable for i in self.of("decoder"))

@@ -1,0 +1,766 @@
+"""kvferry's OpenAI-facing disaggregation proxy (DESIGN.md steps 1-3, 5-7).
+
+Per request: pick a prefiller and a decoder, run the prompt on the prefiller with max_tokens=1 and
+kv_transfer_params naming the decoder's receiver, send the first token to the client at once,
+then stream the decoder's continuation as one well-formed OpenAI stream.
+
+- completions: the decode leg gets the prompt's token ids (returned by the prefiller, no
+  /tokenize round trip) plus the first token, and max_tokens - 1.
+- chat: both legs are chat requests (tools, reasoning, response_format behave as on one vLLM);
+  the decode leg repeats the conversation with the same seed, loads all of the prompt's KV but
+  its last token, and regenerates the first token, which the proxy drops from its stream.
+
+aiohttp on both sides (its client costs a fraction of httpx's CPU per request); imports neither
+torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import zmq
+from aiohttp import web
+
+from kvferry.common import messages as m
+from kvferry.common.log import get_logger
+from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, decoder_from
+from kvferry.proxy.registry import Instance, NoInstance, Registry
+
+logger = get_logger(__name__)
+
+MAX_BODY = 64 << 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+class ProxyError(Exception):
+    """An error answered to the client as an OpenAI-style JSON body."""
+
+    def __init__(self, status: int, message: str, kind: str = "proxy_error", body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.body = status, message, kind, body
+
+    def response(self) -> web.Response:
+        if self.body is not None:  # an upstream 4xx, passed through as the engine wrote it
+            return web.Response(status=self.status, body=self.body, content_type="application/json")
+        return web.json_response(error_body(self.status, self.message, self.kind), status=self.status)
+
+
+def error_body(status: int, message: str, kind: str) -> dict:
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": etype, "code": kind}, "object": "error", "message": message,
+            "type": etype, "code": status}
+
+
+class Upstream:
+    """One leg to one instance: counts its load, maps failures to client errors."""
+
+    def __init__(self, proxy: Proxy, inst: Instance, prompt_tokens: int = 0) -> None:
+        self.proxy, self.inst, self.tokens = proxy, inst, prompt_tokens
+
+    def __enter__(self) -> Upstream:
+        self.inst.active += 1
+        self.inst.queued_tokens += self.tokens
+        self.proxy.metrics.in_flight.labels(self.inst.id, self.inst.role).inc()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inst.active -= 1
+        self.inst.queued_tokens -= self.tokens
+        self.proxy.metrics.in_flight.labels(self.inst.id, self.inst.role).dec()
+
+    def fail(self, kind: str, status: int, message: str) -> ProxyError:
+        self.inst.errors += 1
+        self.proxy.metrics.errors.labels(kind, self.inst.id).inc()
+        return ProxyError(status, message, kind)
+
+    async def open(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POST and return the response once its status is 2xx; errors become ProxyError."""
+        p = self.proxy
+        try:
+            resp = await p.session.post(f"{self.inst.url}{path}", data=json.dumps(body), headers=p.upstream_headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            self.inst.failed()
+            raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
+                                            f"{p.opts.connect_timeout:.0f}s (--connect-timeout)") from None
+        if resp.status >= 400:
+            raw = await resp.read()
+            resp.release()
+            if resp.status < 500:
+                raise ProxyError(resp.status, raw.decode(errors="replace")[:500], "upstream_4xx", body=raw)
+            raise self.fail("upstream_5xx", 502, f"{self.inst.role} {self.inst.url} answered {resp.status}: "
+                                                 f"{raw.decode(errors='replace')[:300]}")
+        self.inst.ok()
+        return resp
+
+    async def json(self, path: str, body: dict) -> dict:
+        resp = await self.open(path, body)
+        try:
+            return await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise self.fail("bad_upstream", 502, f"{self.inst.role} {self.inst.url}: unreadable answer ({e})") from None
+        finally:
+            resp.release()
+
+    async def events(self, path: str, body: dict) -> AsyncIterator[bytes]:
+        """The `data:` payloads of an SSE stream (without the `data: ` prefix), [DONE] excluded."""
+        resp = await self.open(path, body)
+        try:
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    data = line[6:].rstrip(b"\r\n")
+                    if data == b"[DONE]":
+                        return
+                    yield data
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            raise self.fail("stream_broken", 502, f"{self.inst.role} {self.inst.url} broke its stream: {e}") from None
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} stalled for "
+                                            f"{self.proxy.opts.read_timeout:.0f}s (--read-timeout)") from None
+        finally:
+            resp.release()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Proxy:
+    def __init__(self, opts: ProxyOptions) -> None:
+        self.opts = opts
+        self.registry = Registry(policy=opts.policy)
+        self.metrics = ProxyMetrics()
+        for spec in [*opts.prefillers, *opts.decoders]:
+            self._register(spec)
+        self.session: aiohttp.ClientSession | None = None
+        self.upstream_headers = {"Content-Type": "application/json"}
+        if opts.upstream_api_key:
+            self.upstream_headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
+        self._zmq = zmq.Context()
+        self._abort_socks: dict[str, zmq.Socket] = {}
+        self._arrivals: dict[str, float] = {}  # transfer_id -> when the prefiller answered
+        self._tasks: list[asyncio.Task] = []
+
+    def _register(self, spec: InstanceSpec) -> Instance:
+        inst = self.registry.add(spec)
+        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
+        return inst
+
+    # ---- app ----
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        if self.opts.admin:
+            app.router.add_get("/admin/instances", self.admin_list)
+            app.router.add_post("/admin/instances", self.admin_add)
+            app.router.add_post("/admin/instances/{iid}/drain", self.admin_drain)
+            app.router.add_post("/admin/instances/{iid}/undrain", self.admin_undrain)
+            app.router.add_delete("/admin/instances/{iid}", self.admin_remove)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
+                                        sock_read=self.opts.read_timeout)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, enable_cleanup_closed=True), auto_decompress=False)
+        self._tasks.append(asyncio.ensure_future(self._health_loop()))
+        if self.opts.proxy_port:
+            self._tasks.append(asyncio.ensure_future(self._notifications()))
+
+    async def _stop(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        self._zmq.destroy(linger=0)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """API key, and no traceback ever reaches a client."""
+        endpoint = request.path if request.path.startswith("/v1/") else "other"
+        if self.opts.api_key and request.path not in ("/health", "/metrics"):
+            if request.headers.get("Authorization", "") != f"Bearer {self.opts.api_key}":
+                self.metrics.requests.labels(endpoint, "401").inc()
+                return web.json_response(error_body(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                                    "unauthorized"), status=401)
+        try:
+            resp = await handler(request)
+        except ProxyError as e:
+            resp = e.response()
+        except web.HTTPException:
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels(endpoint, "499").inc()
+            raise
+        except Exception as e:  # noqa: BLE001 - the client gets a JSON error, the log the traceback
+            logger.exception("proxy error on %s", request.path)
+            resp = web.json_response(error_body(500, f"internal proxy error: {type(e).__name__}", "internal"),
+                                     status=500)
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        return resp
+
+    # ---- helpers ----
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "request body must be a JSON object", "bad_json")
+        n = body.get("n", 1)
+        if n != 1:
+            raise ProxyError(400, f"n={n!r}: disaggregated serving returns one sample per request; send n "
+                                  "requests (or n=1)", "unsupported_n")
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise ProxyError(400, "'stream' must be true or false", "bad_field")
+        return body
+
+    def _max_tokens(self, body: dict, key: str) -> int | None:
+        v = body.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ProxyError(400, f"'{key}' must be a positive integer, got {v!r}", "bad_field")
+        return v
+
+    def _pick(self, request: web.Request, role: str, exclude: Instance | None = None) -> Instance:
+        key = request.headers.get(self.opts.affinity_header) if self.opts.affinity_header else None
+        try:
+            inst = self.registry.pick(role, key)
+            if exclude is not None and inst is exclude:
+                others = [i for i in self.registry.of(role) if i.usable and i is not exclude]
+                if not others:
+                    raise NoInstance(f"no other healthy {role} to retry on")
+                inst = random.choice(others)
+            return inst
+        except NoInstance as e:
+            raise ProxyError(503, str(e), "no_instance") from None
+
+    async def _prefill(self, request: web.Request, path: str, body: dict, decoder: Instance,
+                       prompt_tokens: int) -> tuple[dict, str, Instance]:
+        """The prefill leg, retried once on another prefiller if it fails before anything was sent."""
+        p = self._pick(request, "prefiller")
+        for attempt in (0, 1):
+            tid = f"kvf-{uuid.uuid4().hex}"
+            leg = dict(body, kv_transfer_params={"transfer_id": tid, "ret_first_tok": True,
+                                                 "disagg_spec": decoder.disagg_spec()})
+            t0 = time.perf_counter()
+            try:
+                with Upstream(self, p, prompt_tokens) as up:
+                    out = await up.json(path, leg)
+                p.served += 1
+                self.metrics.prefill.observe(time.perf_counter() - t0)
+                self._arrivals[tid] = time.perf_counter()
+                return out, tid, p
+            except ProxyError as e:
+                if attempt or e.status < 500:
+                    raise
+                logger.warning("prefill on %s failed (%s); retrying on another prefiller", p.url, e.message)
+                p = self._pick(request, "prefiller", exclude=p)
+        raise AssertionError("unreachable")
+
+    def abort_transfer(self, decoder: Instance, tid: str, why: str) -> None:
+        """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
+        sock = self._abort_socks.get(decoder.id)
+        if sock is None:
+            sock = self._zmq.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.connect(f"tcp://{decoder.spec.host}:{decoder.spec.alloc_port}")
+            self._abort_socks[decoder.id] = sock
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=0, reason=why)), zmq.NOBLOCK)
+        self._arrivals.pop(tid, None)
+
+    # ---- /v1/completions ----
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        batch = _batch(prompt)
+        if batch is None:
+            raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of either",
+                             "bad_prompt")
+        max_tokens = self._max_tokens(body, "max_tokens")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        if len(batch) > 1:
+            if body.get("stream"):
+                raise ProxyError(400, "a batch of prompts with stream=true is not supported: send one request "
+                                      "per prompt, or stream=false", "unsupported_batch_stream")
+            outs = await asyncio.gather(*(self._completion_one(request, dict(body, prompt=p), max_tokens, t0)
+                                          for p in batch))
+            merged = outs[0]
+            merged["choices"] = [dict(o["choices"][0], index=i) for i, o in enumerate(outs)]
+            merged["usage"] = {k: sum(o["usage"][k] for o in outs) for k in ("prompt_tokens", "completion_tokens",
+                                                                              "total_tokens")}
+            return web.json_response(merged)
+        body = dict(body, prompt=batch[0])
+        if body.get("stream"):
+            return await self._completion_stream(request, body, max_tokens, t0)
+        return web.json_response(await self._completion_one(request, body, max_tokens, t0))
+
+    def _completion_legs(self, body: dict, max_tokens: int) -> dict:
+        leg = dict(body, max_tokens=1, stream=False, return_token_ids=True)
+        leg.pop("stream_options", None)
+        if "seed" not in leg:
+            leg["seed"] = random.randrange(1 << 31)
+        if leg.get("min_tokens"):
+            leg["min_tokens"] = 1
+        return leg
+
+    def _decode_leg(self, body: dict, first: dict, tid: str, max_tokens: int, stream: bool) -> dict:
+        choice = first["choices"][0]
+        ids = list(choice.get("prompt_token_ids") or first.get("prompt_token_ids") or [])
+        leg = dict(body, prompt=ids + list(choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
+                   kv_transfer_params={"transfer_id": tid}, seed=body.get("seed"))
+        for k in ("echo", "prompt_logprobs", "return_token_ids", "stream_options"):
+            leg.pop(k, None)
+        if body.get("return_token_ids"):
+            leg["return_token_ids"] = True
+        if stream:
+            leg["stream_options"] = {"include_usage": True}
+        if body.get("min_tokens"):
+            leg["min_tokens"] = max(0, body["min_tokens"] - 1)
+        if leg["seed"] is None:
+            leg.pop("seed")
+        return leg
+
+    async def _first_completion(self, request: web.Request, body: dict, max_tokens: int
+                                ) -> tuple[dict, str, Instance, bool]:
+        d = self._pick(request, "decoder")
+        prompt = body["prompt"]
+        ntok = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
+        if max_tokens <= 1:  # no decode leg: a plain request to a prefiller, no KV sent anywhere
+            p = self._pick(request, "prefiller")
+            with Upstream(self, p, ntok) as up:
+                return await up.json("/v1/completions", dict(body, stream=False)), "", d, True
+        first, tid, _ = await self._prefill(request, "/v1/completions", self._completion_legs(body, max_tokens),
+                                            d, ntok)
+        choice = first["choices"][0]
+        done = choice.get("finish_reason") == "stop" or not choice.get("token_ids")
+        if done:
+            self.abort_transfer(d, tid, "the first token ended the request")
+        return first, tid, d, done
+
+    async def _completion_one(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> dict:
+        first, tid, d, done = await self._first_completion(request, dict(body, return_token_ids=True), max_tokens)
+        if done:
+            out = first
+        else:
+            try:
+                with Upstream(self, d) as up:
+                    t1 = time.perf_counter()
+                    rest = await up.json("/v1/completions", self._decode_leg(body, first, tid, max_tokens, False))
+                    self.metrics.decoder_first.observe(time.perf_counter() - t1)
+                d.served += 1
+            except BaseException:
+                self.abort_transfer(d, tid, "decode leg failed")
+                raise
+            out = _merge_completion(first, rest)
+        if not body.get("return_token_ids"):
+            for c in out["choices"]:
+                c.pop("token_ids", None)
+                c.pop("prompt_token_ids", None)
+            out.pop("prompt_token_ids", None)
+        out.pop("kv_transfer_params", None)
+        self.metrics.total.observe(time.perf_counter() - t0)
+        return out
+
+    async def _completion_stream(self, request: web.Request, body: dict, max_tokens: int, t0: float
+                                 ) -> web.StreamResponse:
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        want_ids = bool(body.get("return_token_ids"))
+        keep = dict(body, return_token_ids=True)
+        first, tid, d, done = await self._first_completion(request, keep, max_tokens)
+        choice = first["choices"][0]
+        rid, created, model = first.get("id") or f"cmpl-{uuid.uuid4().hex}", first.get("created") or int(time.time()), \
+            first.get("model")
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        c0 = {"index": 0, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+              "finish_reason": choice.get("finish_reason") if done else None,
+              "stop_reason": choice.get("stop_reason") if done else None}
+        if want_ids:
+            c0["token_ids"] = choice.get("token_ids")
+            c0["prompt_token_ids"] = choice.get("prompt_token_ids")
+        await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                              "choices": [c0]}))
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        prompt_tokens = (first.get("usage") or {}).get("prompt_tokens", 0)
+        completion_tokens = (first.get("usage") or {}).get("completion_tokens", 1)
+        if not done:
+            finished = False
+            try:
+                with Upstream(self, d) as up:
+                    t1 = last = time.perf_counter()
+                    leg = self._decode_leg(body, first, tid, max_tokens, True)
+                    swap = None
+                    async for data in up.events("/v1/completions", leg):
+                        if swap is None:
+                            chunk = json.loads(data)
+                            swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                    f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
+                            self.metrics.decoder_first.observe(time.perf_counter() - t1)
+                        if b'"usage"' in data:
+                            u = json.loads(data)
+                            if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
+                                completion_tokens += u["usage"].get("completion_tokens", 0)
+                                continue
+                        if swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data):
+                            # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
+                            data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                        else:
+                            chunk = json.loads(data)
+                            chunk["id"], chunk["created"] = rid, created
+                            if not want_ids:
+                                for c in chunk.get("choices", []):
+                                    c.pop("token_ids", None)
+                            data = json.dumps(chunk, separators=(",", ":")).encode()
+                        await resp.write(b"data: " + data + b"\n\n")
+                        now = time.perf_counter()
+                        self.metrics.itl.observe(now - last)
+                        last = now
+                finished = True
+                d.served += 1
+            except ProxyError as e:
+                # Headers are out: tell the client in the stream, OpenAI-style, then end it.
+                await resp.write(sse(error_body(e.status, e.message, e.kind)))
+            finally:
+                if not finished:
+                    self.abort_transfer(d, tid, "decode leg did not finish")
+        if include_usage:
+            await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                           "completion_tokens": completion_tokens,
+                                                           "total_tokens": prompt_tokens + completion_tokens}}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.metrics.total.observe(time.perf_counter() - t0)
+        return resp
+
+    # ---- /v1/chat/completions ----
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        body = await self._body(request)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ProxyError(400, "'messages' must be a non-empty list", "bad_messages")
+        max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = self._max_tokens(body, max_key)
+        if "seed" not in body:  # both legs sample the first token alike
+            body = dict(body, seed=random.randrange(1 << 31))
+        d = self._pick(request, "decoder")
+        ntok = sum(len(str(x.get("content", ""))) for x in msgs if isinstance(x, dict)) // 4 + 1
+        stream = bool(body.get("stream"))
+        if max_tokens == 1:
+            p = self._pick(request, "prefiller")
+            with Upstream(self, p, ntok) as up:
+                if not stream:
+                    return web.json_response(await up.json("/v1/chat/completions", body))
+                return await self._relay(request, up, "/v1/chat/completions", body, t0)
+        leg = dict(body, stream=False, **{max_key: 1})
+        leg.pop("stream_options", None)
+        if leg.get("min_tokens"):
+            leg["min_tokens"] = 1
+        first, tid, _ = await self._prefill(request, "/v1/chat/completions", leg, d, ntok)
+        choice = first["choices"][0]
+        if choice.get("finish_reason") in ("stop", "tool_calls"):
+            self.abort_transfer(d, tid, "the first token ended the request")
+            if not stream:
+                return web.json_response(first)
+            return await self._chat_as_stream(request, first, body, t0)
+        dleg = dict(body, kv_transfer_params={"transfer_id": tid})
+        try:
+            with Upstream(self, d) as up:
+                if not stream:
+                    out = await up.json("/v1/chat/completions", dleg)
+                    d.served += 1
+                    self.metrics.total.observe(time.perf_counter() - t0)
+                    return web.json_response(out)
+                msg = choice.get("message") or {}
+                fast = msg.get("content") if (msg.get("content") and not msg.get("tool_calls")
+                                              and not msg.get("reasoning_content")) else None
+                r = await self._relay(request, up, "/v1/chat/completions", dleg, t0, first_text=fast, first=first)
+                d.served += 1
+                return r
+        except BaseException:
+            self.abort_transfer(d, tid, "decode leg failed")
+            raise
+
+    async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
+                     first_text: str | None = None, first: dict | None = None) -> web.StreamResponse:
+        """Stream a chat leg to the client; with `first_text`, send the prefiller's first token at
+        once and drop the decoder's repeat of it."""
+        events = up.events(path, body)
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        started = False
+        rid = created = model = None
+        skip = first_text or ""
+        if first_text is not None and first is not None:
+            rid, created, model = first.get("id"), first.get("created"), first.get("model")
+            await resp.prepare(request)
+            started = True
+            await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": first_text},
+                                               "logprobs": None, "finish_reason": None}]}))
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+        try:
+            async for data in events:
+                chunk = json.loads(data)
+                if rid is None:
+                    rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+                chunk["id"], chunk["created"], chunk["model"] = rid, created, model
+                if skip and chunk.get("choices"):
+                    delta = chunk["choices"][0].get("delta") or {}
+                    delta.pop("role", None)
+                    text = delta.get("content")
+                    if text:
+                        n = min(len(skip), len(text))
+                        if text[:n] != skip[:n]:
+                            logger.warning("decoder's first token differs from the prefiller's; streaming on")
+                            skip = ""
+                        else:
+                            delta["content"], skip = text[n:], skip[n:]
+                    if not delta.get("content") and not chunk["choices"][0].get("finish_reason") and \
+                            not any(k for k in delta if k != "content"):
+                        continue
+                if not started:
+                    await resp.prepare(request)
+                    started = True
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                await resp.write(sse(chunk))
+        except ProxyError as e:
+            if not started:
+                raise
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
+        if not started:
+            await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.metrics.total.observe(time.perf_counter() - t0)
+        return resp
+
+    async def _chat_as_stream(self, request: web.Request, out: dict, body: dict, t0: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        choice = out["choices"][0]
+        msg = choice.get("message") or {}
+        head = {"id": out.get("id"), "object": "chat.completion.chunk", "created": out.get("created"),
+                "model": out.get("model")}
+        delta = {k: v for k, v in msg.items() if v not in (None, [], "") and k != "role"}
+        await resp.write(sse(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", **delta},
+                                                  "logprobs": choice.get("logprobs"),
+                                                  "finish_reason": choice.get("finish_reason")}])))
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
+            await resp.write(sse(dict(head, choices=[], usage=out["usage"])))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- other endpoints ----
+    async def models(self, request: web.Request) -> web.Response:
+        for role in ("decoder", "prefiller"):
+            for inst in self.registry.of(role):
+                if inst.usable:
+                    with Upstream(self, inst) as up:
+                        try:
+                            resp = await self.session.get(f"{inst.url}/v1/models", headers=self.upstream_headers)
+                            body = await resp.read()
+                            resp.release()
+                        except (aiohttp.ClientError, TimeoutError) as e:
+                            raise up.fail("unreachable", 503, f"{inst.url}: {e}") from None
+                    return web.Response(body=body, status=resp.status, content_type="application/json")
+        raise ProxyError(503, "no healthy instance to list models from", "no_instance")
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.registry.ready()
+        return web.json_response({"status": "ok" if ok else "unavailable",
+                                  "instances": [i.describe() for i in self.registry.instances.values()]},
+                                 status=200 if ok else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def admin_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"instances": [i.describe() for i in self.registry.instances.values()]})
+
+    async def admin_add(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        role, url = body.get("role"), body.get("url")
+        try:
+            if role == "prefiller":
+                from kvferry.proxy.options import _url
+                spec = InstanceSpec("prefiller", _url("url", str(url)))
+            elif role == "decoder":
+                raw = f"{url},{body.get('init_port')},{body.get('alloc_port')}"
+                spec = decoder_from("url", raw)
+            else:
+                raise OptionError(f"role must be 'prefiller' or 'decoder', got {role!r}")
+            inst = self._register(spec)
+        except (OptionError, ValueError) as e:
+            raise ProxyError(400, str(e), "bad_instance") from None
+        logger.info("admin: added %s %s as %s", role, inst.url, inst.id)
+        return web.json_response(inst.describe(), status=201)
+
+    def _inst(self, request: web.Request) -> Instance:
+        inst = self.registry.instances.get(request.match_info["iid"])
+        if inst is None:
+            raise ProxyError(404, f"no instance {request.match_info['iid']!r}", "not_found")
+        return inst
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        inst.draining = True
+        return web.json_response(inst.describe())
+
+    async def admin_undrain(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        inst.draining = False
+        return web.json_response(inst.describe())
+
+    async def admin_remove(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        self.registry.remove(inst.id)
+        self.metrics.healthy.remove(inst.id, inst.role, inst.url)
+        return web.json_response(inst.describe())
+
+    # ---- background ----
+    async def _health_loop(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=min(2.0, self.opts.health_interval))
+        while True:
+            for inst in list(self.registry.instances.values()):
+                try:
+                    async with self.session.get(f"{inst.url}/health", timeout=timeout,
+                                                headers=self.upstream_headers) as r:
+                        good = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    good = False
+                was = inst.healthy
+                inst.ok() if good else inst.failed()
+                if was != inst.healthy:
+                    logger.warning("%s %s is %s", inst.role, inst.url, "back" if inst.healthy else "unhealthy: ejected")
+                self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+            await asyncio.sleep(self.opts.health_interval)
+
+    async def _notifications(self) -> None:
+        """Receivers PUSH one message per arrived transfer (pd_proxy_host/pd_proxy_port)."""
+        import zmq.asyncio
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        sock.bind(f"tcp://{self.opts.proxy_host or '0.0.0.0'}:{self.opts.proxy_port}")
+        try:
+            while True:
+                raw = await sock.recv()
+                try:
+                    note = m.decode(raw, expect=m.ProxyNotification)
+                except m.MessageError as e:
+                    logger.warning("bad notification on the proxy port: %s", e)
+                    continue
+                t = self._arrivals.pop(note.transfer_id, None)
+                if t is not None:
+                    self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
+                if len(self._arrivals) > 100_000:  # transfers whose notification never came
+                    self._arrivals.clear()
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+
+def _batch(prompt: Any) -> list | None:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or all(
+                isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return list(prompt)
+    return None
+
+
+def _merge_completion(first: dict, rest: dict) -> dict:
+    a, b = first["choices"][0], rest["choices"][0]
+    out = dict(first)
+    c = dict(a, text=(a.get("text") or "") + (b.get("text") or ""), finish_reason=b.get("finish_reason"),
+             stop_reason=b.get("stop_reason"))
+    if "token_ids" in a and b.get("token_ids") is not None:
+        c["token_ids"] = list(a["token_ids"]) + list(b["token_ids"])
+    la, lb = a.get("logprobs"), b.get("logprobs")
+    if la and lb:
+        shift = len(a.get("text") or "")
+        c["logprobs"] = {"tokens": la["tokens"] + lb["tokens"], "token_logprobs": la["token_logprobs"] + lb[
+            "token_logprobs"], "top_logprobs": (la.get("top_logprobs") or []) + (lb.get("top_logprobs") or []),
+            "text_offset": (la.get("text_offset") or []) + [o + shift for o in lb.get("text_offset") or []]}
+    out["choices"] = [c]
+    pu, du = first.get("usage") or {}, rest.get("usage") or {}
+    prompt_tokens = pu.get("prompt_tokens", 0)
+    completion = pu.get("completion_tokens", 1) + du.get("completion_tokens", 0)
+    out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion}
+    out.pop("kv_transfer_params", None)
+    return out
+
+
+async def serve(opts: ProxyOptions) -> None:
+    proxy = Proxy(opts)
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, opts.host, opts.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OptionError(f"--host/--port: cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
+    logger.info("kvferry proxy on http://%s:%d: %d prefillers, %d decoders, policy %s", opts.host, opts.port,
+                len(opts.prefillers), len(opts.decoders), opts.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+    try:
+        opts = options_or_exit(argv)
+        try:
+            import uvloop
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        except ImportError:
+            pass
+        asyncio.run(serve(opts))
+    except OptionError as e:
+        print(f"kvferry-proxy: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def options_or_exit(argv: list[str] | None) -> ProxyOptions:
+    from kvferry.proxy.options import parse
+    return parse(argv)

@@ -1,0 +1,220 @@
+"""A fast, deterministic stand-in for a vLLM OpenAI server, for the proxy's unit tests and overhead
+benchmark only (never as proof that disaggregation works).
+
+    python -m kvferry.proxy.stub_engine --port 8100 [--token-delay 0.001]
+
+Tokens are a pure function of the sequence so far, so prefill-then-decode through the proxy gives
+the same answer as one request to one stub. "<eos-first>" in a prompt makes the first token EOS.
+Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next requests,
+``GET /stub/log`` returns the request bodies it saw and how many streams the client cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+EOS = 2
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"))  # compact, as vLLM writes it
+
+
+def tokenize(text: str) -> list[int]:
+    return [10 + (b % 200) for b in text.encode()]
+
+
+def next_token(seq: list[int]) -> int:
+    h = 7
+    for t in seq[-64:]:
+        h = (h * 31 + t) % 1_000_003
+    return 300 + (h + len(seq)) % 500
+
+
+def token_text(t: int) -> str:
+    return f" w{t}"
+
+
+def render_chat(messages: list[dict]) -> str:
+    return "".join(f"<{m.get('role')}>{m.get('content') or ''}\n" for m in messages) + "<assistant>"
+
+
+class Stub:
+    def __init__(self, token_delay: float) -> None:
+        self.token_delay = token_delay
+        self.fail: list[int] = []
+        self.log: list[dict] = []
+        self.cut_streams = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", lambda r: web.Response(text=""))
+        app.router.add_post("/stub/fail", self.set_fail)
+        app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log,
+                                                                      "cut_streams": self.cut_streams}))
+        app.router.add_post("/stub/reset", self.reset)
+        return app
+
+    async def set_fail(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.fail += [int(body.get("status", 500))] * int(body.get("count", 1))
+        return web.json_response({"ok": True})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.fail, self.log, self.cut_streams = [], [], 0
+        return web.json_response({"ok": True})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "kvferry"}]})
+
+    def _generate(self, body: dict, prompt_ids: list[int], eos_first: bool) -> tuple[list[int], str]:
+        n = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        seq, out = list(prompt_ids), []
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        for i in range(n):
+            t = EOS if (eos_first and i == 0) else next_token(seq)
+            out.append(t)
+            seq.append(t)
+            if t == EOS:
+                return out, "stop"
+            text = "".join(token_text(x) for x in out)
+            if any(s in text for s in stops):
+                return out, "stop"
+        return out, "length"
+
+    async def _maybe_fail(self) -> web.Response | None:
+        if self.fail:
+            status = self.fail.pop(0)
+            return web.json_response({"error": {"message": f"stub failure {status}", "type": "stub", "code": status}},
+                                     status=status)
+        return None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.log.append(body)
+        if (r := await self._maybe_fail()) is not None:
+            return r
+        prompt = body.get("prompt")
+        if prompt is None or body.get("max_tokens", 1) == 0:
+            return web.json_response({"error": {"message": "bad request", "type": "BadRequestError", "code": 400}},
+                                     status=400)
+        ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        eos_first = isinstance(prompt, str) and "<eos-first>" in prompt
+        toks, finish = self._generate(body, ids, eos_first)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        kvp = body.get("kv_transfer_params")
+        extra = {}
+        if isinstance(kvp, dict) and kvp.get("disagg_spec"):
+            extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
+                                           "num_tokens": len(ids)}
+        texts = [token_text(t) if t != EOS else "" for t in toks]
+        echo = prompt if (body.get("echo") and isinstance(prompt, str)) else ""
+        lp = bool(body.get("logprobs"))
+
+        def logprobs(ts: list[int], tx: list[str]) -> dict | None:
+            return {"tokens": tx, "token_logprobs": [-(t % 7) / 10 for t in ts],
+                    "top_logprobs": [{x: -(t % 7) / 10} for t, x in zip(ts, tx, strict=True)],
+                    "text_offset": list(range(len(ts)))} if lp else None
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
+        if not body.get("stream"):
+            choice = {"index": 0, "text": echo + "".join(texts), "logprobs": logprobs(toks, texts),
+                      "finish_reason": finish, "stop_reason": None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = toks
+                choice["prompt_token_ids"] = ids
+            await asyncio.sleep(self.token_delay * len(toks))
+            return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": "stub",
+                                      "choices": [choice], "usage": usage, **extra})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i, (t, x) in enumerate(zip(toks, texts, strict=True)):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                c = {"index": 0, "text": (echo if i == 0 else "") + x, "logprobs": logprobs([t], [x]),
+                     "finish_reason": finish if i == len(toks) - 1 else None, "stop_reason": None}
+                if body.get("return_token_ids"):
+                    c["token_ids"] = [t]
+                await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
+                                                         "model": "stub", "choices": [c]}).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
+                                                         "model": "stub", "choices": [], "usage": usage}).encode()
+                                 + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cut_streams += 1
+            raise
+        return resp
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.log.append(body)
+        if (r := await self._maybe_fail()) is not None:
+            return r
+        text = render_chat(body.get("messages") or [])
+        ids = tokenize(text)
+        toks, finish = self._generate(body, ids, "<eos-first>" in text)
+        texts = [token_text(t) if t != EOS else "" for t in toks]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
+        kvp = body.get("kv_transfer_params")
+        extra = {}
+        if isinstance(kvp, dict) and kvp.get("disagg_spec"):
+            extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
+                                           "num_tokens": len(ids)}
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * len(toks))
+            return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": "stub",
+                                      "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                           "content": "".join(texts)},
+                                                   "logprobs": None, "finish_reason": finish}],
+                                      "usage": usage, **extra})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": "stub"}
+        try:
+            await resp.write(b"data: " + _dumps(dict(head, choices=[{"index": 0, "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])).encode() + b"\n\n")
+            for i, x in enumerate(texts):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                await resp.write(b"data: " + _dumps(dict(head, choices=[{
+                    "index": 0, "delta": {"content": x}, "logprobs": None,
+                    "finish_reason": finish if i == len(texts) - 1 else None}])).encode() + b"\n\n")
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await resp.write(b"data: " + _dumps(dict(head, choices=[], usage=usage)).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cut_streams += 1
+            raise
+        return resp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    args = ap.parse_args()
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    web.run_app(Stub(args.token_delay).app(), host=args.host, port=args.port, access_log=None, print=None,
+                handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()
