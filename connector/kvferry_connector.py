@@ -216,9 +216,9 @@ class _Scheduler:
             return
         self._tried.add(rid)
         tid = decode_transfer_id(request.kv_transfer_params)
-        n = local + num_external
-        self._loads.append(LoadOp(rid, tid, list(request.prompt_token_ids[:n]), list(blocks.get_block_ids()[0]),
-                                  n, local))
+        # The full prompt: the transfer may cover one token more than is loaded (see PDConsumer).
+        self._loads.append(LoadOp(rid, tid, list(request.prompt_token_ids), list(blocks.get_block_ids()[0]),
+                                  local + num_external, local))
 
     def build(self, so: SchedulerOutput) -> KVFerryMetadata:
         meta = KVFerryMetadata(idle=so.total_num_scheduled_tokens == 0)

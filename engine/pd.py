@@ -196,7 +196,7 @@ class PDConsumer:
 
     def expect(self, req_id: str, transfer_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
                num_tokens: int, skip_tokens: int = 0) -> None:
-        self._pending[req_id] = _Expected(req_id, transfer_id, list(token_ids[:num_tokens]), list(block_ids),
+        self._pending[req_id] = _Expected(req_id, transfer_id, list(token_ids), list(block_ids),
                                           num_tokens, skip_tokens,
                                           time.monotonic() + self.cfg.pd_kv_ready_timeout)
 
@@ -264,33 +264,44 @@ class PDConsumer:
 
     def _load(self, e: _Expected) -> None:
         t0 = time.monotonic()
+        bs = self.kv.layout.block_size
         with self.receiver.claim(e.transfer_id, 0) as got:
-            want = chunk_keys(e.token_ids, self.fp.chunk_size, self._salt)
-            if got.num_tokens != e.num_tokens or list(got.chunk_keys) != want:
-                raise TransferError(f"the prefiller sent {got.num_tokens} tokens whose chunk keys do not match "
-                                    f"this request's first {e.num_tokens} prompt tokens (different prompt or "
-                                    "tokenizer?)")
+            # The prefiller may have sent more than is loaded (a chat decode leg repeats the whole
+            # prompt and recomputes its last token): its chunks must match this prompt's start.
+            sent = got.num_tokens
+            if not e.num_tokens <= sent <= len(e.token_ids):
+                raise TransferError(f"the prefiller sent {sent} tokens; this request needs {e.num_tokens} of its "
+                                    f"{len(e.token_ids)} prompt tokens")
+            if list(got.chunk_keys) != chunk_keys(e.token_ids[:sent], self.fp.chunk_size, self._salt):
+                raise TransferError(f"the prefiller's {sent} tokens do not match this request's prompt (chunk keys "
+                                    "differ: a different prompt or tokenizer?)")
             if got.skip:
                 raise TransferError(f"chunks {got.skip} were skipped as already held, but this decoder "
                                     "has no tier to read them from")
-            plan = chunk_plan(e.num_tokens, e.block_ids, self.fp.chunk_size, self.kv.layout.block_size)
-            first_block = e.skip_tokens // self.kv.layout.block_size
+            usable = e.block_ids[:-(-e.num_tokens // bs)]  # blocks of the loaded tokens: all allocated
+            first_block = e.skip_tokens // bs
+            per = self.fp.chunk_size // bs
             ids, bufs, ntoks = [], [], []
-            per = self.fp.chunk_size // self.kv.layout.block_size
             nbytes = 0
-            for i, (blocks, n) in enumerate(plan):
-                if (i + 1) * per <= first_block:
-                    continue  # every block of this chunk is the prefix cache's: leave it alone
-                if i * per < first_block:
-                    # Shared (cached) blocks may be read by running requests: write only ours.
-                    if self.fmt != "block":
-                        raise TransferError(f"a local prefix hit of {e.skip_tokens} tokens ends inside "
-                                            f"chunk {i}: with pd_chunk_format token that chunk is recomputed")
-                    nbytes += self.kv.scatter_blocks(got.pages[i], blocks, first_block - i * per)
+            for i, start in enumerate(range(0, sent, self.fp.chunk_size)):
+                n = min(self.fp.chunk_size, sent - start)
+                held = -(-n // bs)  # blocks in this chunk's page
+                blocks = usable[i * per:i * per + held]
+                first = max(0, first_block - i * per)  # leading blocks the prefix cache owns
+                if first >= len(blocks):
                     continue
-                ids.append(blocks)
-                bufs.append(got.pages[i])
-                ntoks.append(n)
+                if first == 0 and len(blocks) == held:
+                    ids.append(blocks)
+                    bufs.append(got.pages[i])
+                    ntoks.append(n)
+                    continue
+                # Shared (cached) blocks may be read by running requests, and blocks past the
+                # loaded tokens may not be allocated: write only the blocks in between.
+                if self.fmt != "block":
+                    raise TransferError(f"chunk {i} is only partly loadable (prefix cache hit of {e.skip_tokens} "
+                                        "tokens, or a recomputed last token); with pd_chunk_format token it is "
+                                        "recomputed")
+                nbytes += self.kv.scatter_blocks(got.pages[i], blocks, first, chunk_blocks=held)
             if ids:
                 nbytes += self.kv.copy_batch(ids, bufs, self.fmt, ntoks, to_chunk=False)
         dt = time.monotonic() - t0

@@ -194,20 +194,23 @@ class PagedKV:
         """Copy one chunk from `chunk` into the blocks `block_ids`; returns bytes read."""
         return self.copy_batch([block_ids], [chunk], fmt, [num_tokens], to_chunk=False)
 
-    def scatter_blocks(self, chunk: torch.Tensor, block_ids: Sequence[int], first: int) -> int:
-        """Scatter only blocks `first`.. of one block-format chunk (the earlier ones belong to the
-        prefix cache and may be read by other requests); returns bytes read."""
-        ids, _ = self._indices(block_ids, "block", None)
-        nblk = ids.numel()
-        if not 0 <= first < nblk:
-            raise ValueError(f"first block {first} is outside the chunk's {nblk} blocks")
+    def scatter_blocks(self, chunk: torch.Tensor, block_ids: Sequence[int], first: int,
+                       chunk_blocks: int | None = None) -> int:
+        """Scatter blocks `first`..`len(block_ids)-1` of a block-format chunk that holds
+        `chunk_blocks` blocks (default: one per id). The leading blocks belong to the prefix cache
+        and may be read by other requests; trailing ones may not be allocated. Returns bytes read."""
+        nblk = len(block_ids) if chunk_blocks is None else chunk_blocks
+        if not 0 <= first < len(block_ids) <= nblk:
+            raise ValueError(f"blocks {first}..{len(block_ids) - 1} are outside the chunk's {nblk} blocks")
+        tail = torch.tensor(list(block_ids[first:]), dtype=torch.long, device=self.device)
+        if int(tail.min()) < 0 or int(tail.max()) >= self.layout.num_blocks:
+            raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})")
         rb = self.layout.block_bytes
         src = self.chunk_bytes_view(chunk, len(self._planes) * nblk * rb).view(len(self._planes), nblk, rb)
-        tail = ids[first:]
         for q, plane in enumerate(self._planes):
             rows = torch.as_strided(plane, (plane.shape[0], rb), (plane.stride(0), 1))
-            rows.index_copy_(0, tail, src[q, first:])
-        return len(self._planes) * (nblk - first) * rb
+            rows.index_copy_(0, tail, src[q, first:len(block_ids)])
+        return len(self._planes) * (len(block_ids) - first) * rb
 
     def copy_batch(self, block_ids: Sequence[Sequence[int] | torch.Tensor], bufs: Sequence[torch.Tensor],
                    fmt: str, num_tokens: Sequence[int | None], to_chunk: bool) -> int:

@@ -108,7 +108,10 @@ class Upstream:
         resp = await self.open(path, body)
         try:
             return await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
+                                            f"{self.proxy.opts.read_timeout:.0f}s (--read-timeout)") from None
+        except (aiohttp.ClientError, ValueError) as e:
             raise self.fail("bad_upstream", 502, f"{self.inst.role} {self.inst.url}: unreadable answer ({e})") from None
         finally:
             resp.release()
@@ -270,7 +273,11 @@ class Proxy:
                 self.metrics.prefill.observe(time.perf_counter() - t0)
                 self._arrivals[tid] = time.perf_counter()
                 return out, tid, p
+            except asyncio.CancelledError:  # the client left: nobody will read this transfer
+                self.abort_transfer(decoder, tid, "client disconnected")
+                raise
             except ProxyError as e:
+                self.abort_transfer(decoder, tid, f"prefill failed: {e.message}"[:200])
                 if attempt or e.status < 500:
                     raise
                 logger.warning("prefill on %s failed (%s); retrying on another prefiller", p.url, e.message)

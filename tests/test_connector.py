@@ -4,7 +4,10 @@ instance, the decoder computes one prompt token, and lost transfers end in bound
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
+from kvferry.common.netutil import free_port
 from kvferry.connector.kvferry_connector import connector_config
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.launcher.vllm_proc import VLLMServer
@@ -23,10 +27,12 @@ from tests.pd_helpers import (
     Decoder,
     Prefiller,
     RawPeer,
+    completion,
     disagg,
     plain,
     source_tokens,
     tiny_fingerprint,
+    tokens_and_logprobs,
 )
 
 # Short bounds so the failure tests finish quickly; the defaults are in the README.
@@ -158,6 +164,25 @@ def test_decoder_computes_only_the_last_prompt_token(pd, peer) -> None:
 
 
 @pytest.mark.vllm
+def test_decode_leg_may_repeat_the_whole_prompt(pd, peer) -> None:
+    """A chat decode leg cannot append the first token; it sends the same prompt, loads all but
+    its last token (aligned to a block boundary or not) and recomputes that one."""
+    p, d, plain_vllm = pd
+    for n in (129, 600):
+        pr = prompt(n, seed=300 + n)
+        want = plain(plain_vllm, pr, 5)
+        tid = uuid.uuid4().hex
+        completion(p, pr, 1, kv_transfer_params={"transfer_id": tid, "disagg_spec": d.disagg_spec()})
+        before = source_tokens(d)
+        got = tokens_and_logprobs(completion(d, pr, 5, kv_transfer_params={"transfer_id": tid}))
+        after = source_tokens(d)
+        assert got == want
+        assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n - 1
+        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 1
+    assert peer.fully_free()
+
+
+@pytest.mark.vllm
 def test_kv_that_never_arrives_is_recomputed_within_the_timeout(pd, peer) -> None:
     _, d, plain_vllm = pd
     pr = prompt(400, seed=5)
@@ -230,3 +255,48 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
     finally:
         p2.stop()
         d2.stop()
+
+
+@pytest.mark.vllm
+def test_through_the_proxy_completions_and_chat_equal_one_plain_instance(pd, peer) -> None:
+    p, d, plain_vllm = pd
+    port = free_port()
+    px = subprocess.Popen([sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--prefiller", p.url,
+                           "--decoder", f"{d.url},{d.init_port},{d.alloc_port}"], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for n in (40, 700):
+            body = {"model": "tiny", "prompt": prompt(n, seed=900 + n), "max_tokens": 8, "temperature": 0,
+                    "return_token_ids": True}
+            want = httpx.post(plain_vllm.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+            text = ""
+            with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            assert text == want["text"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river " * 20}],
+                "max_tokens": 8, "temperature": 0}
+        want = httpx.post(plain_vllm.url + "/v1/chat/completions", json=chat, timeout=120).json()
+        got = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        content = ""
+        with httpx.stream("POST", url + "/v1/chat/completions", json=dict(chat, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        content += c["delta"].get("content") or ""
+        assert content == want["choices"][0]["message"]["content"]
+        assert peer.fully_free()
+    finally:
+        px.terminate()
+        px.wait(10)

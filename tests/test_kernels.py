@@ -255,3 +255,20 @@ def test_scatter_blocks_writes_only_the_blocks_after_first(name: str, first: int
             assert all(torch.equal(g[k].view(torch.uint8), o[k].view(torch.uint8)) for k in untouched)
     with pytest.raises(ValueError, match="outside"):
         b.scatter_blocks(chunk, ids, 4)
+
+
+def test_scatter_blocks_can_stop_before_the_chunk_ends() -> None:
+    """A chunk of 4 blocks loaded into a request that has only 3 of them allocated."""
+    src = make_caches("cpu", 2, 8, 16, 2, 32, torch.bfloat16, seed=3)
+    dst = make_caches("cpu", 2, 8, 16, 2, 32, torch.bfloat16, seed=4)
+    orig = [t.clone() for t in dst]
+    a, b = PagedKV(src, "cpu"), PagedKV(dst, "cpu")
+    chunk = torch.empty(a.chunk_nbytes("block", 64), dtype=torch.uint8)
+    a.gather([0, 1, 2, 3], chunk, "block")
+    b.scatter_blocks(chunk, [6, 4, 5], 1, chunk_blocks=4)
+    for layer in range(2):
+        s, d, o = (t.view(torch.uint8) for t in (src[layer], dst[layer], orig[layer]))
+        assert torch.equal(d[4], s[1]) and torch.equal(d[5], s[2])
+        assert all(torch.equal(d[k], o[k]) for k in (0, 1, 2, 3, 6, 7))
+    with pytest.raises(ValueError, match="outside"):
+        b.scatter_blocks(chunk, [1, 2, 3, 4, 5], 0, chunk_blocks=4)
