@@ -116,16 +116,27 @@ class Upstream:
         finally:
             resp.release()
 
-    async def events(self, path: str, body: dict) -> AsyncIterator[bytes]:
-        """The `data:` payloads of an SSE stream (without the `data: ` prefix), [DONE] excluded."""
+    async def events(self, path: str, body: dict) -> AsyncIterator[list[bytes]]:
+        """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
+        whatever arrived in one read, so the proxy writes once per read, not once per event."""
         resp = await self.open(path, body)
+        buf = b""
         try:
-            async for line in resp.content:
-                if line.startswith(b"data: "):
-                    data = line[6:].rstrip(b"\r\n")
-                    if data == b"[DONE]":
-                        return
-                    yield data
+            async for blob in resp.content.iter_any():
+                buf += blob
+                *events, buf = buf.split(b"\n\n")
+                batch = []
+                for ev in events:
+                    for line in ev.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            data = line[6:].rstrip(b"\r")
+                            if data == b"[DONE]":
+                                if batch:
+                                    yield batch
+                                return
+                            batch.append(data)
+                if batch:
+                    yield batch
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             raise self.fail("stream_broken", 502, f"{self.inst.role} {self.inst.url} broke its stream: {e}") from None
         except TimeoutError:
@@ -420,28 +431,32 @@ class Proxy:
                     t1 = last = time.perf_counter()
                     leg = self._decode_leg(body, first, tid, max_tokens, True)
                     swap = None
-                    async for data in up.events("/v1/completions", leg):
-                        if swap is None:
-                            chunk = json.loads(data)
-                            swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
-                                    f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
-                            self.metrics.decoder_first.observe(time.perf_counter() - t1)
-                        if b'"usage"' in data:
-                            u = json.loads(data)
-                            if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
-                                completion_tokens += u["usage"].get("completion_tokens", 0)
-                                continue
-                        if swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data):
-                            # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
-                            data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
-                        else:
-                            chunk = json.loads(data)
-                            chunk["id"], chunk["created"] = rid, created
-                            if not want_ids:
-                                for c in chunk.get("choices", []):
-                                    c.pop("token_ids", None)
-                            data = json.dumps(chunk, separators=(",", ":")).encode()
-                        await resp.write(b"data: " + data + b"\n\n")
+                    async for batch in up.events("/v1/completions", leg):
+                        out = []
+                        for data in batch:
+                            if swap is None:
+                                chunk = json.loads(data)
+                                swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                        f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
+                                self.metrics.decoder_first.observe(time.perf_counter() - t1)
+                            if b'"usage"' in data:
+                                u = json.loads(data)
+                                if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
+                                    completion_tokens += u["usage"].get("completion_tokens", 0)
+                                    continue
+                            if swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data):
+                                # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
+                                data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                            else:
+                                chunk = json.loads(data)
+                                chunk["id"], chunk["created"] = rid, created
+                                if not want_ids:
+                                    for c in chunk.get("choices", []):
+                                        c.pop("token_ids", None)
+                                data = json.dumps(chunk, separators=(",", ":")).encode()
+                            out.append(b"data: " + data + b"\n\n")
+                        if out:
+                            await resp.write(b"".join(out))
                         now = time.perf_counter()
                         self.metrics.itl.observe(now - last)
                         last = now
@@ -453,13 +468,13 @@ class Proxy:
             finally:
                 if not finished:
                     self.abort_transfer(d, tid, "decode leg did not finish")
+        tail = b""
         if include_usage:
-            await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                  "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                           "completion_tokens": completion_tokens,
-                                                           "total_tokens": prompt_tokens + completion_tokens}}))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            tail = sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                 "completion_tokens": completion_tokens,
+                                                 "total_tokens": prompt_tokens + completion_tokens}})
+        await resp.write_eof(tail + b"data: [DONE]\n\n")
         self.metrics.total.observe(time.perf_counter() - t0)
         return resp
 
@@ -530,38 +545,42 @@ class Proxy:
                                                "logprobs": None, "finish_reason": None}]}))
             self.metrics.ttft.observe(time.perf_counter() - t0)
         try:
-            async for data in events:
-                chunk = json.loads(data)
-                if rid is None:
-                    rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
-                chunk["id"], chunk["created"], chunk["model"] = rid, created, model
-                if skip and chunk.get("choices"):
-                    delta = chunk["choices"][0].get("delta") or {}
-                    delta.pop("role", None)
-                    text = delta.get("content")
-                    if text:
-                        n = min(len(skip), len(text))
-                        if text[:n] != skip[:n]:
-                            logger.warning("decoder's first token differs from the prefiller's; streaming on")
-                            skip = ""
-                        else:
-                            delta["content"], skip = text[n:], skip[n:]
-                    if not delta.get("content") and not chunk["choices"][0].get("finish_reason") and \
-                            not any(k for k in delta if k != "content"):
-                        continue
+            async for batch in events:
+                out = []
+                for data in batch:
+                    chunk = json.loads(data)
+                    if rid is None:
+                        rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+                    chunk["id"], chunk["created"], chunk["model"] = rid, created, model
+                    if skip and chunk.get("choices"):
+                        delta = chunk["choices"][0].get("delta") or {}
+                        delta.pop("role", None)
+                        text = delta.get("content")
+                        if text:
+                            n = min(len(skip), len(text))
+                            if text[:n] != skip[:n]:
+                                logger.warning("decoder's first token differs from the prefiller's; streaming on")
+                                skip = ""
+                            else:
+                                delta["content"], skip = text[n:], skip[n:]
+                        if not delta.get("content") and not chunk["choices"][0].get("finish_reason") and \
+                                not any(k for k in delta if k != "content"):
+                            continue
+                    out.append(sse(chunk))
+                if not out:
+                    continue
                 if not started:
                     await resp.prepare(request)
                     started = True
                     self.metrics.ttft.observe(time.perf_counter() - t0)
-                await resp.write(sse(chunk))
+                await resp.write(b"".join(out))
         except ProxyError as e:
             if not started:
                 raise
             await resp.write(sse(error_body(e.status, e.message, e.kind)))
         if not started:
             await resp.prepare(request)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await resp.write_eof(b"data: [DONE]\n\n")
         self.metrics.total.observe(time.perf_counter() - t0)
         return resp
 
