@@ -131,6 +131,9 @@ class Upstream:
                         if line.startswith(b"data: "):
                             data = line[6:].rstrip(b"\r")
                             if data == b"[DONE]":
+                                # Read to the end of the body: a released, fully read response
+                                # keeps its connection for the next request.
+                                await resp.content.read()
                                 if batch:
                                     yield batch
                                 return
