@@ -377,3 +377,15 @@ def test_api_key() -> None:
     finally:
         for p in [px, *ps, *ds]:
             p.stop()
+
+
+def test_locust_file_runs_headless_against_the_proxy(cluster, tmp_path: Path) -> None:
+    r = subprocess.run([str(Path(sys.executable).parent / "locust"), "-f", str(REPO / "benchmarks" / "locustfile.py"),
+                        "--headless", "-u", "4", "-r", "4", "-t", "4s", "--host", cluster["proxy"].url,
+                        "--csv", str(tmp_path / "l"), "--only-summary"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, KVFERRY_LOCUST_MODEL="stub"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = (tmp_path / "l_stats.csv").read_text().splitlines()
+    agg = [x for x in rows if x.startswith(",Aggregated") or ",Aggregated," in x][0].split(",")
+    head = rows[0].split(",")
+    assert int(agg[head.index("Request Count")]) > 10 and int(agg[head.index("Failure Count")]) == 0
