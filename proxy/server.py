@@ -70,13 +70,13 @@ class Upstream:
     def __enter__(self) -> Upstream:
         self.inst.active += 1
         self.inst.queued_tokens += self.tokens
-        self.proxy.metrics.in_flight.labels(self.inst.id, self.inst.role).inc()
+        self.proxy.in_flight(self.inst).inc()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.inst.active -= 1
         self.inst.queued_tokens -= self.tokens
-        self.proxy.metrics.in_flight.labels(self.inst.id, self.inst.role).dec()
+        self.proxy.in_flight(self.inst).dec()
 
     def fail(self, kind: str, status: int, message: str) -> ProxyError:
         self.inst.errors += 1
@@ -158,6 +158,7 @@ class Proxy:
         self.opts = opts
         self.registry = Registry(policy=opts.policy)
         self.metrics = ProxyMetrics()
+        self._gauges: dict[str, object] = {}
         for spec in [*opts.prefillers, *opts.decoders]:
             self._register(spec)
         self.session: aiohttp.ClientSession | None = None
@@ -168,6 +169,12 @@ class Proxy:
         self._abort_socks: dict[str, zmq.Socket] = {}
         self._arrivals: dict[str, float] = {}  # transfer_id -> when the prefiller answered
         self._tasks: list[asyncio.Task] = []
+
+    def in_flight(self, inst: Instance):  # -> the instance's in-flight gauge (looked up once)
+        g = self._gauges.get(inst.id)
+        if g is None:
+            g = self._gauges[inst.id] = self.metrics.in_flight.labels(inst.id, inst.role)
+        return g
 
     def _register(self, spec: InstanceSpec) -> Instance:
         inst = self.registry.add(spec)

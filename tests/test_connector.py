@@ -257,9 +257,10 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
         d2.stop()
 
 
-@pytest.mark.vllm
-def test_through_the_proxy_completions_and_chat_equal_one_plain_instance(pd, peer) -> None:
-    p, d, plain_vllm = pd
+@pytest.fixture(scope="module")
+def pd_proxy(pd) -> Iterator[str]:
+    """kvferry's proxy in front of the module's prefiller and decoder."""
+    p, d, _ = pd
     port = free_port()
     px = subprocess.Popen([sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--prefiller", p.url,
                            "--decoder", f"{d.url},{d.init_port},{d.alloc_port}"], start_new_session=True)
@@ -272,31 +273,54 @@ def test_through_the_proxy_completions_and_chat_equal_one_plain_instance(pd, pee
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        for n in (40, 700):
-            body = {"model": "tiny", "prompt": prompt(n, seed=900 + n), "max_tokens": 8, "temperature": 0,
-                    "return_token_ids": True}
-            want = httpx.post(plain_vllm.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
-            got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
-            assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
-            text = ""
-            with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
-            assert text == want["text"]
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river " * 20}],
-                "max_tokens": 8, "temperature": 0}
-        want = httpx.post(plain_vllm.url + "/v1/chat/completions", json=chat, timeout=120).json()
-        got = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
-        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
-        content = ""
-        with httpx.stream("POST", url + "/v1/chat/completions", json=dict(chat, stream=True), timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    for c in json.loads(line[6:])["choices"]:
-                        content += c["delta"].get("content") or ""
-        assert content == want["choices"][0]["message"]["content"]
-        assert peer.fully_free()
+        yield url
     finally:
         px.terminate()
         px.wait(10)
+
+
+@pytest.mark.vllm
+def test_through_the_proxy_completions_and_chat_equal_one_plain_instance(pd, pd_proxy, peer) -> None:
+    _, _, plain_vllm = pd
+    url = pd_proxy
+    for n in (40, 700):
+        body = {"model": "tiny", "prompt": prompt(n, seed=900 + n), "max_tokens": 8, "temperature": 0,
+                "return_token_ids": True}
+        want = httpx.post(plain_vllm.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        got = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+        text = ""
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert text == want["text"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river " * 20}],
+            "max_tokens": 8, "temperature": 0}
+    want = httpx.post(plain_vllm.url + "/v1/chat/completions", json=chat, timeout=120).json()
+    got = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    content = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=dict(chat, stream=True), timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    content += c["delta"].get("content") or ""
+    assert content == want["choices"][0]["message"]["content"]
+    assert peer.fully_free()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend,endpoint", [("openai", "/v1/completions"),
+                                              ("openai-chat", "/v1/chat/completions")])
+def test_vllm_bench_serve_through_the_proxy(pd_proxy, tiny_model_path: Path, tmp_path: Path, backend: str,
+                                            endpoint: str) -> None:
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vllm_bench.py"), "serve", "--backend", backend,
+                        "--base-url", pd_proxy, "--endpoint", endpoint, "--model", "tiny", "--tokenizer",
+                        str(tiny_model_path), "--dataset-name", "random", "--random-input-len", "200",
+                        "--random-output-len", "8", "--num-prompts", "8", "--max-concurrency", "4",
+                        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 8 and res.get("failed", 0) == 0, res
