@@ -416,30 +416,32 @@ class Proxy:
                                  ) -> web.StreamResponse:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         want_ids = bool(body.get("return_token_ids"))
-        keep = dict(body, return_token_ids=True)
-        first, tid, d, done = await self._first_completion(request, keep, max_tokens)
+        first, tid, d, done = await self._first_completion(request, dict(body, return_token_ids=True), max_tokens)
         choice = first["choices"][0]
-        rid, created, model = first.get("id") or f"cmpl-{uuid.uuid4().hex}", first.get("created") or int(time.time()), \
-            first.get("model")
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        c0 = {"index": 0, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
-              "finish_reason": choice.get("finish_reason") if done else None,
-              "stop_reason": choice.get("stop_reason") if done else None}
-        if want_ids:
-            c0["token_ids"] = choice.get("token_ids")
-            c0["prompt_token_ids"] = choice.get("prompt_token_ids")
-        await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                              "choices": [c0]}))
-        self.metrics.ttft.observe(time.perf_counter() - t0)
+        rid = first.get("id") or f"cmpl-{uuid.uuid4().hex}"
+        created, model = first.get("created") or int(time.time()), first.get("model")
         prompt_tokens = (first.get("usage") or {}).get("prompt_tokens", 0)
         completion_tokens = (first.get("usage") or {}).get("completion_tokens", 1)
-        if not done:
-            finished = False
+        up = Upstream(self, d)
+        finished = done
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        with up:
             try:
-                with Upstream(self, d) as up:
-                    t1 = last = time.perf_counter()
+                # The first token goes out before the decode leg starts: sending both at once
+                # measured slower here (an extra task and two writers on one loop).
+                await resp.prepare(request)
+                c0 = {"index": 0, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+                      "finish_reason": choice.get("finish_reason") if done else None,
+                      "stop_reason": choice.get("stop_reason") if done else None}
+                if want_ids:
+                    c0["token_ids"] = choice.get("token_ids")
+                    c0["prompt_token_ids"] = choice.get("prompt_token_ids")
+                await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [c0]}))
+                self.metrics.ttft.observe(time.perf_counter() - t0)
+                if not done:
                     leg = self._decode_leg(body, first, tid, max_tokens, True)
+                    t1 = last = time.perf_counter()
                     swap = None
                     async for batch in up.events("/v1/completions", leg):
                         out = []
@@ -470,8 +472,8 @@ class Proxy:
                         now = time.perf_counter()
                         self.metrics.itl.observe(now - last)
                         last = now
-                finished = True
-                d.served += 1
+                    finished = True
+                    d.served += 1
             except ProxyError as e:
                 # Headers are out: tell the client in the stream, OpenAI-style, then end it.
                 await resp.write(sse(error_body(e.status, e.message, e.kind)))
