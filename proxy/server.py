@@ -160,7 +160,10 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self._gauges: dict[str, object] = {}
         for spec in [*opts.prefillers, *opts.decoders]:
-            self._register(spec)
+            try:
+                self._register(spec)
+            except ValueError as e:
+                raise OptionError(f"--{spec.role}: {e}") from None
         self.session: aiohttp.ClientSession | None = None
         self.upstream_headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
@@ -301,8 +304,11 @@ class Proxy:
                 self.abort_transfer(decoder, tid, f"prefill failed: {e.message}"[:200])
                 if attempt or e.status < 500:
                     raise
-                logger.warning("prefill on %s failed (%s); retrying on another prefiller", p.url, e.message)
-                p = self._pick(request, "prefiller", exclude=p)
+                try:
+                    p = self._pick(request, "prefiller", exclude=p)
+                except ProxyError:
+                    raise e from None  # nobody to retry on: the client hears what went wrong
+                logger.warning("prefill failed (%s); retrying on %s", e.message, p.url)
         raise AssertionError("unreachable")
 
     def abort_transfer(self, decoder: Instance, tid: str, why: str) -> None:

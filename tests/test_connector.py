@@ -4,6 +4,7 @@ instance, the decoder computes one prompt token, and lost transfers end in bound
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import random
 import subprocess
@@ -233,13 +234,17 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
         wants = [plain(plain_vllm, pr, 6) for pr in prompts]
         p2.wait_ready()
         d2.wait_ready()
-        pairs = [(p1, d1), (p2, d2), (p1, d2), (p2, d1)]
         before = [source_tokens(d).get("external_kv_transfer", 0) for d in (d1, d2)]
-        with httpx.Client(limits=httpx.Limits(max_connections=32)) as client, \
-                concurrent.futures.ThreadPoolExecutor(16) as pool:
-            futs = [pool.submit(disagg, *pairs[i % 4], pr, 6, None, client) for i, pr in enumerate(prompts)]
-            results = [f.result(timeout=300) for f in futs]
-        for i, ((toks, lps, _), (want_toks, want_lps)) in enumerate(zip(results, wants, strict=True)):
+        # Through kvferry's proxy, which spreads them over the two prefillers and two decoders.
+        with running_proxy([p1, p2], [d1, d2]) as url, httpx.Client(limits=httpx.Limits(max_connections=32)) \
+                as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+            body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True, "logprobs": 1}
+            futs = [pool.submit(client.post, url + "/v1/completions", json=dict(body, prompt=pr), timeout=300)
+                    for pr in prompts]
+            results = [tokens_and_logprobs(f.result(timeout=300).json()) for f in futs]
+            served = {i["url"]: i["served"] for i in httpx.get(url + "/health").json()["instances"]}
+        assert all(served[x.url] > 0 for x in (p1, p2, d1, d2)), served
+        for i, ((toks, lps), (want_toks, want_lps)) in enumerate(zip(results, wants, strict=True)):
             assert toks == want_toks, f"request {i}: tokens differ"
             # Batched with others, vLLM's CPU kernels round differently than for one request alone
             # (a plain instance under the same load does too): equal up to float noise.
@@ -257,13 +262,16 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
         d2.stop()
 
 
-@pytest.fixture(scope="module")
-def pd_proxy(pd) -> Iterator[str]:
-    """kvferry's proxy in front of the module's prefiller and decoder."""
-    p, d, _ = pd
+@contextlib.contextmanager
+def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder]) -> Iterator[str]:
+    """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy."""
     port = free_port()
-    px = subprocess.Popen([sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--prefiller", p.url,
-                           "--decoder", f"{d.url},{d.init_port},{d.alloc_port}"], start_new_session=True)
+    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port)]
+    for p in prefillers:
+        args += ["--prefiller", p.url]
+    for d in decoders:
+        args += ["--decoder", f"{d.url},{d.init_port},{d.alloc_port}"]
+    px = subprocess.Popen(args, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -277,6 +285,13 @@ def pd_proxy(pd) -> Iterator[str]:
     finally:
         px.terminate()
         px.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pd_proxy(pd) -> Iterator[str]:
+    """kvferry's proxy in front of the module's prefiller and decoder."""
+    with running_proxy([pd[0]], [pd[1]]) as url:
+        yield url
 
 
 @pytest.mark.vllm

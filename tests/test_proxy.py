@@ -144,6 +144,9 @@ def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:
 
 
 def test_three_ways_to_run_it_and_one_line_errors() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvferry.proxy", "--prefiller", "http://a:1", "--decoder",
+                        "http://a:1,2,3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "already registered" in r.stderr
     for cmd in ([sys.executable, str(REPO / "proxy" / "disagg_proxy_server.py")],
                 [sys.executable, "-m", "kvferry.proxy"], [str(Path(sys.executable).parent / "kvferry-proxy")]):
         r = subprocess.run([*cmd, "--prefiller", "p:1"], capture_output=True, text=True, timeout=60)
@@ -389,3 +392,27 @@ def test_locust_file_runs_headless_against_the_proxy(cluster, tmp_path: Path) ->
     agg = [x for x in rows if x.startswith(",Aggregated") or ",Aggregated," in x][0].split(",")
     head = rows[0].split(",")
     assert int(agg[head.index("Request Count")]) > 10 and int(agg[head.index("Failure Count")]) == 0
+
+
+def test_refused_and_slow_upstreams_become_503_and_504() -> None:
+    ps = [stub(delay=0.5)]
+    dead, dead2 = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"  # nothing listens
+    port = free_port()
+    px = Proc(["-m", "kvferry.proxy", "--port", str(port), "--prefiller", ps[0].url, "--prefiller", dead,
+               "--decoder", f"{dead2},7300,7400", "--read-timeout", "0.3", "--health-interval", "60",
+               "--policy", "round_robin"], f"http://127.0.0.1:{port}", "/metrics")
+    try:
+        codes = set()
+        # The slow prefiller times out, the retry finds the other one dead (503); then the dead one
+        # is ejected and the next timeout has nobody to retry on (504).
+        for i in range(2):
+            r = httpx.post(px.url + "/v1/completions", json={"prompt": f"s{i}", "max_tokens": 3}, timeout=30)
+            assert r.headers["content-type"].startswith("application/json") and "Traceback" not in r.text
+            codes.add((r.status_code, r.json()["error"]["code"]))
+        assert codes == {(503, "unreachable"), (504, "timeout")}, codes
+        text = httpx.get(px.url + "/metrics").text
+        assert 'kvferry_proxy_errors_total{instance="p1",kind="unreachable"}' in text
+        assert 'kvferry_proxy_errors_total{instance="p0",kind="timeout"}' in text
+    finally:
+        for p in [px, *ps]:
+            p.stop()
