@@ -1,4 +1,4 @@
-"""`kvferry` command: `make-tiny-model` now; `up` (the local xPyD cluster) once it exists."""
+"""`kvferry` command: `up` (a local xPyD cluster) and `make-tiny-model`."""
 
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    print("kvferry up: the local xPyD launcher is not built yet (it needs the connector, proxy and "
-          "launcher issues); until then start vLLM and the proxy by hand as the README shows.",
-          file=sys.stderr)
-    return 1
+    from kvferry.launcher.up import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if a current one exists")
     p.set_defaults(func=_make_tiny_model)
     p = sub.add_parser("up", help="run a local xPyD cluster (vLLM + connector + proxy)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    from kvferry.launcher.up import add_arguments
+    add_arguments(p)
     p.set_defaults(func=_up)
     args = parser.parse_args(argv)
     return args.func(args)

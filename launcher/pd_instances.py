@@ -24,15 +24,16 @@ def write_pd_config(path: Path, role: str, **keys: object) -> Path:
 
 
 class Prefiller(VLLMServer):
-    """A kv_producer vLLM server."""
+    """A kv_producer vLLM server; `server` holds VLLMServer options, `keys` config keys."""
 
     def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
-                 **keys: object) -> None:
+                 server: dict | None = None, **keys: object) -> None:
         port = port or free_port()
         self.config_path = write_pd_config(conf_dir / f"prefiller-{port}.yaml", "sender", **keys)
+        kw = dict(server or {})
+        env = {**kw.pop("env", {}), "KVFERRY_CONFIG_FILE": str(self.config_path)}
         super().__init__(model, port, log_dir / f"vllm-prefiller-{port}.log", cores=cores,
-                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer"},
-                         env={"KVFERRY_CONFIG_FILE": str(self.config_path)})
+                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_producer"}, env=env, **kw)
 
 
 class Decoder(VLLMServer):
@@ -40,15 +41,16 @@ class Decoder(VLLMServer):
 
     def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
                  host: str = "127.0.0.1", init_port: int | None = None, alloc_port: int | None = None,
-                 **keys: object) -> None:
+                 server: dict | None = None, **keys: object) -> None:
         port = port or free_port()
         self.host, self.init_port, self.alloc_port = host, init_port or free_port(), alloc_port or free_port()
         self.config_path = write_pd_config(conf_dir / f"decoder-{port}.yaml", "receiver", pd_peer_host=host,
                                            pd_peer_init_port=self.init_port, pd_peer_alloc_port=self.alloc_port,
                                            **keys)
+        kw = dict(server or {})
+        env = {**kw.pop("env", {}), "KVFERRY_CONFIG_FILE": str(self.config_path)}
         super().__init__(model, port, log_dir / f"vllm-decoder-{port}.log", cores=cores,
-                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer"},
-                         env={"KVFERRY_CONFIG_FILE": str(self.config_path)})
+                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_consumer"}, env=env, **kw)
 
     def disagg_spec(self) -> dict:
         """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""

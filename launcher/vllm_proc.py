@@ -14,6 +14,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when its parent dies (Linux), so a crashed launcher
+    leaves no orphan (vLLM then stops its own children)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class VLLMStartError(RuntimeError):
     """vLLM exited or did not become healthy in time; the message carries its log tail."""
 
@@ -31,13 +39,16 @@ class VLLMServer:
     def __init__(self, model: str, port: int, log_path: Path, *, served_name: str = "tiny",
                  cores: str | None = None, kv_transfer_config: Mapping | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 kv_cache_gb: int = 1) -> None:
+                 kv_cache_gb: int = 1, max_model_len: int | None = 8192, die_with_parent: bool = False) -> None:
         self.model, self.port, self.log_path = model, port, Path(log_path)
         self.url = f"http://127.0.0.1:{port}"
         self.served_name = served_name
+        self.die_with_parent = die_with_parent
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--enforce-eager", "--max-model-len", "8192", "--disable-uvicorn-access-log"]
+                "--enforce-eager", "--disable-uvicorn-access-log"]
+        if max_model_len:
+            args += ["--max-model-len", str(max_model_len)]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
         self.args = args + list(extra_args)
@@ -55,7 +66,8 @@ class VLLMServer:
         self._log = open(self.log_path, "ab")
         # Own session: stop() can signal vLLM and its engine-core children as one group.
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True,
+                                     preexec_fn=die_with_parent if self.die_with_parent else None)
         return self
 
     def healthy(self, timeout: float = 2.0) -> bool:

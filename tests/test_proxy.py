@@ -34,11 +34,25 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
     raise TimeoutError(url)
 
 
+_ALL: list[Proc] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    """Stops what a test started even when the test failed before its own cleanup."""
+    n = len(_ALL)
+    yield
+    for p in _ALL[n:]:
+        p.stop()
+    del _ALL[n:]
+
+
 class Proc:
     def __init__(self, args: list[str], url: str, probe: str) -> None:
         self.url = url
         self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
+        _ALL.append(self)
         wait_http(url + probe, self.proc)
 
     def stop(self) -> None:

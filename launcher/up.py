@@ -1,0 +1,307 @@
+"""`kvferry up`: a local xPyD cluster (N prefillers, M decoders, the proxy) in one command.
+
+Picks free ports, writes each instance's seed-style config, splits the CPU cores (or GPUs)
+between the instances, starts them and the proxy, shows progress while they load, and stops
+everything, children first, on Ctrl-C or SIGTERM. Every child gets PR_SET_PDEATHSIG, so a
+launcher that dies on its own leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from kvferry.common.config import ConfigError, load_config
+from kvferry.common.netutil import port_is_free
+from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.vllm_proc import VLLMServer, die_with_parent, log_tail
+
+STOP_SECONDS = 15.0
+
+
+class UpError(RuntimeError):
+    """Cannot start the cluster; the message says why and what to do."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prefillers", type=int, default=1)
+    p.add_argument("--num-decoders", type=int, default=1)
+    p.add_argument("--model", default=None, help="model path or name (default: the tiny test model)")
+    p.add_argument("--port", type=int, default=9000, help="the proxy's port")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance (GPU only)")
+    p.add_argument("--pd-buffer-size", type=int, default=None, help="bytes of pd_buffer per instance")
+    p.add_argument("--config", default=None, help="a kvferry/LMCache config file merged into every instance's")
+    p.add_argument("--log-dir", default=None, help="where logs and configs go (default: a new temp folder)")
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance (CPU)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances")
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """Check everything that can be checked before anything starts."""
+    if args.num_prefillers < 1 or args.num_decoders < 1:
+        raise UpError("--num-prefillers and --num-decoders must each be at least 1")
+    if importlib.util.find_spec("vllm") is None:
+        raise UpError("vLLM is not installed: pip install 'kvferry[cpu]' on a CPU host (vLLM's CPU build, after "
+                      "torch==2.13.0) or 'kvferry[cuda]' on a GPU host")
+    if not port_is_free(args.port):
+        raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
+    keys: dict = {}
+    if args.config:
+        if not Path(args.config).is_file():
+            raise UpError(f"--config {args.config}: no such file")
+        try:
+            cfg = load_config(path=args.config, env={})
+        except ConfigError as e:
+            raise UpError(f"--config {args.config}: {e}") from None
+        keys = {k: getattr(cfg, k) for k in ("pd_buffer_size", "pd_buffer_device", "chunk_size", "pd_chunk_format",
+                                             "pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds",
+                                             "pd_kv_ready_timeout", "pd_kv_timeout_action")}
+    if args.pd_buffer_size is not None:
+        if args.pd_buffer_size <= 0:
+            raise UpError(f"--pd-buffer-size must be a positive number of bytes, got {args.pd_buffer_size}")
+        keys["pd_buffer_size"] = args.pd_buffer_size
+    if args.model is None:
+        from kvferry.launcher import tiny_model
+        print("using the tiny test model (built on first use)", flush=True)
+        model, served, max_len = str(tiny_model.ensure()), "tiny", 8192
+    else:
+        model, served, max_len = args.model, args.model, None
+        looks_local = args.model.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(args.model))
+        if looks_local and not Path(os.path.expanduser(args.model)).exists():
+            raise UpError(f"--model {args.model}: no such path")
+        if looks_local:
+            model = str(Path(os.path.expanduser(args.model)).resolve())
+    n = args.num_prefillers + args.num_decoders
+    gpus = gpu_count()
+    if gpus:
+        need = n * args.tp
+        if need > gpus:
+            raise UpError(f"{args.num_prefillers} prefillers + {args.num_decoders} decoders with --tp {args.tp} need "
+                          f"{need} GPUs; this machine has {gpus}")
+        placement = [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i * args.tp + j) for j in range(args.tp))}}
+                     for i in range(n)]
+        keys.setdefault("pd_buffer_device", "cuda")
+        cores = [None] * n
+    else:
+        if args.tp != 1:
+            raise UpError("--tp > 1 needs GPUs; none found (nvidia-smi)")
+        avail = sorted(os.sched_getaffinity(0))
+        per = max(1, len(avail) // n)
+        # Each instance its own cores where there are enough; otherwise they take turns on them.
+        cores = [",".join(str(c) for c in (avail[i * per:(i + 1) * per] if len(avail) >= n
+                                            else [avail[i % len(avail)]])) for i in range(n)]
+        placement = [{"kv_cache_gb": args.kv_cache_gb} for _ in range(n)]
+    return {"model": model, "served": served, "max_len": max_len, "keys": keys, "cores": cores,
+            "placement": placement, "gpus": gpus}
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, p: dict) -> None:
+        self.args, self.p = args, p
+        self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-up-")).resolve()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.instances: list[VLLMServer] = []
+        self.proxy: subprocess.Popen | None = None
+        self.proxy_log = self.log_dir / "proxy.log"
+        self.stopping = threading.Event()
+        n = args.num_prefillers + args.num_decoders
+        for i in range(n):
+            cls = Prefiller if i < args.num_prefillers else Decoder
+            self.instances.append(cls(p["model"], self.log_dir, p["cores"][i], self.log_dir,
+                                      server=self._server_kw(i), **p["keys"]))
+
+    def _server_kw(self, i: int) -> dict:
+        kw = dict(self.p["placement"][i])
+        kw.update(served_name=self.p["served"], max_model_len=self.p["max_len"], die_with_parent=True)
+        if self.args.tp > 1:
+            kw["extra_args"] = ["--tensor-parallel-size", str(self.args.tp)]
+        return kw
+
+    def start(self) -> None:
+        for s in self.instances:
+            s.start()
+        t0 = time.monotonic()
+        last = t0
+        waiting = list(self.instances)
+        while waiting:
+            if self.stopping.is_set():
+                raise KeyboardInterrupt
+            for s in list(waiting):
+                if s.proc.poll() is not None:
+                    raise UpError(f"{self.name(s)} exited with {s.proc.returncode} while starting; the end of its "
+                                  f"log ({s.log_path}):\n{log_tail(s.log_path)}")
+                if s.healthy(timeout=1):
+                    waiting.remove(s)
+                    print(f"  {self.name(s)} ready on {s.url} ({time.monotonic() - t0:.0f}s)", flush=True)
+            if time.monotonic() - t0 > self.args.ready_timeout:
+                raise UpError(f"not ready after {self.args.ready_timeout:.0f}s: "
+                              + ", ".join(f"{self.name(s)} (log {s.log_path})" for s in waiting))
+            if waiting and time.monotonic() - last >= 10:
+                print(f"  loading ({time.monotonic() - t0:.0f}s): waiting for "
+                      + ", ".join(self.name(s) for s in waiting), flush=True)
+                last = time.monotonic()
+            if waiting:
+                self.stopping.wait(0.5)
+        args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port)]
+        for s in self.instances:
+            if isinstance(s, Prefiller):
+                args += ["--prefiller", s.url]
+            else:
+                args += ["--decoder", f"{s.url},{s.init_port},{s.alloc_port}"]
+        log = open(self.proxy_log, "ab")
+        self.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=die_with_parent)
+        log.close()
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proxy.poll() is not None:
+                raise UpError(f"the proxy exited with {self.proxy.returncode}; its log ({self.proxy_log}):\n"
+                              f"{log_tail(self.proxy_log)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.args.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise UpError(f"the proxy did not become healthy; its log ({self.proxy_log}):\n"
+                              f"{log_tail(self.proxy_log)}")
+            time.sleep(0.2)
+
+    def write_state(self) -> Path:
+        """`cluster.json` in the log folder: every process, URL and port (for scripts and tests)."""
+        import json
+        inst = []
+        for s in self.instances:
+            d = {"name": self.name(s), "role": "prefiller" if isinstance(s, Prefiller) else "decoder", "url": s.url,
+                 "port": s.port, "pid": s.proc.pid if s.proc else None, "log": str(s.log_path),
+                 "config": str(s.config_path)}
+            if isinstance(s, Decoder):
+                d.update(init_port=s.init_port, alloc_port=s.alloc_port)
+            inst.append(d)
+        state = {"proxy": {"url": f"http://127.0.0.1:{self.args.port}", "port": self.args.port,
+                           "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
+                 "launcher_pid": os.getpid(), "instances": inst}
+        path = self.log_dir / "cluster.json"
+        path.write_text(json.dumps(state, indent=2))
+        return path
+
+    def name(self, s: VLLMServer) -> str:
+        kind = [x for x in self.instances if type(x) is type(s)]
+        return f"{'prefiller' if isinstance(s, Prefiller) else 'decoder'} {kind.index(s)}"
+
+    def banner(self) -> str:
+        url = f"http://127.0.0.1:{self.args.port}"
+        lines = [f"kvferry is up: {self.args.num_prefillers} prefiller(s), {self.args.num_decoders} decoder(s), "
+                 f"model {self.p['served']}",
+                 f"  proxy        {url}    log {self.proxy_log}"]
+        for s in self.instances:
+            extra = f" (init {s.init_port}, alloc {s.alloc_port})" if isinstance(s, Decoder) else ""
+            lines.append(f"  {self.name(s):<12} {s.url}{extra}    log {s.log_path}")
+        lines += ["try:",
+                  f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' -d "
+                  f"'{{\"model\": \"{self.p['served']}\", \"prompt\": \"Tell me a story\", \"max_tokens\": 32}}'",
+                  f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+                  f"'{{\"model\": \"{self.p['served']}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                  f"\"Hello\"}}], \"max_tokens\": 32}}'",
+                  "Ctrl-C stops everything."]
+        return "\n".join(lines)
+
+    def watch(self) -> None:
+        """Until told to stop: report children that die (the proxy ejects dead instances)."""
+        dead: set[int] = set()
+        while not self.stopping.wait(1.0):
+            for s in self.instances:
+                if s.proc is not None and s.proc.poll() is not None and id(s) not in dead:
+                    dead.add(id(s))
+                    print(f"kvferry: {self.name(s)} ({s.url}) exited with {s.proc.returncode}; the proxy routes "
+                          f"around it. Log: {s.log_path}", file=sys.stderr, flush=True)
+            if self.proxy is not None and self.proxy.poll() is not None:
+                print(f"kvferry: the proxy exited with {self.proxy.returncode}; stopping. Log: {self.proxy_log}",
+                      file=sys.stderr, flush=True)
+                return
+
+    def stop(self) -> None:
+        """Proxy first, then every instance's process group, all within STOP_SECONDS."""
+        deadline = time.monotonic() + STOP_SECONDS - 1
+        groups = []
+        if self.proxy is not None and self.proxy.poll() is None:
+            groups.append(self.proxy)
+        groups += [s.proc for s in self.instances if s.proc is not None]
+        for p in groups:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in groups:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in groups:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # whatever is left, engine cores included
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(2)
+            except subprocess.TimeoutExpired:
+                pass
+        for s in self.instances:
+            s.proc = None
+            if getattr(s, "_log", None) is not None:
+                s._log.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        p = plan(args)
+    except UpError as e:
+        print(f"kvferry up: error: {e}", file=sys.stderr)
+        return 2
+    cluster = Cluster(args, p)
+
+    def on_signal(signum, frame) -> None:
+        cluster.stopping.set()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"starting {args.num_prefillers} prefiller(s) and {args.num_decoders} decoder(s); logs in "
+          f"{cluster.log_dir}", flush=True)
+    try:
+        cluster.start()
+        if cluster.stopping.is_set():
+            return 0
+        cluster.write_state()
+        print(cluster.banner(), flush=True)
+        cluster.watch()
+        return 0
+    except UpError as e:
+        print(f"kvferry up: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+        print("stopped", flush=True)

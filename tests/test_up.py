@@ -1,0 +1,147 @@
+"""`kvferry up` runs a real local cluster (vLLM CPU servers, the connector, the proxy) and takes it
+all down again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvferry.common.netutil import free_port, port_is_free
+
+KVFERRY = str(Path(sys.executable).parent / "kvferry")
+
+
+def start_up(tmp: Path, *args: str) -> tuple[subprocess.Popen, dict]:
+    port = free_port()
+    out = open(tmp / "up.out", "w")
+    proc = subprocess.Popen([KVFERRY, "up", "--port", str(port), "--log-dir", str(tmp / "logs"), *args],
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    state = tmp / "logs" / "cluster.json"
+    deadline = time.monotonic() + 400
+    while not state.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"kvferry up did not come up:\n{(tmp / 'up.out').read_text()}")
+        time.sleep(1)
+    time.sleep(0.5)  # the banner follows the state file
+    return proc, json.loads(state.read_text())
+
+
+def tree(pid: int) -> set[int]:
+    """pid and all its descendants, from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop(proc: subprocess.Popen) -> float:
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    return time.monotonic() - t
+
+
+@pytest.mark.vllm
+def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -> None:
+    proc, state = start_up(tmp_path, "--num-prefillers", "1", "--num-decoders", "1")
+    pids: set[int] = set()
+    try:
+        out = (tmp_path / "up.out").read_text()
+        url = state["proxy"]["url"]
+        assert url in out and "curl -s" in out and all(i["log"] in out for i in state["instances"])
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"model": "tiny", "prompt": "Tell me a story about the king", "max_tokens": 12, "temperature": 0}
+        want = httpx.post(plain_vllm.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == want
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
+                "temperature": 0}
+        want = httpx.post(plain_vllm.url + "/v1/chat/completions", json=chat, timeout=120).json()
+        got = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        pids = tree(proc.pid)
+        assert len(pids) >= 5  # launcher, proxy, and two vLLM servers with their engine processes
+    finally:
+        took = stop(proc)
+    assert took < 15, f"stopping took {took:.1f}s"
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "processes outlived kvferry up"
+    ports = [state["proxy"]["port"]] + [i["port"] for i in state["instances"]] + \
+        [i[k] for i in state["instances"] if i["role"] == "decoder" for k in ("init_port", "alloc_port")]
+    busy = [p for p in ports if not port_is_free(p)]
+    assert not busy, f"ports still in use: {busy}"
+
+
+@pytest.mark.vllm
+def test_up_2p2d_keeps_serving_when_a_decoder_dies(tmp_path: Path) -> None:
+    proc, state = start_up(tmp_path, "--num-prefillers", "2", "--num-decoders", "2")
+    try:
+        url = state["proxy"]["url"]
+        dead = [i for i in state["instances"] if i["role"] == "decoder"][0]
+        os.killpg(dead["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            h = httpx.get(url + "/health").json()
+            if not [i for i in h["instances"] if i["url"] == dead["url"]][0]["healthy"]:
+                break
+            time.sleep(0.5)
+        inst = [i for i in h["instances"] if i["url"] == dead["url"]][0]
+        assert not inst["healthy"] and h["status"] == "ok"
+        assert f'kvferry_proxy_instance_healthy{{instance="{inst["id"]}",role="decoder",url="{dead["url"]}"}} 0.0' \
+            in httpx.get(url + "/metrics").text
+        for i in range(6):
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": f"request {i} " * 30,
+                                                          "max_tokens": 6}, timeout=120)
+            assert r.status_code == 200, r.text
+        assert "exited" in (tmp_path / "up.out").read_text()
+    finally:
+        took = stop(proc)
+    assert took < 15
+
+
+def test_up_errors_are_one_line(tmp_path: Path) -> None:
+    busy = free_port()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        for args, text in ([["--port", str(busy)], f"--port {busy}: the port is in use"],
+                           [["--model", str(tmp_path / "nope")], "no such path"],
+                           [["--tp", "2"], "--tp > 1 needs GPUs"],
+                           [["--num-decoders", "0"], "at least 1"],
+                           [["--config", str(tmp_path / "missing.yaml")], "no such file"]):
+            r = subprocess.run([KVFERRY, "up", *args], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_sise: 256\n")
+    r = subprocess.run([KVFERRY, "up", "--config", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "chunk_sise" in r.stderr and "did you mean chunk_size" in r.stderr
