@@ -102,8 +102,9 @@ def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -
 
 
 @pytest.mark.vllm
-def test_up_2p2d_keeps_serving_when_a_decoder_dies(tmp_path: Path) -> None:
+def test_up_2p2d_keeps_serving_when_a_decoder_dies_and_nothing_outlives_a_crashed_launcher(tmp_path: Path) -> None:
     proc, state = start_up(tmp_path, "--num-prefillers", "2", "--num-decoders", "2")
+    pids: set[int] = set()
     try:
         url = state["proxy"]["url"]
         dead = [i for i in state["instances"] if i["role"] == "decoder"][0]
@@ -123,9 +124,21 @@ def test_up_2p2d_keeps_serving_when_a_decoder_dies(tmp_path: Path) -> None:
                                                           "max_tokens": 6}, timeout=120)
             assert r.status_code == 200, r.text
         assert "exited" in (tmp_path / "up.out").read_text()
+        # The launcher itself crashes (SIGKILL: no handler runs): its children must not live on.
+        pids = tree(proc.pid) - {proc.pid}
+        assert len(pids) >= 4
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in pids if alive(p)], "orphans outlived the launcher"
     finally:
-        took = stop(proc)
-    assert took < 15
+        if proc.poll() is None:
+            stop(proc)
+        for p in pids:  # never leave them to the next test, whatever failed above
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_up_errors_are_one_line(tmp_path: Path) -> None:
