@@ -158,3 +158,32 @@ def test_up_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text("chunk_sise: 256\n")
     r = subprocess.run([KVFERRY, "up", "--config", str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "chunk_sise" in r.stderr and "did you mean chunk_size" in r.stderr
+
+
+def test_missing_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import importlib.util
+
+    from kvferry.launcher import up
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    with pytest.raises(up.UpError, match=r"pip install 'kvferry\[cpu\]'"):
+        up.plan(p.parse_args([]))
+
+
+@pytest.mark.vllm
+def test_a_child_that_dies_while_starting_stops_the_rest(tmp_path: Path) -> None:
+    """A folder that is no model: vLLM exits during start-up; the launcher shows its log and stops."""
+    bogus = tmp_path / "not-a-model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text("{}")
+    r = subprocess.run([KVFERRY, "up", "--model", str(bogus), "--port", str(free_port()), "--log-dir",
+                        str(tmp_path / "logs")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "exited with" in r.stderr and "while starting" in r.stderr and "the end of its log" in r.stderr
+    assert "stopped" in r.stdout
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", str(bogus)], capture_output=True, text=True).stdout.split()
+    assert not leftovers, leftovers
