@@ -430,3 +430,33 @@ def test_refused_and_slow_upstreams_become_503_and_504() -> None:
     finally:
         for p in [px, *ps]:
             p.stop()
+
+
+def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
+    import zmq
+
+    from kvferry.common import messages as m
+    ps, ds = [stub()], [stub()]
+    note_port = free_port()
+    px = proxy(ps, ds, "--proxy-host", "127.0.0.1", "--proxy-port", str(note_port))
+    r = httpx.post(px.url + "/v1/completions", json={"prompt": "notify me", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200
+    tid = log(ps[0])["requests"][0]["kv_transfer_params"]["transfer_id"]
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(f"tcp://127.0.0.1:{note_port}")
+        push.send(b"garbage")  # dropped with a warning
+        push.send(m.encode(m.ProxyNotification(transfer_id=tid, receiver_id="d0", num_chunks=1, num_tokens=9)))
+        deadline = time.monotonic() + 5
+        text = ""
+        while time.monotonic() < deadline:
+            text = httpx.get(px.url + "/metrics").text
+            if "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text:
+                break
+            time.sleep(0.1)
+        assert "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text
+        assert httpx.get(px.url + "/health").status_code == 200
+    finally:
+        ctx.destroy(linger=0)
