@@ -314,15 +314,13 @@ class _Worker:
                 continue
             addr = ReceiverAddr(op.host, op.init_ports[self.tp_rank], op.alloc_ports[self.tp_rank])
             try:
-                self.producer.submit(op.req_id, op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
+                self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
             except (ValueError, RuntimeError) as e:
                 logger.error("transfer %s: not sent: %s", op.transfer_id, e)
 
     def results(self, finished: set[str], idle: bool) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
-        if self.consumer is None:
-            if self.producer is not None:
-                self.producer.take_finished()  # blocks were freed by vLLM already; nothing to report
+        if self.consumer is None:  # a prefiller's blocks were freed by vLLM already: nothing to report
             return out
         for rid in finished:
             if self.consumer.cancel(rid):

@@ -17,12 +17,11 @@ Neither knows vLLM: the connector maps vLLM's requests and blocks onto these cal
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, fmt_bytes
+from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, fmt_bytes
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
@@ -85,7 +84,7 @@ class _Outgoing:
     num_tokens: int
     nbytes: int
     started: float
-    pages: object  # the staging Reservation
+    res: Reservation  # the staging pages
 
 
 class PDProducer:
@@ -100,13 +99,11 @@ class PDProducer:
         self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
         self.sender.register(self.staging.tensor)
         self._salt = key_salt(fp)
-        self._lock = threading.Lock()
-        self._done: set[str] = set()  # request ids whose send ended (either way)
         # Staging pages are local: held for the longest a send may take, then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
         self.counters = {"sent": 0, "failed": 0, "bytes": 0, "tokens": 0}
 
-    def submit(self, req_id: str, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
+    def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
                block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
         """Gather now, send in the background. None (logged) if the chunks could not be staged."""
         t0 = time.monotonic()
@@ -118,7 +115,6 @@ class PDProducer:
         except PDBufferError as e:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(plan), e)
             self.counters["failed"] += 1
-            self._finish(req_id)
             return None
         try:
             views = [self.staging.page(p) for p in res.pages]
@@ -129,14 +125,13 @@ class PDProducer:
             fut = self.sender.send(transfer_id, receiver, keys, chunks, num_tokens)
         except BaseException:
             self.staging.release(res)
-            self._finish(req_id)
             raise
         out = _Outgoing(transfer_id, num_tokens, nbytes, t0, res)
-        fut.add_done_callback(lambda f: self._sent(req_id, out, f))
+        fut.add_done_callback(lambda f: self._sent(out, f))
         return fut
 
-    def _sent(self, req_id: str, out: _Outgoing, fut: concurrent.futures.Future) -> None:
-        self.staging.release(out.pages)
+    def _sent(self, out: _Outgoing, fut: concurrent.futures.Future) -> None:
+        self.staging.release(out.res)
         try:
             r = fut.result()
         except (SendError, concurrent.futures.CancelledError) as e:
@@ -151,16 +146,6 @@ class PDProducer:
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks sent, %d skipped)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks, r.skipped_chunks)
-        self._finish(req_id)
-
-    def _finish(self, req_id: str) -> None:
-        with self._lock:
-            self._done.add(req_id)
-
-    def take_finished(self) -> set[str]:
-        with self._lock:
-            done, self._done = self._done, set()
-        return done
 
     def close(self) -> None:
         self.sender.close()
@@ -199,9 +184,6 @@ class PDConsumer:
         self._pending[req_id] = _Expected(req_id, transfer_id, list(token_ids), list(block_ids),
                                           num_tokens, skip_tokens,
                                           time.monotonic() + self.cfg.pd_kv_ready_timeout)
-
-    def pending(self) -> int:
-        return len(self._pending)
 
     def cancel(self, req_id: str) -> bool:
         """The request ended before its KV came (aborted): stop waiting; free the pages if they come."""

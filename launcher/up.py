@@ -25,7 +25,13 @@ from pathlib import Path
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.netutil import port_is_free
 from kvferry.launcher.pd_instances import Decoder, Prefiller
-from kvferry.launcher.vllm_proc import VLLMServer, die_with_parent, log_tail
+from kvferry.launcher.vllm_proc import (
+    VLLMServer,
+    die_with_parent,
+    log_tail,
+    signal_group,
+    stop_group,
+)
 
 STOP_SECONDS = 15.0
 
@@ -243,35 +249,17 @@ class Cluster:
                 return
 
     def stop(self) -> None:
-        """Proxy first, then every instance's process group, all within STOP_SECONDS."""
-        deadline = time.monotonic() + STOP_SECONDS - 1
-        groups = []
-        if self.proxy is not None and self.proxy.poll() is None:
-            groups.append(self.proxy)
-        groups += [s.proc for s in self.instances if s.proc is not None]
-        for p in groups:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in groups:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in groups:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # whatever is left, engine cores included
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(2)
-            except subprocess.TimeoutExpired:
-                pass
+        """Every process group told at once (proxy first), all gone within STOP_SECONDS."""
+        deadline = time.monotonic() + STOP_SECONDS - 3
+        if self.proxy is not None:
+            signal_group(self.proxy, signal.SIGTERM)
         for s in self.instances:
-            s.proc = None
-            if getattr(s, "_log", None) is not None:
-                s._log.close()
+            if s.proc is not None:
+                signal_group(s.proc, signal.SIGTERM)
+        if self.proxy is not None:
+            stop_group(self.proxy, deadline - time.monotonic())
+        for s in self.instances:
+            s.stop(timeout=deadline - time.monotonic())  # waits on what is still running, then kills
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,28 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a child's process group (it was started in a session of its own), SIGKILL what is
+    left after `timeout` (engine-core and worker processes included), and reap the child."""
+    signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=max(0.0, timeout))
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 class VLLMStartError(RuntimeError):
     """vLLM exited or did not become healthy in time; the message carries its log tail."""
 
@@ -100,19 +122,7 @@ class VLLMServer:
         """SIGTERM the group, SIGKILL whatever is left after `timeout`."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=5)
+        stop_group(self.proc, timeout)
         self._log.close()
         self.proc = None
 

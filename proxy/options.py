@@ -85,7 +85,7 @@ def _expand(flag: str, hosts: list[str], ports: list[int], count: int | None) ->
     return list(zip(hosts, ports, strict=True))
 
 
-def _url(flag: str, raw: str) -> str:
+def parse_url(flag: str, raw: str) -> str:
     u = raw if "://" in raw else f"http://{raw}"
     parts = urlsplit(u)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
@@ -99,7 +99,7 @@ def decoder_from(flag: str, raw: str) -> InstanceSpec:
     if len(ports) not in (0, 2):
         raise OptionError(f"{flag}: expected URL or URL,init_port,alloc_port, got {raw!r}")
     if not ports:
-        return InstanceSpec("decoder", _url(flag, url))
+        return InstanceSpec("decoder", parse_url(flag, url))
     try:
         init = tuple(_port(flag, int(p)) for p in ports[0].split("+"))
         alloc = tuple(_port(flag, int(p)) for p in ports[1].split("+"))
@@ -107,7 +107,7 @@ def decoder_from(flag: str, raw: str) -> InstanceSpec:
         raise OptionError(f"{flag}: ports must be numbers, got {raw!r}") from None
     if len(init) != len(alloc):
         raise OptionError(f"{flag}: as many init ports as alloc ports (one per TP rank), got {raw!r}")
-    return InstanceSpec("decoder", _url(flag, url), init[0], alloc[0], init, alloc)
+    return InstanceSpec("decoder", parse_url(flag, url), init[0], alloc[0], init, alloc)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -185,8 +185,8 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
 
     pf = _expand("prefiller", _csv("--prefiller-host", vals.get("prefiller_host")),
                  _csv("--prefiller-port", vals.get("prefiller_port"), int), vals.get("num_prefillers"))
-    o.prefillers = [InstanceSpec("prefiller", _url("--prefiller-host", f"{h}:{p}")) for h, p in pf]
-    o.prefillers += [InstanceSpec("prefiller", _url("--prefiller", u)) for u in _list(vals.get("prefiller"))]
+    o.prefillers = [InstanceSpec("prefiller", parse_url("--prefiller-host", f"{h}:{p}")) for h, p in pf]
+    o.prefillers += [InstanceSpec("prefiller", parse_url("--prefiller", u)) for u in _list(vals.get("prefiller"))]
     dc = _expand("decoder", _csv("--decoder-host", vals.get("decoder_host")),
                  _csv("--decoder-port", vals.get("decoder_port"), int), vals.get("num_decoders"))
     if dc:
@@ -202,7 +202,7 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
                 raise OptionError(f"{flag}: {len(ports)} ports for {len(dc)} decoders")
             for p in ports:
                 _port(flag, p)
-        o.decoders = [InstanceSpec("decoder", _url("--decoder-host", f"{h}:{p}"), i, a, (i,), (a,))
+        o.decoders = [InstanceSpec("decoder", parse_url("--decoder-host", f"{h}:{p}"), i, a, (i,), (a,))
                       for (h, p), i, a in zip(dc, init, alloc, strict=True)]
     o.decoders += [decoder_from("--decoder", d) for d in _list(vals.get("decoder"))]
     if not o.prefillers:

@@ -20,8 +20,11 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
+import sys
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,12 +35,20 @@ from aiohttp import web
 from kvferry.common import messages as m
 from kvferry.common.log import get_logger
 from kvferry.proxy.metrics import ProxyMetrics
-from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, decoder_from
+from kvferry.proxy.options import (
+    InstanceSpec,
+    OptionError,
+    ProxyOptions,
+    decoder_from,
+    parse,
+    parse_url,
+)
 from kvferry.proxy.registry import Instance, NoInstance, Registry
 
 logger = get_logger(__name__)
 
 MAX_BODY = 64 << 20
+MAX_TRACKED_ARRIVALS = 10_000
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
@@ -170,7 +181,9 @@ class Proxy:
             self.upstream_headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
         self._zmq = zmq.Context()
         self._abort_socks: dict[str, zmq.Socket] = {}
-        self._arrivals: dict[str, float] = {}  # transfer_id -> when the prefiller answered
+        # transfer_id -> when the prefiller answered; kept only while notifications are read, and
+        # bounded: a notification that never comes must not grow it forever.
+        self._arrivals: OrderedDict[str, float] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
 
     def in_flight(self, inst: Instance):  # -> the instance's in-flight gauge (looked up once)
@@ -295,7 +308,10 @@ class Proxy:
                     out = await up.json(path, leg)
                 p.served += 1
                 self.metrics.prefill.observe(time.perf_counter() - t0)
-                self._arrivals[tid] = time.perf_counter()
+                if self.opts.proxy_port:
+                    self._arrivals[tid] = time.perf_counter()
+                    if len(self._arrivals) > MAX_TRACKED_ARRIVALS:
+                        self._arrivals.popitem(last=False)
                 return out, tid, p
             except asyncio.CancelledError:  # the client left: nobody will read this transfer
                 self.abort_transfer(decoder, tid, "client disconnected")
@@ -652,8 +668,7 @@ class Proxy:
         role, url = body.get("role"), body.get("url")
         try:
             if role == "prefiller":
-                from kvferry.proxy.options import _url
-                spec = InstanceSpec("prefiller", _url("url", str(url)))
+                spec = InstanceSpec("prefiller", parse_url("url", str(url)))
             elif role == "decoder":
                 raw = f"{url},{body.get('init_port')},{body.get('alloc_port')}"
                 spec = decoder_from("url", raw)
@@ -724,8 +739,6 @@ class Proxy:
                 t = self._arrivals.pop(note.transfer_id, None)
                 if t is not None:
                     self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
-                if len(self._arrivals) > 100_000:  # transfers whose notification never came
-                    self._arrivals.clear()
         finally:
             sock.close(linger=0)
             ctx.term()
@@ -780,7 +793,6 @@ async def serve(opts: ProxyOptions) -> None:
                 len(opts.prefillers), len(opts.decoders), opts.policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    import signal
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -790,9 +802,8 @@ async def serve(opts: ProxyOptions) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
     try:
-        opts = options_or_exit(argv)
+        opts = parse(argv)
         try:
             import uvloop
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
@@ -803,8 +814,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry-proxy: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def options_or_exit(argv: list[str] | None) -> ProxyOptions:
-    from kvferry.proxy.options import parse
-    return parse(argv)

@@ -13,7 +13,7 @@ import zmq
 
 from kvferry.common import messages as m
 from kvferry.engine.pd import KV_LAYOUT_NAMES
-from kvferry.launcher.pd_instances import Decoder, Prefiller  # noqa: F401 - re-exported for the tests
+from kvferry.launcher.pd_instances import Decoder
 from kvferry.launcher.vllm_proc import VLLMServer
 
 

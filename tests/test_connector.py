@@ -23,10 +23,9 @@ from kvferry.common.config import ConfigError
 from kvferry.common.netutil import free_port
 from kvferry.connector.kvferry_connector import connector_config
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
+from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import (
-    Decoder,
-    Prefiller,
     RawPeer,
     completion,
     disagg,
@@ -214,11 +213,7 @@ def test_prefiller_gone_after_its_alloc_frees_pages_and_the_request_recomputes(p
 
 
 def disagg_decode_only(d: Decoder, pr: list[int], n: int, tid: str) -> list[int]:
-    r = httpx.post(f"{d.url}/v1/completions", timeout=120, json={
-        "model": d.served_name, "prompt": pr, "max_tokens": n, "temperature": 0, "return_token_ids": True,
-        "kv_transfer_params": {"transfer_id": tid}})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return completion(d, pr, n, kv_transfer_params={"transfer_id": tid})["choices"][0]["token_ids"]
 
 
 @pytest.mark.vllm
