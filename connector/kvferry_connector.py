@@ -1,9 +1,13 @@
-"""KVFerryConnector: vLLM's KVConnectorBase_V1 on top of kvferry's pd tier.
+"""KVFerryConnector: vLLM's KVConnectorBase_V1 on top of kvferry's KV engine.
 
 Loaded by vLLM with ``--kv-transfer-config '{"kv_connector": "KVFerryConnector",
-"kv_connector_module_path": "kvferry.connector", "kv_role": "kv_producer" | "kv_consumer"}'`` and
-configured by the seed's YAML keys (``KVFERRY_CONFIG_FILE`` / ``LMCACHE_CONFIG_FILE``, env, or
-``kv_connector_extra_config``).
+"kv_connector_module_path": "kvferry.connector", "kv_role": "kv_both" | "kv_producer" |
+"kv_consumer"}'`` and configured by the seed's YAML keys (``KVFERRY_CONFIG_FILE`` /
+``LMCACHE_CONFIG_FILE``, env, or ``kv_connector_extra_config``).
+
+Offload (kv_both, and prefillers): prompts' chunks are stored to the local CPU and disk tiers
+and a later prompt with the same prefix loads them instead of computing them (engine/offload.py);
+the scheduler side decides, the worker side copies, synchronously before the forward pass.
 
 Prefiller (kv_producer): in the step that computes a prompt's last token the scheduler side
 emits a save for it; the worker gathers the prompt's chunks into staging pages in
@@ -25,17 +29,30 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 from kvferry.common.log import get_logger
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
+from kvferry.connector.stats import KVFerryPromMetrics, KVFerryStats, deltas
+from kvferry.engine.offload import (
+    CacheEvict,
+    CacheLoad,
+    CacheStore,
+    OffloadPlanner,
+    OffloadWorker,
+    layout_digest,
+    offload_salt,
+)
 from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
@@ -80,7 +97,25 @@ class LoadOp:
 class KVFerryMetadata(KVConnectorMetadata):
     saves: list[SaveOp] = field(default_factory=list)
     loads: list[LoadOp] = field(default_factory=list)
+    cache_loads: list[CacheLoad] = field(default_factory=list)  # offload tiers -> blocks, before the forward
+    cache_saves: list[CacheStore | CacheEvict] = field(default_factory=list)  # after it, in order
     idle: bool = False  # nothing scheduled this step
+
+
+@dataclass
+class KVFerryWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: chunks a tier turned out not to hold (missing, corrupt, unwritten)."""
+
+    lost: dict[str, set[bytes]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVFerryWorkerMeta):
+            for tier, keys in other.lost.items():
+                self.lost.setdefault(tier, set()).update(keys)
+        return self
+
+
+_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 def request_amx() -> bool:
@@ -93,15 +128,30 @@ def request_amx() -> bool:
         return False
 
 
+def offload_wanted(cfg: KVFerryConfig, kv_role: str) -> bool:
+    """Offload tiers serve kv_both instances and prefillers (a repeated prompt is not recomputed
+    there either); a decoder's KV comes from its prefiller."""
+    tiers = (cfg.local_cpu and cfg.max_local_cpu_size > 0) or bool(cfg.local_disk)
+    return tiers and kv_role in ("kv_both", "kv_producer")
+
+
 def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
     """kvferry's config and vLLM's kv_role, checked against each other."""
     ktc = vllm_config.kv_transfer_config
     role = ktc.kv_role
     cfg = load_config(ktc.kv_connector_extra_config or {})
+    if role == "kv_both":
+        if cfg.enable_pd:
+            raise ConfigError("kv_role kv_both offloads and shares KV; enable_pd is for a prefiller (kv_role "
+                              "kv_producer) or a decoder (kv_consumer): set enable_pd: false or change kv_role")
+        if not offload_wanted(cfg, role):
+            raise ConfigError("kv_role kv_both has no tier to use: set local_cpu: true with max_local_cpu_size "
+                              "> 0, or local_disk and max_local_disk_size")
+        return cfg, role
     want = {"kv_producer": "sender", "kv_consumer": "receiver"}.get(role or "")
     if want is None:
-        raise ConfigError(f"kv_role {role!r}: KVFerryConnector does prefill/decode disaggregation with "
-                          "kv_role kv_producer (prefiller) or kv_consumer (decoder)")
+        raise ConfigError(f"kv_role {role!r}: KVFerryConnector takes kv_role kv_both (offload), kv_producer "
+                          "(prefiller) or kv_consumer (decoder)")
     if not cfg.enable_pd:
         raise ConfigError(f"kv_role {role} needs enable_pd: true and pd_role: {want} in the kvferry config "
                           "(KVFERRY_CONFIG_FILE / LMCACHE_CONFIG_FILE or kv_connector_extra_config)")
@@ -115,12 +165,18 @@ class KVFerryConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg, self.kv_role = connector_config(vllm_config)
-        self.producer_side = self.kv_role == "kv_producer"
+        self.producer_side = self.kv_role in ("kv_producer", "kv_both")  # computes prompts itself
+        self.pd = self.cfg.enable_pd
+        self.offload = offload_wanted(self.cfg, self.kv_role)
+        self._kv_cache_config = kv_cache_config
+        self._last_stats: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _Scheduler(self)
             self._worker = None
-            # vLLM reads this right after building the scheduler's connector.
-            self._kv_transfer_config.kv_load_failure_policy = self.cfg.pd_kv_timeout_action
+            # vLLM reads this right after building the scheduler's connector. A failed load from an
+            # offload tier is always recomputed; a decoder follows pd_kv_timeout_action.
+            self._kv_transfer_config.kv_load_failure_policy = (
+                "recompute" if self.producer_side else self.cfg.pd_kv_timeout_action)
         else:
             self._sched = None
             self._worker = _Worker(self)
@@ -138,12 +194,41 @@ class KVFerryConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.finished(request)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        got = self._sched.hit_sources(request.request_id, num_external_tokens)
+        return got or super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVFerryWorkerMeta) and self._sched.offload is not None:
+            self._sched.offload.forget(meta.lost)
+
+    # ---- both sides ----
+    def get_kv_connector_stats(self) -> KVFerryStats | None:
+        side = self._sched if self._sched is not None else self._worker
+        now = side.stats()
+        if not now:
+            return None
+        return KVFerryStats(data=deltas(now, self._last_stats))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFerryStats:
+        return KVFerryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVFerryPromMetrics:
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_loads(self._get_connector_metadata())
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -172,6 +257,8 @@ class _Scheduler:
 
     def __init__(self, c: KVFerryConnector) -> None:
         self.c = c
+        self.offload = _planner(c) if c.offload else None
+        self._computing: dict[str, Request] = {}  # offload: admitted, prompt not complete yet
         self._prefills: dict[str, tuple[Request, Any]] = {}  # producer: waiting for their last prompt token
         self._errors: dict[str, str] = {}  # producer: requests whose params were unusable
         self._transfer_ids: dict[str, str] = {}
@@ -180,7 +267,11 @@ class _Scheduler:
         self._loads: list[LoadOp] = []
 
     def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        if self.c.producer_side or request.request_id in self._tried:
+        if self.c.producer_side:
+            if self.offload is None:
+                return 0, False
+            return self.offload.match(request.request_id, request.prompt_token_ids, num_computed), False
+        if request.request_id in self._tried:
             return 0, False
         try:
             tid = decode_transfer_id(request.kv_transfer_params)
@@ -198,8 +289,12 @@ class _Scheduler:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
+        if self.offload is not None:
+            block_ids = blocks.get_block_ids()[0]
+            self.offload.after_alloc(rid, request.prompt_token_ids, block_ids, num_external)
+            self._computing[rid] = request
         if self.c.producer_side:
-            if rid in self._prefills or rid in self._errors:
+            if not self.c.pd or rid in self._prefills or rid in self._errors:
                 return
             try:
                 spec = prefill_spec(request.kv_transfer_params)
@@ -223,6 +318,14 @@ class _Scheduler:
     def build(self, so: SchedulerOutput) -> KVFerryMetadata:
         meta = KVFerryMetadata(idle=so.total_num_scheduled_tokens == 0)
         meta.loads, self._loads = self._loads, []
+        if self.offload is not None:
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self._computing.get(rid)
+                if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                    continue  # not admitted through us, or chunked prefill not at its last piece
+                del self._computing[rid]
+                self.offload.store(rid, req.prompt_token_ids, self.c._kv_cache_manager.get_block_ids(rid)[0])
+            meta.cache_loads, meta.cache_saves = self.offload.take()
         for rid, n in so.num_scheduled_tokens.items():
             entry = self._prefills.get(rid)
             if entry is None:
@@ -236,11 +339,23 @@ class _Scheduler:
                                      list(req.prompt_token_ids), list(blocks), req.num_prompt_tokens))
         return meta
 
+    def hit_sources(self, req_id: str, num_external: int) -> dict[CacheHitSource, int]:
+        if self.offload is None:
+            return {}
+        got = self.offload.hit_sources(req_id, num_external)
+        return {_HIT_SOURCES[t]: n for t, n in got.items() if t in _HIT_SOURCES}
+
+    def stats(self) -> dict[str, float]:
+        return self.offload.stats() if self.offload is not None else {}
+
     def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._tried.discard(rid)
         self._external.pop(rid, None)
-        if not self.c.producer_side:
+        self._computing.pop(rid, None)
+        if self.offload is not None:
+            self.offload.finished(rid)
+        if not (self.c.producer_side and self.c.pd):
             return False, None
         self._prefills.pop(rid, None)
         err = self._errors.pop(rid, None)
@@ -256,8 +371,29 @@ class _Scheduler:
         return False, out
 
 
+def _planner(c: KVFerryConnector) -> OffloadPlanner:
+    """The scheduler's offload planner, sized from vLLM's KV cache config."""
+    kcc = c._kv_cache_config
+    if kcc is None or not kcc.kv_cache_groups:
+        raise ConfigError("KVFerryConnector offload needs vLLM's KV cache config (vLLM >= 0.11)")
+    if len(kcc.kv_cache_groups) != 1:
+        raise ConfigError(f"this model has {len(kcc.kv_cache_groups)} KV cache groups; kvferry's offload tiers "
+                          "handle one: start vLLM with --disable-hybrid-kv-cache-manager")
+    group = kcc.kv_cache_groups[0]
+    vc = c._vllm_config
+    block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    mc, pc = vc.model_config, vc.parallel_config
+    salt = offload_salt(os.path.basename(str(mc.model).rstrip("/")), str(mc.dtype).removeprefix("torch."),
+                        len(group.layer_names), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                        vc.cache_config.block_size, c.cfg.chunk_size, pc.tensor_parallel_size)
+    try:
+        return OffloadPlanner(c.cfg, salt, vc.cache_config.block_size, block_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 class _Worker:
-    """Worker-process half: the pd tier for this TP rank."""
+    """Worker-process half: the pd tier and the offload tiers' data for this TP rank."""
 
     def __init__(self, c: KVFerryConnector) -> None:
         self.c = c
@@ -272,6 +408,7 @@ class _Worker:
         self.tp_size = get_tensor_model_parallel_world_size()
         self.producer: PDProducer | None = None
         self.consumer: PDConsumer | None = None
+        self.offload: OffloadWorker | None = None
         self._load_blocks: dict[str, list[int]] = {}  # req -> blocks it loads into (reported on failure)
         self._errors: set[int] = set()
 
@@ -284,18 +421,27 @@ class _Worker:
                                mc.get_head_size())
         kv = PagedKV(tensors, layout)
         model = os.path.basename(str(mc.model).rstrip("/"))
-        fp = fingerprint(kv, model, self.c.cfg.chunk_size, self.c.cfg.pd_chunk_format, self.tp_size)
-        if self.c.producer_side:
+        fmt = self.c.cfg.pd_chunk_format if self.c.pd else "block"
+        fp = fingerprint(kv, model, self.c.cfg.chunk_size, fmt, self.tp_size)
+        if self.c.offload:
+            ofp = fp if fmt == "block" else fingerprint(kv, model, self.c.cfg.chunk_size, "block", self.tp_size)
+            self.offload = OffloadWorker(self.c.cfg, kv, self.tp_rank, layout_digest(msgspec.msgpack.encode(ofp)))
+        if self.c.pd and self.c.producer_side:
             sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
             self.producer = PDProducer(self.c.cfg, kv, fp, sender_id, self.tp_rank)
-        else:
+        elif self.c.pd:
             self.consumer = PDConsumer(self.c.cfg, kv, fp, self.tp_rank)
         logger.info("KVFerryConnector %s ready: %d layers, layout %s, %d-token chunks of %d bytes, tp rank %d/%d",
                     self.c.kv_role, kv.num_layers, fp.kv_layout, fp.chunk_size, fp.page_bytes, self.tp_rank,
                     self.tp_size)
 
     def start_loads(self, meta: KVConnectorMetadata) -> None:
-        if self.consumer is None or not isinstance(meta, KVFerryMetadata):
+        if not isinstance(meta, KVFerryMetadata):
+            return
+        if self.offload is not None:
+            for cop in meta.cache_loads:
+                self._errors.update(self.offload.load(cop))
+        if self.consumer is None:
             return
         for op in meta.loads:
             self._load_blocks[op.req_id] = op.block_ids[op.skip_tokens // self.consumer.kv.layout.block_size:
@@ -304,7 +450,11 @@ class _Worker:
                                  op.skip_tokens)
 
     def saves(self, meta: KVConnectorMetadata) -> None:
-        if self.producer is None or not isinstance(meta, KVFerryMetadata):
+        if not isinstance(meta, KVFerryMetadata):
+            return
+        if self.offload is not None:
+            self.offload.save(meta.cache_saves)
+        if self.producer is None:
             return
         for op in meta.saves:
             if self.tp_rank >= len(op.init_ports):
@@ -338,7 +488,16 @@ class _Worker:
         errors, self._errors = self._errors, set()
         return errors
 
+    def worker_meta(self) -> KVFerryWorkerMeta | None:
+        lost = self.offload.take_lost() if self.offload is not None else {}
+        return KVFerryWorkerMeta(lost) if lost else None
+
+    def stats(self) -> dict[str, float]:
+        return self.offload.stats() if self.offload is not None else {}
+
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
         if self.producer is not None:
             self.producer.close()
         if self.consumer is not None:

@@ -26,6 +26,7 @@ from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
+from kvferry.engine.chunking import chunk_plan, chunk_tokens, scatter_chunks
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.receiver.server import KVReceiver, receiver_config
@@ -62,20 +63,6 @@ def key_salt(fp: m.LayoutFingerprint) -> bytes:
     """Keys of different models or layouts never match."""
     return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
                     fp.chunk_format, fp.chunk_size)
-
-
-def chunk_plan(num_tokens: int, block_ids: Sequence[int], chunk_size: int, block_size: int
-               ) -> list[tuple[list[int], int]]:
-    """(block ids, tokens) of each chunk covering the first `num_tokens` tokens."""
-    need = -(-num_tokens // block_size)
-    if len(block_ids) < need:
-        raise ValueError(f"{num_tokens} tokens need {need} blocks, the request has {len(block_ids)}")
-    plan = []
-    for start in range(0, num_tokens, chunk_size):
-        n = min(chunk_size, num_tokens - start)
-        b0 = start // block_size
-        plan.append((list(block_ids[b0:b0 + -(-n // block_size)]), n))
-    return plan
 
 
 @dataclass
@@ -246,7 +233,6 @@ class PDConsumer:
 
     def _load(self, e: _Expected) -> None:
         t0 = time.monotonic()
-        bs = self.kv.layout.block_size
         with self.receiver.claim(e.transfer_id, 0) as got:
             # The prefiller may have sent more than is loaded (a chat decode leg repeats the whole
             # prompt and recomputes its last token): its chunks must match this prompt's start.
@@ -260,32 +246,10 @@ class PDConsumer:
             if got.skip:
                 raise TransferError(f"chunks {got.skip} were skipped as already held, but this decoder "
                                     "has no tier to read them from")
-            usable = e.block_ids[:-(-e.num_tokens // bs)]  # blocks of the loaded tokens: all allocated
-            first_block = e.skip_tokens // bs
-            per = self.fp.chunk_size // bs
-            ids, bufs, ntoks = [], [], []
-            nbytes = 0
-            for i, start in enumerate(range(0, sent, self.fp.chunk_size)):
-                n = min(self.fp.chunk_size, sent - start)
-                held = -(-n // bs)  # blocks in this chunk's page
-                blocks = usable[i * per:i * per + held]
-                first = max(0, first_block - i * per)  # leading blocks the prefix cache owns
-                if first >= len(blocks):
-                    continue
-                if first == 0 and len(blocks) == held:
-                    ids.append(blocks)
-                    bufs.append(got.pages[i])
-                    ntoks.append(n)
-                    continue
-                # Shared (cached) blocks may be read by running requests, and blocks past the
-                # loaded tokens may not be allocated: write only the blocks in between.
-                if self.fmt != "block":
-                    raise TransferError(f"chunk {i} is only partly loadable (prefix cache hit of {e.skip_tokens} "
-                                        "tokens, or a recomputed last token); with pd_chunk_format token it is "
-                                        "recomputed")
-                nbytes += self.kv.scatter_blocks(got.pages[i], blocks, first, chunk_blocks=held)
-            if ids:
-                nbytes += self.kv.copy_batch(ids, bufs, self.fmt, ntoks, to_chunk=False)
+            nchunks = -(-sent // self.fp.chunk_size)
+            nbytes = scatter_chunks(self.kv, self.fmt, self.fp.chunk_size, [got.pages[i] for i in range(nchunks)],
+                                    chunk_tokens(sent, self.fp.chunk_size), 0, e.block_ids, e.skip_tokens,
+                                    e.num_tokens)
         dt = time.monotonic() - t0
         self.counters["loaded"] += 1
         self.counters["bytes"] += nbytes

@@ -1,4 +1,4 @@
-"""Prefiller and decoder vLLM servers with KVFerryConnector: their config files and their flags."""
+"""vLLM servers with KVFerryConnector (prefiller, decoder, kv_both offload): config files and flags."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ from kvferry.launcher.vllm_proc import VLLMServer
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.connector"}
 
 
+def write_config(path: Path, **keys: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
 def write_pd_config(path: Path, role: str, **keys: object) -> Path:
     """A seed-style config file (the keys of LMCache's prefiller/decoder YAML) for a prefiller
     (`role` "sender") or a decoder ("receiver"); `keys` override the defaults."""
     cfg: dict[str, object] = {"local_cpu": False, "enable_pd": True, "transfer_channel": "nixl", "pd_role": role,
                               "pd_buffer_size": 256 << 20, "pd_buffer_device": "cpu"}
     cfg.update(keys)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return write_config(path, **cfg)
 
 
 class Prefiller(VLLMServer):
@@ -56,3 +60,16 @@ class Decoder(VLLMServer):
         """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""
         return {"receiver_host": self.host, "receiver_init_port": [self.init_port],
                 "receiver_alloc_port": [self.alloc_port]}
+
+
+class OffloadServer(VLLMServer):
+    """A kv_both vLLM server: the offload tiers that `keys` configure (seed 002, 3.1)."""
+
+    def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
+                 server: dict | None = None, **keys: object) -> None:
+        port = port or free_port()
+        self.config_path = write_config(conf_dir / f"offload-{port}.yaml", **{"chunk_size": 256, **keys})
+        kw = dict(server or {})
+        env = {**kw.pop("env", {}), "KVFERRY_CONFIG_FILE": str(self.config_path)}
+        super().__init__(model, port, log_dir / f"vllm-offload-{port}.log", cores=cores,
+                         kv_transfer_config={**CONNECTOR, "kv_role": "kv_both"}, env=env, **kw)

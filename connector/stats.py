@@ -1,0 +1,108 @@
+"""kvferry's counters in vLLM's stats pipeline: logged with vLLM's "KV Transfer metrics" line and
+exported on vLLM's /metrics as ``kvferry:*`` Prometheus series.
+
+Stats travel as flat dicts (``name`` or ``name|tier`` -> number) from the scheduler and every
+worker to vLLM's logger process; counters are deltas, gauges absolute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+GAUGES = ("usage_bytes", "chunks")
+
+# name -> (Prometheus name, help, has a tier label)
+SERIES: dict[str, tuple[str, str, bool]] = {
+    "lookup_tokens": ("kvferry:cache_lookup_tokens", "Prompt tokens looked up in the offload tiers", False),
+    "hit_tokens": ("kvferry:cache_hit_tokens", "Prompt tokens loaded from a tier instead of computed", True),
+    "miss_tokens": ("kvferry:cache_miss_tokens", "Looked-up prompt tokens no tier held", False),
+    "hit_chunks": ("kvferry:cache_hit_chunks", "Chunks loaded from a tier", True),
+    "stored_chunks": ("kvferry:cache_stored_chunks", "Chunks admitted to a tier", True),
+    "stored_bytes": ("kvferry:cache_stored_bytes", "Bytes admitted to a tier", True),
+    "evicted_chunks": ("kvferry:cache_evicted_chunks", "Chunks evicted from a tier (LRU)", True),
+    "evicted_bytes": ("kvferry:cache_evicted_bytes", "Bytes evicted from a tier (LRU)", True),
+    "rejected_chunks": ("kvferry:cache_rejected_chunks", "Chunks a tier could not take", True),
+    "retrieved_bytes": ("kvferry:cache_retrieved_bytes", "Bytes copied from the tiers into vLLM's KV cache", False),
+    "offloaded_bytes": ("kvferry:cache_offloaded_bytes", "Bytes copied from vLLM's KV cache to host memory", False),
+    "load_errors": ("kvferry:cache_load_errors", "Loads that found a chunk missing or corrupt (recomputed)", False),
+    "disk_corrupt": ("kvferry:cache_disk_corrupt_files", "Disk chunk files rejected as corrupt or truncated", False),
+    "disk_write_errors": ("kvferry:cache_disk_write_errors", "Disk chunk writes that failed", False),
+    "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", True),
+    "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", True),
+}
+
+
+def deltas(now: dict[str, float], last: dict[str, float]) -> dict[str, float]:
+    """Counters since `last` (gauges as they are now); updates `last`."""
+    out = {}
+    for k, v in now.items():
+        if k.partition("|")[0] in GAUGES:
+            out[k] = v
+        elif v != last.get(k, 0):
+            out[k] = v - last.get(k, 0)
+    last.update(now)
+    return out
+
+
+class KVFerryStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = v if k.partition("|")[0] in GAUGES else self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in sorted(self.data.items()) if v}
+
+    def is_empty(self) -> bool:
+        return not any(v for k, v in self.data.items() if k.partition("|")[0] not in GAUGES)
+
+
+class KVFerryPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        self._warned = False
+        for key, (name, doc, tiered) in SERIES.items():
+            cls = self._gauge_cls if key in GAUGES else self._counter_cls
+            kw = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
+            self._metrics[key] = cls(name=name, documentation=doc,
+                                     labelnames=labelnames + (["tier"] if tiered else []), **kw)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        # Runs in vLLM's output handler, where an exception stops the server's outputs: never raise.
+        try:
+            self._observe(transfer_stats_data, engine_idx)
+        except Exception as e:  # noqa: BLE001
+            if not self._warned:
+                self._warned = True
+                logger.warning("kvferry metrics not exported: %s: %s", type(e).__name__, e)
+
+    def _observe(self, transfer_stats_data: dict[str, Any], engine_idx: int) -> None:
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for k, v in transfer_stats_data.items():
+            name, _, tier = k.partition("|")
+            metric = self._metrics.get(name)
+            if metric is None:
+                continue
+            child = metric.labels(*labels, *([tier] if tier else []))
+            if name in GAUGES:
+                child.set(v)
+            elif v > 0:
+                child.inc(v)
+
+

@@ -1,0 +1,122 @@
+"""Which chunk lives in which tier: LRU bookkeeping with byte limits, no data.
+
+The connector's scheduler side owns one :class:`ChunkIndex` and decides every admission and
+eviction; the worker side only carries them out, in the same order, on the data (see
+``engine/offload.py``). Both sides therefore agree on what each tier holds without a lookup
+round trip per request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TierIndex:
+    """One tier's keys in LRU order (oldest first) with their sizes, capped at `capacity` bytes."""
+
+    name: str
+    capacity: int
+    entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
+    used: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "hit_chunks": 0, "hit_tokens": 0, "stored_chunks": 0, "stored_bytes": 0,
+        "evicted_chunks": 0, "evicted_bytes": 0, "rejected_chunks": 0})
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def touch(self, key: bytes) -> None:
+        self.entries.move_to_end(key)
+
+    def admit(self, key: bytes, nbytes: int, pinned: Iterable[bytes] = ()) -> tuple[bool, list[bytes]]:
+        """Add `key` (most recent), evicting least recently used keys until it fits.
+
+        Returns (admitted, evicted keys). A chunk larger than the whole tier, or one that fits only
+        by evicting `pinned` keys, is not admitted and nothing is evicted."""
+        if key in self.entries:
+            self.touch(key)
+            return True, []
+        if nbytes > self.capacity:
+            self.counters["rejected_chunks"] += 1
+            return False, []
+        pinned = set(pinned)
+        need = self.used + nbytes - self.capacity
+        victims: list[bytes] = []
+        if need > 0:
+            freed = 0
+            for k, n in self.entries.items():
+                if k in pinned:
+                    continue
+                victims.append(k)
+                freed += n
+                if freed >= need:
+                    break
+            if freed < need:
+                self.counters["rejected_chunks"] += 1
+                return False, []
+        for k in victims:
+            self.counters["evicted_bytes"] += self.entries[k]
+            self.drop(k)
+        self.counters["evicted_chunks"] += len(victims)
+        self.entries[key] = nbytes
+        self.used += nbytes
+        self.counters["stored_chunks"] += 1
+        self.counters["stored_bytes"] += nbytes
+        return True, victims
+
+    def drop(self, key: bytes) -> bool:
+        n = self.entries.pop(key, None)
+        if n is None:
+            return False
+        self.used -= n
+        return True
+
+    def clear(self) -> list[bytes]:
+        keys = list(self.entries)
+        self.entries.clear()
+        self.used = 0
+        return keys
+
+
+class ChunkIndex:
+    """The tiers in lookup order (e.g. cpu, then disk)."""
+
+    def __init__(self, tiers: Sequence[TierIndex]) -> None:
+        self.tiers = list(tiers)
+        self.by_name = {t.name: t for t in self.tiers}
+        self.counters = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "miss_tokens": 0}
+
+    def locate(self, key: bytes) -> str | None:
+        """The first tier holding `key`, or None."""
+        for t in self.tiers:
+            if key in t:
+                return t.name
+        return None
+
+    def prefix(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier of each chunk of the longest cached prefix of `keys` (stops at the first miss)."""
+        out: list[str] = []
+        for k in keys:
+            where = self.locate(k)
+            if where is None:
+                break
+            out.append(where)
+        return out
+
+    def record_lookup(self, total_tokens: int, hit_tokens: int) -> None:
+        self.counters["lookups"] += 1
+        self.counters["lookup_tokens"] += total_tokens
+        self.counters["lookup_hit_tokens"] += hit_tokens
+        self.counters["miss_tokens"] += total_tokens - hit_tokens
+
+    def forget(self, key: bytes, tier: str | None = None) -> None:
+        """Drop `key` from one tier (or all): its data was found missing or corrupt."""
+        for t in self.tiers:
+            if tier is None or t.name == tier:
+                t.drop(key)

@@ -1,0 +1,360 @@
+"""The offload tiers of the KV engine (local CPU, local disk) behind vLLM's scheduler and worker.
+
+- :class:`OffloadPlanner` (scheduler side) keys each prompt's chunks, finds the longest cached
+  prefix, and decides every load, store, promotion and eviction on its :class:`ChunkIndex`.
+- :class:`OffloadWorker` (worker side, one per TP rank) carries those decisions out on the data
+  in the order they were made: loads before the forward pass, evictions and stores after it.
+  Stores copy the chunks to host memory in the step (a memcpy); disk writes happen behind it.
+
+Neither knows vLLM: the connector maps requests and blocks onto these calls, and the standalone
+engine (engine/standalone.py) uses the same tiers without vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from kvferry.buffer.pd_buffer import fmt_bytes
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.hashing import chunk_keys, salt_for
+from kvferry.common.log import get_logger
+from kvferry.engine import disk_tier
+from kvferry.engine.chunking import chunk_tokens, scatter_chunks
+from kvferry.engine.cpu_tier import CPUTier
+from kvferry.engine.index import ChunkIndex, TierIndex
+from kvferry.kernels.paged_copy import PagedKV
+
+logger = get_logger(__name__)
+
+GB = 1 << 30  # LMCache's max_local_cpu_size / max_local_disk_size "GB" are GiB
+
+
+def offload_salt(model: str, dtype: str, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
+                 chunk_size: int, tp_size: int) -> bytes:
+    """Keys of different models, shapes or shardings never match."""
+    return salt_for("offload-v1", model, dtype, num_layers, num_kv_heads, head_size, block_size, chunk_size, tp_size)
+
+
+@dataclass
+class CacheLoad:
+    req_id: str
+    keys: list[bytes]
+    tiers: list[str]
+    promote: list[bool]  # also keep this disk chunk in the CPU tier
+    first_chunk: int
+    tokens: list[int]  # tokens in each chunk
+    block_ids: list[int]  # the request's blocks from token 0
+    skip_tokens: int  # computed locally (vLLM's prefix cache): not written
+    num_tokens: int  # load up to here
+    total_tokens: int  # the prompt's length (for the log line)
+
+
+@dataclass
+class CacheStore:
+    req_id: str
+    chunks: list[int]  # chunk numbers within the prompt
+    keys: list[bytes]
+    tiers: list[list[str]]  # where each chunk goes
+    tokens: list[int]
+    block_ids: list[int]
+    total_tokens: int
+
+
+@dataclass
+class CacheEvict:
+    tier: str
+    key: bytes
+
+
+@dataclass
+class _Lookup:
+    keys: list[bytes]
+    where: list[str] = field(default_factory=list)  # tier of each chunk of the cached prefix
+    local: int = 0  # tokens vLLM's own prefix cache had at the last match
+
+
+class OffloadPlanner:
+    """Scheduler side: the index and every decision about it."""
+
+    def __init__(self, cfg: KVFerryConfig, salt: bytes, block_size: int, block_bytes: int) -> None:
+        if cfg.chunk_size % block_size:
+            raise ValueError(f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's block_size {block_size}: "
+                             f"set chunk_size to a multiple of {block_size} (e.g. 256), or vLLM's --block-size "
+                             f"to a divisor of {cfg.chunk_size}")
+        self.cfg, self.salt = cfg, salt
+        self.chunk_size, self.block_size, self.block_bytes = cfg.chunk_size, block_size, block_bytes
+        tiers = []
+        if cfg.local_cpu and cfg.max_local_cpu_size > 0:
+            tiers.append(TierIndex("cpu", int(cfg.max_local_cpu_size * GB)))
+        self._save_ops: list[CacheStore | CacheEvict] = []
+        if cfg.local_disk:
+            disk = TierIndex("disk", int(cfg.max_local_disk_size * GB))
+            found = disk_tier.scan(disk_tier.rank_root(cfg.local_disk, 0))
+            for key, nbytes in found:  # oldest first: the newest stay if the limit shrank
+                _, victims = disk.admit(key, nbytes)
+                self._save_ops += [CacheEvict("disk", v) for v in victims]
+            disk.counters.update(stored_chunks=0, stored_bytes=0)
+            if found:
+                logger.info("disk tier %s: %d chunks (%s) from earlier runs", disk_tier.disk_path(cfg.local_disk),
+                            len(disk), fmt_bytes(disk.used))
+            tiers.append(disk)
+        self.index = ChunkIndex(tiers)
+        self._lookups: dict[str, _Lookup] = {}
+        self._loads: list[CacheLoad] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.index.tiers)
+
+    def nbytes(self, tier: str, tokens: int) -> int:
+        data = -(-tokens // self.block_size) * self.block_bytes
+        return data + disk_tier.HEADER_BYTES if tier == "disk" else data
+
+    def keys(self, tokens: Sequence[int]) -> list[bytes]:
+        return chunk_keys(tokens, self.chunk_size, self.salt, include_partial=self.cfg.save_unfull_chunk)
+
+    def match(self, req_id: str, tokens: Sequence[int], num_computed: int) -> int:
+        """Tokens past `num_computed` that a tier holds (vLLM computes at least the last one)."""
+        look = self._lookups.get(req_id)
+        if look is None:
+            look = self._lookups[req_id] = _Lookup(self.keys(tokens))
+        look.where = self.index.prefix(look.keys)
+        look.local = num_computed
+        hit = min(len(look.where) * self.chunk_size, len(tokens))
+        return max(0, min(hit, len(tokens) - 1) - num_computed)
+
+    def after_alloc(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int], num_external: int) -> None:
+        """vLLM admitted the request with `num_external` tokens from us (after its own prefix
+        cache's, as given to the last `match`): plan their load."""
+        look = self._lookups.get(req_id)
+        if look is None:
+            return
+        num_computed = look.local
+        hit = min(len(look.where) * self.chunk_size, len(tokens))
+        self.index.record_lookup(len(tokens), hit)
+        logger.info("request %s: total tokens %d, hit tokens %d, need to load %d", req_id, len(tokens), hit,
+                    max(num_external, 0))
+        if num_external <= 0:
+            return
+        end = num_computed + num_external
+        c0, c1 = num_computed // self.chunk_size, -(-end // self.chunk_size)
+        sizes = chunk_tokens(len(tokens), self.chunk_size)
+        op = CacheLoad(req_id, look.keys[c0:c1], look.where[c0:c1], [], c0, sizes[c0:c1], list(block_ids),
+                    num_computed, end, len(tokens))
+        cpu = self.index.by_name.get("cpu")
+        for i, (key, tier) in enumerate(zip(op.keys, op.tiers, strict=True)):
+            t = self.index.by_name[tier]
+            t.touch(key)
+            t.counters["hit_chunks"] += 1
+            t.counters["hit_tokens"] += min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed,
+                                                                                      (c0 + i) * self.chunk_size)
+            promote = False
+            if tier != "cpu" and cpu is not None:
+                promote, victims = cpu.admit(key, self.nbytes("cpu", op.tokens[i]))
+                self._save_ops += [CacheEvict("cpu", v) for v in victims]
+            op.promote.append(promote)
+        self._loads.append(op)
+
+    def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
+        """Tokens of the planned load by the tier that supplies them."""
+        look = self._lookups.get(req_id)
+        out: dict[str, int] = {}
+        if look is None or num_external <= 0:
+            return out
+        num_computed = look.local
+        end = num_computed + num_external
+        for i, tier in enumerate(look.where):
+            lo, hi = max(num_computed, i * self.chunk_size), min(end, (i + 1) * self.chunk_size)
+            if hi > lo:
+                out[tier] = out.get(tier, 0) + hi - lo
+        return out
+
+    def store(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int]) -> None:
+        """The prompt's KV is complete in `block_ids` after this step: store what no tier has."""
+        look = self._lookups.get(req_id)
+        keys = look.keys if look is not None else self.keys(tokens)
+        sizes = chunk_tokens(len(tokens), self.chunk_size)
+        op = CacheStore(req_id, [], [], [], [], list(block_ids), len(tokens))
+        pos: dict[bytes, int] = {}
+        evicts: list[CacheEvict] = []
+        for i, key in enumerate(keys):
+            dest: list[str] = []
+            for t in self.index.tiers:
+                if key in t:
+                    t.touch(key)
+                    continue
+                ok, victims = t.admit(key, self.nbytes(t.name, sizes[i]))
+                for v in victims:
+                    j = pos.get(v)
+                    if j is not None and t.name in op.tiers[j]:
+                        op.tiers[j].remove(t.name)  # evicted before it was written: not written
+                    else:
+                        evicts.append(CacheEvict(t.name, v))
+                if ok:
+                    dest.append(t.name)
+            if dest:
+                pos[key] = len(op.chunks)
+                op.chunks.append(i)
+                op.keys.append(key)
+                op.tiers.append(dest)
+                op.tokens.append(sizes[i])
+        keep = [j for j, d in enumerate(op.tiers) if d]
+        op.chunks, op.keys, op.tiers, op.tokens = ([lst[j] for j in keep] for lst in
+                                                   (op.chunks, op.keys, op.tiers, op.tokens))
+        self._save_ops += evicts
+        if op.chunks:
+            self._save_ops.append(op)
+
+    def take(self) -> tuple[list[CacheLoad], list[CacheStore | CacheEvict]]:
+        """This step's loads (before the forward pass) and saves (after it), in decision order."""
+        loads, self._loads = self._loads, []
+        saves, self._save_ops = self._save_ops, []
+        return loads, saves
+
+    def finished(self, req_id: str) -> None:
+        self._lookups.pop(req_id, None)
+
+    def forget(self, lost: dict[str, set[bytes]]) -> None:
+        """A worker found these chunks missing or corrupt: later lookups miss them."""
+        for tier, keys in lost.items():
+            for key in keys:
+                self.index.forget(key, tier)
+
+    def stats(self) -> dict[str, float]:
+        """Counters (cumulative) and usage, flat: ``name`` or ``name|tier``."""
+        out: dict[str, float] = dict(self.index.counters)
+        for t in self.index.tiers:
+            for name, v in t.counters.items():
+                out[f"{name}|{t.name}"] = v
+            out[f"usage_bytes|{t.name}"] = t.used
+            out[f"chunks|{t.name}"] = len(t)
+        return out
+
+
+class OffloadWorker:
+    """Worker side for one TP rank: the tiers' data and the copies in and out of vLLM's blocks."""
+
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
+        self.kv, self.chunk_size = kv, cfg.chunk_size
+        self.cpu = CPUTier(pin=kv.device.type == "cuda") if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None
+        self.disk = disk_tier.DiskTier(disk_tier.rank_root(cfg.local_disk, tp_rank), layout_digest) \
+            if cfg.local_disk else None
+        self._lost: dict[str, set[bytes]] = {}
+        self.counters = {"retrieved_tokens": 0, "retrieved_bytes": 0, "offloaded_tokens": 0, "offloaded_bytes": 0,
+                         "load_errors": 0}
+
+    def _tier(self, name: str) -> CPUTier | disk_tier.DiskTier | None:
+        return self.cpu if name == "cpu" else self.disk if name == "disk" else None
+
+    def load(self, op: CacheLoad) -> list[int]:
+        """Copy the op's chunks into its blocks; on any miss load nothing and return the blocks
+        vLLM must recompute."""
+        t0 = time.monotonic()
+        bs = self.kv.layout.block_size
+        datas = []
+        for key, tier, promote in zip(op.keys, op.tiers, op.promote, strict=True):
+            store = self._tier(tier)
+            data = store.get(key) if store is not None else None
+            if data is None:
+                self._lost.setdefault(tier, set()).add(key)
+                # The index counted the rest as promoted to the CPU tier: they are not there.
+                j = op.keys.index(key)
+                self._lost.setdefault("cpu", set()).update(k for k, p in zip(op.keys[j:], op.promote[j:], strict=True)
+                                                           if p)
+                self.counters["load_errors"] += 1
+                logger.warning("request %s: chunk %s missing from the %s tier; recomputing its prompt from token %d",
+                               op.req_id, key.hex()[:12], tier, op.skip_tokens)
+                return op.block_ids[op.skip_tokens // bs:-(-op.num_tokens // bs)]
+            if promote and self.cpu is not None:
+                self.cpu.put(key, data)
+            datas.append(self._host_to_device(data))
+        nbytes = scatter_chunks(self.kv, "block", self.chunk_size, datas, op.tokens, op.first_chunk, op.block_ids,
+                                op.skip_tokens, op.num_tokens)
+        dt = time.monotonic() - t0
+        n = op.num_tokens - op.skip_tokens
+        self.counters["retrieved_tokens"] += n
+        self.counters["retrieved_bytes"] += nbytes
+        from_disk = sum(t == "disk" for t in op.tiers)
+        logger.info("Retrieved %d out of %d required tokens (from %d total tokens). size: %s, cost %.4f ms, "
+                    "throughput: %.4f GB/s; %d chunks from cpu, %d from disk", n, n, op.total_tokens,
+                    fmt_bytes(nbytes), dt * 1e3, nbytes / max(dt, 1e-9) / 1e9, len(op.tiers) - from_disk,
+                    from_disk)
+        return []
+
+    def save(self, ops: Sequence[CacheStore | CacheEvict]) -> None:
+        """Evictions and stores in the order the planner made them."""
+        for op in ops:
+            if isinstance(op, CacheEvict):
+                store = self._tier(op.tier)
+                if store is not None:
+                    store.delete(op.key)
+            else:
+                self._store(op)
+
+    def _store(self, op: CacheStore) -> None:
+        t0 = time.monotonic()
+        bs, per = self.kv.layout.block_size, self.chunk_size // self.kv.layout.block_size
+        nbytes = 0
+        for c, key, dest, n in zip(op.chunks, op.keys, op.tiers, op.tokens, strict=True):
+            data = self.cpu.get(key) if self.cpu is not None and "cpu" not in dest else None
+            if data is None:
+                data = self._gather(op.block_ids[c * per:c * per + -(-n // bs)], n)
+                nbytes += data.numel()
+            for tier in dest:
+                if tier == "cpu" and self.cpu is not None:
+                    self.cpu.put(key, data)
+                elif tier == "disk" and self.disk is not None:
+                    self.disk.put(key, data)
+        dt = time.monotonic() - t0
+        n = sum(op.tokens)
+        self.counters["offloaded_tokens"] += n
+        self.counters["offloaded_bytes"] += nbytes
+        logger.info("Stored %d out of total %d tokens. size: %s, cost %.4f ms, throughput: %.4f GB/s",
+                    n, op.total_tokens, fmt_bytes(nbytes), dt * 1e3, nbytes / max(dt, 1e-9) / 1e9)
+
+    def _gather(self, block_ids: list[int], n: int) -> torch.Tensor:
+        size = self.kv.chunk_nbytes("block", n)
+        host = self.cpu.alloc(size) if self.cpu is not None else torch.empty(size, dtype=torch.uint8)
+        if self.kv.device.type == "cpu":
+            self.kv.copy_batch([block_ids], [host], "block", [n], to_chunk=True)
+        else:  # GPU: gather on the device, then one copy to (pinned) host memory
+            dev = torch.empty(size, dtype=torch.uint8, device=self.kv.device)
+            self.kv.copy_batch([block_ids], [dev], "block", [n], to_chunk=True)
+            host.copy_(dev)
+        return host
+
+    def _host_to_device(self, data: torch.Tensor) -> torch.Tensor:
+        if self.kv.device.type == "cpu":
+            return data
+        return data.to(self.kv.device, non_blocking=data.is_pinned())
+
+    def take_lost(self) -> dict[str, set[bytes]]:
+        lost, self._lost = self._lost, {}
+        if self.disk is not None:
+            more = self.disk.take_lost()
+            if more:
+                lost.setdefault("disk", set()).update(more)
+        return lost
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = dict(self.counters)
+        if self.disk is not None:
+            for name, v in self.disk.counters.items():
+                out[f"disk_{name}"] = v
+        return out
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self.cpu is not None:
+            self.cpu.clear()
+
+
+def layout_digest(fp_bytes: bytes) -> bytes:
+    """16 bytes naming a worker's KV layout (written into and checked against every disk file)."""
+    return xxhash.xxh3_128_digest(fp_bytes)
