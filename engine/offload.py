@@ -118,7 +118,7 @@ class OffloadPlanner:
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         return chunk_keys(tokens, self.chunk_size, self.salt, include_partial=self.cfg.save_unfull_chunk)
 
-    def match(self, req_id: str, tokens: Sequence[int], num_computed: int) -> int:
+    def match(self, req_id: str, tokens: Sequence[int], num_computed: int, leave_one: bool = True) -> int:
         """Tokens past `num_computed` that a tier holds (vLLM computes at least the last one)."""
         look = self._lookups.get(req_id)
         if look is None:
@@ -126,7 +126,7 @@ class OffloadPlanner:
         look.where = self.index.prefix(look.keys)
         look.local = num_computed
         hit = min(len(look.where) * self.chunk_size, len(tokens))
-        return max(0, min(hit, len(tokens) - 1) - num_computed)
+        return max(0, min(hit, len(tokens) - leave_one) - num_computed)
 
     def after_alloc(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int], num_external: int) -> None:
         """vLLM admitted the request with `num_external` tokens from us (after its own prefix
