@@ -62,6 +62,21 @@ def source_tokens(server: VLLMServer) -> dict[str, float]:
     return out
 
 
+def prom(server: VLLMServer, name: str) -> dict[str, float]:
+    """Every sample of metric `name` on the server's /metrics, keyed by its label text ('' without labels)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels = line[len(name):].rsplit(" ", 1)[0]
+            out[labels] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def tier_value(server: VLLMServer, name: str, tier: str) -> float:
+    """A kvferry:* sample for one tier (0 when absent)."""
+    return sum(v for k, v in prom(server, name).items() if f'tier="{tier}"' in k)
+
+
 def tiny_fingerprint(model_path: Path) -> m.LayoutFingerprint:
     c = json.loads((model_path / "config.json").read_text())
     heads, hd, layers = c["num_key_value_heads"], c["head_dim"], c["num_hidden_layers"]
