@@ -62,7 +62,20 @@ def test_kv_role_and_pd_role_must_agree(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ConfigError, match="enable_pd: true"):
         connector_config(vllm_config("kv_producer"))
     with pytest.raises(ConfigError, match="kv_producer .* or kv_consumer"):
+        connector_config(vllm_config("kv_decoder", enable_pd=True, pd_role="sender"))
+
+
+def test_kv_both_needs_a_tier_and_no_pd(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KVFERRY_CONFIG_FILE", "LMCACHE_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg, role = connector_config(vllm_config("kv_both"))  # nothing else: the CPU tier's defaults
+    assert role == "kv_both" and cfg.local_cpu and cfg.max_local_cpu_size == 5.0
+    with pytest.raises(ConfigError, match="no tier"):
+        connector_config(vllm_config("kv_both", local_cpu=False))
+    with pytest.raises(ConfigError, match="enable_pd: false"):
         connector_config(vllm_config("kv_both", enable_pd=True, pd_role="sender"))
+    with pytest.raises(ConfigError, match="kv_both"):
+        connector_config(vllm_config("kv_everything"))
 
 
 @pytest.mark.parametrize("name,role", [("kvferry-prefiller-config.yaml", "kv_producer"),
@@ -179,6 +192,24 @@ def test_decode_leg_may_repeat_the_whole_prompt(pd, peer) -> None:
         assert got == want
         assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n - 1
         assert after.get("local_compute", 0) - before.get("local_compute", 0) == 1
+    assert peer.fully_free()
+
+
+@pytest.mark.vllm
+def test_a_prefiller_with_a_cpu_tier_does_not_recompute_a_repeated_prompt(pd, peer, tiny_model_path: Path,
+                                                                          log_dir: Path, tmp_path: Path) -> None:
+    _, d, plain_vllm = pd
+    # vLLM's own prefix cache off: the repeated prompt can only come from kvferry's CPU tier.
+    with Prefiller(str(tiny_model_path), log_dir, "0", tmp_path, local_cpu=True, max_local_cpu_size=0.5,
+                   server={"extra_args": ["--no-enable-prefix-caching"]}) as p2:
+        pr = prompt(1000, seed=400)
+        want = plain(plain_vllm, pr, 6)
+        assert disagg(p2, d, pr, 6)[:2] == want
+        before = source_tokens(p2)
+        assert disagg(p2, d, pr, 6)[:2] == want  # the decoder still gets every chunk
+        after = source_tokens(p2)
+        assert after["external_kv_transfer"] - before["external_kv_transfer"] == 999
+        assert after["local_compute"] - before["local_compute"] == 1
     assert peer.fully_free()
 
 
