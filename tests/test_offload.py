@@ -229,16 +229,16 @@ def test_bad_setups_get_one_line_errors(tmp_path: Path) -> None:
     eng.close()
 
 
-def test_standalone_cli_round_trip(tmp_path: Path) -> None:
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\nlocal_disk: file://{tmp_path}/kv/\n"
-                   "max_local_disk_size: 1\n")
+def test_standalone_cli_round_trip_with_the_readme_example(tmp_path: Path) -> None:
+    cfg = Path(__file__).resolve().parent.parent / "examples" / "offload" / "kvferry-offload-config.yaml"
     cmd = [sys.executable, "-m", "kvferry.engine.standalone", "--config", str(cfg), "--device", "cpu",
            "--model_name", "my_model", "--kvcache_shape_spec", "(2,2,256,4,16):float16:2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "KVFERRY_LOCAL_DISK": f"file://{tmp_path}/kv/"}  # env overrides the file's folder
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] and out["retrieved_tokens"] == 256 and out["tiers"]["disk"]["chunks"] == 1
     assert "Retrieved 256 out of 256 required tokens" in r.stderr
-    bad = subprocess.run(cmd[:-1] + ["(2,2,256)"], capture_output=True, text=True, timeout=120)
+    assert len(scan(tmp_path / "kv" / "rank0")) == 1
+    bad = subprocess.run(cmd[:-1] + ["(2,2,256)"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "kvcache_shape_spec" in bad.stderr
