@@ -130,6 +130,29 @@ class ProxyNotification(Msg, tag="proxy_notify"):
     num_tokens: NonNeg
 
 
+# ---- the lm:// cache server (kvferry-server): a header frame, then `nbytes` raw payload bytes ----
+class RemotePut(Msg, tag="rput"):
+    key: Key
+    nbytes: NonNeg  # payload bytes that follow the header
+
+
+class RemoteGet(Msg, tag="rget"):
+    key: Key
+
+
+class RemoteExists(Msg, tag="rexists"):
+    keys: Keys
+
+
+class RemoteReply(Msg, tag="rreply"):
+    """Answer to put (ok), get (found, then `nbytes` payload bytes) and exists (`found_keys`)."""
+
+    ok: bool = True
+    found: bool = False
+    nbytes: NonNeg = 0
+    found_keys: list[bool] = []
+
+
 # ---- controller ----
 class RegisterWorker(Msg, tag="register"):
     instance_id: Id
@@ -204,6 +227,10 @@ Message = Union[
     ArrivalNotice,
     AbortTransfer,
     ProxyNotification,
+    RemotePut,
+    RemoteGet,
+    RemoteExists,
+    RemoteReply,
     RegisterWorker,
     DeregisterWorker,
     Heartbeat,

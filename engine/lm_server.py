@@ -1,0 +1,261 @@
+"""kvferry-server: the ``lm://`` remote cache (LMCache's ``lmcache_server``), chunks in host memory.
+
+    kvferry-server HOST PORT [cpu] [--max-bytes GB] [--max-frame MB]
+
+Protocol (TCP, every frame): a 4-byte big-endian length, that many bytes of a msgpack header
+(:class:`~kvferry.common.messages.RemotePut` / ``RemoteGet`` / ``RemoteExists``, answered by
+``RemoteReply`` or ``ErrorReply``), then, for a put or a found get, ``nbytes`` raw payload bytes.
+Reads are exact (a frame may arrive a byte at a time); a frame once started must finish within
+``--frame-timeout``. A header over 4 MiB, a payload over ``--max-frame``, or a header that does
+not decode is answered with an error and the connection is closed (its stream can no longer be
+trusted); other connections never notice. Chunks live in an LRU capped at ``--max-bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvferry.buffer.pd_buffer import fmt_bytes
+from kvferry.common import messages as m
+from kvferry.common.log import RateLimitedLog, get_logger
+
+logger = get_logger(__name__)
+
+LEN_BYTES = 4
+MAX_HEADER = m.MAX_FRAME_BYTES
+
+
+class ChunkLRU:
+    """Chunk bytes by key, least recently used first out, at most `limit` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data: OrderedDict[bytes, bytes] = OrderedDict()
+        self.used = 0
+        self.evictions = 0
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        if len(value) > self.limit:
+            return False
+        old = self.data.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+        while self.used + len(value) > self.limit:
+            _, gone = self.data.popitem(last=False)
+            self.used -= len(gone)
+            self.evictions += 1
+        self.data[key] = value
+        self.used += len(value)
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        value = self.data.get(key)
+        if value is not None:
+            self.data.move_to_end(key)
+        return value
+
+
+def frame(msg: m.Msg) -> bytes:
+    body = m.encode(msg)
+    return len(body).to_bytes(LEN_BYTES, "big") + body
+
+
+class LMServer:
+    def __init__(self, host: str, port: int, max_bytes: int, max_frame: int, frame_timeout: float = 30.0) -> None:
+        self.host, self.port = host, port
+        self.store = ChunkLRU(max_bytes)
+        self.max_frame, self.frame_timeout = max_frame, frame_timeout
+        self.counters = {"connections": 0, "puts": 0, "gets": 0, "hits": 0, "rejected": 0}
+        self._warn = RateLimitedLog(logger)
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None
+        async with self._server:
+            await self._server.serve_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        self.counters["connections"] += 1
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away mid-frame: its business
+        except m.MessageError as e:
+            await self._reject(writer, peer, "bad_message", str(e))
+        except TimeoutError:
+            await self._reject(writer, peer, "timeout", f"a frame did not finish within {self.frame_timeout:.0f}s")
+        except Exception as e:  # noqa: BLE001 - one connection's failure must not end the server
+            logger.exception("kvferry-server: connection %s failed: %s", peer, e)
+        finally:
+            writer.close()
+
+    async def _reject(self, writer: asyncio.StreamWriter, peer: object, code: str, message: str) -> None:
+        self.counters["rejected"] += 1
+        self._warn.warning("kvferry-server: closing connection %s: %s: %s", peer, code, message)
+        try:
+            writer.write(frame(m.ErrorReply(code=code, message=message[:4000])))
+            await asyncio.wait_for(writer.drain(), 1.0)
+        except (ConnectionError, TimeoutError):
+            pass
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one request; False when the client closed the connection between frames."""
+        try:
+            head = await reader.readexactly(LEN_BYTES)  # idle between requests: no limit
+        except asyncio.IncompleteReadError as e:
+            if e.partial:
+                raise
+            return False
+        n = int.from_bytes(head, "big")
+        if n > MAX_HEADER:
+            raise m.MessageError("too_large", f"header of {n} bytes exceeds {MAX_HEADER}")
+        async with asyncio.timeout(self.frame_timeout):
+            msg = m.decode(await reader.readexactly(n), expect=(m.RemotePut, m.RemoteGet, m.RemoteExists))
+            if isinstance(msg, m.RemotePut):
+                if msg.nbytes > self.max_frame:
+                    raise m.MessageError("too_large", f"payload of {msg.nbytes} bytes exceeds --max-frame "
+                                                      f"{self.max_frame}")
+                data = await reader.readexactly(msg.nbytes)
+        if isinstance(msg, m.RemotePut):
+            self.counters["puts"] += 1
+            if self.store.put(msg.key, data):
+                writer.write(frame(m.RemoteReply()))
+            else:
+                writer.write(frame(m.ErrorReply(code="too_large", message=f"a {msg.nbytes}-byte chunk is larger "
+                                                f"than the server's memory limit {self.store.limit}")))
+        elif isinstance(msg, m.RemoteGet):
+            self.counters["gets"] += 1
+            value = self.store.get(msg.key)
+            if value is None:
+                writer.write(frame(m.RemoteReply(found=False)))
+            else:
+                self.counters["hits"] += 1
+                writer.write(frame(m.RemoteReply(found=True, nbytes=len(value))))
+                writer.write(value)
+        else:
+            writer.write(frame(m.RemoteReply(found_keys=[k in self.store.data for k in msg.keys])))
+        await writer.drain()
+        return True
+
+
+class LMError(RuntimeError):
+    """The lm:// server could not be reached, timed out, or refused the request."""
+
+
+class LMClient:
+    """A blocking client (one connection, reconnected on demand); every call bounded by `timeout`."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self._sock: socket.socket | None = None
+
+    def _conn(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except OSError as e:
+                raise LMError(f"lm://{self.host}:{self.port} unreachable: {e}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._sock
+
+    def _exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("server closed the connection")
+            got += k
+        return buf
+
+    def _call(self, msg: m.Msg, payload: bytes | memoryview | None = None) -> tuple[m.RemoteReply, bytes | None]:
+        deadline = time.monotonic() + self.timeout
+        try:
+            s = self._conn()
+            s.settimeout(self.timeout)
+            s.sendall(frame(msg))
+            if payload is not None:
+                s.sendall(payload)
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            n = int.from_bytes(self._exact(LEN_BYTES), "big")
+            if n > MAX_HEADER:
+                raise m.MessageError("too_large", f"reply header of {n} bytes")
+            reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
+            data = bytes(self._exact(reply.nbytes)) if isinstance(reply, m.RemoteReply) and reply.found else None
+        except (OSError, m.MessageError) as e:
+            self.close()
+            raise LMError(f"lm://{self.host}:{self.port}: {type(e).__name__}: {e}") from None
+        if isinstance(reply, m.ErrorReply):
+            raise LMError(f"lm://{self.host}:{self.port} refused: {reply.code}: {reply.message}")
+        return reply, data
+
+    def put(self, key: bytes, data: bytes | memoryview) -> None:
+        self._call(m.RemotePut(key=key, nbytes=len(data)), data)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._call(m.RemoteGet(key=key))[1]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return list(self._call(m.RemoteExists(keys=list(keys)))[0].found_keys)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvferry-server", description="The lm:// remote KV cache server "
+                                 "(LMCache's lmcache_server): chunks in host memory, LRU beyond --max-bytes.")
+    ap.add_argument("host")
+    ap.add_argument("port", type=int)
+    ap.add_argument("device", nargs="?", default="cpu", help="where chunks live: cpu (the only choice)")
+    ap.add_argument("--max-bytes", type=float, default=4.0, help="GB (GiB) of chunks kept (default 4)")
+    ap.add_argument("--max-frame", type=float, default=256, help="largest chunk accepted, MB (MiB) (default 256)")
+    ap.add_argument("--frame-timeout", type=float, default=30.0, help="seconds a started frame may take")
+    args = ap.parse_args(argv)
+    if args.device != "cpu":
+        ap.error(f"device {args.device!r}: kvferry-server keeps chunks in host memory; use cpu")
+    if not 0 < args.port < 65536:
+        ap.error(f"port {args.port} is outside 1-65535")
+    if args.max_bytes <= 0 or args.max_frame <= 0 or args.frame_timeout <= 0:
+        ap.error("--max-bytes, --max-frame and --frame-timeout must be positive")
+    server = LMServer(args.host, args.port, int(args.max_bytes * (1 << 30)), int(args.max_frame * (1 << 20)),
+                      args.frame_timeout)
+
+    async def run() -> None:
+        try:
+            await server.start()
+        except OSError as e:
+            raise SystemExit(f"kvferry-server: cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        logger.info("kvferry-server listening on %s:%d (memory limit %s, largest chunk %s)", args.host,
+                    server.port, fmt_bytes(server.store.limit), fmt_bytes(server.max_frame))
+        task = asyncio.create_task(server.serve_forever())
+        await stop.wait()
+        task.cancel()
+        logger.info("kvferry-server stopped: %d chunks (%s) dropped", len(server.store.data),
+                    fmt_bytes(server.store.used))
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
