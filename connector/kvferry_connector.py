@@ -171,6 +171,9 @@ class KVFerryConnector(KVConnectorBase_V1):
         self._kv_cache_config = kv_cache_config
         self._last_stats: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
+            if self.cfg.remote_url:
+                logger.warning("remote_url %s: remote tiers are not wired into the connector yet; this instance "
+                               "uses its local tiers only (README 'The lm:// cache server')", self.cfg.remote_url)
             self._sched = _Scheduler(self)
             self._worker = None
             # vLLM reads this right after building the scheduler's connector. A failed load from an
