@@ -401,8 +401,9 @@ class _Worker:
     def __init__(self, c: KVFerryConnector) -> None:
         self.c = c
         self.vc = c._vllm_config
-        if not c.producer_side:
-            request_amx()
+        # Any role may load KV before its first full prefill (a decoder, or an offload hit after a
+        # restart): ask for AMX first.
+        request_amx()
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
