@@ -150,7 +150,7 @@ class RemoteReply(Msg, tag="rreply"):
     ok: bool = True
     found: bool = False
     nbytes: NonNeg = 0
-    found_keys: list[bool] = []
+    found_keys: Annotated[list[bool], msgspec.Meta(max_length=1 << 16)] = []
 
 
 # ---- controller ----
