@@ -44,6 +44,7 @@ from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 from kvferry.common.log import get_logger
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.stats import KVFerryPromMetrics, KVFerryStats, deltas
+from kvferry.engine.chunking import loaded_blocks
 from kvferry.engine.offload import (
     CacheEvict,
     CacheLoad,
@@ -168,7 +169,6 @@ class KVFerryConnector(KVConnectorBase_V1):
         self.producer_side = self.kv_role in ("kv_producer", "kv_both")  # computes prompts itself
         self.pd = self.cfg.enable_pd
         self.offload = offload_wanted(self.cfg, self.kv_role)
-        self._kv_cache_config = kv_cache_config
         self._last_stats: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             if self.cfg.remote_url:
@@ -198,7 +198,7 @@ class KVFerryConnector(KVConnectorBase_V1):
         return self._sched.finished(request)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        got = self._sched.hit_sources(request.request_id, num_external_tokens)
+        got = self._sched.hit_sources(request.request_id) if num_external_tokens else {}
         return got or super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -342,10 +342,10 @@ class _Scheduler:
                                      list(req.prompt_token_ids), list(blocks), req.num_prompt_tokens))
         return meta
 
-    def hit_sources(self, req_id: str, num_external: int) -> dict[CacheHitSource, int]:
+    def hit_sources(self, req_id: str) -> dict[CacheHitSource, int]:
         if self.offload is None:
             return {}
-        got = self.offload.hit_sources(req_id, num_external)
+        got = self.offload.hit_sources(req_id)
         return {_HIT_SOURCES[t]: n for t, n in got.items() if t in _HIT_SOURCES}
 
     def stats(self) -> dict[str, float]:
@@ -448,8 +448,8 @@ class _Worker:
         if self.consumer is None:
             return
         for op in meta.loads:
-            self._load_blocks[op.req_id] = op.block_ids[op.skip_tokens // self.consumer.kv.layout.block_size:
-                                                        -(-op.num_tokens // self.consumer.kv.layout.block_size)]
+            self._load_blocks[op.req_id] = loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens,
+                                                         self.consumer.kv.layout.block_size)
             self.consumer.expect(op.req_id, op.transfer_id, op.token_ids, op.block_ids, op.num_tokens,
                                  op.skip_tokens)
 

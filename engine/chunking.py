@@ -28,6 +28,11 @@ def chunk_tokens(num_tokens: int, chunk_size: int) -> list[int]:
     return [min(chunk_size, num_tokens - s) for s in range(0, num_tokens, chunk_size)]
 
 
+def loaded_blocks(block_ids: Sequence[int], skip_tokens: int, num_tokens: int, block_size: int) -> list[int]:
+    """The blocks a load of tokens [skip_tokens, num_tokens) writes: vLLM recomputes them if it fails."""
+    return list(block_ids[skip_tokens // block_size:-(-num_tokens // block_size)])
+
+
 def scatter_chunks(kv: PagedKV, fmt: str, chunk_size: int, chunks: Sequence[torch.Tensor],
                    tokens: Sequence[int], first_chunk: int, block_ids: Sequence[int], skip_tokens: int,
                    num_tokens: int) -> int:

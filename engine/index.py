@@ -9,7 +9,7 @@ round trip per request.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -34,32 +34,25 @@ class TierIndex:
     def touch(self, key: bytes) -> None:
         self.entries.move_to_end(key)
 
-    def admit(self, key: bytes, nbytes: int, pinned: Iterable[bytes] = ()) -> tuple[bool, list[bytes]]:
+    def admit(self, key: bytes, nbytes: int) -> tuple[bool, list[bytes]]:
         """Add `key` (most recent), evicting least recently used keys until it fits.
 
-        Returns (admitted, evicted keys). A chunk larger than the whole tier, or one that fits only
-        by evicting `pinned` keys, is not admitted and nothing is evicted."""
+        Returns (admitted, evicted keys). A chunk larger than the whole tier is not admitted and
+        nothing is evicted."""
         if key in self.entries:
             self.touch(key)
             return True, []
         if nbytes > self.capacity:
             self.counters["rejected_chunks"] += 1
             return False, []
-        pinned = set(pinned)
         need = self.used + nbytes - self.capacity
         victims: list[bytes] = []
-        if need > 0:
-            freed = 0
-            for k, n in self.entries.items():
-                if k in pinned:
-                    continue
-                victims.append(k)
-                freed += n
-                if freed >= need:
-                    break
-            if freed < need:
-                self.counters["rejected_chunks"] += 1
-                return False, []
+        freed = 0
+        for k, n in self.entries.items():
+            if freed >= need:
+                break
+            victims.append(k)
+            freed += n
         for k in victims:
             self.counters["evicted_bytes"] += self.entries[k]
             self.drop(k)

@@ -24,7 +24,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
 from kvferry.engine import disk_tier
-from kvferry.engine.chunking import chunk_tokens, scatter_chunks
+from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.index import ChunkIndex, TierIndex
 from kvferry.kernels.paged_copy import PagedKV
@@ -76,6 +76,7 @@ class _Lookup:
     keys: list[bytes]
     where: list[str] = field(default_factory=list)  # tier of each chunk of the cached prefix
     local: int = 0  # tokens vLLM's own prefix cache had at the last match
+    sources: dict[str, int] = field(default_factory=dict)  # tokens of the planned load, by tier
 
 
 class OffloadPlanner:
@@ -135,6 +136,7 @@ class OffloadPlanner:
         if look is None:
             return
         num_computed = look.local
+        look.sources = {}
         hit = min(len(look.where) * self.chunk_size, len(tokens))
         self.index.record_lookup(len(tokens), hit)
         logger.info("request %s: total tokens %d, hit tokens %d, need to load %d", req_id, len(tokens), hit,
@@ -150,9 +152,10 @@ class OffloadPlanner:
         for i, (key, tier) in enumerate(zip(op.keys, op.tiers, strict=True)):
             t = self.index.by_name[tier]
             t.touch(key)
+            n = min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed, (c0 + i) * self.chunk_size)
             t.counters["hit_chunks"] += 1
-            t.counters["hit_tokens"] += min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed,
-                                                                                      (c0 + i) * self.chunk_size)
+            t.counters["hit_tokens"] += n
+            look.sources[tier] = look.sources.get(tier, 0) + n
             promote = False
             if tier != "cpu" and cpu is not None:
                 promote, victims = cpu.admit(key, self.nbytes("cpu", op.tokens[i]))
@@ -160,19 +163,10 @@ class OffloadPlanner:
             op.promote.append(promote)
         self._loads.append(op)
 
-    def hit_sources(self, req_id: str, num_external: int) -> dict[str, int]:
-        """Tokens of the planned load by the tier that supplies them."""
+    def hit_sources(self, req_id: str) -> dict[str, int]:
+        """Tokens of the load `after_alloc` planned, by the tier that supplies them."""
         look = self._lookups.get(req_id)
-        out: dict[str, int] = {}
-        if look is None or num_external <= 0:
-            return out
-        num_computed = look.local
-        end = num_computed + num_external
-        for i, tier in enumerate(look.where):
-            lo, hi = max(num_computed, i * self.chunk_size), min(end, (i + 1) * self.chunk_size)
-            if hi > lo:
-                out[tier] = out.get(tier, 0) + hi - lo
-        return out
+        return dict(look.sources) if look is not None else {}
 
     def store(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int]) -> None:
         """The prompt's KV is complete in `block_ids` after this step: store what no tier has."""
@@ -269,7 +263,7 @@ class OffloadWorker:
                 self.counters["load_errors"] += 1
                 logger.warning("request %s: chunk %s missing from the %s tier; recomputing its prompt from token %d",
                                op.req_id, key.hex()[:12], tier, op.skip_tokens)
-                return op.block_ids[op.skip_tokens // bs:-(-op.num_tokens // bs)]
+                return loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens, bs)
             if promote and self.cpu is not None:
                 self.cpu.put(key, data)
             datas.append(self._host_to_device(data))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,13 +181,24 @@ def test_tiers_stay_under_their_limits_under_a_stream_of_prompts(tmp_path: Path)
     eng.close()
 
 
-def test_a_chunk_is_readable_before_its_file_is_written(tmp_path: Path) -> None:
+def test_a_chunk_is_readable_before_its_file_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    real_write = DiskTier._write
+
+    def held_write(self, key, data):  # the disk is "slow": nothing is written until the gate opens
+        assert gate.wait(30)
+        real_write(self, key, data)
+
+    monkeypatch.setattr(DiskTier, "_write", held_write)
     eng = engine(tmp_path, local_cpu=False, local_disk=str(tmp_path / "kv"), max_local_disk_size=1.0)
     toks = tokens(512, 9)
     want = fill(eng, 512, 9)
-    eng.store(toks)  # returns before the writer is done (the forward pass never waits on disk)
+    eng.store(toks)  # returns with the writer blocked: the forward pass never waits on the disk
+    assert not scan(tmp_path / "kv" / "rank0")
     wipe(eng)
     assert eng.retrieve(toks) == 512 and same(eng, want, 512)
+    gate.set()
+    assert eng.flush(10) and len(scan(tmp_path / "kv" / "rank0")) == 2
     eng.close()
 
 
@@ -210,8 +222,9 @@ def test_index_never_admits_past_its_capacity() -> None:
     assert t.admit(b"a", 60) == (True, [])
     assert t.admit(b"b", 60) == (True, [b"a"])
     assert t.admit(b"c", 101) == (False, [])  # larger than the tier: rejected, nothing evicted
-    assert t.admit(b"d", 50, pinned=[b"b"]) == (False, [])  # would need a pinned key
     assert t.used == 60 and list(t.entries) == [b"b"]
+    assert t.admit(b"d", 100) == (True, [b"b"])  # exactly the capacity: everything else goes
+    assert t.used == 100
 
 
 def test_bad_setups_get_one_line_errors(tmp_path: Path) -> None:
