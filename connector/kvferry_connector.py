@@ -55,6 +55,7 @@ from kvferry.engine.offload import (
     offload_salt,
 )
 from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
+from kvferry.engine.remote_store import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.client import ReceiverAddr
@@ -116,7 +117,8 @@ class KVFerryWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
-_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# vLLM has no member for a shared remote store; EXTERNAL_UNSPECIFIED is its documented fallback.
+_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 def request_amx() -> bool:
@@ -132,7 +134,7 @@ def request_amx() -> bool:
 def offload_wanted(cfg: KVFerryConfig, kv_role: str) -> bool:
     """Offload tiers serve kv_both instances and prefillers (a repeated prompt is not recomputed
     there either); a decoder's KV comes from its prefiller."""
-    tiers = (cfg.local_cpu and cfg.max_local_cpu_size > 0) or bool(cfg.local_disk)
+    tiers = (cfg.local_cpu and cfg.max_local_cpu_size > 0) or bool(cfg.local_disk) or bool(cfg.remote_url)
     return tiers and kv_role in ("kv_both", "kv_producer")
 
 
@@ -147,7 +149,7 @@ def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
                               "kv_producer) or a decoder (kv_consumer): set enable_pd: false or change kv_role")
         if not offload_wanted(cfg, role):
             raise ConfigError("kv_role kv_both has no tier to use: set local_cpu: true with max_local_cpu_size "
-                              "> 0, or local_disk and max_local_disk_size")
+                              "> 0, local_disk and max_local_disk_size, or remote_url")
         return cfg, role
     want = {"kv_producer": "sender", "kv_consumer": "receiver"}.get(role or "")
     if want is None:
@@ -171,9 +173,6 @@ class KVFerryConnector(KVConnectorBase_V1):
         self.offload = offload_wanted(self.cfg, self.kv_role)
         self._last_stats: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
-            if self.cfg.remote_url:
-                logger.warning("remote_url %s: remote tiers are not wired into the connector yet; this instance "
-                               "uses its local tiers only (README 'The lm:// cache server')", self.cfg.remote_url)
             self._sched = _Scheduler(self)
             self._worker = None
             # vLLM reads this right after building the scheduler's connector. A failed load from an
@@ -391,7 +390,7 @@ def _planner(c: KVFerryConnector) -> OffloadPlanner:
                         vc.cache_config.block_size, c.cfg.chunk_size, pc.tensor_parallel_size)
     try:
         return OffloadPlanner(c.cfg, salt, vc.cache_config.block_size, block_bytes)
-    except ValueError as e:
+    except (ValueError, RemoteError) as e:
         raise ConfigError(str(e)) from None
 
 

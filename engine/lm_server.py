@@ -181,20 +181,20 @@ class LMClient:
             got += k
         return buf
 
-    def _call(self, msg: m.Msg, payload: bytes | memoryview | None = None) -> tuple[m.RemoteReply, bytes | None]:
+    def _call(self, msg: m.Msg, *payload: bytes | memoryview) -> tuple[m.RemoteReply, memoryview | None]:
         deadline = time.monotonic() + self.timeout
         try:
             s = self._conn()
             s.settimeout(self.timeout)
             s.sendall(frame(msg))
-            if payload is not None:
-                s.sendall(payload)
+            for part in payload:  # sent as they are: no joined copy of a large chunk
+                s.sendall(part)
             s.settimeout(max(0.01, deadline - time.monotonic()))
             n = int.from_bytes(self._exact(LEN_BYTES), "big")
             if n > MAX_HEADER:
                 raise m.MessageError("too_large", f"reply header of {n} bytes")
             reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
-            data = bytes(self._exact(reply.nbytes)) if isinstance(reply, m.RemoteReply) and reply.found else None
+            data = memoryview(self._exact(reply.nbytes)) if isinstance(reply, m.RemoteReply) and reply.found else None
         except (OSError, m.MessageError) as e:
             self.close()
             raise LMError(f"lm://{self.host}:{self.port}: {type(e).__name__}: {e}") from None
@@ -202,10 +202,11 @@ class LMClient:
             raise LMError(f"lm://{self.host}:{self.port} refused: {reply.code}: {reply.message}")
         return reply, data
 
-    def put(self, key: bytes, data: bytes | memoryview) -> None:
-        self._call(m.RemotePut(key=key, nbytes=len(data)), data)
+    def put(self, key: bytes, *parts: bytes | memoryview) -> None:
+        """Store the concatenation of `parts` under `key`."""
+        self._call(m.RemotePut(key=key, nbytes=sum(memoryview(p).nbytes for p in parts)), *parts)
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> memoryview | None:
         return self._call(m.RemoteGet(key=key))[1]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

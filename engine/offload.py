@@ -27,6 +27,8 @@ from kvferry.engine import disk_tier
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.index import ChunkIndex, TierIndex
+from kvferry.engine.remote_serde import FORMATS, ChunkShape, Serde
+from kvferry.engine.remote_store import RemoteTier, parse_url
 from kvferry.kernels.paged_copy import PagedKV
 
 logger = get_logger(__name__)
@@ -76,6 +78,7 @@ class _Lookup:
     keys: list[bytes]
     where: list[str] = field(default_factory=list)  # tier of each chunk of the cached prefix
     local: int = 0  # tokens vLLM's own prefix cache had at the last match
+    remote: dict[int, bool] = field(default_factory=dict)  # chunk -> the remote store has it (asked once)
     sources: dict[str, int] = field(default_factory=dict)  # tokens of the planned load, by tier
 
 
@@ -105,12 +108,22 @@ class OffloadPlanner:
                             len(disk), fmt_bytes(disk.used))
             tiers.append(disk)
         self.index = ChunkIndex(tiers)
+        # The remote store is shared, so it is asked (bounded) rather than indexed; the scheduler
+        # waits on that answer, hence the short limit.
+        self.remote: RemoteTier | None = None
+        self.remote_counters = {"hit_chunks": 0, "hit_tokens": 0}
+        if cfg.remote_url:
+            parse_url(cfg.remote_url)
+            if cfg.remote_serde not in FORMATS:
+                raise ValueError(f"remote_serde {cfg.remote_serde!r} is not available in kvferry: use naive (raw "
+                                 "bytes) or zstd (compressed)")
+            self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs))
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[CacheLoad] = []
 
     @property
     def enabled(self) -> bool:
-        return bool(self.index.tiers)
+        return bool(self.index.tiers) or self.remote is not None
 
     def nbytes(self, tier: str, tokens: int) -> int:
         data = -(-tokens // self.block_size) * self.block_bytes
@@ -126,6 +139,13 @@ class OffloadPlanner:
             look = self._lookups[req_id] = _Lookup(self.keys(tokens))
         look.where = self.index.prefix(look.keys)
         look.local = num_computed
+        if self.remote is not None and len(look.where) < len(look.keys):
+            ask = [i for i in range(len(look.where), len(look.keys)) if i not in look.remote]
+            look.remote.update(zip(ask, self.remote.exists([look.keys[i] for i in ask]), strict=True))
+            for i in range(len(look.where), len(look.keys)):
+                if not look.remote[i]:
+                    break
+                look.where.append("remote")
         hit = min(len(look.where) * self.chunk_size, len(tokens))
         return max(0, min(hit, len(tokens) - leave_one) - num_computed)
 
@@ -150,11 +170,13 @@ class OffloadPlanner:
                     num_computed, end, len(tokens))
         cpu = self.index.by_name.get("cpu")
         for i, (key, tier) in enumerate(zip(op.keys, op.tiers, strict=True)):
-            t = self.index.by_name[tier]
-            t.touch(key)
+            t = self.index.by_name.get(tier)
+            if t is not None:
+                t.touch(key)
+            counters = t.counters if t is not None else self.remote_counters
             n = min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed, (c0 + i) * self.chunk_size)
-            t.counters["hit_chunks"] += 1
-            t.counters["hit_tokens"] += n
+            counters["hit_chunks"] += 1
+            counters["hit_tokens"] += n
             look.sources[tier] = look.sources.get(tier, 0) + n
             promote = False
             if tier != "cpu" and cpu is not None:
@@ -178,6 +200,9 @@ class OffloadPlanner:
         evicts: list[CacheEvict] = []
         for i, key in enumerate(keys):
             dest: list[str] = []
+            # Chunks a local tier already had were sent to the remote store when first stored.
+            if self.remote is not None and not self.index.locate(key) and not (look and look.remote.get(i)):
+                dest.append("remote")
             for t in self.index.tiers:
                 if key in t:
                     t.touch(key)
@@ -227,6 +252,9 @@ class OffloadPlanner:
                 out[f"{name}|{t.name}"] = v
             out[f"usage_bytes|{t.name}"] = t.used
             out[f"chunks|{t.name}"] = len(t)
+        if self.remote is not None:
+            out.update({f"{k}|remote": v for k, v in self.remote_counters.items()})
+            out["remote_errors"] = self.remote.stats()["remote_errors"]
         return out
 
 
@@ -235,6 +263,12 @@ class OffloadWorker:
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
         self.kv, self.chunk_size = kv, cfg.chunk_size
+        self.remote = None
+        if cfg.remote_url:
+            lay = kv.layout
+            serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
+                                                       layout_digest))
+            self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank)
         self.cpu = CPUTier(pin=kv.device.type == "cuda") if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None
         self.disk = disk_tier.DiskTier(disk_tier.rank_root(cfg.local_disk, tp_rank), layout_digest) \
             if cfg.local_disk else None
@@ -251,9 +285,12 @@ class OffloadWorker:
         t0 = time.monotonic()
         bs = self.kv.layout.block_size
         datas = []
-        for key, tier, promote in zip(op.keys, op.tiers, op.promote, strict=True):
-            store = self._tier(tier)
-            data = store.get(key) if store is not None else None
+        for key, tier, promote, n in zip(op.keys, op.tiers, op.promote, op.tokens, strict=True):
+            if tier == "remote":
+                data = self.remote.get(key, n, self.kv.chunk_nbytes("block", n)) if self.remote else None
+            else:
+                store = self._tier(tier)
+                data = store.get(key) if store is not None else None
             if data is None:
                 self._lost.setdefault(tier, set()).add(key)
                 # The index counted the rest as promoted to the CPU tier: they are not there.
@@ -273,11 +310,10 @@ class OffloadWorker:
         n = op.num_tokens - op.skip_tokens
         self.counters["retrieved_tokens"] += n
         self.counters["retrieved_bytes"] += nbytes
-        from_disk = sum(t == "disk" for t in op.tiers)
+        where = ", ".join(f"{op.tiers.count(t)} from {t}" for t in ("cpu", "disk", "remote") if t in op.tiers)
         logger.info("Retrieved %d out of %d required tokens (from %d total tokens). size: %s, cost %.4f ms, "
-                    "throughput: %.4f GB/s; %d chunks from cpu, %d from disk", n, n, op.total_tokens,
-                    fmt_bytes(nbytes), dt * 1e3, nbytes / max(dt, 1e-9) / 1e9, len(op.tiers) - from_disk,
-                    from_disk)
+                    "throughput: %.4f GB/s; chunks: %s", n, n, op.total_tokens, fmt_bytes(nbytes), dt * 1e3,
+                    nbytes / max(dt, 1e-9) / 1e9, where)
         return []
 
     def save(self, ops: Sequence[CacheStore | CacheEvict]) -> None:
@@ -304,6 +340,8 @@ class OffloadWorker:
                     self.cpu.put(key, data)
                 elif tier == "disk" and self.disk is not None:
                     self.disk.put(key, data)
+                elif tier == "remote" and self.remote is not None:
+                    self.remote.put(key, data, n)
         dt = time.monotonic() - t0
         n = sum(op.tokens)
         self.counters["offloaded_tokens"] += n
@@ -340,9 +378,13 @@ class OffloadWorker:
         if self.disk is not None:
             for name, v in self.disk.counters.items():
                 out[f"disk_{name}"] = v
+        if self.remote is not None:
+            out.update(self.remote.stats())
         return out
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             self.disk.close()
         if self.cpu is not None:

@@ -1,0 +1,341 @@
+"""The remote tier: a store shared by many instances (``remote_url``), behind bounded calls.
+
+Backends (one connection each, blocking, every call bounded by a timeout):
+
+- ``redis://host:port``: a value is two Redis keys, ``kvferry:<key>:h`` (the serde header) and
+  ``kvferry:<key>:d`` (the payload), written with one MSET and read with one MGET, so the chunk's
+  memory goes to the socket as it is.
+- ``redis-sentinel://h1:p1,h2:p2,...[/service]``: the Sentinels name the current master (asked
+  again after every connection failure, so a failover is followed). The service is the URL's
+  path, else ``$REDIS_SERVICE_NAME``, else the one master the Sentinels monitor.
+- ``lm://host:port``: kvferry-server (engine/lm_server.py); the value is header + payload.
+
+:class:`RemoteTier` turns every failure into a miss: a call that fails or times out is counted,
+warned about at most every 10 s, and the store is skipped for a back-off (1 s, doubling to 30 s)
+so a dead store costs requests nothing. Puts run on a background thread with a bounded queue;
+when the store cannot keep up, puts are dropped (counted), never waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.engine.lm_server import LMClient, LMError
+from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
+
+logger = get_logger(__name__)
+
+PREFIX = b"kvferry:"
+
+
+class RemoteError(RuntimeError):
+    """The remote store failed, timed out or is misconfigured."""
+
+
+class Backend(Protocol):
+    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None: ...
+    def get(self, key: bytes) -> tuple[memoryview | bytes, memoryview | bytes] | None: ...
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def close(self) -> None: ...
+
+
+def _hostports(rest: str, url: str) -> list[tuple[str, int]]:
+    out = []
+    for part in rest.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise RemoteError(f"remote_url {url!r}: {part!r} is not host:port")
+        out.append((host, int(port)))
+    return out
+
+
+class LMBackend:
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.client = LMClient(host, port, timeout)
+
+    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None:
+        try:
+            self.client.put(key, head, payload)
+        except LMError as e:
+            raise RemoteError(str(e)) from None
+
+    def get(self, key: bytes) -> tuple[memoryview, memoryview] | None:
+        try:
+            blob = self.client.get(key)
+        except LMError as e:
+            raise RemoteError(str(e)) from None
+        return None if blob is None else (blob[:HEADER_BYTES], blob[HEADER_BYTES:])
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            return self.client.exists(keys)
+        except LMError as e:
+            raise RemoteError(str(e)) from None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisBackend:
+    def __init__(self, client: object, where: str) -> None:
+        self.r, self.where = client, where
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float) -> RedisBackend:
+        import redis
+
+        return cls(redis.Redis(host=host, port=port, **_redis_kwargs(timeout)), f"redis://{host}:{port}")
+
+    def _do(self, fn, *args):  # noqa: ANN001, ANN202 - one place that maps redis-py's errors
+        import redis
+
+        try:
+            return fn(*args)
+        except redis.RedisError as e:
+            raise RemoteError(f"{self.where}: {type(e).__name__}: {e}") from None
+
+    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None:
+        k = PREFIX + key
+        self._do(self.r.mset, {k + b":h": head, k + b":d": payload})
+
+    def get(self, key: bytes) -> tuple[bytes, bytes] | None:
+        k = PREFIX + key
+        head, payload = self._do(self.r.mget, [k + b":h", k + b":d"])
+        return None if head is None or payload is None else (head, payload)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        return [v is not None for v in self._do(self.r.mget, [PREFIX + k + b":h" for k in keys])]
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def _redis_kwargs(timeout: float) -> dict:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # No retries inside redis-py: one bounded attempt, the tier's back-off decides when to try again.
+    return {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
+
+
+SCHEMES = ("redis", "redis-sentinel", "lm")
+
+
+def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:
+    """(scheme, [(host, port)...], service) of a remote_url, or RemoteError naming the fix."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in SCHEMES:
+        raise RemoteError(f"remote_url {url!r}: scheme {scheme!r} is not supported by kvferry: use redis://host:port"
+                          ", redis-sentinel://host:port,host:port,... or lm://host:port (kvferry-server)")
+    addrs, _, service = rest.partition("/")
+    nodes = _hostports(addrs, url)
+    if scheme != "redis-sentinel" and len(nodes) != 1:
+        raise RemoteError(f"remote_url {url!r}: {scheme}:// takes one host:port")
+    return scheme, nodes, service
+
+
+def _sentinel_backend(url: str, nodes: list[tuple[str, int]], service: str, timeout: float) -> RedisBackend:
+    from redis.sentinel import Sentinel
+
+    service = service or os.environ.get("REDIS_SERVICE_NAME", "")
+    sentinel = Sentinel(nodes, sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": timeout},
+                        **_redis_kwargs(timeout))
+    if not service:
+        masters: dict = {}
+        for s in sentinel.sentinels:
+            try:
+                masters = s.sentinel_masters()
+                break
+            except Exception:  # noqa: BLE001, S112 - try the next Sentinel
+                continue
+        else:
+            raise RemoteError(f"{url}: no Sentinel answered")
+        if len(masters) != 1:
+            raise RemoteError(f"{url}: the Sentinels monitor {len(masters)} masters ({', '.join(masters) or 'none'})"
+                              f": name one as {url}/<service> or in $REDIS_SERVICE_NAME")
+        service = next(iter(masters))
+    return RedisBackend(sentinel.master_for(service, **_redis_kwargs(timeout)), f"{url} (service {service})")
+
+
+def open_backend(url: str, timeout: float) -> Backend:
+    """A connection to `url` (connecting lazily where the client allows)."""
+    scheme, nodes, service = parse_url(url)
+    (host, port) = nodes[0]
+    if scheme == "lm":
+        return LMBackend(host, port, timeout)
+    if scheme == "redis":
+        return RedisBackend.connect(host, port, timeout)
+    try:
+        return _sentinel_backend(url, nodes, service, timeout)
+    except RemoteError:
+        raise
+    except Exception as e:  # noqa: BLE001 - redis-py's errors while finding the master
+        raise RemoteError(f"{url}: {type(e).__name__}: {e}") from None
+
+
+class RemoteTier:
+    """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof."""
+
+    MIN_BACKOFF, MAX_BACKOFF = 1.0, 30.0
+
+    def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
+                 max_queued_bytes: int = 512 << 20) -> None:
+        self.url, self.timeout, self.serde = url, timeout, serde
+        self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
+        self.max_queued_bytes = max_queued_bytes
+        self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_put_dropped": 0,
+                         "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}
+        self._warn = RateLimitedLog(logger)
+        self._backend: Backend | None = None
+        self._down_until = 0.0
+        self._backoff = self.MIN_BACKOFF
+        self._lock = threading.Lock()  # counters and back-off are shared with the put thread
+        self._queue: queue.Queue | None = None
+        self._queued = 0
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    # ---- failure handling ----
+    def _up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, e: Exception) -> None:
+        with self._lock:
+            self.counters["remote_errors"] += 1
+            self._down_until = time.monotonic() + self._backoff
+            wait, self._backoff = self._backoff, min(self._backoff * 2, self.MAX_BACKOFF)
+        self._warn.warning("remote store %s: %s failed (%s); treating it as empty for %.0f s", self.url, what, e,
+                           wait)
+
+    def _ok(self) -> None:
+        if self._backoff != self.MIN_BACKOFF:
+            logger.info("remote store %s answers again", self.url)
+            with self._lock:
+                self._backoff = self.MIN_BACKOFF
+
+    def _conn(self) -> Backend:
+        if self._backend is None:
+            self._backend = open_backend(self.url, self.timeout)
+        return self._backend
+
+    # ---- calls ----
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of `keys` the store holds; all False when it is down or slow."""
+        if not keys or not self._up():
+            return [False] * len(keys)
+        try:
+            got = self._conn().exists([k + self.suffix for k in keys])
+        except RemoteError as e:
+            self._failed("lookup", e)
+            return [False] * len(keys)
+        self._ok()
+        return got
+
+    def get(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
+        """The chunk, or None (missing, damaged, store down or slow)."""
+        assert self.serde is not None
+        if not self._up():
+            return None
+        try:
+            got = self._conn().get(key + self.suffix)
+        except RemoteError as e:
+            self._failed("get", e)
+            return None
+        self._ok()
+        if got is None:
+            return None
+        try:
+            data = self.serde.decode(got[0], got[1], tokens, nbytes)
+        except SerdeError as e:
+            with self._lock:
+                self.counters["remote_corrupt"] += 1
+            self._warn.warning("remote store %s: chunk %s rejected: %s", self.url, key.hex()[:12], e)
+            return None
+        with self._lock:
+            self.counters["remote_get_bytes"] += len(got[1])
+        return data
+
+    def put(self, key: bytes, data: torch.Tensor, tokens: int) -> bool:
+        """Queue the chunk for the store; False (dropped) when the queue is full or the store down."""
+        nbytes = data.numel()
+        with self._lock:
+            if not self._up():
+                self.counters["remote_put_dropped"] += 1
+                return False
+            full = self._queued + nbytes > self.max_queued_bytes
+            if full:
+                self.counters["remote_put_dropped"] += 1
+            else:
+                self._queued += nbytes
+                self._idle.clear()
+        if full:
+            self._warn.warning("remote store %s: put queue full (%d MiB): chunk not stored remotely", self.url,
+                               self.max_queued_bytes >> 20)
+            return False
+        if self._thread is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="kvferry-remote-put", daemon=True)
+            self._thread.start()
+        self._queue.put((key, data, tokens))
+        return True
+
+    def _run(self) -> None:
+        backend: Backend | None = None  # the put thread's own connection
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            key, data, tokens = item
+            try:
+                if self._up():
+                    head, payload = self.serde.encode(data, tokens)
+                    if backend is None:
+                        backend = open_backend(self.url, self.timeout)
+                    backend.put(key + self.suffix, head, payload)
+                    self._ok()
+                    with self._lock:
+                        self.counters["stored_chunks|remote"] += 1
+                        self.counters["stored_bytes|remote"] += len(head) + len(payload)
+                else:
+                    with self._lock:
+                        self.counters["remote_put_dropped"] += 1
+            except RemoteError as e:
+                self._failed("put", e)
+            except Exception as e:  # noqa: BLE001 - the put thread must outlive any one chunk
+                self._failed("put", e)
+            finally:
+                with self._lock:
+                    self._queued -= data.numel()
+                    if self._queued == 0:
+                        self._idle.set()
+        if backend is not None:
+            backend.close()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until every queued put is done; True if they are."""
+        return self._idle.wait(timeout)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            if not self.flush(timeout):
+                logger.warning("remote store %s: %d MiB of puts still queued after %.0f s; dropped", self.url,
+                               self._queued >> 20, timeout)
+            self._queue.put(None)
+            self._thread.join(timeout=self.timeout + 1)
+        if self._backend is not None:
+            self._backend.close()

@@ -1,0 +1,107 @@
+"""Starts the remote stores kvferry's remote tier talks to: redis-server, Redis Sentinels and
+kvferry-server (lm://), as child processes on free ports (tests, benchmarks, demos).
+
+redis-server comes from the OS (Debian: ``apt-get install redis-server``; ``make redis`` does it
+where it is missing and apt is usable)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import die_with_parent, log_tail
+
+
+class StoreStartError(RuntimeError):
+    pass
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def wait_port(proc: subprocess.Popen, port: int, what: str, log: Path, timeout: float = 30.0) -> None:
+    """Until `port` accepts connections; StoreStartError (with the log's tail) if the process dies or
+    `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StoreStartError(f"{what} exited with {proc.returncode}:\n{log_tail(log)}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise StoreStartError(f"{what} did not listen on port {port} within {timeout:.0f}s:\n{log_tail(log)}")
+
+
+class Proc:
+    """One store process: started on a free port, stopped (and waited for) by stop()."""
+
+    def __init__(self, what: str, argv: list[str], port: int, log: Path) -> None:
+        self.what, self.port, self.log = what, port, log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        wait_port(self.proc, port, what, log)
+
+    @property
+    def url_hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_redis(work: Path, port: int | None = None, replicaof: int | None = None, maxmemory_mb: int = 512) -> Proc:
+    """A redis-server with no persistence, evicting least recently used keys past `maxmemory_mb`."""
+    exe = redis_server_binary()
+    if exe is None:
+        raise StoreStartError("redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server; "
+                              "`make redis` does it)")
+    port = port or free_port()
+    d = work / f"redis-{port}"
+    d.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "", "--appendonly", "no",
+            "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no"]
+    if replicaof is not None:
+        argv += ["--replicaof", "127.0.0.1", str(replicaof)]
+    return Proc(f"redis-server :{port}", argv, port, work / f"redis-{port}.log")
+
+
+def start_sentinel(work: Path, master_port: int, service: str = "mymaster", down_after_ms: int = 1000,
+                   port: int | None = None) -> Proc:
+    """A Sentinel watching the master at `master_port` (quorum 1, fast failover for tests)."""
+    exe = redis_server_binary()
+    if exe is None:
+        raise StoreStartError("redis-server not found: install it (apt-get install redis-server)")
+    port = port or free_port()
+    conf = work / f"sentinel-{port}.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {work}\n"
+                    f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
+                    f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+                    f"sentinel failover-timeout {service} {max(3 * down_after_ms, 3000)}\n"
+                    f"sentinel parallel-syncs {service} 1\n")
+    return Proc(f"redis-sentinel :{port}", [exe, str(conf), "--sentinel"], port, work / f"sentinel-{port}.log")
+
+
+def start_lm_server(work: Path, port: int | None = None, *extra: str) -> Proc:
+    """kvferry-server (the lm:// store)."""
+    port = port or free_port()
+    return Proc(f"kvferry-server :{port}", [sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", str(port),
+                                            "cpu", *extra], port, work / f"lm-server-{port}.log")
