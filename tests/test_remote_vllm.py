@@ -1,0 +1,182 @@
+"""Sharing KV between vLLM CPU instances through a remote store (seed 002, 4.2): a prompt served
+by instance 1 is a remote hit on instance 2, once through Redis and once through kvferry-server
+(lm://); a Redis master killed mid-stream is followed through Sentinel's failover; a
+kvferry-server killed mid-run turns into misses, and hits come back after its restart.
+
+Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
+to 1e-4 in every logprob. All five servers start together (start-up dominates on 2 cores).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvferry.common.hashing import chunk_keys
+from kvferry.engine.offload import offload_salt
+from kvferry.engine.remote_store import RemoteTier
+from kvferry.launcher.pd_instances import OffloadServer
+from kvferry.launcher.stores import Proc, start_lm_server, start_redis, start_sentinel
+from tests.pd_helpers import completion, source_tokens, tier_value, tokens_and_logprobs
+
+FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
+CHUNK = 256
+_seed = iter(range(1000, 10_000))
+
+
+def prompt(n: int = 1000) -> list[int]:
+    rng = random.Random(next(_seed))
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+@dataclass
+class Setup:
+    model: Path
+    redis: Proc
+    master: Proc
+    replica: Proc
+    sentinels: list[Proc]
+    lm: Proc
+    servers: dict[str, OffloadServer]
+    urls: dict[str, str]
+
+    def keys(self, p: list[int]) -> list[bytes]:
+        salt = offload_salt(self.model.name, "float32", 8, 8, 64, 128, CHUNK, 1)
+        return chunk_keys(p, CHUNK, salt, include_partial=True)  # save_unfull_chunk is on by default
+
+    def stored(self, url: str, p: list[int], timeout: float = 30.0) -> None:
+        """Until the store holds every chunk of `p` (puts are asynchronous)."""
+        t, keys = RemoteTier(url, 1.0), self.keys(p)
+        deadline = time.monotonic() + timeout
+        while not all(t.exists(keys)):
+            assert time.monotonic() < deadline, f"{url} never got the prompt's {len(keys)} chunks"
+            time.sleep(0.2)
+        t.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+          redis_available) -> Iterator[Setup]:
+    work = tmp_path_factory.mktemp("remote")
+    procs: list[Proc] = []
+    servers: dict[str, OffloadServer] = {}
+    try:
+        procs.append(rds := start_redis(work))
+        procs.append(master := start_redis(work))
+        procs.append(replica := start_redis(work, replicaof=master.port))
+        sentinels = [start_sentinel(work, master.port) for _ in range(3)]
+        procs += sentinels
+        procs.append(lm := start_lm_server(work))
+        urls = {"redis": f"redis://{rds.url_hostport}", "lm": f"lm://{lm.url_hostport}",
+                "sentinel": "redis-sentinel://" + ",".join(s.url_hostport for s in sentinels)}
+        local = {"local_cpu": True, "max_local_cpu_size": 0.2}
+        for name, cores, url, keys in [("redis1", "0", "redis", local), ("redis2", "1", "redis", local),
+                                       ("lm1", "0", "lm", local), ("lm2", "1", "lm", local),
+                                       ("sentinel", "1", "sentinel", {"local_cpu": False})]:
+            servers[name] = OffloadServer(str(tiny_model_path), log_dir, cores, work, server={"extra_args": FP32},
+                                          remote_url=urls[url], **keys).start()
+        for s in servers.values():
+            s.wait_ready()
+        yield Setup(tiny_model_path, rds, master, replica, sentinels, lm, servers, urls)
+    finally:
+        for s in servers.values():
+            s.stop()
+        for p in procs:
+            p.stop()
+
+
+def log(server: OffloadServer) -> str:
+    return server.log_path.read_text(errors="replace")
+
+
+def remote_hits(server: OffloadServer) -> int:
+    """Loads that took chunks from the remote store (from the worker's log line)."""
+    return log(server).count("from remote")
+
+
+def share(s: Setup, first: str, second: str, url: str) -> None:
+    one, two = s.servers[first], s.servers[second]
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    s.stored(url, p)
+    src0 = source_tokens(two)
+    got = tokens_and_logprobs(completion(two, p, 8))
+    loaded = len(p) - 1  # all four chunks (the last one partial); vLLM computes the last token
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    assert f"total tokens {len(p)}, hit tokens {len(p)}, need to load {loaded}" in log(two)
+    assert f"Retrieved {loaded} out of {loaded} required tokens (from {len(p)} total tokens)" in log(two)
+    src = source_tokens(two)
+    assert src["external_kv_transfer"] - src0.get("external_kv_transfer", 0) == loaded
+    assert src["local_compute"] - src0.get("local_compute", 0) == len(p) - loaded
+    deadline = time.monotonic() + 10
+    while tier_value(two, "kvferry:cache_hit_tokens_total", "remote") < loaded:
+        assert time.monotonic() < deadline, "kvferry:cache_hit_tokens_total{tier=remote} never counted the hit"
+        time.sleep(0.2)
+
+
+@pytest.mark.vllm
+def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_redis(setup: Setup) -> None:
+    share(setup, "redis1", "redis2", setup.urls["redis"])
+    assert redis.Redis(port=setup.redis.port).dbsize() >= 2 * 3  # header and payload key per chunk
+
+
+@pytest.mark.vllm
+def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_lm(setup: Setup) -> None:
+    share(setup, "lm1", "lm2", setup.urls["lm"])
+
+
+@pytest.mark.vllm
+def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(setup: Setup) -> None:
+    s, c = setup, setup.servers["sentinel"]  # no local tier: every repeat is a remote hit or computed
+    p = prompt(600)
+    want = tokens_and_logprobs(completion(c, p, 4))[0]
+    s.stored(s.urls["sentinel"], p)
+    assert redis.Redis(port=s.master.port).wait(1, 5000) == 1  # replicated before the kill
+    hits0 = remote_hits(c)
+    for _ in range(2):
+        assert tokens_and_logprobs(completion(c, p, 4))[0] == want
+    assert remote_hits(c) == hits0 + 2
+    s.master.kill()
+    answered, deadline = 0, time.monotonic() + 90
+    before = remote_hits(c)
+    while True:  # a steady stream: every request must succeed, hit or computed
+        assert tokens_and_logprobs(completion(c, p, 4))[0] == want
+        answered += 1
+        promoted = redis.Redis(port=s.replica.port).info("replication")["role"] == "master"
+        if promoted and remote_hits(c) > before:
+            break
+        assert time.monotonic() < deadline, f"no remote hit within 90 s of the kill ({answered} requests answered)"
+        time.sleep(0.2)
+    assert answered >= 2  # at least one request ran while the store was gone
+    assert "treating it as empty" in log(c)
+
+
+@pytest.mark.vllm
+def test_a_killed_lm_server_is_misses_and_its_restart_brings_hits_back(setup: Setup) -> None:
+    s = setup
+    one, two, url = s.servers["lm1"], s.servers["lm2"], s.urls["lm"]
+    port = s.lm.port
+    s.lm.kill()
+    for _ in range(2):  # both sides of the store gone: lookups and puts fail, requests do not
+        p = prompt(600)
+        a = tokens_and_logprobs(completion(one, p, 4))[0]
+        assert tokens_and_logprobs(completion(two, p, 4))[0] == a
+    assert "treating it as empty" in log(one) and "treating it as empty" in log(two)
+    s.lm = start_lm_server(s.lm.log.parent, port)
+    hits0, deadline = remote_hits(two), time.monotonic() + 90
+    while remote_hits(two) == hits0:  # each instance retries after its back-off (at most 30 s)
+        assert time.monotonic() < deadline, "no remote hit within 90 s of the restart"
+        p = prompt(600)
+        a = tokens_and_logprobs(completion(one, p, 4))[0]
+        try:
+            s.stored(url, p, timeout=5)
+        except AssertionError:
+            continue  # instance 1 was still backing off: its puts were dropped
+        assert tokens_and_logprobs(completion(two, p, 4))[0] == a
