@@ -37,11 +37,11 @@ class ChunkLRU:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.data: OrderedDict[bytes, bytes] = OrderedDict()
+        self.data: OrderedDict[bytes, bytes | bytearray] = OrderedDict()
         self.used = 0
         self.evictions = 0
 
-    def put(self, key: bytes, value: bytes) -> bool:
+    def put(self, key: bytes, value: bytes | bytearray) -> bool:
         if len(value) > self.limit:
             return False
         old = self.data.pop(key, None)
@@ -55,7 +55,7 @@ class ChunkLRU:
         self.used += len(value)
         return True
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> bytes | bytearray | None:
         value = self.data.get(key)
         if value is not None:
             self.data.move_to_end(key)
@@ -74,47 +74,77 @@ class LMServer:
         self.max_frame, self.frame_timeout = max_frame, frame_timeout
         self.counters = {"connections": 0, "puts": 0, "gets": 0, "hits": 0, "rejected": 0}
         self._warn = RateLimitedLog(logger)
-        self._server: asyncio.base_events.Server | None = None
+        self._lsock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((self.host, self.port))
+        except OSError:
+            s.close()
+            raise
+        s.listen(128)
+        s.setblocking(False)
+        self._lsock, self.port = s, s.getsockname()[1]
 
     async def serve_forever(self) -> None:
-        assert self._server is not None
-        async with self._server:
-            await self._server.serve_forever()
+        assert self._lsock is not None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                conn, peer = await loop.sock_accept(self._lsock)
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                task = asyncio.create_task(self._handle(conn, peer))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            self._lsock.close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+    async def _exact(self, conn: socket.socket, n: int) -> bytearray:
+        """Exactly `n` bytes, received straight into their final buffer (no stream-buffer copies)."""
+        loop = asyncio.get_running_loop()
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = await loop.sock_recv_into(conn, view[got:])
+            if not k:
+                raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+            got += k
+        return buf
+
+    async def _handle(self, conn: socket.socket, peer: object) -> None:
         self.counters["connections"] += 1
         try:
-            while await self._one(reader, writer):
+            while await self._one(conn):
                 pass
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away mid-frame: its business
         except m.MessageError as e:
-            await self._reject(writer, peer, "bad_message", str(e))
+            await self._reject(conn, peer, "bad_message", str(e))
         except TimeoutError:
-            await self._reject(writer, peer, "timeout", f"a frame did not finish within {self.frame_timeout:.0f}s")
+            await self._reject(conn, peer, "timeout", f"a frame did not finish within {self.frame_timeout:.0f}s")
         except Exception as e:  # noqa: BLE001 - one connection's failure must not end the server
             logger.exception("kvferry-server: connection %s failed: %s", peer, e)
         finally:
-            writer.close()
+            conn.close()
 
-    async def _reject(self, writer: asyncio.StreamWriter, peer: object, code: str, message: str) -> None:
+    async def _reject(self, conn: socket.socket, peer: object, code: str, message: str) -> None:
         self.counters["rejected"] += 1
         self._warn.warning("kvferry-server: closing connection %s: %s: %s", peer, code, message)
         try:
-            writer.write(frame(m.ErrorReply(code=code, message=message[:4000])))
-            await asyncio.wait_for(writer.drain(), 1.0)
+            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(
+                conn, frame(m.ErrorReply(code=code, message=message[:4000]))), 1.0)
         except (ConnectionError, TimeoutError):
             pass
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _one(self, conn: socket.socket) -> bool:
         """Serve one request; False when the client closed the connection between frames."""
+        loop = asyncio.get_running_loop()
         try:
-            head = await reader.readexactly(LEN_BYTES)  # idle between requests: no limit
+            head = await self._exact(conn, LEN_BYTES)  # idle between requests: no limit
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise
@@ -123,31 +153,31 @@ class LMServer:
         if n > MAX_HEADER:
             raise m.MessageError("too_large", f"header of {n} bytes exceeds {MAX_HEADER}")
         async with asyncio.timeout(self.frame_timeout):
-            msg = m.decode(await reader.readexactly(n), expect=(m.RemotePut, m.RemoteGet, m.RemoteExists))
+            msg = m.decode(bytes(await self._exact(conn, n)), expect=(m.RemotePut, m.RemoteGet, m.RemoteExists))
             if isinstance(msg, m.RemotePut):
                 if msg.nbytes > self.max_frame:
                     raise m.MessageError("too_large", f"payload of {msg.nbytes} bytes exceeds --max-frame "
                                                       f"{self.max_frame}")
-                data = await reader.readexactly(msg.nbytes)
+                data = await self._exact(conn, msg.nbytes)
         if isinstance(msg, m.RemotePut):
             self.counters["puts"] += 1
             if self.store.put(msg.key, data):
-                writer.write(frame(m.RemoteReply()))
+                out = [frame(m.RemoteReply())]
             else:
-                writer.write(frame(m.ErrorReply(code="too_large", message=f"a {msg.nbytes}-byte chunk is larger "
-                                                f"than the server's memory limit {self.store.limit}")))
+                out = [frame(m.ErrorReply(code="too_large", message=f"a {msg.nbytes}-byte chunk is larger than "
+                                          f"the server's memory limit {self.store.limit}"))]
         elif isinstance(msg, m.RemoteGet):
             self.counters["gets"] += 1
             value = self.store.get(msg.key)
             if value is None:
-                writer.write(frame(m.RemoteReply(found=False)))
+                out = [frame(m.RemoteReply(found=False))]
             else:
                 self.counters["hits"] += 1
-                writer.write(frame(m.RemoteReply(found=True, nbytes=len(value))))
-                writer.write(value)
+                out = [frame(m.RemoteReply(found=True, nbytes=len(value))), value]
         else:
-            writer.write(frame(m.RemoteReply(found_keys=[k in self.store.data for k in msg.keys])))
-        await writer.drain()
+            out = [frame(m.RemoteReply(found_keys=[k in self.store.data for k in msg.keys]))]
+        for part in out:
+            await loop.sock_sendall(conn, part)
         return True
 
 
@@ -181,30 +211,44 @@ class LMClient:
             got += k
         return buf
 
-    def _call(self, msg: m.Msg, *payload: bytes | memoryview) -> tuple[m.RemoteReply, memoryview | None]:
+    def _calls(self, calls: Sequence[tuple[m.Msg, Sequence[bytes | memoryview]]]
+               ) -> list[tuple[m.RemoteReply, memoryview | None]]:
+        """Send every request, then read every reply (one round trip); bounded by `timeout`."""
         deadline = time.monotonic() + self.timeout
+        out: list[tuple[m.Msg, memoryview | None]] = []
         try:
             s = self._conn()
             s.settimeout(self.timeout)
-            s.sendall(frame(msg))
-            for part in payload:  # sent as they are: no joined copy of a large chunk
-                s.sendall(part)
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            n = int.from_bytes(self._exact(LEN_BYTES), "big")
-            if n > MAX_HEADER:
-                raise m.MessageError("too_large", f"reply header of {n} bytes")
-            reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
-            data = memoryview(self._exact(reply.nbytes)) if isinstance(reply, m.RemoteReply) and reply.found else None
+            for msg, payload in calls:
+                s.sendall(frame(msg))
+                for part in payload:  # sent as they are: no joined copy of a large chunk
+                    s.sendall(part)
+            for _ in calls:
+                s.settimeout(max(0.01, deadline - time.monotonic()))
+                n = int.from_bytes(self._exact(LEN_BYTES), "big")
+                if n > MAX_HEADER:
+                    raise m.MessageError("too_large", f"reply header of {n} bytes")
+                reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
+                found = isinstance(reply, m.RemoteReply) and reply.found
+                out.append((reply, memoryview(self._exact(reply.nbytes)) if found else None))
         except (OSError, m.MessageError) as e:
             self.close()
             raise LMError(f"lm://{self.host}:{self.port}: {type(e).__name__}: {e}") from None
-        if isinstance(reply, m.ErrorReply):
-            raise LMError(f"lm://{self.host}:{self.port} refused: {reply.code}: {reply.message}")
-        return reply, data
+        for reply, _ in out:
+            if isinstance(reply, m.ErrorReply):
+                raise LMError(f"lm://{self.host}:{self.port} refused: {reply.code}: {reply.message}")
+        return out
+
+    def _call(self, msg: m.Msg, *payload: bytes | memoryview) -> tuple[m.RemoteReply, memoryview | None]:
+        return self._calls([(msg, payload)])[0]
 
     def put(self, key: bytes, *parts: bytes | memoryview) -> None:
         """Store the concatenation of `parts` under `key`."""
-        self._call(m.RemotePut(key=key, nbytes=sum(memoryview(p).nbytes for p in parts)), *parts)
+        self.put_many([(key, parts)])
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> None:
+        self._calls([(m.RemotePut(key=key, nbytes=sum(memoryview(p).nbytes for p in parts)), parts)
+                     for key, parts in items])
 
     def get(self, key: bytes) -> memoryview | None:
         return self._call(m.RemoteGet(key=key))[1]

@@ -40,8 +40,11 @@ class RemoteError(RuntimeError):
     """The remote store failed, timed out or is misconfigured."""
 
 
+Item = tuple[bytes, bytes, "bytes | memoryview"]  # key, serde header, payload
+
+
 class Backend(Protocol):
-    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None: ...
+    def put_many(self, items: Sequence[Item]) -> None: ...
     def get(self, key: bytes) -> tuple[memoryview | bytes, memoryview | bytes] | None: ...
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
     def close(self) -> None: ...
@@ -61,9 +64,9 @@ class LMBackend:
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.client = LMClient(host, port, timeout)
 
-    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None:
+    def put_many(self, items: Sequence[Item]) -> None:
         try:
-            self.client.put(key, head, payload)
+            self.client.put_many([(key, (head, payload)) for key, head, payload in items])
         except LMError as e:
             raise RemoteError(str(e)) from None
 
@@ -102,9 +105,12 @@ class RedisBackend:
         except redis.RedisError as e:
             raise RemoteError(f"{self.where}: {type(e).__name__}: {e}") from None
 
-    def put(self, key: bytes, head: bytes, payload: bytes | memoryview) -> None:
-        k = PREFIX + key
-        self._do(self.r.mset, {k + b":h": head, k + b":d": payload})
+    def put_many(self, items: Sequence[Item]) -> None:
+        pipe = self.r.pipeline(transaction=False)  # one round trip for the batch
+        for key, head, payload in items:
+            k = PREFIX + key
+            pipe.mset({k + b":h": head, k + b":d": payload})
+        self._do(pipe.execute)
 
     def get(self, key: bytes) -> tuple[bytes, bytes] | None:
         k = PREFIX + key
@@ -187,6 +193,7 @@ class RemoteTier:
     """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof."""
 
     MIN_BACKOFF, MAX_BACKOFF = 1.0, 30.0
+    BATCH_BYTES = 64 << 20
 
     def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
                  max_queued_bytes: int = 512 << 20) -> None:
@@ -292,31 +299,39 @@ class RemoteTier:
 
     def _run(self) -> None:
         backend: Backend | None = None  # the put thread's own connection
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            key, data, tokens = item
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            # Whatever else is queued goes in the same round trip.
+            while batch[-1] is not None and sum(b[1].numel() for b in batch) < self.BATCH_BYTES:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is None:
+                stop = True
+                batch.pop()
+            if not batch:
+                continue
+            nbytes = sum(data.numel() for _, data, _ in batch)
             try:
-                if self._up():
-                    head, payload = self.serde.encode(data, tokens)
-                    if backend is None:
-                        backend = open_backend(self.url, self.timeout)
-                    backend.put(key + self.suffix, head, payload)
-                    self._ok()
+                if not self._up():
                     with self._lock:
-                        self.counters["stored_chunks|remote"] += 1
-                        self.counters["stored_bytes|remote"] += len(head) + len(payload)
-                else:
-                    with self._lock:
-                        self.counters["remote_put_dropped"] += 1
-            except RemoteError as e:
-                self._failed("put", e)
-            except Exception as e:  # noqa: BLE001 - the put thread must outlive any one chunk
+                        self.counters["remote_put_dropped"] += len(batch)
+                    continue
+                items = [(key + self.suffix, *self.serde.encode(data, tokens)) for key, data, tokens in batch]
+                if backend is None:
+                    backend = open_backend(self.url, self.timeout)
+                backend.put_many(items)
+                self._ok()
+                with self._lock:
+                    self.counters["stored_chunks|remote"] += len(items)
+                    self.counters["stored_bytes|remote"] += sum(len(h) + len(p) for _, h, p in items)
+            except Exception as e:  # noqa: BLE001 - the put thread must outlive any one batch
                 self._failed("put", e)
             finally:
                 with self._lock:
-                    self._queued -= data.numel()
+                    self._queued -= nbytes
                     if self._queued == 0:
                         self._idle.set()
         if backend is not None:
