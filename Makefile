@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup model demo test lint clean
+.PHONY: setup model redis demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -31,7 +31,20 @@ model: setup
 demo: setup model
 	$(VENV)/bin/kvferry up
 
-test: setup model
+# redis-server for the remote-tier tests (Debian's package, installed where it is missing and apt
+# is usable as root; elsewhere those tests skip, or fail under KVFERRY_REQUIRE_REDIS=1 as in CI).
+redis:
+	@if ! command -v redis-server >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing redis-server (apt-get; about 30 s)"; \
+			{ apt-get install -y --no-install-recommends redis-server || { apt-get update && \
+			  apt-get install -y --no-install-recommends redis-server; }; } > /tmp/kvferry-redis-install.log 2>&1 \
+			|| { tail -20 /tmp/kvferry-redis-install.log; exit 1; }; \
+		else echo "redis-server not found and apt-get not usable: the remote-tier tests will skip" \
+			"(install redis-server yourself)"; fi; \
+	fi
+
+test: setup model redis
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: setup

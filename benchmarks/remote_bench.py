@@ -50,20 +50,22 @@ def point(rds: redis.Redis, tiers: dict[str, RemoteTier], size: int, count: int,
         times.setdefault(name, []).append(seconds)
 
     for r in range(rounds):
-        key = f"{size}-{r}-"
-        add("raw_put", timed(lambda i: rds.set(f"raw{key}{i}", raw[i % len(raw)]), count))
-        add("raw_get", timed(lambda i: rds.get(f"raw{key}{i}"), count))
+        pre = f"raw{size}-{r}-"
+        add("raw_put", timed(lambda i, pre=pre: rds.set(f"{pre}{i}", raw[i % len(raw)]), count))
+        add("raw_get", timed(lambda i, pre=pre: rds.get(f"{pre}{i}"), count))
         for name, t in tiers.items():
-            def put(i: int, t: RemoteTier = t) -> None:
-                assert t.put(f"{name}{key}{i}".encode(), chunks[i % len(chunks)], tokens)
+            pre = f"{name}{size}-{r}-"
+
+            def put(i: int, t: RemoteTier = t, pre: str = pre) -> None:
+                assert t.put(f"{pre}{i}".encode(), chunks[i % len(chunks)], tokens)
             t0 = time.perf_counter()
             timed(put, count)
             assert t.flush(120), f"{name}: puts did not finish"
             add(f"{name}_put", time.perf_counter() - t0)
 
-            def get(i: int, t: RemoteTier = t) -> None:
-                got = t.get(f"{name}{key}{i}".encode(), tokens, size)
-                assert got is not None and got.numel() == size, f"{name}: chunk {i} missing"
+            def get(i: int, t: RemoteTier = t, pre: str = pre) -> None:
+                got = t.get(f"{pre}{i}".encode(), tokens, size)
+                assert got is not None and got.numel() == size, f"{pre}{i} missing"
             add(f"{name}_get", timed(get, count))
         rds.flushall()
     return {k: size * count / statistics.median(v) / 1e9 for k, v in times.items()}

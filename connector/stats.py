@@ -38,6 +38,13 @@ SERIES: dict[str, tuple[str, str, bool]] = {
     "load_errors": ("kvferry:cache_load_errors", "Loads that found a chunk missing or corrupt (recomputed)", False),
     "disk_corrupt": ("kvferry:cache_disk_corrupt_files", "Disk chunk files rejected as corrupt or truncated", False),
     "disk_write_errors": ("kvferry:cache_disk_write_errors", "Disk chunk writes that failed", False),
+    "remote_errors": ("kvferry:cache_remote_errors", "Remote store calls that failed or timed out (served as misses)",
+                      False),
+    "remote_put_dropped": ("kvferry:cache_remote_put_dropped", "Chunks not sent to the remote store (queue full or "
+                           "store down)", False),
+    "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length)",
+                       False),
+    "remote_get_bytes": ("kvferry:cache_remote_read_bytes", "Bytes read from the remote store", False),
     "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", True),
     "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", True),
 }

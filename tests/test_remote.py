@@ -229,3 +229,17 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
     finally:
         for p in procs:
             p.stop()
+
+
+@pytest.mark.parametrize("keys,fix", [
+    ({"remote_url": "mooncakestore://h:50051/"}, "use redis://"),
+    ({"remote_url": "redis://h:6379", "remote_serde": "cachegen"}, "use naive"),
+])
+def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, fix: str) -> None:
+    """The connector turns these into vLLM's one-line start-up ConfigError."""
+    from kvferry.common.config import load_config
+    from kvferry.engine.offload import OffloadPlanner
+
+    cfg = load_config({"local_cpu": True, **keys}, env={})
+    with pytest.raises((ValueError, RemoteError), match=fix):
+        OffloadPlanner(cfg, b"salt", 16, 1024)
