@@ -193,7 +193,9 @@ class RemoteTier:
     """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof."""
 
     MIN_BACKOFF, MAX_BACKOFF = 1.0, 30.0
-    BATCH_BYTES = 64 << 20
+    # Small chunks share a round trip; large ones go alone (Redis copies a large value that is not
+    # first in its input buffer, so pipelining them costs more than the round trips it saves).
+    BATCH_BYTES = 4 << 20
 
     def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
                  max_queued_bytes: int = 512 << 20) -> None:
