@@ -243,6 +243,9 @@ class OffloadPlanner:
         for tier, keys in lost.items():
             for key in keys:
                 self.index.forget(key, tier)
+            if tier == "remote":  # the store dropped them since it was asked: later matches miss
+                for look in self._lookups.values():
+                    look.remote.update((i, False) for i, k in enumerate(look.keys) if k in keys)
 
     def stats(self) -> dict[str, float]:
         """Counters (cumulative) and usage, flat: ``name`` or ``name|tier``."""

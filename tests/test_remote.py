@@ -243,3 +243,26 @@ def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, f
     cfg = load_config({"local_cpu": True, **keys}, env={})
     with pytest.raises((ValueError, RemoteError), match=fix):
         OffloadPlanner(cfg, b"salt", 16, 1024)
+
+
+def test_a_chunk_the_store_lost_after_the_lookup_is_not_matched_again(tmp_path: Path) -> None:
+    """The worker reports a remote chunk it could not get; the request's cached lookup forgets it."""
+    from kvferry.common.config import load_config
+    from kvferry.engine.offload import OffloadPlanner
+
+    p = start_lm_server(tmp_path)
+    try:
+        cfg = load_config({"local_cpu": False, "chunk_size": 16, "remote_url": f"lm://{p.url_hostport}"}, env={})
+        plan = OffloadPlanner(cfg, b"salt", 16, 1024)
+        tokens = list(range(40))
+        keys = plan.keys(tokens)
+        w = RemoteTier(cfg.remote_url, 2.0, Serde("naive", SHAPE))
+        for k in keys:
+            w.put(k, chunk(0), TOKENS)
+        assert w.flush(10)
+        assert plan.match("r", tokens, 0) == 39  # all three chunks (the last partial), minus one
+        plan.forget({"remote": {keys[1]}})
+        assert plan.match("r", tokens, 0) == 16  # only the chunk before the lost one
+        w.close()
+    finally:
+        p.stop()
