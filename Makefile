@@ -32,7 +32,7 @@ demo: setup model
 	$(VENV)/bin/kvferry up
 
 # redis-server for the remote-tier tests (Debian's package, installed where it is missing and apt
-# is usable as root; elsewhere those tests skip, or fail under KVFERRY_REQUIRE_REDIS=1 as in CI).
+# is usable as root; elsewhere those tests skip, or fail under CI=true (.ci/run).
 redis:
 	@if ! command -v redis-server >/dev/null; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
