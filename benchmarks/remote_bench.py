@@ -85,9 +85,8 @@ def main() -> int:
         try:
             rds = redis.Redis(port=procs[0].port, socket_timeout=60)
             serde = Serde(args.serde, SHAPE)
-            tiers = {"redis": RemoteTier(f"redis://{procs[0].url_hostport}", 60, serde),
-                     "lm": RemoteTier(f"lm://{procs[1].url_hostport}", 60, serde, max_queued_bytes=4 << 30)}
-            tiers["redis"].max_queued_bytes = 4 << 30
+            tiers = {name: RemoteTier(f"{name}://{p.url_hostport}", 60, serde, max_queued_bytes=4 << 30)
+                     for name, p in zip(("redis", "lm"), procs, strict=True)}
             rows = []
             for size in sizes:
                 count = max(2, (args.mib_per_point << 20) // size)

@@ -23,11 +23,11 @@ from kvferry.buffer.pd_buffer import fmt_bytes
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
-from kvferry.engine import disk_tier
+from kvferry.engine import disk_tier, remote_serde
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.index import ChunkIndex, TierIndex
-from kvferry.engine.remote_serde import FORMATS, ChunkShape, Serde
+from kvferry.engine.remote_serde import ChunkShape, Serde
 from kvferry.engine.remote_store import RemoteTier, parse_url
 from kvferry.kernels.paged_copy import PagedKV
 
@@ -114,9 +114,7 @@ class OffloadPlanner:
         self.remote_counters = {"hit_chunks": 0, "hit_tokens": 0}
         if cfg.remote_url:
             parse_url(cfg.remote_url)
-            if cfg.remote_serde not in FORMATS:
-                raise ValueError(f"remote_serde {cfg.remote_serde!r} is not available in kvferry: use naive (raw "
-                                 "bytes) or zstd (compressed)")
+            remote_serde.check_name(cfg.remote_serde)
             self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs))
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[CacheLoad] = []

@@ -45,10 +45,15 @@ class ChunkShape:
     layout_digest: bytes
 
 
+def check_name(name: str) -> None:
+    if name not in FORMATS:
+        raise ValueError(f"remote_serde {name!r} is not available in kvferry: use naive (raw bytes) or zstd "
+                         "(compressed)")
+
+
 class Serde:
     def __init__(self, name: str, shape: ChunkShape) -> None:
-        if name not in FORMATS:
-            raise ValueError(f"remote_serde {name!r} is not one of {', '.join(FORMATS)}")
+        check_name(name)
         self.name, self.fmt, self.shape = name, FORMATS[name], shape
         self._dtype = _DTYPES.index(shape.dtype) if shape.dtype in _DTYPES else 255
         if name == "zstd":

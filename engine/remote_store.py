@@ -60,50 +60,50 @@ def _hostports(rest: str, url: str) -> list[tuple[str, int]]:
     return out
 
 
-class LMBackend:
+class _Mapped:
+    """Runs a client call, turning the client's own errors into RemoteError."""
+
+    errors: tuple[type[Exception], ...] = ()
+    where = ""
+
+    def _do(self, fn, *args):  # noqa: ANN001, ANN202
+        try:
+            return fn(*args)
+        except self.errors as e:
+            raise RemoteError(f"{self.where}: {type(e).__name__}: {e}") from None
+
+
+class LMBackend(_Mapped):
+    errors = (LMError,)
+
     def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.client = LMClient(host, port, timeout)
+        self.client, self.where = LMClient(host, port, timeout), "kvferry-server"  # LMError names the URL
 
     def put_many(self, items: Sequence[Item]) -> None:
-        try:
-            self.client.put_many([(key, (head, payload)) for key, head, payload in items])
-        except LMError as e:
-            raise RemoteError(str(e)) from None
+        self._do(self.client.put_many, [(key, (head, payload)) for key, head, payload in items])
 
     def get(self, key: bytes) -> tuple[memoryview, memoryview] | None:
-        try:
-            blob = self.client.get(key)
-        except LMError as e:
-            raise RemoteError(str(e)) from None
+        blob = self._do(self.client.get, key)
         return None if blob is None else (blob[:HEADER_BYTES], blob[HEADER_BYTES:])
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        try:
-            return self.client.exists(keys)
-        except LMError as e:
-            raise RemoteError(str(e)) from None
+        return self._do(self.client.exists, keys)
 
     def close(self) -> None:
         self.client.close()
 
 
-class RedisBackend:
+class RedisBackend(_Mapped):
     def __init__(self, client: object, where: str) -> None:
-        self.r, self.where = client, where
+        import redis
+
+        self.r, self.where, self.errors = client, where, (redis.RedisError,)
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float) -> RedisBackend:
         import redis
 
         return cls(redis.Redis(host=host, port=port, **_redis_kwargs(timeout)), f"redis://{host}:{port}")
-
-    def _do(self, fn, *args):  # noqa: ANN001, ANN202 - one place that maps redis-py's errors
-        import redis
-
-        try:
-            return fn(*args)
-        except redis.RedisError as e:
-            raise RemoteError(f"{self.where}: {type(e).__name__}: {e}") from None
 
     def put_many(self, items: Sequence[Item]) -> None:
         pipe = self.r.pipeline(transaction=False)  # one round trip for the batch
@@ -303,19 +303,21 @@ class RemoteTier:
         backend: Backend | None = None  # the put thread's own connection
         stop = False
         while not stop:
-            batch = [self._queue.get()]
+            batch, nbytes = [], 0
+            item = self._queue.get()
             # Whatever else is queued goes in the same round trip.
-            while batch[-1] is not None and sum(b[1].numel() for b in batch) < self.BATCH_BYTES:
+            while item is not None:
+                batch.append(item)
+                nbytes += item[1].numel()
+                if nbytes >= self.BATCH_BYTES:
+                    break
                 try:
-                    batch.append(self._queue.get_nowait())
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if batch[-1] is None:
-                stop = True
-                batch.pop()
+            stop = item is None
             if not batch:
                 continue
-            nbytes = sum(data.numel() for _, data, _ in batch)
             try:
                 if not self._up():
                     with self._lock:

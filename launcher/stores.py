@@ -25,6 +25,14 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+def _redis_exe() -> str:
+    exe = redis_server_binary()
+    if exe is None:
+        raise StoreStartError("redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server; "
+                              "`make redis` does it)")
+    return exe
+
+
 def wait_port(proc: subprocess.Popen, port: int, what: str, log: Path, timeout: float = 30.0) -> None:
     """Until `port` accepts connections; StoreStartError (with the log's tail) if the process dies or
     `timeout` passes."""
@@ -70,10 +78,7 @@ class Proc:
 
 def start_redis(work: Path, port: int | None = None, replicaof: int | None = None, maxmemory_mb: int = 512) -> Proc:
     """A redis-server with no persistence, evicting least recently used keys past `maxmemory_mb`."""
-    exe = redis_server_binary()
-    if exe is None:
-        raise StoreStartError("redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server; "
-                              "`make redis` does it)")
+    exe = _redis_exe()
     port = port or free_port()
     d = work / f"redis-{port}"
     d.mkdir(parents=True, exist_ok=True)
@@ -87,9 +92,7 @@ def start_redis(work: Path, port: int | None = None, replicaof: int | None = Non
 def start_sentinel(work: Path, master_port: int, service: str = "mymaster", down_after_ms: int = 1000,
                    port: int | None = None) -> Proc:
     """A Sentinel watching the master at `master_port` (quorum 1, fast failover for tests)."""
-    exe = redis_server_binary()
-    if exe is None:
-        raise StoreStartError("redis-server not found: install it (apt-get install redis-server)")
+    exe = _redis_exe()
     port = port or free_port()
     conf = work / f"sentinel-{port}.conf"
     conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {work}\n"

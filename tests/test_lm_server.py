@@ -5,44 +5,28 @@ cost a connection, never the server."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvferry.common import messages as m
-from kvferry.common.netutil import free_port
 from kvferry.engine.lm_server import LMClient, LMError, frame
+from kvferry.launcher.stores import Proc, start_lm_server
 
 KIB = 1 << 10
 
 
-def start(port: int, *extra: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", str(port), "cpu", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return p
-        except OSError:
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.1)
-    p.kill()
-    raise AssertionError("kvferry-server did not start")
-
-
 @pytest.fixture
-def server() -> Iterator[tuple[int, subprocess.Popen]]:
-    port = free_port()
-    p = start(port, "--max-bytes", str(1000 * KIB / (1 << 30)), "--max-frame", "0.5", "--frame-timeout", "1")
-    yield port, p
+def server(tmp_path: Path) -> Iterator[tuple[int, Proc]]:
+    p = start_lm_server(tmp_path, None, "--max-bytes", str(1000 * KIB / (1 << 30)), "--max-frame", "0.5",
+                        "--frame-timeout", "1")
+    yield p.port, p
     p.kill()
-    p.wait()
 
 
 def raw(port: int) -> socket.socket:
@@ -107,7 +91,7 @@ def test_garbage_is_rejected_and_others_keep_being_served(server, junk: bytes) -
     assert got is None or isinstance(got, m.ErrorReply)
     s.close()
     assert other.get(b"mine") == b"v" * 1000  # the same connection as before: never disturbed
-    assert p.poll() is None
+    assert p.proc.poll() is None
     other.close()
 
 
@@ -135,18 +119,17 @@ def test_a_stalled_frame_is_cut_off(server) -> None:
     assert still_serves(port)
 
 
-def test_a_dead_server_is_a_bounded_error_and_a_restart_is_picked_up() -> None:
-    port = free_port()
-    p = start(port)
+def test_a_dead_server_is_a_bounded_error_and_a_restart_is_picked_up(tmp_path: Path) -> None:
+    p = start_lm_server(tmp_path)
+    port = p.port
     c = LMClient("127.0.0.1", port, timeout=2)
     c.put(b"k", b"v")
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    p.kill()
     t0 = time.monotonic()
     with pytest.raises(LMError):
         c.get(b"k")
     assert time.monotonic() - t0 < 3
-    p = start(port)
+    p = start_lm_server(tmp_path, port)
     try:
         assert c.get(b"k") is None  # a fresh, empty server; the client reconnected by itself
         c.put(b"k", b"v2")
@@ -154,7 +137,6 @@ def test_a_dead_server_is_a_bounded_error_and_a_restart_is_picked_up() -> None:
     finally:
         c.close()
         p.kill()
-        p.wait()
 
 
 def test_bad_arguments_exit_2() -> None:

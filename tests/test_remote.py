@@ -201,11 +201,13 @@ def test_puts_beyond_the_queue_limit_are_dropped_not_waited_for(tmp_path: Path) 
 
 
 def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
-    master = start_redis(tmp_path)
-    replica = start_redis(tmp_path, replicaof=master.port)
-    sentinels = [start_sentinel(tmp_path, master.port) for _ in range(3)]
-    procs = [master, replica, *sentinels]
-    try:
+    procs = [start_redis(tmp_path)]
+    try:  # started one at a time: a failed start still stops the ones before it
+        master = procs[0]
+        procs.append(replica := start_redis(tmp_path, replicaof=master.port))
+        for _ in range(3):
+            procs.append(start_sentinel(tmp_path, master.port))
+        sentinels = procs[2:]
         url = "redis-sentinel://" + ",".join(s.url_hostport for s in sentinels)
         t = RemoteTier(url, 1.0, Serde("naive", SHAPE))
         a = chunk(7)

@@ -45,6 +45,7 @@ class Setup:
     lm: Proc
     servers: dict[str, OffloadServer]
     urls: dict[str, str]
+    procs: list[Proc]  # every store process, stopped by the fixture (a restart appends to it)
 
     def keys(self, p: list[int]) -> list[bytes]:
         salt = offload_salt(self.model.name, "float32", 8, 8, 64, 128, CHUNK, 1)
@@ -70,8 +71,9 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
         procs.append(rds := start_redis(work))
         procs.append(master := start_redis(work))
         procs.append(replica := start_redis(work, replicaof=master.port))
-        sentinels = [start_sentinel(work, master.port) for _ in range(3)]
-        procs += sentinels
+        for _ in range(3):  # one at a time: a failed start still stops the ones before it
+            procs.append(start_sentinel(work, master.port))
+        sentinels = procs[3:]
         procs.append(lm := start_lm_server(work))
         urls = {"redis": f"redis://{rds.url_hostport}", "lm": f"lm://{lm.url_hostport}",
                 "sentinel": "redis-sentinel://" + ",".join(s.url_hostport for s in sentinels)}
@@ -83,7 +85,7 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
                                           remote_url=urls[url], **keys).start()
         for s in servers.values():
             s.wait_ready()
-        yield Setup(tiny_model_path, rds, master, replica, sentinels, lm, servers, urls)
+        yield Setup(tiny_model_path, rds, master, replica, sentinels, lm, servers, urls, procs)
     finally:
         for s in servers.values():
             s.stop()
@@ -170,6 +172,7 @@ def test_a_killed_lm_server_is_misses_and_its_restart_brings_hits_back(setup: Se
         assert tokens_and_logprobs(completion(two, p, 4))[0] == a
     assert "treating it as empty" in log(one) and "treating it as empty" in log(two)
     s.lm = start_lm_server(s.lm.log.parent, port)
+    s.procs.append(s.lm)
     hits0, deadline = remote_hits(two), time.monotonic() + 90
     while remote_hits(two) == hits0:  # each instance retries after its back-off (at most 30 s)
         assert time.monotonic() < deadline, "no remote hit within 90 s of the restart"
