@@ -8,7 +8,15 @@ short sleeps, so an idle sender or receiver uses almost no CPU.
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
+import time
 from typing import Any
+
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class NixlUnavailable(RuntimeError):
@@ -37,3 +45,125 @@ def mem_type(device: str) -> str:
 
 def device_id(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+class NixlThread:
+    """The only thread that touches one NIXL agent (agents are not thread-safe).
+
+    Runs calls handed to it and polls in-flight transfers every `poll_s` (a real sleep, not an
+    asyncio timer, whose resolution is a millisecond); blocks on its queue, using no CPU, when
+    nothing is in flight. While `progress` is on it also drives the agent's progress, which a
+    peer's READ of this agent's memory needs (there is no progress thread). Results go back to
+    the asyncio loop as futures.
+    """
+
+    def __init__(self, agent, loop: asyncio.AbstractEventLoop, poll_s: float, name: str = "kvf-nixl") -> None:
+        self.agent = agent
+        self.poll_s = poll_s
+        self.progress = 0  # > 0: keep the agent progressing (leases on this agent's memory)
+        self._loop = loop
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: list[tuple[object, float, asyncio.Future]] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args) -> asyncio.Future:
+        fut = self._loop.create_future()
+        self._q.put(("call", fn, args, fut))
+        return fut
+
+    def xfer(self, op: str, local: list, local_mem: str, remote: list, remote_mem: str, agent_name: str,
+             notif: bytes, deadline: float) -> asyncio.Future:
+        """Post one WRITE or READ; the future gets "DONE", "EXPIRED" (cancelled at `deadline`) or "ERR ..."."""
+        fut = self._loop.create_future()
+        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
+        return fut
+
+    def wake(self) -> None:
+        """Re-check `progress` now (the thread may be blocked on its queue)."""
+        self._q.put(("wake",))
+
+    def stop(self) -> None:
+        self._q.put(("stop",))
+        self._thread.join(timeout=5)
+
+    def _resolve(self, fut: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
+        def set_() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+        self._loop.call_soon_threadsafe(set_)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                busy = self._inflight or self.progress > 0
+                item = self._q.get(timeout=self.poll_s) if busy else self._q.get()
+            except queue.Empty:
+                item = None
+            if item is not None:
+                if item[0] == "stop":
+                    for handle, _, fut in self._inflight:
+                        self._release(handle)
+                        self._resolve(fut, "ERR (sender closed)")
+                    return
+                if item[0] == "wake":
+                    pass
+                elif item[0] == "call":
+                    _, fn, args, fut = item
+                    try:
+                        self._resolve(fut, fn(*args))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        self._resolve(fut, exc=e)
+                else:
+                    self._post(*item[1], item[2])
+            self._poll()
+            if self.progress > 0 and not self._inflight:
+                try:
+                    self.agent.get_new_notifs()  # drives UCX progress for peers' READs
+                except Exception as e:  # noqa: BLE001
+                    logger.debug("get_new_notifs: %s", e)
+
+    def _post(self, op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
+        if time.monotonic() >= deadline:
+            self._resolve(fut, "EXPIRED")
+            return
+        a = self.agent
+        try:
+            handle = a.initialize_xfer(op, a.get_xfer_descs(local, local_mem),
+                                       a.get_xfer_descs(remote, remote_mem), agent_name, notif)
+            state = a.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own types
+            self._resolve(fut, f"ERR ({e})")
+            return
+        if state == "PROC":
+            self._inflight.append((handle, deadline, fut))
+            return
+        self._release(handle)
+        self._resolve(fut, state)
+
+    def _poll(self) -> None:
+        still = []
+        now = time.monotonic()
+        for handle, deadline, fut in self._inflight:
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as e:  # noqa: BLE001
+                state = f"ERR ({e})"
+            if state == "PROC" and now >= deadline:
+                state = "EXPIRED"  # release() below cancels it: no transfer after the lease
+            if state == "PROC":
+                still.append((handle, deadline, fut))
+                continue
+            self._release(handle)
+            self._resolve(fut, state)
+        self._inflight = still
+
+    def _release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not release a NIXL transfer handle: %s", e)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.common.log import get_logger
+from kvferry.common.units import fmt_bytes
 
 logger = get_logger(__name__)
 
@@ -92,14 +93,6 @@ class BufferStats:
     bytes_committed: int = 0
     bytes_read: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 class PDBuffer:

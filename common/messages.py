@@ -153,69 +153,166 @@ class RemoteReply(Msg, tag="rreply"):
     found_keys: Annotated[list[bool], msgspec.Meta(max_length=1 << 16)] = []
 
 
-# ---- controller ----
-class RegisterWorker(Msg, tag="register"):
+# ---- controller (kvferry-controller) and P2P peers ----
+Location = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]  # "LocalCPUBackend"
+Sizes = Annotated[list[NonNeg], msgspec.Meta(max_length=1 << 16)]
+Salt = Annotated[bytes, msgspec.Meta(max_length=4096)]
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker (TP rank) of one instance, as it registers with the controller."""
+
     instance_id: Id
-    worker_id: NonNeg
-    host: Text
-    worker_port: Port | None = None
-    p2p_init_port: Port | None = None
-    p2p_lookup_port: Port | None = None
+    worker_id: NonNeg  # the TP rank
+    epoch: Id  # new on every process start: a restart is a new worker, not a stale one
+    host: Text  # p2p_host
+    worker_port: Port  # lmcache_worker_ports[rank]: the controller's commands
+    p2p_init_port: Port
+    p2p_lookup_port: Port
+    tp_size: NonNeg = 1
+    # What the controller needs to key tokens the way this worker does (POST /lookup, /move).
+    salt: Salt
+    chunk_size: NonNeg
+    partial_chunks: bool
+    heartbeat_timeout: float
+    cpu_capacity: NonNeg = 0  # bytes
+
+
+class RegisterWorker(Msg, tag="register"):
+    worker: WorkerInfo
 
 
 class DeregisterWorker(Msg, tag="deregister"):
     instance_id: Id
     worker_id: NonNeg
+    epoch: Id
 
 
 class Heartbeat(Msg, tag="heartbeat"):
-    instance_id: Id
-    worker_id: NonNeg
-    sent_at: float
+    """Carries the registration, so a restarted controller learns the worker again."""
+
+    worker: WorkerInfo
+    num_chunks: NonNeg
+    used_bytes: NonNeg
 
 
 class ChunkAdmit(Msg, tag="admit"):
     instance_id: Id
     worker_id: NonNeg
-    location: Text  # e.g. "LocalCPUBackend"
+    epoch: Id
+    location: Location
     keys: Keys
-    nbytes: NonNeg = 0
+    sizes: Sizes  # bytes of each chunk
+    reset: bool = False  # these keys are all the worker holds (a resync)
 
 
 class ChunkEvict(Msg, tag="evict"):
     instance_id: Id
     worker_id: NonNeg
-    location: Text
+    epoch: Id
+    location: Location
     keys: Keys
 
 
+class TransferReport(Msg, tag="transfer"):
+    """A P2P retrieval a worker made, for the controller's page."""
+
+    instance_id: Id
+    peer_id: Id
+    num_chunks: NonNeg
+    nbytes: NonNeg
+    seconds: float
+    ok: bool
+    kind: Text = "p2p"  # "p2p" (a request's load) | "move"
+
+
+class PeerAddr(msgspec.Struct, kw_only=True, frozen=True):
+    host: Text
+    init_port: Port
+    lookup_port: Port
+
+
 class LookupRequest(Msg, tag="lookup_req"):
+    """The scheduler's question: who holds the longest prefix of these chunk keys?"""
+
+    instance_id: Id  # the asker (its own chunks count: a move may have put them there)
     keys: Keys
 
 
 class LookupResponse(Msg, tag="lookup_resp"):
-    instance_id: str | None
-    location: str | None
-    num_chunks: NonNeg
-    p2p_host: str | None = None
-    p2p_init_port: Port | None = None
+    instance_id: str | None = None
+    location: str | None = None
+    num_chunks: NonNeg = 0
+    peers: Annotated[list[PeerAddr], msgspec.Meta(max_length=1024)] = []  # one per TP rank
 
 
-class MoveRequest(Msg, tag="move_req"):
+# Controller -> worker commands (worker port); each is answered with a CommandResult.
+class PullChunks(Msg, tag="pull"):
+    """Fetch `keys` from `source` (the same TP rank of another instance) into the CPU tier."""
+
     event_id: Id
-    old_instance: Id
-    old_location: Text
-    new_instance: Id
-    new_location: Text
+    source_id: Id
+    source: PeerAddr
     keys: Keys
-    copy: bool = False
 
 
-class MoveResult(Msg, tag="move_result"):
+class DropChunks(Msg, tag="drop"):
+    """Remove `keys` from the CPU tier (the source of a move with copy false)."""
+
+    event_id: Id
+    keys: Keys
+
+
+class ClearChunks(Msg, tag="clear"):
+    event_id: Id
+
+
+class Resync(Msg, tag="resync"):
+    """The controller lost this worker's chunk list: send all of it again."""
+
+    event_id: Id
+
+
+class CommandResult(Msg, tag="cmd_result"):
     event_id: Id
     ok: bool
-    num_chunks: NonNeg
+    num_chunks: NonNeg = 0
+    nbytes: NonNeg = 0
     message: Text = ""
+
+
+# Peer <-> peer: p2p_init_ports (handshake) and p2p_lookup_ports (lease chunks for a NIXL READ).
+class PeerHello(Msg, tag="peer_hello"):
+    instance_id: Id
+    agent_name: Id
+    agent_metadata: Blob
+    layout: Salt  # the asker's KV layout digest: another layout's bytes are garbage here
+
+
+class PeerWelcome(Msg, tag="peer_welcome"):
+    instance_id: Id
+    agent_name: Id
+    agent_metadata: Blob
+
+
+class PeerFetch(Msg, tag="peer_fetch"):
+    request_id: Id
+    keys: Keys
+
+
+class PeerChunks(Msg, tag="peer_chunks"):
+    """The holder's memory for the leading `len(addrs)` of the asked keys, held until released
+    or `lease_seconds` pass."""
+
+    request_id: Id
+    lease_id: Id
+    addrs: Sizes
+    sizes: Sizes
+    lease_seconds: float
+
+
+class PeerRelease(Msg, tag="peer_release"):
+    lease_id: Id
 
 
 Message = Union[
@@ -236,10 +333,19 @@ Message = Union[
     Heartbeat,
     ChunkAdmit,
     ChunkEvict,
+    TransferReport,
     LookupRequest,
     LookupResponse,
-    MoveRequest,
-    MoveResult,
+    PullChunks,
+    DropChunks,
+    ClearChunks,
+    Resync,
+    CommandResult,
+    PeerHello,
+    PeerWelcome,
+    PeerFetch,
+    PeerChunks,
+    PeerRelease,
 ]
 
 

@@ -22,9 +22,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvferry.buffer.pd_buffer import fmt_bytes
 from kvferry.common import messages as m
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.units import fmt_bytes
 
 logger = get_logger(__name__)
 

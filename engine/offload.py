@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvferry.buffer.pd_buffer import fmt_bytes
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
+from kvferry.common.units import fmt_bytes
 from kvferry.engine import disk_tier, remote_serde
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier

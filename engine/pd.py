@@ -21,11 +21,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, fmt_bytes
+from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
+from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan, chunk_tokens, scatter_chunks
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV

@@ -21,12 +21,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from kvferry.common.backoff import Backoff
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.engine.lm_server import LMClient, LMError
 from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
@@ -192,7 +192,6 @@ def open_backend(url: str, timeout: float) -> Backend:
 class RemoteTier:
     """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof."""
 
-    MIN_BACKOFF, MAX_BACKOFF = 1.0, 30.0
     # Small chunks share a round trip; large ones go alone (Redis copies a large value that is not
     # first in its input buffer, so pipelining them costs more than the round trips it saves).
     BATCH_BYTES = 4 << 20
@@ -204,10 +203,9 @@ class RemoteTier:
         self.max_queued_bytes = max_queued_bytes
         self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_put_dropped": 0,
                          "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}
+        self._backoff = Backoff(f"remote store {url}", logger)
         self._warn = RateLimitedLog(logger)
         self._backend: Backend | None = None
-        self._down_until = 0.0
-        self._backoff = self.MIN_BACKOFF
         self._lock = threading.Lock()  # counters and back-off are shared with the put thread
         self._queue: queue.Queue | None = None
         self._queued = 0
@@ -217,21 +215,15 @@ class RemoteTier:
 
     # ---- failure handling ----
     def _up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._backoff.up()
 
     def _failed(self, what: str, e: Exception) -> None:
         with self._lock:
             self.counters["remote_errors"] += 1
-            self._down_until = time.monotonic() + self._backoff
-            wait, self._backoff = self._backoff, min(self._backoff * 2, self.MAX_BACKOFF)
-        self._warn.warning("remote store %s: %s failed (%s); treating it as empty for %.0f s", self.url, what, e,
-                           wait)
+        self._backoff.failed(what, e, "treating it as empty")
 
     def _ok(self) -> None:
-        if self._backoff != self.MIN_BACKOFF:
-            logger.info("remote store %s answers again", self.url)
-            with self._lock:
-                self._backoff = self.MIN_BACKOFF
+        self._backoff.ok()
 
     def _conn(self) -> Backend:
         if self._backend is None:

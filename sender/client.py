@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -63,112 +62,6 @@ class LeaseExpired(SendError):
 
 class WriteFailed(SendError):
     code = "write"
-
-
-class _NixlThread:
-    """The only thread that touches the sender's NIXL agent (it is not thread-safe).
-
-    Runs calls handed to it and polls in-flight writes every POLL_S (a real sleep, not an
-    asyncio timer, whose resolution is a millisecond); blocks on its queue, using no CPU, when
-    no write is in flight. Results go back to the asyncio loop as futures.
-    """
-
-    def __init__(self, agent, loop: asyncio.AbstractEventLoop) -> None:
-        self.agent = agent
-        self._loop = loop
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight: list[tuple[object, float, asyncio.Future]] = []
-        self._thread = threading.Thread(target=self._run, name="kvf-send-nixl", daemon=True)
-        self._thread.start()
-
-    def call(self, fn, *args) -> asyncio.Future:
-        fut = self._loop.create_future()
-        self._q.put(("call", fn, args, fut))
-        return fut
-
-    def write(self, local: list, local_mem: str, remote: list, remote_mem: str, agent_name: str,
-              notif: bytes, deadline: float) -> asyncio.Future:
-        """Post one WRITE; the future gets "DONE", "EXPIRED" (cancelled at `deadline`) or "ERR ..."."""
-        fut = self._loop.create_future()
-        self._q.put(("write", (local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
-        return fut
-
-    def stop(self) -> None:
-        self._q.put(("stop",))
-        self._thread.join(timeout=5)
-
-    def _resolve(self, fut: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
-        def set_() -> None:
-            if fut.done():
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(value)
-        self._loop.call_soon_threadsafe(set_)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                item = self._q.get(timeout=POLL_S) if self._inflight else self._q.get()
-            except queue.Empty:
-                item = None
-            if item is not None:
-                if item[0] == "stop":
-                    for handle, _, fut in self._inflight:
-                        self._release(handle)
-                        self._resolve(fut, "ERR (sender closed)")
-                    return
-                if item[0] == "call":
-                    _, fn, args, fut = item
-                    try:
-                        self._resolve(fut, fn(*args))
-                    except Exception as e:  # noqa: BLE001 - handed to the caller
-                        self._resolve(fut, exc=e)
-                else:
-                    self._post(*item[1], item[2])
-            self._poll()
-
-    def _post(self, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
-        if time.monotonic() >= deadline:
-            self._resolve(fut, "EXPIRED")
-            return
-        a = self.agent
-        try:
-            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
-                                       a.get_xfer_descs(remote, remote_mem), agent_name, notif)
-            state = a.transfer(handle)
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own types
-            self._resolve(fut, f"ERR ({e})")
-            return
-        if state == "PROC":
-            self._inflight.append((handle, deadline, fut))
-            return
-        self._release(handle)
-        self._resolve(fut, state)
-
-    def _poll(self) -> None:
-        still = []
-        now = time.monotonic()
-        for handle, deadline, fut in self._inflight:
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception as e:  # noqa: BLE001
-                state = f"ERR ({e})"
-            if state == "PROC" and now >= deadline:
-                state = "EXPIRED"  # release() below cancels it: no write after the lease
-            if state == "PROC":
-                still.append((handle, deadline, fut))
-                continue
-            self._release(handle)
-            self._resolve(fut, state)
-        self._inflight = still
-
-    def _release(self, handle) -> None:
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not release a NIXL transfer handle: %s", e)
 
 
 @dataclass(frozen=True)
@@ -234,7 +127,7 @@ class KVSender:
         self._locks: dict[ReceiverAddr, asyncio.Lock] = {}
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
-        self._nixl = _NixlThread(self._agent, self._loop)
+        self._nixl = nixl_agent.NixlThread(self._agent, self._loop, POLL_S)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
         self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "skipped_chunks": 0}
@@ -445,7 +338,7 @@ class KVSender:
         remote = [(peer.buffer_addr + p * peer.page_bytes, n, peer.device_id)
                   for p, (_, n) in zip(pages, todo, strict=True)]
         notif = m.encode(m.ArrivalNotice(transfer_id=tid, generation=generation))
-        state = await self._nixl.write(local, nixl_agent.mem_type(self.device), remote, peer.mem_type,
+        state = await self._nixl.xfer("WRITE", local, nixl_agent.mem_type(self.device), remote, peer.mem_type,
                                        peer.agent_name, notif, deadline)
         if state != "DONE":
             await self._abort(peer, tid, generation, f"write {state}")

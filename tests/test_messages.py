@@ -11,6 +11,10 @@ from kvferry.common import messages as m
 
 FP = m.LayoutFingerprint(model="tiny", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
                          block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=256)
+PEER = m.PeerAddr(host="localhost", init_port=8200, lookup_port=8201)
+WORKER = m.WorkerInfo(instance_id="i1", worker_id=0, epoch="e", host="localhost", worker_port=8500,
+                      p2p_init_port=8200, p2p_lookup_port=8201, salt=b"s" * 16, chunk_size=256,
+                      partial_chunks=True, heartbeat_timeout=30.0, cpu_capacity=1 << 30)
 SAMPLES = [
     m.HandshakeRequest(sender_id="p0", tp_rank=0, agent_name="a", agent_metadata=b"\x00" * 100,
                        fingerprint=FP),
@@ -26,16 +30,25 @@ SAMPLES = [
     m.RemoteGet(key=b"k" * 16),
     m.RemoteExists(keys=[b"k" * 16, b"j" * 16]),
     m.RemoteReply(ok=True, found=True, nbytes=10, found_keys=[True, False]),
-    m.RegisterWorker(instance_id="i1", worker_id=0, host="localhost", worker_port=8500),
-    m.DeregisterWorker(instance_id="i1", worker_id=0),
-    m.Heartbeat(instance_id="i1", worker_id=0, sent_at=1.5),
-    m.ChunkAdmit(instance_id="i1", worker_id=0, location="LocalCPUBackend", keys=[b"a" * 16]),
-    m.ChunkEvict(instance_id="i1", worker_id=0, location="LocalCPUBackend", keys=[b"a" * 16]),
-    m.LookupRequest(keys=[b"a" * 16]),
-    m.LookupResponse(instance_id="i1", location="LocalCPUBackend", num_chunks=1),
-    m.MoveRequest(event_id="e1", old_instance="i1", old_location="LocalCPUBackend", new_instance="i2",
-                  new_location="LocalCPUBackend", keys=[b"a" * 16], copy=True),
-    m.MoveResult(event_id="e1", ok=True, num_chunks=1),
+    m.RegisterWorker(worker=WORKER),
+    m.DeregisterWorker(instance_id="i1", worker_id=0, epoch="e"),
+    m.Heartbeat(worker=WORKER, num_chunks=3, used_bytes=1 << 20),
+    m.ChunkAdmit(instance_id="i1", worker_id=0, epoch="e", location="LocalCPUBackend", keys=[b"a" * 16],
+                 sizes=[1 << 20], reset=True),
+    m.ChunkEvict(instance_id="i1", worker_id=0, epoch="e", location="LocalCPUBackend", keys=[b"a" * 16]),
+    m.TransferReport(instance_id="i2", peer_id="i1", num_chunks=4, nbytes=1 << 25, seconds=0.01, ok=True),
+    m.LookupRequest(instance_id="i2", keys=[b"a" * 16]),
+    m.LookupResponse(instance_id="i1", location="LocalCPUBackend", num_chunks=1, peers=[PEER]),
+    m.PullChunks(event_id="e1", source_id="i1", source=PEER, keys=[b"a" * 16]),
+    m.DropChunks(event_id="e1", keys=[b"a" * 16]),
+    m.ClearChunks(event_id="e2"),
+    m.Resync(event_id="e3"),
+    m.CommandResult(event_id="e1", ok=True, num_chunks=1, nbytes=10),
+    m.PeerHello(instance_id="i2", agent_name="a", agent_metadata=b"md", layout=b"l" * 16),
+    m.PeerWelcome(instance_id="i1", agent_name="b", agent_metadata=b"md"),
+    m.PeerFetch(request_id="r1", keys=[b"a" * 16]),
+    m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0),
+    m.PeerRelease(lease_id="l1"),
 ]
 
 
