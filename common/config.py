@@ -316,8 +316,20 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports"):
             if getattr(c, key) is None:
                 raise err(key, "enable_p2p is true but this key is not set")
-        if not c.local_cpu:
-            raise err("local_cpu", "enable_p2p shares the local CPU tier: set local_cpu: true")
+        if not c.local_cpu or c.max_local_cpu_size <= 0:
+            raise err("local_cpu", "enable_p2p shares the local CPU tier: set local_cpu: true and "
+                      "max_local_cpu_size > 0")
+        if not c.controller_reply_url:
+            raise err("controller_reply_url", "enable_p2p asks the controller who holds a prompt: set "
+                      "controller_reply_url (e.g. localhost:8400)")
+        n = len(c.ports("p2p_init_ports"))
+        for key in ("p2p_lookup_ports", "lmcache_worker_ports"):
+            if len(c.ports(key)) != n:
+                raise err(key, f"lists {len(c.ports(key))} ports and p2p_init_ports {n}: give one of each "
+                          "per TP rank")
+    if c.enable_controller and not c.enable_p2p:
+        raise err("enable_p2p", "kvferry's controller coordinates P2P sharing: set enable_p2p: true with "
+                  "p2p_host, p2p_init_ports and p2p_lookup_ports (or enable_controller: false)")
     if c.enable_controller:
         if not (c.controller_pull_url or c.controller_url):
             raise err("controller_pull_url", "enable_controller is true but no controller address is "

@@ -281,6 +281,15 @@ class CommandResult(Msg, tag="cmd_result"):
     message: Text = ""
 
 
+class TierNotice(Msg, tag="tier_notice"):
+    """Worker -> its own scheduler (ipc): chunks a controller command put into or took out of the
+    CPU tier behind the scheduler's index."""
+
+    adopted: Keys = []
+    sizes: Sizes = []
+    dropped: Keys = []
+
+
 # Peer <-> peer: p2p_init_ports (handshake) and p2p_lookup_ports (lease chunks for a NIXL READ).
 class PeerHello(Msg, tag="peer_hello"):
     instance_id: Id
@@ -297,6 +306,7 @@ class PeerWelcome(Msg, tag="peer_welcome"):
 
 class PeerFetch(Msg, tag="peer_fetch"):
     request_id: Id
+    agent_name: Id  # the asker's NIXL agent (the holder sends it the registrations it has not seen)
     keys: Keys
 
 
@@ -309,6 +319,8 @@ class PeerChunks(Msg, tag="peer_chunks"):
     addrs: Sizes
     sizes: Sizes
     lease_seconds: float
+    # NIXL partial metadata of chunks registered since this asker last heard: load before READing.
+    metadata: Annotated[list[Blob], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class PeerRelease(Msg, tag="peer_release"):
@@ -341,6 +353,7 @@ Message = Union[
     ClearChunks,
     Resync,
     CommandResult,
+    TierNotice,
     PeerHello,
     PeerWelcome,
     PeerFetch,

@@ -54,6 +54,7 @@ from kvferry.engine.offload import (
     layout_digest,
     offload_salt,
 )
+from kvferry.engine.p2p import P2PWorker, notice_addr
 from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
 from kvferry.engine.remote_store import RemoteError
 from kvferry.kernels.layout import detect_layout
@@ -118,7 +119,8 @@ class KVFerryWorkerMeta(KVConnectorWorkerMetadata):
 
 
 # vLLM has no member for a shared remote store; EXTERNAL_UNSPECIFIED is its documented fallback.
-_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": CacheHitSource.P2P,
+                "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 def request_amx() -> bool:
@@ -252,6 +254,8 @@ class KVFerryConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._sched is not None and self._sched.offload is not None:
+            self._sched.offload.close()
 
 
 class _Scheduler:
@@ -384,14 +388,20 @@ def _planner(c: KVFerryConnector) -> OffloadPlanner:
     group = kcc.kv_cache_groups[0]
     vc = c._vllm_config
     block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    mc, pc = vc.model_config, vc.parallel_config
-    salt = offload_salt(os.path.basename(str(mc.model).rstrip("/")), str(mc.dtype).removeprefix("torch."),
-                        len(group.layer_names), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                        vc.cache_config.block_size, c.cfg.chunk_size, pc.tensor_parallel_size)
     try:
-        return OffloadPlanner(c.cfg, salt, vc.cache_config.block_size, block_bytes)
+        return OffloadPlanner(c.cfg, _salt(vc, c.cfg, len(group.layer_names)), vc.cache_config.block_size,
+                              block_bytes, notice_addr(vc.kv_transfer_config.engine_id) if c.cfg.enable_p2p else None)
     except (ValueError, RemoteError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _salt(vc: VllmConfig, cfg: KVFerryConfig, num_layers: int) -> bytes:
+    """The offload keys' salt; the scheduler and the workers (which register it with the
+    controller) compute the same one."""
+    mc, pc = vc.model_config, vc.parallel_config
+    return offload_salt(os.path.basename(str(mc.model).rstrip("/")), str(mc.dtype).removeprefix("torch."),
+                        num_layers, mc.get_num_kv_heads(pc), mc.get_head_size(), vc.cache_config.block_size,
+                        cfg.chunk_size, pc.tensor_parallel_size)
 
 
 class _Worker:
@@ -428,7 +438,12 @@ class _Worker:
         fp = fingerprint(kv, model, self.c.cfg.chunk_size, fmt, self.tp_size)
         if self.c.offload:
             ofp = fp if fmt == "block" else fingerprint(kv, model, self.c.cfg.chunk_size, "block", self.tp_size)
-            self.offload = OffloadWorker(self.c.cfg, kv, self.tp_rank, layout_digest(msgspec.msgpack.encode(ofp)))
+            digest = layout_digest(msgspec.msgpack.encode(ofp))
+            self.offload = OffloadWorker(self.c.cfg, kv, self.tp_rank, digest)
+            if self.c.cfg.enable_p2p and self.offload.cpu is not None:
+                self.offload.p2p = P2PWorker(self.c.cfg, self.offload.cpu, self.tp_rank, self.tp_size,
+                                             _salt(self.vc, self.c.cfg, kv.num_layers), digest,
+                                             notice_addr(self.vc.kv_transfer_config.engine_id))
         if self.c.pd and self.c.producer_side:
             sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
             self.producer = PDProducer(self.c.cfg, kv, fp, sender_id, self.tp_rank)

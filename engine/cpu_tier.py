@@ -2,36 +2,67 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
+
+# (event, key, data): "put" or "delete", for the P2P side's reports and NIXL registrations.
+Listener = Callable[[str, bytes, torch.Tensor], None]
 
 
 class CPUTier:
-    """Chunks by key. What stays and what goes is the index's decision (engine/index.py)."""
+    """Chunks by key. What stays and what goes is the index's decision (engine/index.py).
 
-    def __init__(self, pin: bool = False) -> None:
-        self.pin = pin
+    Thread-safe: the P2P side serves, adopts and drops chunks from its own thread."""
+
+    def __init__(self, pin: bool = False, capacity: int = 0) -> None:
+        self.pin, self.capacity = pin, capacity
         self._data: dict[bytes, torch.Tensor] = {}
         self.used = 0
+        self.listener: Listener | None = None
+        self._lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def put(self, key: bytes, data: torch.Tensor) -> None:
-        self.delete(key)
-        self._data[key] = data
-        self.used += data.numel()
+        with self._lock:
+            old = self._data.get(key)
+            if old is data:
+                return
+            self._pop(key)
+            self._data[key] = data
+            self.used += data.numel()
+            if self.listener is not None:  # under the lock: events arrive in the order they happened
+                self.listener("put", key, data)
 
     def get(self, key: bytes) -> torch.Tensor | None:
         return self._data.get(key)
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            old = self._pop(key)
+        return old is not None
+
+    def _pop(self, key: bytes) -> torch.Tensor | None:
         old = self._data.pop(key, None)
         if old is not None:
             self.used -= old.numel()
+            if self.listener is not None:
+                self.listener("delete", key, old)
+        return old
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._data)
 
     def __len__(self) -> int:
         return len(self._data)
 
-    def clear(self) -> None:
-        self._data.clear()
-        self.used = 0
+    def clear(self) -> int:
+        with self._lock:
+            keys = list(self._data)
+            for k in keys:
+                self._pop(k)
+        return len(keys)

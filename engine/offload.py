@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
@@ -27,6 +28,7 @@ from kvferry.engine import disk_tier, remote_serde
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.index import ChunkIndex, TierIndex
+from kvferry.engine.p2p import ControllerLookup, P2PWorker, PlannerNotices
 from kvferry.engine.remote_serde import ChunkShape, Serde
 from kvferry.engine.remote_store import RemoteTier, parse_url
 from kvferry.kernels.paged_copy import PagedKV
@@ -54,6 +56,8 @@ class CacheLoad:
     skip_tokens: int  # computed locally (vLLM's prefix cache): not written
     num_tokens: int  # load up to here
     total_tokens: int  # the prompt's length (for the log line)
+    peer_id: str | None = None  # the instance "p2p" chunks come from
+    peers: list[m.PeerAddr] = field(default_factory=list)  # its workers, by TP rank
 
 
 @dataclass
@@ -79,13 +83,15 @@ class _Lookup:
     where: list[str] = field(default_factory=list)  # tier of each chunk of the cached prefix
     local: int = 0  # tokens vLLM's own prefix cache had at the last match
     remote: dict[int, bool] = field(default_factory=dict)  # chunk -> the remote store has it (asked once)
+    p2p: tuple[int, m.LookupResponse] | None = None  # (first chunk asked, the controller's answer)
     sources: dict[str, int] = field(default_factory=dict)  # tokens of the planned load, by tier
 
 
 class OffloadPlanner:
     """Scheduler side: the index and every decision about it."""
 
-    def __init__(self, cfg: KVFerryConfig, salt: bytes, block_size: int, block_bytes: int) -> None:
+    def __init__(self, cfg: KVFerryConfig, salt: bytes, block_size: int, block_bytes: int,
+                 notice_addr: str | None = None) -> None:
         if cfg.chunk_size % block_size:
             raise ValueError(f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's block_size {block_size}: "
                              f"set chunk_size to a multiple of {block_size} (e.g. 256), or vLLM's --block-size "
@@ -111,17 +117,41 @@ class OffloadPlanner:
         # The remote store is shared, so it is asked (bounded) rather than indexed; the scheduler
         # waits on that answer, hence the short limit.
         self.remote: RemoteTier | None = None
-        self.remote_counters = {"hit_chunks": 0, "hit_tokens": 0}
+        # Hits of the tiers that are asked rather than indexed here.
+        self.shared_counters = {t: {"hit_chunks": 0, "hit_tokens": 0} for t in ("p2p", "remote")}
         if cfg.remote_url:
             parse_url(cfg.remote_url)
             remote_serde.check_name(cfg.remote_serde)
             self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs))
+        # P2P: the controller says which instance holds a prefix; the worker's notices say what a
+        # controller's move put into or took out of this instance's CPU tier.
+        self.p2p: ControllerLookup | None = None
+        self.notices: PlannerNotices | None = None
+        if cfg.enable_p2p:
+            self.p2p = ControllerLookup(cfg, min(1.0, cfg.blocking_timeout_secs))
+            if notice_addr:
+                self.notices = PlannerNotices(notice_addr)
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[CacheLoad] = []
 
     @property
     def enabled(self) -> bool:
         return bool(self.index.tiers) or self.remote is not None
+
+    def _apply_notices(self) -> None:
+        if self.notices is None:
+            return
+        adopted, dropped = self.notices.drain()
+        cpu = self.index.by_name.get("cpu")
+        for key in dropped:
+            self.index.forget(key, "cpu")
+        for key, nbytes in adopted:
+            if cpu is None:
+                continue
+            ok, victims = cpu.admit(key, nbytes)
+            self._save_ops += [CacheEvict("cpu", v) for v in victims]
+            if not ok:
+                self._save_ops.append(CacheEvict("cpu", key))
 
     def nbytes(self, tier: str, tokens: int) -> int:
         data = -(-tokens // self.block_size) * self.block_bytes
@@ -135,8 +165,17 @@ class OffloadPlanner:
         look = self._lookups.get(req_id)
         if look is None:
             look = self._lookups[req_id] = _Lookup(self.keys(tokens))
+        self._apply_notices()
         look.where = self.index.prefix(look.keys)
         look.local = num_computed
+        if self.p2p is not None and len(look.where) < len(look.keys):
+            start = len(look.where)
+            if look.p2p is None or look.p2p[0] != start:
+                ans = self.p2p.lookup(look.keys[start:])
+                look.p2p = (start, ans if ans is not None else m.LookupResponse())
+            ans = look.p2p[1]
+            if ans.instance_id is not None and ans.instance_id != self.cfg.lmcache_instance_id:
+                look.where += ["p2p"] * min(ans.num_chunks, len(look.keys) - start)
         if self.remote is not None and len(look.where) < len(look.keys):
             ask = [i for i in range(len(look.where), len(look.keys)) if i not in look.remote]
             look.remote.update(zip(ask, self.remote.exists([look.keys[i] for i in ask]), strict=True))
@@ -165,13 +204,15 @@ class OffloadPlanner:
         c0, c1 = num_computed // self.chunk_size, -(-end // self.chunk_size)
         sizes = chunk_tokens(len(tokens), self.chunk_size)
         op = CacheLoad(req_id, look.keys[c0:c1], look.where[c0:c1], [], c0, sizes[c0:c1], list(block_ids),
-                    num_computed, end, len(tokens))
+                       num_computed, end, len(tokens))
+        if "p2p" in op.tiers and look.p2p is not None:
+            op.peer_id, op.peers = look.p2p[1].instance_id, list(look.p2p[1].peers)
         cpu = self.index.by_name.get("cpu")
         for i, (key, tier) in enumerate(zip(op.keys, op.tiers, strict=True)):
             t = self.index.by_name.get(tier)
             if t is not None:
                 t.touch(key)
-            counters = t.counters if t is not None else self.remote_counters
+            counters = t.counters if t is not None else self.shared_counters[tier]
             n = min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed, (c0 + i) * self.chunk_size)
             counters["hit_chunks"] += 1
             counters["hit_tokens"] += n
@@ -229,6 +270,7 @@ class OffloadPlanner:
 
     def take(self) -> tuple[list[CacheLoad], list[CacheStore | CacheEvict]]:
         """This step's loads (before the forward pass) and saves (after it), in decision order."""
+        self._apply_notices()
         loads, self._loads = self._loads, []
         saves, self._save_ops = self._save_ops, []
         return loads, saves
@@ -244,6 +286,10 @@ class OffloadPlanner:
             if tier == "remote":  # the store dropped them since it was asked: later matches miss
                 for look in self._lookups.values():
                     look.remote.update((i, False) for i, k in enumerate(look.keys) if k in keys)
+            if tier == "p2p":  # the peer failed: ask the controller again next time
+                for look in self._lookups.values():
+                    if any(k in keys for k in look.keys):
+                        look.p2p = None
 
     def stats(self) -> dict[str, float]:
         """Counters (cumulative) and usage, flat: ``name`` or ``name|tier``."""
@@ -254,9 +300,18 @@ class OffloadPlanner:
             out[f"usage_bytes|{t.name}"] = t.used
             out[f"chunks|{t.name}"] = len(t)
         if self.remote is not None:
-            out.update({f"{k}|remote": v for k, v in self.remote_counters.items()})
+            out.update({f"{k}|remote": v for k, v in self.shared_counters["remote"].items()})
             out["remote_errors"] = self.remote.stats()["remote_errors"]
+        if self.p2p is not None:
+            out.update({f"{k}|p2p": v for k, v in self.shared_counters["p2p"].items()})
+            out["p2p_lookup_errors"] = self.p2p.errors
         return out
+
+    def close(self) -> None:
+        if self.p2p is not None:
+            self.p2p.close()
+        if self.notices is not None:
+            self.notices.close()
 
 
 class OffloadWorker:
@@ -270,7 +325,9 @@ class OffloadWorker:
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank)
-        self.cpu = CPUTier(pin=kv.device.type == "cuda") if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None
+        self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB)) \
+            if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None
+        self.p2p: P2PWorker | None = None  # set by the connector when enable_p2p
         self.disk = disk_tier.DiskTier(disk_tier.rank_root(cfg.local_disk, tp_rank), layout_digest) \
             if cfg.local_disk else None
         self._lost: dict[str, set[bytes]] = {}
@@ -286,8 +343,11 @@ class OffloadWorker:
         t0 = time.monotonic()
         bs = self.kv.layout.block_size
         datas = []
+        from_peer = self._fetch_p2p(op)
         for key, tier, promote, n in zip(op.keys, op.tiers, op.promote, op.tokens, strict=True):
-            if tier == "remote":
+            if tier == "p2p":
+                data = from_peer.get(key)
+            elif tier == "remote":
                 data = self.remote.get(key, n, self.kv.chunk_nbytes("block", n)) if self.remote else None
             else:
                 store = self._tier(tier)
@@ -311,11 +371,21 @@ class OffloadWorker:
         n = op.num_tokens - op.skip_tokens
         self.counters["retrieved_tokens"] += n
         self.counters["retrieved_bytes"] += nbytes
-        where = ", ".join(f"{op.tiers.count(t)} from {t}" for t in ("cpu", "disk", "remote") if t in op.tiers)
+        where = ", ".join(f"{op.tiers.count(t)} from {t}" for t in ("cpu", "disk", "p2p", "remote") if t in op.tiers)
         logger.info("Retrieved %d out of %d required tokens (from %d total tokens). size: %s, cost %.4f ms, "
                     "throughput: %.4f GB/s; chunks: %s", n, n, op.total_tokens, fmt_bytes(nbytes), dt * 1e3,
                     nbytes / max(dt, 1e-9) / 1e9, where)
         return []
+
+    def _fetch_p2p(self, op: CacheLoad) -> dict[bytes, torch.Tensor]:
+        """The op's P2P chunks, in one lease and one NIXL READ; {} on failure (then recompute)."""
+        idx = [i for i, t in enumerate(op.tiers) if t == "p2p"]
+        if not idx or self.p2p is None or self.p2p.rank >= len(op.peers):
+            return {}
+        keys = [op.keys[i] for i in idx]
+        got = self.p2p.fetch(op.peer_id or "?", op.peers[self.p2p.rank], keys,
+                             [self.kv.chunk_nbytes("block", op.tokens[i]) for i in idx])
+        return dict(zip(keys, got, strict=True)) if got is not None else {}
 
     def save(self, ops: Sequence[CacheStore | CacheEvict]) -> None:
         """Evictions and stores in the order the planner made them."""
@@ -381,9 +451,13 @@ class OffloadWorker:
                 out[f"disk_{name}"] = v
         if self.remote is not None:
             out.update(self.remote.stats())
+        if self.p2p is not None:
+            out.update(self.p2p.stats())
         return out
 
     def close(self) -> None:
+        if self.p2p is not None:
+            self.p2p.close()
         if self.remote is not None:
             self.remote.close()
         if self.disk is not None:

@@ -73,3 +73,9 @@ class OffloadServer(VLLMServer):
         env = {**kw.pop("env", {}), "KVFERRY_CONFIG_FILE": str(self.config_path)}
         super().__init__(model, port, log_dir / f"vllm-offload-{port}.log", cores=cores,
                          kv_transfer_config={**CONNECTOR, "kv_role": "kv_both"}, env=env, **kw)
+
+
+def p2p_keys(host: str = "127.0.0.1") -> dict[str, object]:
+    """Seed 003's P2P keys on free ports (add a controller's `worker_keys`)."""
+    return {"enable_p2p": True, "p2p_host": host, "p2p_init_ports": free_port(), "p2p_lookup_ports": free_port(),
+            "transfer_channel": "nixl"}

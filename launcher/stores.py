@@ -1,5 +1,5 @@
-"""Starts the remote stores kvferry's remote tier talks to: redis-server, Redis Sentinels and
-kvferry-server (lm://), as child processes on free ports (tests, benchmarks, demos).
+"""Starts the services kvferry's tiers talk to: redis-server, Redis Sentinels, kvferry-server
+(lm://) and kvferry-controller (P2P), as child processes on free ports (tests, benchmarks, demos).
 
 redis-server comes from the OS (Debian: ``apt-get install redis-server``; ``make redis`` does it
 where it is missing and apt is usable)."""
@@ -108,3 +108,26 @@ def start_lm_server(work: Path, port: int | None = None, *extra: str) -> Proc:
     port = port or free_port()
     return Proc(f"kvferry-server :{port}", [sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", str(port),
                                             "cpu", *extra], port, work / f"lm-server-{port}.log")
+
+
+class Controller(Proc):
+    """kvferry-controller on free ports: `port` (HTTP), `pull`, `reply`, `heartbeat`."""
+
+    def __init__(self, work: Path, port: int | None = None) -> None:
+        self.pull, self.reply, self.heartbeat = free_port(), free_port(), free_port()
+        port = port or free_port()
+        ports = f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}'
+        super().__init__(f"kvferry-controller :{port}", [sys.executable, "-m", "kvferry.controller.server",
+                                                          "--host", "127.0.0.1", "--port", str(port),
+                                                          "--monitor-ports", ports],
+                         port, work / f"controller-{port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_keys(self, instance_id: str) -> dict[str, object]:
+        """The seed's controller keys for an instance that reports to this controller."""
+        return {"enable_controller": True, "lmcache_instance_id": instance_id,
+                "controller_pull_url": f"127.0.0.1:{self.pull}", "controller_reply_url": f"127.0.0.1:{self.reply}",
+                "lmcache_worker_ports": free_port()}

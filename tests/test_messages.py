@@ -44,10 +44,12 @@ SAMPLES = [
     m.ClearChunks(event_id="e2"),
     m.Resync(event_id="e3"),
     m.CommandResult(event_id="e1", ok=True, num_chunks=1, nbytes=10),
+    m.TierNotice(adopted=[b"a" * 16], sizes=[10], dropped=[b"b" * 16]),
     m.PeerHello(instance_id="i2", agent_name="a", agent_metadata=b"md", layout=b"l" * 16),
     m.PeerWelcome(instance_id="i1", agent_name="b", agent_metadata=b"md"),
-    m.PeerFetch(request_id="r1", keys=[b"a" * 16]),
-    m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0),
+    m.PeerFetch(request_id="r1", agent_name="a", keys=[b"a" * 16]),
+    m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0,
+                 metadata=[b"md"]),
     m.PeerRelease(lease_id="l1"),
 ]
 
