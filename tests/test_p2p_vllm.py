@@ -1,0 +1,224 @@
+"""P2P sharing between two real vLLM CPU instances through kvferry-controller over real NIXL
+(seeds 000/003 walk-through, seed 001's move, the controller's page, a killed instance).
+
+Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
+to 1e-4 in every logprob. The instance-killing test runs last (it takes instance 1 down).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
+from kvferry.launcher.stores import Controller
+from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
+
+FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
+HEARTBEAT, HEARTBEAT_TIMEOUT = 0.5, 3.0
+_seed = iter(range(20_000, 30_000))
+
+
+def prompt(n: int = 1000) -> list[int]:
+    rng = random.Random(next(_seed))
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+@dataclass
+class Setup:
+    controller: Controller
+    one: OffloadServer
+    two: OffloadServer
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.controller.url + path, json=body, timeout=30)
+
+    def holders(self, p: list[int]) -> dict[str, int]:
+        r = self.post("/lookup", {"tokens": p})
+        assert r.status_code == 200, r.text
+        return {k: v[1] for k, v in r.json()["layout_info"].items()}
+
+    def wait_holders(self, p: list[int], want: dict[str, int], timeout: float = 10.0) -> None:
+        """Until the controller's index says `want` (reports are asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while (got := self.holders(p)) != want:
+            assert time.monotonic() < deadline, f"controller lookup says {got}, expected {want}"
+            time.sleep(0.1)
+
+    def move(self, p: list[int], copy: bool) -> dict:
+        r = self.post("/move", {"old_position": ["instance_1", "LocalCPUBackend"],
+                                "new_position": ["instance_2", "LocalCPUBackend"], "tokens": p, "copy": copy})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["num_tokens"] == len(p)
+        deadline = time.monotonic() + 30
+        while True:
+            ev = httpx.get(f"{self.controller.url}/move/{body['event_id']}", timeout=10).json()
+            if ev["status"] in ("done", "failed"):
+                return ev
+            assert time.monotonic() < deadline, f"move {body['event_id']} still {ev['status']}"
+            time.sleep(0.1)
+
+
+def log(server: OffloadServer) -> str:
+    return server.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    work = tmp_path_factory.mktemp("p2p")
+    controller = Controller(work)
+    servers: list[OffloadServer] = []
+    try:
+        for name, core in (("instance_1", "0"), ("instance_2", "1")):
+            servers.append(OffloadServer(
+                str(tiny_model_path), log_dir, core, work, server={"extra_args": FP32}, local_cpu=True,
+                max_local_cpu_size=0.25, blocking_timeout_secs=3.0, lmcache_worker_heartbeat_time=HEARTBEAT,
+                lmcache_worker_heartbeat_timeout=HEARTBEAT_TIMEOUT, **p2p_keys(), **controller.worker_keys(name),
+            ).start())
+        for s in servers:
+            s.wait_ready()
+        yield Setup(controller, *servers)
+    finally:
+        for s in servers:
+            s.stop()
+        controller.stop()
+
+
+def test_second_instance_retrieves_the_prompt_from_the_first(setup: Setup) -> None:
+    """Seed 003's walk-through: a long prompt on instance 1, then on instance 2."""
+    one, two = setup.one, setup.two
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    setup.wait_holders(p, {"instance_1": len(p)})
+    src0 = source_tokens(two)
+    got = tokens_and_logprobs(completion(two, p, 8))
+    loaded = len(p) - 1  # four chunks, the last partial; vLLM computes the last token itself
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    assert "Established connection to peer_init_url 127.0.0.1:" in log(two)
+    assert f"Retrieved {loaded} out of {loaded} required tokens (from {len(p)} total tokens)" in log(two)
+    assert "chunks: 4 from p2p" in log(two)
+    src = source_tokens(two)
+    assert src["external_kv_transfer"] - src0.get("external_kv_transfer", 0) == loaded
+    cached = prom(two, "vllm:prompt_tokens_cached_by_source_total")
+    assert sum(v for k, v in cached.items() if 'source="p2p"' in k) >= loaded
+    deadline = time.monotonic() + 10
+    while tier_value(two, "kvferry:cache_hit_tokens_total", "p2p") < loaded:
+        assert time.monotonic() < deadline, "kvferry:cache_hit_tokens_total{tier=p2p} never counted the load"
+        time.sleep(0.5)
+    assert sum(prom(two, "kvferry:p2p_read_bytes_total").values()) >= 4 * (8 << 20) - (8 << 20)
+    # vLLM collects a worker's counters in its steps: instance 1 reports what it lent in its next one.
+    completion(one, prompt(20), 1)
+    deadline = time.monotonic() + 10
+    while sum(prom(one, "kvferry:p2p_served_chunks_total").values()) < 4:
+        assert time.monotonic() < deadline, "kvferry:p2p_served_chunks_total never counted the lent chunks"
+        time.sleep(0.5)
+    # Instance 2 promoted what it fetched: the controller now lists both.
+    setup.wait_holders(p, {"instance_1": len(p), "instance_2": len(p)})
+
+
+def test_move_without_copy_hands_the_prompt_to_instance_2(setup: Setup) -> None:
+    one, two = setup.one, setup.two
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    setup.wait_holders(p, {"instance_1": len(p)})
+    ev = setup.move(p, copy=False)
+    assert ev["status"] == "done", ev
+    # copy false: instance 1 dropped it; the controller lists instance 2 only.
+    setup.wait_holders(p, {"instance_2": len(p)})
+    n_p2p = log(two).count("from p2p")
+    got = tokens_and_logprobs(completion(two, p, 8))
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    # A local hit: instance 2's scheduler adopted the moved chunks into its CPU index.
+    assert log(two).splitlines()[-200:] and "chunks: 4 from cpu" in log(two).rsplit("Retrieved", 1)[1]
+    assert log(two).count("from p2p") == n_p2p
+    # Instance 1's scheduler forgot them: its next run of the prompt fetches them back from instance 2.
+    got = tokens_and_logprobs(completion(one, p, 8))
+    assert got[0] == want[0]
+    assert "chunks: 4 from p2p" in log(one).rsplit("Retrieved", 1)[1]
+
+
+def test_move_with_copy_keeps_both(setup: Setup) -> None:
+    p = prompt(600)
+    completion(setup.one, p, 4)
+    setup.wait_holders(p, {"instance_1": len(p)})
+    ev = setup.move(p, copy=True)
+    assert ev["status"] == "done" and ev["nbytes"] > 0, ev
+    setup.wait_holders(p, {"instance_1": len(p), "instance_2": len(p)})
+    completion(setup.two, p, 4)
+    assert "chunks: 3 from cpu" in log(setup.two).rsplit("Retrieved", 1)[1]
+
+
+def test_bad_move_requests_name_the_fix(setup: Setup) -> None:
+    r = setup.post("/move", {"old_position": ["instance_9", "LocalCPUBackend"],
+                             "new_position": ["instance_2", "LocalCPUBackend"], "tokens": [1, 2, 3]})
+    assert r.status_code == 400 and "instance_9" in r.json()["error"] and "lmcache_instance_id" in r.json()["error"]
+    r = setup.post("/move", {"old_position": ["instance_1", "LocalDiskBackend"],
+                             "new_position": ["instance_2", "LocalCPUBackend"], "tokens": [1, 2, 3]})
+    assert r.status_code == 400 and "LocalCPUBackend" in r.json()["error"]
+    r = setup.post("/move", {"old_position": ["instance_1", "LocalCPUBackend"],
+                             "new_position": ["instance_2", "LocalCPUBackend"], "tokens": "hello"})
+    assert r.status_code == 400 and "/tokenize" in r.json()["error"]
+    # Nothing held: nothing to move, done at once.
+    r = setup.post("/move", {"old_position": ["instance_1", "LocalCPUBackend"],
+                             "new_position": ["instance_2", "LocalCPUBackend"], "tokens": prompt(300)})
+    assert r.status_code == 200 and r.json()["num_tokens"] == 0
+
+
+def test_web_page_lists_both_instances(setup: Setup, log_dir: Path) -> None:
+    exe = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium-headless-shell not found: `make chromium` installs it")
+        pytest.skip("chromium-headless-shell not found (make chromium)")
+    shot = log_dir / "controller-page.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,800"]
+    subprocess.run([exe, *flags, f"--screenshot={shot}", setup.controller.url + "/"], check=True, timeout=60,
+                   capture_output=True)
+    dom = subprocess.run([exe, *flags, "--dump-dom", setup.controller.url + "/"], check=True, timeout=60,
+                         capture_output=True, text=True).stdout
+    assert shot.stat().st_size > 10_000  # a rendered page, not an error stub
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("instance_1", "instance_2"):
+        assert f"<b class=\"instance\">{name}</b>" in dom
+    assert "LocalCPUBackend" in dom and "Recent transfers" in dom
+    assert "p2p" in dom  # the walk-through's retrieval is listed among the transfers
+
+
+def test_killed_instance_is_dropped_and_its_prompts_recomputed(setup: Setup) -> None:
+    one, two = setup.one, setup.two
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    setup.wait_holders(p, {"instance_1": len(p)})
+    os.killpg(one.proc.pid, signal.SIGKILL)
+    one.proc.wait(timeout=30)
+    killed = time.monotonic()
+    # Meanwhile instance 2 still gets instance 1 from the controller, fails to fetch (bounded by
+    # blocking_timeout_secs) and recomputes: the same answer.
+    t0 = time.monotonic()
+    got = tokens_and_logprobs(completion(two, p, 8))
+    assert time.monotonic() - t0 < 3.0 + 5.0
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    # After the heartbeat timeout the controller forgets instance 1.
+    deadline = killed + HEARTBEAT_TIMEOUT + 5
+    while "instance_1" in httpx.get(setup.controller.url + "/health", timeout=10).json()["instances"]:
+        assert time.monotonic() < deadline, "the controller still lists the killed instance"
+        time.sleep(0.2)
+    assert "instance_1" not in setup.holders(p)
+    assert "no heartbeat for" in setup.controller.log.read_text()
+    # Instance 2 kept what it computed; later requests hit its own CPU tier.
+    completion(two, p, 4)
+    assert "from cpu" in log(two).rsplit("Retrieved", 1)[1]
