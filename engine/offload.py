@@ -463,7 +463,7 @@ class OffloadWorker:
         if self.disk is not None:
             self.disk.close()
         if self.cpu is not None:
-            self.cpu.clear()
+            self.cpu.close()
 
 
 def layout_digest(fp_bytes: bytes) -> bytes:

@@ -46,6 +46,7 @@ LOCATION = "LocalCPUBackend"
 REPORT_S = 0.02  # admissions/evictions go to the controller at most this late
 REPORT_BATCH = 4096
 POLL_S = 0.0002
+WARM_BYTES = 256 << 20
 MIN_GBPS = 0.2  # a transfer's deadline grows by its size at this rate
 
 
@@ -179,7 +180,7 @@ class P2PWorker:
     """One TP rank's P2P side (see the module docstring). Its public calls are thread-safe."""
 
     def __init__(self, cfg: KVFerryConfig, cpu: CPUTier, tp_rank: int, tp_size: int, salt: bytes, layout: bytes,
-                 notices: str) -> None:
+                 notices: str, chunk_bytes: int) -> None:
         self.cfg, self.cpu, self.rank, self.layout = cfg, cpu, tp_rank, layout
         init, look, work = (cfg.ports(k) for k in ("p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ports"))
         if tp_rank >= len(init):
@@ -213,6 +214,8 @@ class P2PWorker:
             self.close()
             raise
         cpu.listener = self._on_tier
+        # Fetched chunks land in fresh CPU memory: have some touched ahead (see CPUTier.keep_warm).
+        cpu.keep_warm(chunk_bytes, min(WARM_BYTES, cpu.capacity // 4))
 
     # ---- lifecycle ----
     def _call(self, coro, timeout: float):
@@ -330,6 +333,8 @@ class P2PWorker:
                 break
             if event == "put":
                 admit[key] = data.numel()
+                if data.data_ptr() not in self._regs:  # registered ahead: serving it then costs nothing
+                    await self._register(data)
                 if key in self._news:
                     self._news.discard(key)
                     adopted.append((key, data.numel()))
@@ -384,10 +389,7 @@ class P2PWorker:
             datas.append(d)
         for d in datas:
             if d.data_ptr() not in self._regs:
-                descs = await self.nixl.call(self.agent.register_memory, d)
-                md = await self.nixl.call(self.agent.get_partial_agent_metadata, descs, False, ["UCX"])
-                self._serial += 1
-                self._regs[d.data_ptr()] = _Reg(d, descs, md, self._serial)
+                await self._register(d)
         seen = self._seen.setdefault(msg.agent_name, set())
         regs = [self._regs[d.data_ptr()] for d in datas]
         mds = [r.md for r in regs if r.serial not in seen]
@@ -418,6 +420,12 @@ class P2PWorker:
             reg.leases -= 1
             if reg.dead and not reg.leases:
                 await self._deregister(p)
+
+    async def _register(self, d: torch.Tensor) -> None:
+        descs = await self.nixl.call(self.agent.register_memory, d)
+        md = await self.nixl.call(self.agent.get_partial_agent_metadata, descs, False, ["UCX"])
+        self._serial += 1
+        self._regs[d.data_ptr()] = _Reg(d, descs, md, self._serial)
 
     async def _deregister(self, ptr: int) -> None:
         reg = self._regs.pop(ptr)
