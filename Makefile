@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup model redis demo test lint clean
+.PHONY: setup model redis chromium demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -44,7 +44,19 @@ redis:
 			"(install redis-server yourself)"; fi; \
 	fi
 
-test: setup model redis
+# Headless Chromium for the controller web page's screenshot test (same rules as redis).
+chromium:
+	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing chromium-headless-shell (apt-get; about 20 s)"; \
+			{ apt-get install -y --no-install-recommends chromium-headless-shell || { apt-get update && \
+			  apt-get install -y --no-install-recommends chromium-headless-shell; }; } \
+			> /tmp/kvferry-chromium-install.log 2>&1 || { tail -20 /tmp/kvferry-chromium-install.log; exit 1; }; \
+		else echo "chromium-headless-shell not found and apt-get not usable: the web page test will skip" \
+			"(install chromium yourself)"; fi; \
+	fi
+
+test: setup model redis chromium
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: setup
