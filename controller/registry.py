@@ -109,7 +109,7 @@ class Registry:
                            info.worker_port)
             return False
         inst.workers[info.worker_id] = Worker(info, now)
-        self._event("register", info.instance_id, f"worker {info.worker_id} at {info.host}:{info.worker_port}"
+        self.event("register", info.instance_id, f"worker {info.worker_id} at {info.host}:{info.worker_port}"
                     + (" (restarted)" if old is not None else ""))
         logger.info("instance %s worker %d registered (p2p %s:%d/%d, worker port %d)", info.instance_id,
                     info.worker_id, info.host, info.p2p_init_port, info.p2p_lookup_port, info.worker_port)
@@ -151,7 +151,7 @@ class Registry:
         w = inst.workers.pop(worker_id)
         logger.warning("instance %s worker %d dropped: %s; its %d chunks are forgotten", instance_id, worker_id,
                        why, len(w.chunks))
-        self._event("drop", instance_id, f"worker {worker_id}: {why}")
+        self.event("drop", instance_id, f"worker {worker_id}: {why}")
         if not inst.workers:
             del self.instances[instance_id]
 
@@ -232,7 +232,7 @@ class Registry:
                                    "chunks": r.num_chunks, "bytes": r.nbytes, "ms": round(r.seconds * 1e3, 2),
                                    "gbps": round(r.nbytes / max(r.seconds, 1e-9) / 1e9, 3), "ok": r.ok})
 
-    def _event(self, kind: str, instance_id: str, detail: str) -> None:
+    def event(self, kind: str, instance_id: str, detail: str) -> None:
         self.events.appendleft({"at": time.time(), "kind": kind, "instance": instance_id, "detail": detail})
 
     def state(self) -> dict:

@@ -209,7 +209,7 @@ class Controller:
         ev["status"] = "failed" if failed else "done"
         if failed:
             ev["error"] = "; ".join(failed)
-        self.registry._event("move", dst.id, f"{ev['num_tokens']} tokens from {src.id} ({'copy' if copy else 'move'})"
+        self.registry.event("move", dst.id, f"{ev['num_tokens']} tokens from {src.id} ({'copy' if copy else 'move'})"
                              f": {ev['status']}" + (f" ({ev['error']})" if failed else ""))
         logger.info("move %s: %d tokens %s -> %s (%s): %s", ev["event_id"], ev["num_tokens"], src.id, dst.id,
                     "copy" if copy else "move", ev["status"] + (f" ({ev['error']})" if failed else ""))
@@ -282,7 +282,7 @@ class Controller:
                                          for i in insts for w in i.ranks()])
         failed = [r.message for r in results if not r.ok]
         for i in insts:
-            self.registry._event("clear", i.id, "CPU tier cleared" if not failed else "; ".join(failed))
+            self.registry.event("clear", i.id, "CPU tier cleared" if not failed else "; ".join(failed))
         return web.json_response({"event_id": event_id, "status": "failed" if failed else "done",
                                   "num_chunks": sum(r.num_chunks for r in results),
                                   **({"error": "; ".join(failed)} if failed else {})},

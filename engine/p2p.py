@@ -204,6 +204,7 @@ class P2PWorker:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._news: set[bytes] = set()  # a later put of these is news to the planner (moves, drops)
         self._tasks: list[asyncio.Task] = []
+        self._report_lock: asyncio.Lock | None = None
         self._notice_addr = notices
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"kvf-p2p-{tp_rank}", daemon=True)
@@ -323,6 +324,13 @@ class P2PWorker:
                 await self._release(lid)
 
     async def _report(self) -> None:
+        """Send what the CPU tier admitted and dropped since the last call, in order."""
+        if self._report_lock is None:
+            self._report_lock = asyncio.Lock()
+        async with self._report_lock:
+            await self._report_locked()
+
+    async def _report_locked(self) -> None:
         admit: dict[bytes, int] = {}
         evict: list[bytes] = []
         adopted: list[tuple[bytes, int]] = []
@@ -531,11 +539,16 @@ class P2PWorker:
                 await self.nixl.call(self.agent.add_remote_agent, md)
             dest = [self.cpu.alloc(s) for s in reply.sizes]
             descs = await self.nixl.call(self.agent.register_memory, dest)
+            xfer = self.nixl.xfer("READ", [(d.data_ptr(), d.numel(), 0) for d in dest], "DRAM",
+                                  [(a, s, 0) for a, s in zip(reply.addrs, reply.sizes, strict=True)], "DRAM",
+                                  peer.name, b"", deadline)
             try:
-                state = await self.nixl.xfer(
-                    "READ", [(d.data_ptr(), d.numel(), 0) for d in dest], "DRAM",
-                    [(a, s, 0) for a, s in zip(reply.addrs, reply.sizes, strict=True)], "DRAM", peer.name, b"",
-                    deadline)
+                state = await asyncio.shield(xfer)
+            except asyncio.CancelledError:
+                # The READ may write into `dest` until NIXL ends it (at `deadline` at the latest):
+                # keep the memory (and its registration) until then.
+                await asyncio.wait([xfer])
+                raise
             finally:
                 await self.nixl.call(self.agent.deregister_memory, descs)
             if state != "DONE":

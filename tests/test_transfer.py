@@ -275,7 +275,7 @@ FRAMES = st.one_of(
                                                    num_tokens=1)), st.text(min_size=1, max_size=5), st.integers(0, 9)),
     st.builds(lambda b: b[:len(b) // 2], st.just(m.encode(m.HandshakeRequest(
         sender_id="x", tp_rank=0, agent_name="a", agent_metadata=b"m", fingerprint=fingerprint())))),
-    st.just(m.encode(m.Heartbeat(instance_id="i", worker_id=0, sent_at=0.0))),
+    st.just(m.encode(m.DeregisterWorker(instance_id="i", worker_id=0, epoch="e"))),
     st.just(m.encode(m.HandshakeRequest(sender_id="x", tp_rank=0, agent_name="a", agent_metadata=b"m",
                                         fingerprint=fingerprint())).replace(b"\xa1v\x01", b"\xa1v\x07")),
 )
