@@ -327,12 +327,12 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
             if len(c.ports(key)) != n:
                 raise err(key, f"lists {len(c.ports(key))} ports and p2p_init_ports {n}: give one of each "
                           "per TP rank")
-    if c.enable_controller and not c.enable_p2p:
-        raise err("enable_p2p", "kvferry's controller coordinates P2P sharing: set enable_p2p: true with "
-                  "p2p_host, p2p_init_ports and p2p_lookup_ports (or enable_controller: false)")
     if c.enable_controller:
         if not (c.controller_pull_url or c.controller_url):
             raise err("controller_pull_url", "enable_controller is true but no controller address is "
                       "set: set controller_pull_url (e.g. localhost:8300)")
         if c.lmcache_worker_ports is None:
             raise err("lmcache_worker_ports", "enable_controller is true but the worker port is not set")
+    if c.enable_controller and not c.enable_p2p:
+        raise err("enable_p2p", "kvferry's controller coordinates P2P sharing: set enable_p2p: true with "
+                  "p2p_host, p2p_init_ports and p2p_lookup_ports (or enable_controller: false)")

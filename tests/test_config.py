@@ -133,6 +133,14 @@ def test_wrong_types_name_key_and_source(tmp_path: Path) -> None:
     ("chunk_size: 0\n", "chunk_size", "positive"),
     ("pd_proxy_port: 70000\n", "pd_proxy_port", "1-65535"),
     ("enable_controller: true\nlmcache_worker_ports: 8500\n", "controller_pull_url", "localhost:8300"),
+    ("enable_controller: true\ncontroller_pull_url: localhost:8300\nlmcache_worker_ports: 8500\n", "enable_p2p",
+     "p2p_init_ports"),
+    ("enable_p2p: true\nenable_controller: true\np2p_host: localhost\ncontroller_pull_url: localhost:8300\n"
+     "p2p_init_ports: 8200\np2p_lookup_ports: 8201\nlmcache_worker_ports: 8500\n", "controller_reply_url",
+     "localhost:8400"),
+    ("enable_p2p: true\nenable_controller: true\np2p_host: localhost\ncontroller_pull_url: localhost:8300\n"
+     "controller_reply_url: localhost:8400\np2p_init_ports: [8200, 8202]\np2p_lookup_ports: 8201\n"
+     "lmcache_worker_ports: 8500\n", "p2p_lookup_ports", "one of each per TP rank"),
 ])
 def test_contradictions_name_key_and_fix(tmp_path: Path, text: str, key: str, fix: str) -> None:
     msg = one_line_error(env={"LMCACHE_CONFIG_FILE": write(tmp_path, text)})
