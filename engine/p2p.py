@@ -22,6 +22,7 @@ import contextlib
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -66,7 +67,11 @@ def _url(hostport: str) -> str:
 
 
 def notice_addr(engine_id: str) -> str:
-    """The ipc path the worker tells its scheduler about adopted and dropped chunks on."""
+    """The ipc address the worker tells its scheduler about adopted and dropped chunks on.
+
+    Linux: an abstract socket (no file; gone with the process, which vLLM may SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        return f"ipc://@kvferry-p2p-{engine_id}"
     base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return f"ipc://{base}/kvferry-p2p-{engine_id}.sock"
 
@@ -119,9 +124,10 @@ class PlannerNotices:
         self.addr = addr
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
-        path = addr.removeprefix("ipc://")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        self._path = addr.removeprefix("ipc://")
+        if not self._path.startswith("@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
         self._sock.bind(addr)
 
     def drain(self) -> tuple[list[tuple[bytes, int]], list[bytes]]:
@@ -145,8 +151,9 @@ class PlannerNotices:
 
     def close(self) -> None:
         self._sock.close(linger=0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.addr.removeprefix("ipc://"))
+        if not self._path.startswith("@"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
 
 
 # ---------------------------------------------------------------- worker side
