@@ -63,7 +63,10 @@ def raw_role(role: str, port: int, sizes: list[int], reps: int, core: int) -> No
         sock.bind(f"tcp://127.0.0.1:{port}")
         sock.recv()
         sock.send(pickle.dumps((agent.get_agent_metadata(), [(b.data_ptr(), b.numel(), 0) for b in bufs])))
+        deadline = time.monotonic() + 300
         while not sock.poll(0):  # drive progress for the reader's READs, as kvferry's holder does
+            if time.monotonic() > deadline:
+                raise SystemExit("raw NIXL holder: the reader never said done")
             agent.get_new_notifs()
             time.sleep(0.0002)
         sock.recv()
@@ -103,7 +106,11 @@ def raw_nixl(sizes: list[int], reps: int) -> list[float]:
         out = subprocess.run([*me, "reader", str(port), *args, "1"], capture_output=True, text=True, timeout=300,
                              check=True).stdout
     finally:
-        holder.wait(timeout=30)
+        try:
+            holder.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # the reader failed: nothing will release the holder
+            holder.kill()
+            holder.wait(timeout=10)
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -44,7 +44,10 @@ class Controller:
         self.registry = Registry()
         self.ctx = zmq.asyncio.Context()
         self.moves: dict[str, dict[str, Any]] = {}
-        self._cmd: dict[tuple[str, int, str], tuple[zmq.asyncio.Socket, asyncio.Lock]] = {}
+        # One command at a time per worker; a socket is dropped (and made again) after a timeout, so
+        # a late answer is never read as the next command's.
+        self._cmd: dict[tuple[str, int, str], zmq.asyncio.Socket] = {}
+        self._cmd_locks: dict[tuple[str, int, str], asyncio.Lock] = {}
         self._mismatch: dict[tuple[str, int], int] = {}
         self._tasks: list[asyncio.Task] = []
         self._socks: list[zmq.asyncio.Socket] = []
@@ -98,7 +101,7 @@ class Controller:
                 await t
         if self._runner is not None:
             await self._runner.cleanup()
-        for s, _ in self._cmd.values():
+        for s in self._cmd.values():
             s.close(linger=0)
         for s in self._socks:
             s.close(linger=0)
@@ -160,20 +163,21 @@ class Controller:
             self.registry.expire()
             live = {(i.id, w.info.worker_id, w.info.epoch) for i in self.registry.instances.values()
                     for w in i.workers.values()}
-            for k in [k for k in self._cmd if k not in live]:
-                self._cmd.pop(k)[0].close(linger=0)
+            for k in [k for k, lock in self._cmd_locks.items() if k not in live and not lock.locked()]:
+                self._cmd_locks.pop(k)
+                if k in self._cmd:
+                    self._cmd.pop(k).close(linger=0)
 
     # ---- commands to workers ----
     async def _command(self, w: Worker, cmd: m.Msg) -> m.CommandResult:
         """Send one command to a worker and wait (bounded) for its result."""
         k = (w.info.instance_id, w.info.worker_id, w.info.epoch)
-        if k not in self._cmd:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://{_zmq_host(w.info.host)}:{w.info.worker_port}")
-            self._cmd[k] = (s, asyncio.Lock())
-        sock, lock = self._cmd[k]
-        async with lock:
+        async with self._cmd_locks.setdefault(k, asyncio.Lock()):
+            sock = self._cmd.get(k)
+            if sock is None:
+                sock = self._cmd[k] = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(f"tcp://{_zmq_host(w.info.host)}:{w.info.worker_port}")
             await sock.send(m.encode(cmd))
             while True:  # skip results of commands that timed out earlier
                 if not await sock.poll(int(self.command_timeout * 1000), zmq.POLLIN):
@@ -195,6 +199,13 @@ class Controller:
         t.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
     async def _run_move(self, ev: dict[str, Any], src, dst, keys: list[bytes], copy: bool) -> None:
+        try:
+            await self._move_chunks(ev, src, dst, keys, copy)
+        except Exception as e:  # noqa: BLE001 - the event must end, whatever broke
+            logger.exception("move %s failed", ev["event_id"])
+            ev.update(status="failed", error=f"{type(e).__name__}: {e}")
+
+    async def _move_chunks(self, ev: dict[str, Any], src, dst, keys: list[bytes], copy: bool) -> None:
         ev["status"] = "running"
         pairs = list(zip(src.ranks(), dst.ranks(), strict=True))
         pulls = await asyncio.gather(*[

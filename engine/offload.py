@@ -308,6 +308,8 @@ class OffloadPlanner:
         return out
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self.p2p is not None:
             self.p2p.close()
         if self.notices is not None:

@@ -177,6 +177,7 @@ class _Lease:
 
 @dataclass
 class _Peer:
+    addr: m.PeerAddr
     name: str  # NIXL agent name
     instance_id: str
     lookup: zmq.asyncio.Socket
@@ -477,7 +478,7 @@ class P2PWorker:
         look = self.ctx.socket(zmq.DEALER)
         look.setsockopt(zmq.LINGER, 0)
         look.connect(f"tcp://{_host(addr.host)}:{addr.lookup_port}")
-        peer = self._peers[k] = _Peer(name, reply.instance_id, look)
+        peer = self._peers[k] = _Peer(addr, name, reply.instance_id, look)
         logger.info("Established connection to peer_init_url %s:%d. The peer_lookup_url: %s:%d", addr.host,
                     addr.init_port, addr.host, addr.lookup_port)
         return peer
@@ -495,6 +496,22 @@ class P2PWorker:
         P2PError), READ into new CPU memory; P2PError beyond `max_bytes`."""
         deadline = time.monotonic() + timeout
         try:
+            peer, reply = await self._lease(addr, keys, deadline)
+            need = sum(reply.sizes)
+            if max_bytes is not None and need > max_bytes:
+                with contextlib.suppress(zmq.ZMQError):
+                    await peer.lookup.send(m.encode(m.PeerRelease(lease_id=reply.lease_id)))
+                raise P2PError(f"{self.info.instance_id}'s CPU tier has {fmt_bytes(max(max_bytes, 0))} free of "
+                               f"{fmt_bytes(self.cpu.capacity)}; the move needs {fmt_bytes(need)}: raise "
+                               "max_local_cpu_size, move fewer tokens, or POST /clear it first")
+            return await self._read(peer, reply, sizes, deadline)
+        except P2PError:
+            self.counters["p2p_errors"] += 1
+            raise
+
+    async def _lease(self, addr: m.PeerAddr, keys: Sequence[bytes], deadline: float) -> tuple[_Peer, m.PeerChunks]:
+        """Ask the peer's lookup port for `keys`: their addresses, held for us until released."""
+        try:
             peer = await self._peer(addr, deadline)
             async with peer.lock:
                 rid = uuid.uuid4().hex[:16]
@@ -503,32 +520,19 @@ class P2PWorker:
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0 or not await peer.lookup.poll(int(left * 1000) + 1, zmq.POLLIN):
-                        raise P2PError(f"peer {peer.instance_id} did not answer the lookup within {timeout:.1f}s")
+                        raise P2PError(f"peer {peer.instance_id} did not answer the lookup in time")
                     reply = m.decode(await peer.lookup.recv(), expect=(m.PeerChunks, m.ErrorReply))
                     if isinstance(reply, m.ErrorReply):
                         raise P2PError(f"peer {peer.instance_id}: {reply.message}")
                     if reply.request_id == rid:
-                        break
+                        return peer, reply
         except (P2PError, m.MessageError, zmq.ZMQError) as e:
-            self.counters["p2p_errors"] += 1
             await self._forget_peer(addr)  # a restarted peer has a new agent: handshake again next time
             raise P2PError(str(e)) from None
-        need = sum(reply.sizes)
-        if max_bytes is not None and need > max_bytes:
-            with contextlib.suppress(zmq.ZMQError):
-                await peer.lookup.send(m.encode(m.PeerRelease(lease_id=reply.lease_id)))
-            raise P2PError(f"{self.info.instance_id}'s CPU tier has {fmt_bytes(max(max_bytes, 0))} free of "
-                           f"{fmt_bytes(self.cpu.capacity)}; the move needs {fmt_bytes(need)}: raise "
-                           "max_local_cpu_size, move fewer tokens, or POST /clear it first")
-        try:
-            return await self._read(peer, reply, sizes, deadline)
-        except P2PError:
-            self.counters["p2p_errors"] += 1
-            await self._forget_peer(addr)
-            raise
 
     async def _read(self, peer: _Peer, reply: m.PeerChunks, sizes: Sequence[int] | None,
                     deadline: float) -> list[torch.Tensor]:
+        read_failed = False
         try:
             n = len(reply.addrs)
             if sizes is not None:
@@ -559,6 +563,7 @@ class P2PWorker:
             finally:
                 await self.nixl.call(self.agent.deregister_memory, descs)
             if state != "DONE":
+                read_failed = True
                 raise P2PError(f"NIXL READ from {peer.instance_id}: {state}")
             dt = time.monotonic() - t0
             nbytes = sum(reply.sizes)
@@ -572,6 +577,8 @@ class P2PWorker:
             if reply.lease_id:
                 with contextlib.suppress(zmq.ZMQError):
                     await peer.lookup.send(m.encode(m.PeerRelease(lease_id=reply.lease_id)))
+            if read_failed:  # e.g. a peer restarted on the same ports has a new agent: handshake again
+                await self._forget_peer(peer.addr)
 
     def fetch(self, peer_id: str, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int]) -> \
             list[torch.Tensor] | None:

@@ -214,16 +214,10 @@ class RemoteTier:
         self._idle.set()
 
     # ---- failure handling ----
-    def _up(self) -> bool:
-        return self._backoff.up()
-
     def _failed(self, what: str, e: Exception) -> None:
         with self._lock:
             self.counters["remote_errors"] += 1
         self._backoff.failed(what, e, "treating it as empty")
-
-    def _ok(self) -> None:
-        self._backoff.ok()
 
     def _conn(self) -> Backend:
         if self._backend is None:
@@ -233,27 +227,27 @@ class RemoteTier:
     # ---- calls ----
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of `keys` the store holds; all False when it is down or slow."""
-        if not keys or not self._up():
+        if not keys or not self._backoff.up():
             return [False] * len(keys)
         try:
             got = self._conn().exists([k + self.suffix for k in keys])
         except RemoteError as e:
             self._failed("lookup", e)
             return [False] * len(keys)
-        self._ok()
+        self._backoff.ok()
         return got
 
     def get(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
         """The chunk, or None (missing, damaged, store down or slow)."""
         assert self.serde is not None
-        if not self._up():
+        if not self._backoff.up():
             return None
         try:
             got = self._conn().get(key + self.suffix)
         except RemoteError as e:
             self._failed("get", e)
             return None
-        self._ok()
+        self._backoff.ok()
         if got is None:
             return None
         try:
@@ -271,7 +265,7 @@ class RemoteTier:
         """Queue the chunk for the store; False (dropped) when the queue is full or the store down."""
         nbytes = data.numel()
         with self._lock:
-            if not self._up():
+            if not self._backoff.up():
                 self.counters["remote_put_dropped"] += 1
                 return False
             full = self._queued + nbytes > self.max_queued_bytes
@@ -311,7 +305,7 @@ class RemoteTier:
             if not batch:
                 continue
             try:
-                if not self._up():
+                if not self._backoff.up():
                     with self._lock:
                         self.counters["remote_put_dropped"] += len(batch)
                     continue
@@ -319,7 +313,7 @@ class RemoteTier:
                 if backend is None:
                     backend = open_backend(self.url, self.timeout)
                 backend.put_many(items)
-                self._ok()
+                self._backoff.ok()
                 with self._lock:
                     self.counters["stored_chunks|remote"] += len(items)
                     self.counters["stored_bytes|remote"] += sum(len(h) + len(p) for _, h, p in items)
