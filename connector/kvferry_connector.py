@@ -443,8 +443,7 @@ class _Worker:
             if self.c.cfg.enable_p2p and self.offload.cpu is not None:
                 self.offload.p2p = P2PWorker(self.c.cfg, self.offload.cpu, self.tp_rank, self.tp_size,
                                              _salt(self.vc, self.c.cfg, kv.num_layers), digest,
-                                             notice_addr(self.vc.kv_transfer_config.engine_id),
-                                             kv.chunk_nbytes("block", self.c.cfg.chunk_size))
+                                             notice_addr(self.vc.kv_transfer_config.engine_id))
         if self.c.pd and self.c.producer_side:
             sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
             self.producer = PDProducer(self.c.cfg, kv, fp, sender_id, self.tp_rank)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import ctypes
+import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 
 import torch
+
+from kvferry.common.units import fmt_bytes
+from kvferry.engine.host_arena import HostArena
+
+logger = logging.getLogger(__name__)
 
 # (event, key, data): "put" or "delete", for the P2P side's reports and NIXL registrations.
 Listener = Callable[[str, bytes, torch.Tensor], None]
@@ -18,45 +22,29 @@ class CPUTier:
 
     Thread-safe: the P2P side serves, adopts and drops chunks from its own thread."""
 
-    def __init__(self, pin: bool = False, capacity: int = 0) -> None:
+    def __init__(self, pin: bool = False, capacity: int = 0, slot_bytes: int = 0) -> None:
+        """`slot_bytes` (a full chunk's size) > 0 on host KV: chunks live in one HostArena."""
         self.pin, self.capacity = pin, capacity
         self._data: dict[bytes, torch.Tensor] = {}
         self.used = 0
         self.listener: Listener | None = None
         self._lock = threading.Lock()
-        self._warm: deque[torch.Tensor] = deque()
-        self._warm_size = self._warm_count = 0
-        self._refill = threading.Event()
-        self._stop = False
+        self.arena: HostArena | None = None
+        # Pinned (CUDA KV) chunks keep torch's pinned allocator: one pinned arena would need
+        # cudaHostRegister of all of max_local_cpu_size at start, untested without a GPU here.
+        if slot_bytes and not pin and capacity >= slot_bytes:
+            try:
+                self.arena = HostArena(capacity, slot_bytes)
+            except RuntimeError as e:  # e.g. more than the machine will reserve at once
+                logger.warning("CPU tier: cannot reserve max_local_cpu_size %s at once (%s); chunks get their "
+                               "own memory (slower P2P reads)", fmt_bytes(capacity), e)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        if nbytes == self._warm_size:
-            try:
-                t = self._warm.popleft()
-            except IndexError:
-                pass
-            else:
-                self._refill.set()
-                return t
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-
-    def keep_warm(self, nbytes: int, max_bytes: int) -> None:
-        """Keep up to `max_bytes` of `nbytes`-sized buffers touched ahead of use.
-
-        The first touch of fresh memory costs page faults; on a VM that is slower than the copy
-        into it (here: 48 MiB of fresh pages take 10-30 ms, a NIXL READ of them 6 ms). A background
-        thread pays that before a chunk arrives rather than while a request waits for it."""
-        self._warm_size, self._warm_count = nbytes, max(1, max_bytes // nbytes)
-        threading.Thread(target=self._keep_warm, name="kvf-cpu-warm", daemon=True).start()
-
-    def _keep_warm(self) -> None:
-        while not self._stop:
-            while len(self._warm) < self._warm_count and not self._stop:
-                t = torch.empty(self._warm_size, dtype=torch.uint8, pin_memory=self.pin)
-                ctypes.memset(t.data_ptr(), 0, self._warm_size)  # one thread, GIL released
-                self._warm.append(t)
-            self._refill.wait(1.0)
-            self._refill.clear()
+        """Memory for a chunk: an arena slot while one is free, else its own."""
+        t = self.arena.alloc(nbytes) if self.arena is not None else None
+        if t is None:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return t
 
     def put(self, key: bytes, data: torch.Tensor) -> None:
         with self._lock:
@@ -93,9 +81,8 @@ class CPUTier:
         return len(self._data)
 
     def close(self) -> None:
-        self._stop = True
-        self._refill.set()
-        self._warm.clear()
+        if self.arena is not None:
+            self.arena.close()
         self.clear()
 
     def clear(self) -> int:

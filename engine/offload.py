@@ -327,7 +327,8 @@ class OffloadWorker:
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank)
-        self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB)) \
+        self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB),
+                           slot_bytes=kv.chunk_nbytes("block", cfg.chunk_size)) \
             if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None
         self.p2p: P2PWorker | None = None  # set by the connector when enable_p2p
         self.disk = disk_tier.DiskTier(disk_tier.rank_root(cfg.local_disk, tp_rank), layout_digest) \

@@ -1,0 +1,107 @@
+"""Two P2P workers in one process over real NIXL (no vLLM): what a lease guarantees.
+
+The holder's chunks live in slots of one arena registered once; a chunk evicted while a peer holds
+a lease on it must keep its slot (and its bytes) until the lease ends, or the peer would read
+whatever the next chunk wrote there."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+from kvferry.common import messages as m
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.netutil import free_port
+from kvferry.engine.cpu_tier import CPUTier
+from kvferry.engine.p2p import P2PWorker
+
+SLOT = 1 << 20
+SLOTS = 4
+
+
+def worker(name: str) -> P2PWorker:
+    cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
+                        p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
+                        lmcache_instance_id=name, controller_pull_url=f"127.0.0.1:{free_port()}",
+                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=5.0)
+    cpu = CPUTier(capacity=SLOTS * SLOT, slot_bytes=SLOT)
+    return P2PWorker(cfg, cpu, 0, 1, b"salt", b"layout", f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
+
+
+@pytest.fixture
+def pair():
+    holder, reader = worker("holder"), worker("reader")
+    yield holder, reader
+    for w in (reader, holder):
+        w.close()
+        w.cpu.close()
+
+
+def addr(w: P2PWorker) -> m.PeerAddr:
+    return m.PeerAddr(host="127.0.0.1", init_port=w.info.p2p_init_port, lookup_port=w.info.p2p_lookup_port)
+
+
+def until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> None:
+    holder, reader = pair
+    assert holder.cpu.arena is not None and reader.cpu.arena is not None
+    t = holder.cpu.alloc(SLOT)
+    t.fill_(0xAB)
+    holder.cpu.put(b"k0", t)
+    leased_at = t.data_ptr()
+    del t
+
+    deadline = time.monotonic() + 10
+    peer, reply = reader._call(reader._lease(addr(holder), [b"k0"], deadline), 10)
+    assert list(reply.addrs) == [leased_at] and len(reply.metadata) == 1  # the arena's registration
+    assert until(lambda: holder.cpu.arena._quiet == 1), "the holder's touch-ahead runs during a lease"
+
+    # Evicted on the holder, and new chunks fill every free slot with other bytes.
+    assert holder.cpu.delete(b"k0")
+    gc.collect()
+    others = []
+    while (o := holder.cpu.arena.alloc(SLOT)) is not None:
+        o.fill_(0xCD)
+        others.append(o)
+    assert len(others) == SLOTS - 1
+    assert leased_at not in {o.data_ptr() for o in others}, "a leased slot was handed out again"
+
+    out = reader._call(reader._read(peer, reply, [SLOT], deadline), 10)
+    assert len(out) == 1 and reader.cpu.arena.holds(out[0])
+    assert bool((out[0] == 0xAB).all()), "the reader got bytes written after the eviction"
+
+    # Released by the read: the slot comes back, and the holder may touch ahead again.
+    assert until(lambda: not holder._leases), "the lease was not released"
+    assert holder.cpu.arena._quiet == 0
+    gc.collect()
+    assert until(lambda: holder.cpu.arena.free_slots == 1)
+    again = holder.cpu.arena.alloc(SLOT)
+    assert again is not None and again.data_ptr() == leased_at
+
+
+def test_the_arena_metadata_goes_to_a_peer_once(pair) -> None:
+    holder, reader = pair
+    for i in range(2):
+        t = holder.cpu.alloc(SLOT)
+        t.fill_(i + 1)
+        holder.cpu.put(bytes([i]), t)
+    deadline = time.monotonic() + 10
+    got = []
+    for key in (b"\x00", b"\x01"):
+        peer, reply = reader._call(reader._lease(addr(holder), [key], deadline), 10)
+        got.append(len(reply.metadata))
+        out = reader._call(reader._read(peer, reply, [SLOT], deadline), 10)
+        assert int(out[0][0]) == key[0] + 1 and int(out[0][-1]) == key[0] + 1
+    assert got == [1, 0]
+    assert not holder._regs, "arena chunks got registrations of their own"
