@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import threading
 import time
 from collections import deque
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 WARM_BYTES = 256 << 20
 
@@ -94,9 +91,12 @@ class HostArena:
         """Touch free slots ahead of use: on this VM a page fault costs more than the copy into the
         page (48 MiB of fresh pages take 10-30 ms, a NIXL READ of them 6 ms). Only on otherwise idle
         cores: the touching must not slow the copies and forward passes it is meant to speed up."""
+        # Safe with the GIL: this thread holds it only between memsets (microseconds), and a thread
+        # waiting for it leaves the core idle, so this one runs and lets go.
         with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while not self._stop:
+            self._refill.clear()  # before looking: a set() from now on wakes the wait below
             while len(self._warm) < self._warm_target and not self._quiet and not self._stop:
                 with self._cv:
                     try:
@@ -112,7 +112,6 @@ class HostArena:
                         self._touching -= 1
                         self._cv.notify_all()
             self._refill.wait(1.0)
-            self._refill.clear()
 
     def pause(self) -> None:
         """Touch nothing until resume(): a NIXL transfer in or out of the arena runs on the same
