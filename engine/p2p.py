@@ -422,7 +422,7 @@ class P2PWorker:
             if self.cpu.arena is not None:
                 self.cpu.arena.pause()  # until released: the peer's READ needs these cores
             self.nixl.progress += 1  # the peer's READ needs this agent to make progress
-            self.nixl.wake()
+            self.loop.call_soon(self.nixl.wake)  # after the reply is sent: the woken thread takes the GIL
         self.counters["p2p_served_chunks"] += len(datas)
         self.counters["p2p_served_bytes"] += sum(d.numel() for d in datas)
         return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=ptrs, sizes=[d.numel() for d in datas],
