@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -105,8 +106,9 @@ def main() -> int:
               "cpu_ratio": round(ms["cpu"] / ms["cold"], 3), "disk_ratio": round(ms["disk"] / ms["cold"], 3),
               "files_dropped_from_page_cache": dropped,
               # every warm sample must have loaded the whole prompt from the tier it names
-              "cpu_loads_logged": log.count(f"; {nchunks} chunks from cpu, 0 from disk"),
-              "disk_loads_logged": log.count(f"; 0 chunks from cpu, {nchunks} from disk")}
+              # (the worker's "Retrieved ... chunks: N from cpu" line; a mixed load names two tiers)
+              "cpu_loads_logged": len(re.findall(rf"chunks: {nchunks} from cpu(?!,)", log)),
+              "disk_loads_logged": len(re.findall(rf"chunks: {nchunks} from disk(?!,)", log))}
     result["target_met"] = result["cpu_ratio"] <= 0.5
     print(json.dumps(result) if args.json else ("target met" if result["target_met"] else "target NOT met"))
     return 0

@@ -158,7 +158,7 @@ class PlannerNotices:
 # ---------------------------------------------------------------- worker side
 @dataclass
 class _Reg:
-    """A NIXL registration of one CPU-tier chunk, kept while the chunk stays (peers re-read it)."""
+    """A NIXL registration: the CPU tier's arena (for good), or one chunk outside it (while it stays)."""
 
     data: torch.Tensor
     descs: object
