@@ -55,8 +55,8 @@ class HostArena:
         threading.Thread(target=self._keep_warm, name="kvf-arena-warm", daemon=True).start()
 
     def alloc(self, nbytes: int) -> torch.Tensor | None:
-        """A tensor of `nbytes` in a free slot, or None (too big, or every slot in use)."""
-        if nbytes > self.slot_bytes:
+        """A tensor of `nbytes` in a free slot, or None (empty, too big, or every slot in use)."""
+        if not 0 < nbytes <= self.slot_bytes:
             return None
         deadline = time.monotonic() + 1.0
         with self._cv:

@@ -34,6 +34,7 @@ def test_slots_are_distinct_and_inside_the_arena() -> None:
         assert [int(t[0]) for t in ts] == [1, 2, 3, 4]  # no two chunks share memory
         assert a.alloc(1) is None  # every slot in use
         assert a.alloc(SLOT + 1) is None  # bigger than a slot
+        assert a.alloc(0) is None
         assert not a.holds(torch.empty(10, dtype=torch.uint8))
     finally:
         a.close()

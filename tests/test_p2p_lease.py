@@ -10,7 +10,6 @@ import gc
 import time
 
 import pytest
-import torch
 
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
