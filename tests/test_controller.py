@@ -18,6 +18,7 @@ from kvferry.common import messages as m
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
 from kvferry.launcher.stores import Controller
+from tests.polling import until
 
 SALT = b"test-salt"
 CHUNK = 4
@@ -82,14 +83,6 @@ def lookup(c: Controller, ks: list[bytes], asker: str = "asker") -> m.LookupResp
         return m.decode(s.recv(), expect=m.LookupResponse)
     finally:
         s.close(linger=0)
-
-
-def until(pred, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (v := pred()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return v
 
 
 def state(c: Controller) -> dict:

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.host_arena import HostArena
+from tests.polling import until
 
 SLOT = 64 << 10
-
-
-def until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_slots_are_distinct_and_inside_the_arena() -> None:
@@ -61,13 +52,13 @@ def test_a_slot_is_reused_only_after_its_last_view_is_gone() -> None:
 def test_free_slots_are_touched_ahead() -> None:
     a = HostArena(16 * SLOT, SLOT, warm_bytes=2 * SLOT)
     try:
-        assert until(lambda: len(a._warm) == 2), "the warm thread did not touch slots ahead"
+        until(lambda: len(a._warm) == 2, what="the warm thread to touch slots ahead")
         assert a.free_slots == 16
         t = a.alloc(SLOT)
         assert a.free_slots == 15
-        assert until(lambda: len(a._warm) == 2), "the warm thread did not refill"
+        until(lambda: len(a._warm) == 2, what="the warm thread to refill")
         del t
-        assert until(lambda: a.free_slots == 16)
+        until(lambda: a.free_slots == 16, what="the freed slot")
     finally:
         a.close()
 
@@ -83,7 +74,7 @@ def test_cpu_tier_falls_back_when_the_arena_is_full() -> None:
         assert tier.used == 3 * SLOT
         del keep
         tier.clear()
-        assert until(lambda: tier.arena.free_slots == 2), "clearing the tier did not free its slots"
+        until(lambda: tier.arena.free_slots == 2, what="clearing the tier to free its slots")
     finally:
         tier.close()
 

@@ -16,6 +16,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.netutil import free_port
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.p2p import P2PWorker
+from tests.polling import until
 
 SLOT = 1 << 20
 SLOTS = 4
@@ -43,15 +44,6 @@ def addr(w: P2PWorker) -> m.PeerAddr:
     return m.PeerAddr(host="127.0.0.1", init_port=w.info.p2p_init_port, lookup_port=w.info.p2p_lookup_port)
 
 
-def until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> None:
     holder, reader = pair
     assert holder.cpu.arena is not None and reader.cpu.arena is not None
@@ -64,7 +56,7 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     deadline = time.monotonic() + 10
     peer, reply = reader._call(reader._lease(addr(holder), [b"k0"], deadline), 10)
     assert list(reply.addrs) == [leased_at] and len(reply.metadata) == 1  # the arena's registration
-    assert until(lambda: holder.cpu.arena._quiet == 1), "the holder's touch-ahead runs during a lease"
+    until(lambda: holder.cpu.arena._quiet == 1, what="the holder's touch-ahead to pause during a lease")
 
     # Evicted on the holder, and new chunks fill every free slot with other bytes.
     assert holder.cpu.delete(b"k0")
@@ -81,10 +73,10 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     assert bool((out[0] == 0xAB).all()), "the reader got bytes written after the eviction"
 
     # Released by the read: the slot comes back, and the holder may touch ahead again.
-    assert until(lambda: not holder._leases), "the lease was not released"
+    until(lambda: not holder._leases, what="the lease's release")
     assert holder.cpu.arena._quiet == 0
     gc.collect()
-    assert until(lambda: holder.cpu.arena.free_slots == 1)
+    until(lambda: holder.cpu.arena.free_slots == 1, what="the leased slot to come back")
     again = holder.cpu.arena.alloc(SLOT)
     assert again is not None and again.data_ptr() == leased_at
 
