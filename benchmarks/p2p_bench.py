@@ -80,7 +80,7 @@ def raw_role(role: str, port: int, sizes: list[int], regions: int, core: int) ->
         sock.recv()
         sock.send(pickle.dumps((agent.get_agent_metadata(), [descs(r) for r in range(regions)])))
         while True:  # "go" ... "idle" brackets the reader's READs, as a lease does kvferry's
-            if not sock.poll(900_000):
+            if not sock.poll(120_000):  # the pair lives for one round's READs
                 raise SystemExit("raw NIXL holder: the reader went silent")
             msg = sock.recv()
             sock.send(b"ok")
@@ -190,6 +190,8 @@ def main() -> int:
     ap.add_argument("--raw-reps", type=int, default=4, help="raw NIXL READs after each round")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
+    if args.rounds < 1 or args.raw_reps < 1:
+        ap.error("--rounds and --raw-reps must be at least 1")
     model = tiny_model.ensure()
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-p2p-bench-"))
     logs = Path(args.log_dir) if args.log_dir else tmp

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import sys
 import uuid
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from aiohttp import web
 
 from kvferry.common import messages as m
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import zmq_host
 from kvferry.controller import page
 from kvferry.controller.registry import LOCATIONS, Registry, RegistryError, Worker
 
@@ -55,7 +55,7 @@ class Controller:
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        bind_host = _zmq_host(self.host)
+        bind_host = zmq_host(self.host)
         for name in ("pull", "heartbeat"):
             if self.ports.get(name):
                 s = self._bind(zmq.PULL, bind_host, self.ports[name], name)
@@ -177,7 +177,7 @@ class Controller:
             if sock is None:
                 sock = self._cmd[k] = self.ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"tcp://{_zmq_host(w.info.host)}:{w.info.worker_port}")
+                sock.connect(f"tcp://{zmq_host(w.info.host)}:{w.info.worker_port}")
             await sock.send(m.encode(cmd))
             while True:  # skip results of commands that timed out earlier
                 if not await sock.poll(int(self.command_timeout * 1000), zmq.POLLIN):
@@ -324,15 +324,6 @@ def _tokens(body: dict[str, Any]) -> list[int]:
                                                for t in tokens):
         raise _bad("tokens must be a list of token ids (POST /tokenize on the vLLM server gives them)")
     return tokens
-
-
-def _zmq_host(host: str) -> str:
-    if host in ("0.0.0.0", "*", ""):
-        return "*"
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
 
 
 def parse_monitor_ports(text: str) -> dict[str, int]:

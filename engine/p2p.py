@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from kvferry.common import messages as m
 from kvferry.common.backoff import Backoff
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.netutil import zmq_host
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.cpu_tier import CPUTier
 
@@ -52,13 +52,6 @@ MIN_GBPS = 0.2  # a transfer's deadline grows by its size at this rate
 
 class P2PError(RuntimeError):
     """A fetch from a peer failed; the caller recomputes."""
-
-
-def _host(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
 
 
 def _url(hostport: str) -> str:
@@ -170,7 +163,6 @@ class _Reg:
 
 @dataclass
 class _Lease:
-    ptrs: list[int]  # chunks with their own registration
     datas: list[torch.Tensor]  # held: an arena slot is not reused while a peer may read it
     expires: float
 
@@ -236,7 +228,7 @@ class P2PWorker:
         if self.cpu.arena is not None:  # registered once: see engine/host_arena.py for why
             self._arena_reg = await self._new_reg(self.cpu.arena.buf)
         self.metadata = await self.nixl.call(self.agent.get_agent_metadata)
-        host = _host(self.cfg.p2p_host)
+        host = zmq_host(self.cfg.p2p_host)
         self._init = self._bind(host, self.info.p2p_init_port, "p2p_init_ports")
         self._lookup = self._bind(host, self.info.p2p_lookup_port, "p2p_lookup_ports")
         self._work = self._bind(host, self.info.worker_port, "lmcache_worker_ports")
@@ -405,27 +397,26 @@ class P2PWorker:
                 break
             datas.append(d)
         seen = self._seen.setdefault(msg.agent_name, set())
-        mds, own = [], []
+        mds = []
         for d in datas:
             reg = await self._reg_of(d)
             if reg.serial not in seen:
                 seen.add(reg.serial)
                 mds.append(reg.md)
-            if reg is not self._arena_reg:
-                reg.leases += 1
-                own.append(d.data_ptr())
-        lease_s = 2 * self.cfg.blocking_timeout_secs + sum(d.numel() for d in datas) / (MIN_GBPS * 1e9)
+            reg.leases += 1
+        nbytes = sum(d.numel() for d in datas)
+        lease_s = 2 * self.cfg.blocking_timeout_secs + nbytes / (MIN_GBPS * 1e9)
         lid = uuid.uuid4().hex[:16]
-        ptrs = [d.data_ptr() for d in datas]
         if datas:
-            self._leases[lid] = _Lease(own, datas, time.monotonic() + lease_s)
+            self._leases[lid] = _Lease(datas, time.monotonic() + lease_s)
             if self.cpu.arena is not None:
                 self.cpu.arena.pause()  # until released: the peer's READ needs these cores
             self.nixl.progress += 1  # the peer's READ needs this agent to make progress
             self.loop.call_soon(self.nixl.wake)  # after the reply is sent: the woken thread takes the GIL
         self.counters["p2p_served_chunks"] += len(datas)
-        self.counters["p2p_served_bytes"] += sum(d.numel() for d in datas)
-        return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=ptrs, sizes=[d.numel() for d in datas],
+        self.counters["p2p_served_bytes"] += nbytes
+        return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=[d.data_ptr() for d in datas],
+                            sizes=[d.numel() for d in datas],
                             lease_seconds=lease_s, metadata=mds)
 
     async def _release(self, lid: str) -> None:
@@ -435,17 +426,20 @@ class P2PWorker:
         if self.cpu.arena is not None:
             self.cpu.arena.resume()
         self.nixl.progress -= 1
-        for p in lease.ptrs:
-            reg = self._regs.get(p)
+        for d in lease.datas:
+            reg = self._arena_reg if self._in_arena(d) else self._regs.get(d.data_ptr())
             if reg is None:
                 continue
             reg.leases -= 1
             if reg.dead and not reg.leases:
-                await self._deregister(p)
+                await self._deregister(d.data_ptr())
+
+    def _in_arena(self, d: torch.Tensor) -> bool:
+        return self._arena_reg is not None and self.cpu.arena.holds(d)
 
     async def _reg_of(self, d: torch.Tensor) -> _Reg:
         """The registration a peer READs `d` through: the arena's, or (made now) its own."""
-        if self._arena_reg is not None and self.cpu.arena.holds(d):
+        if self._in_arena(d):
             return self._arena_reg
         reg = self._regs.get(d.data_ptr())
         if reg is None:
@@ -476,7 +470,7 @@ class P2PWorker:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         try:
-            s.connect(f"tcp://{_host(addr.host)}:{addr.init_port}")
+            s.connect(f"tcp://{zmq_host(addr.host)}:{addr.init_port}")
             await s.send(m.encode(m.PeerHello(instance_id=self.info.instance_id, agent_name=self.agent.name,
                                               agent_metadata=self.metadata, layout=self.layout)))
             if not await s.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
@@ -492,7 +486,7 @@ class P2PWorker:
         name = name.decode() if isinstance(name, bytes) else name
         look = self.ctx.socket(zmq.DEALER)
         look.setsockopt(zmq.LINGER, 0)
-        look.connect(f"tcp://{_host(addr.host)}:{addr.lookup_port}")
+        look.connect(f"tcp://{zmq_host(addr.host)}:{addr.lookup_port}")
         peer = self._peers[k] = _Peer(addr, name, reply.instance_id, look)
         logger.info("Established connection to peer_init_url %s:%d. The peer_lookup_url: %s:%d", addr.host,
                     addr.init_port, addr.host, addr.lookup_port)
@@ -550,7 +544,8 @@ class P2PWorker:
                     deadline: float) -> list[torch.Tensor]:
         read_failed = False
         arena = self.cpu.arena
-        paused = False
+        if arena is not None:
+            arena.pause()  # its touch-ahead thread would take cores from the READ
         try:
             n = len(reply.addrs)
             if sizes is not None:
@@ -566,11 +561,8 @@ class P2PWorker:
             t0 = time.monotonic()
             for md in reply.metadata:
                 await self.nixl.call(self.agent.add_remote_agent, md)
-            if arena is not None:
-                arena.pause()  # its warm thread would take cores from the READ
-                paused = True
             dest = [self.cpu.alloc(s) for s in reply.sizes]
-            own = [d for d in dest if self._arena_reg is None or not arena.holds(d)]
+            own = [d for d in dest if not self._in_arena(d)]
             descs = await self.nixl.call(self.agent.register_memory, own) if own else None
             xfer = self.nixl.xfer("READ", [(d.data_ptr(), d.numel(), 0) for d in dest], "DRAM",
                                   [(a, s, 0) for a, s in zip(reply.addrs, reply.sizes, strict=True)], "DRAM",
@@ -597,7 +589,7 @@ class P2PWorker:
                          dt * 1e3)
             return dest
         finally:
-            if paused:
+            if arena is not None:
                 arena.resume()
             if reply.lease_id:
                 with contextlib.suppress(zmq.ZMQError):

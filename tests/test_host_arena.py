@@ -80,6 +80,7 @@ def test_cpu_tier_falls_back_when_the_arena_is_full() -> None:
 
 
 def test_no_arena_for_pinned_or_tiny_tiers() -> None:
+    assert CPUTier(pin=True, capacity=4 * SLOT, slot_bytes=SLOT).arena is None  # GPU KV: pinned chunks
     assert CPUTier(capacity=SLOT - 1, slot_bytes=SLOT).arena is None
     assert CPUTier(capacity=4 * SLOT).arena is None
     t = CPUTier(capacity=SLOT - 1, slot_bytes=SLOT).alloc(SLOT)

@@ -74,7 +74,7 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
 
     # Released by the read: the slot comes back, and the holder may touch ahead again.
     until(lambda: not holder._leases, what="the lease's release")
-    assert holder.cpu.arena._quiet == 0
+    assert holder.cpu.arena._quiet == 0 and holder._arena_reg.leases == 0
     gc.collect()
     until(lambda: holder.cpu.arena.free_slots == 1, what="the leased slot to come back")
     again = holder.cpu.arena.alloc(SLOT)
