@@ -22,6 +22,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import msgspec
 import yaml
 
+from kvferry.common import secret
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -77,6 +78,9 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pd_kv_ready_timeout: float = 30.0
     pd_kv_timeout_action: str = "recompute"  # "recompute" | "fail"
     pd_chunk_format: str = "block"  # "block" | "token"
+    # An arrived transfer whose decode request the decoder's scheduler already holds (queued
+    # behind others) is kept this long instead of pd_lease_seconds.
+    pd_queue_seconds: float = 600.0
 
     # --- P2P sharing and controller (seeds 000/001/003) ---
     enable_p2p: bool = False
@@ -92,8 +96,18 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lmcache_worker_heartbeat_time: float = 10.0
     lmcache_worker_heartbeat_timeout: float = 30.0
 
+    # --- trust (DESIGN.md "Trust", docs/security.md) ---
+    cluster_secret: str | None = None  # or cluster_secret_file; never logged
+    cluster_secret_file: str | None = None
+    require_cluster_secret: bool = False  # a port beyond loopback without a secret is an error
+
     # Free-form, backend-specific settings (Mooncake, NIXL storage, lookup_backoff_time, ...).
     extra_config: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}=<hidden>" if f == "cluster_secret" and getattr(self, f) else
+                           f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__)
+        return f"KVFerryConfig({fields})"
 
     def ports(self, key: str) -> list[int]:
         """A port key as a list (one entry per TP rank); [] when unset."""
@@ -273,7 +287,7 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
     if c.remote_serde not in _SERDES:
         raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(_SERDES)}")
     for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
-                "blocking_timeout_secs", "lmcache_worker_heartbeat_time", "lmcache_worker_heartbeat_timeout"):
+                "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time", "lmcache_worker_heartbeat_timeout"):
         if getattr(c, key) <= 0:
             raise err(key, f"must be a positive number of seconds, got {getattr(c, key)}")
     if c.pd_kv_timeout_action not in ("recompute", "fail"):
@@ -285,6 +299,12 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         for port in c.ports(key):
             if not 0 < port < 65536:
                 raise err(key, f"port {port} is outside 1-65535")
+
+    try:
+        secret.load(c.cluster_secret, c.cluster_secret_file)
+    except secret.SecretError as e:
+        key = "cluster_secret_file" if c.cluster_secret_file and not c.cluster_secret else "cluster_secret"
+        raise err(key, str(e).split(": ", 1)[-1]) from None
 
     if c.transfer_channel is not None and c.transfer_channel != "nixl":
         raise err("transfer_channel", f"{c.transfer_channel!r} is not supported: use 'nixl'")

@@ -1,0 +1,150 @@
+"""Every kvferry ZMQ socket is made here: a bound on every frame, no linger, and the cluster secret.
+
+With a secret, every socket speaks CurveZMQ (pyzmq's bundled libzmq and libsodium): both key
+pairs are derived from the secret (common/secret.py) and the server's public key never leaves
+the process, so a peer without the secret cannot complete the handshake. libzmq drops such a
+peer before a single frame reaches kvferry; a peer that has it is authenticated both ways and
+its traffic encrypted. Without a secret a socket speaks plain ZMQ, as LMCache's do: fine on
+loopback; a port bound beyond loopback logs one warning naming ``cluster_secret``, or fails when
+``require_cluster_secret`` is set (DESIGN.md "Trust").
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import socket as _socket
+import threading
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils import z85
+
+from kvferry.common import messages as m
+from kvferry.common.log import get_logger
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.secret import ClusterSecret
+from kvferry.common.secret import load as load_secret
+
+logger = get_logger(__name__)
+
+# A hard cap far above any valid frame; decode() rejects, with a reply, what lies between.
+MAX_BYTES = 4 * m.MAX_FRAME_BYTES
+
+
+class ExposureError(RuntimeError):
+    """A port would listen beyond loopback without a cluster secret while one is required."""
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What a component needs to open its sockets: the secret (None: plain ZMQ), and whether a
+    port beyond loopback without one is an error rather than a warning."""
+
+    secret: ClusterSecret | None = None
+    require: bool = False
+
+
+PLAIN = Trust()
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=16)
+def curve_keys(secret: ClusterSecret, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 CurveZMQ keys for `role` ("server" or "client"), derived from the secret."""
+    sk = z85.encode(secret.key(f"curvezmq-{role}-v1"))
+    return zmq.curve_public(sk), sk
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1, and names that resolve there; "*", "0.0.0.0" and "" are every interface."""
+    if host in ("", "*", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in _socket.getaddrinfo(host, None, proto=_socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False
+
+
+def check_exposure(host: str, what: str, trust: Trust, fix: str = "set cluster_secret_file") -> None:
+    """Warn once (or raise ExposureError when a secret is required) for a port on `host` that
+    anyone beyond this machine may reach without a secret. `what` names the port's key or flag."""
+    if trust.secret is not None or is_loopback(host):
+        return
+    msg = (f"{what} listens on {host or '*'}, beyond loopback, without a cluster secret: any host that "
+           f"reaches it can use it (for a NIXL port: read and write its registered memory). {fix}, or "
+           "listen on 127.0.0.1")
+    if trust.require:
+        raise ExposureError(msg + " (require_cluster_secret is set)")
+    with _warn_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    logger.warning("SECURITY: %s", msg)
+
+
+def socket(ctx: zmq.Context, kind: int, trust: Trust, *, server: bool, max_bytes: int = MAX_BYTES) -> zmq.Socket:
+    """A socket with no linger, a frame bound, and CurveZMQ when `trust` has a secret."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if trust.secret is not None:
+        spub, ssec = curve_keys(trust.secret, "server")
+        if server:
+            s.curve_secretkey, s.curve_publickey, s.curve_server = ssec, spub, True
+        else:
+            cpub, csec = curve_keys(trust.secret, "client")
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = spub, cpub, csec
+    return s
+
+
+def listen(ctx: zmq.Context, kind: int, trust: Trust, host: str, port: int, what: str,
+           max_bytes: int = MAX_BYTES) -> zmq.Socket:
+    """A server socket bound to tcp://host:port; OSError-like failures name `what` and the fix."""
+    check_exposure(host, what, trust)
+    s = socket(ctx, kind, trust, server=True, max_bytes=max_bytes)
+    try:
+        s.bind(f"tcp://{zmq_host(host)}:{port}")
+    except zmq.ZMQError as e:
+        s.close()
+        raise BindError(f"{what}: cannot listen on {host}:{port} ({e}): the port is in use or the address is "
+                        "not this machine's; choose another") from None
+    return s
+
+
+def connect(ctx: zmq.Context, kind: int, trust: Trust, url: str, max_bytes: int = MAX_BYTES) -> zmq.Socket:
+    """A client socket connected to `url` (tcp://host:port, or ipc://)."""
+    s = socket(ctx, kind, trust, server=False, max_bytes=max_bytes)
+    s.connect(url)
+    return s
+
+
+class BindError(RuntimeError):
+    """A port could not be bound; the message names its key."""
+
+
+def zmq_host(host: str) -> str:
+    """`host` as a ZMQ tcp endpoint takes it: "*" for every interface, a name resolved to its
+    address (ZMQ binds to interface names or addresses, not host names like "localhost")."""
+    if host in ("0.0.0.0", "*", ""):
+        return "*"
+    try:
+        return _socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def tcp(host: str, port: int) -> str:
+    return f"tcp://{zmq_host(host)}:{port}"
+
+
+def trust_of(cfg: KVFerryConfig) -> Trust:
+    """The Trust a component inside vLLM gets from its config (the secret is stretched once)."""
+    return Trust(load_secret(cfg.cluster_secret, cfg.cluster_secret_file), cfg.require_cluster_secret)
