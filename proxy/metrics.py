@@ -19,6 +19,10 @@ class ProxyMetrics:
                              ["instance", "role", "url"], registry=r)
         self.prefill = Histogram("kvferry_proxy_prefill_seconds", "Prefill leg (prefiller answer) time",
                                  buckets=_LAT, registry=r)
+        self.notifications = Counter("kvferry_proxy_notifications",
+                                     "Frames on --proxy-port by result: arrived (a tracked transfer), unknown "
+                                     "(no such transfer in flight), bad (not a valid notification)", ["result"],
+                                     registry=r)
         self.kv_wait = Histogram("kvferry_proxy_kv_transfer_wait_seconds",
                                  "From the prefiller's answer to the decoder's KV-arrived notification",
                                  buckets=_LAT, registry=r)

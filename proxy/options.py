@@ -4,6 +4,7 @@ a YAML file. Every mistake is one line naming the flag."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -41,6 +42,9 @@ class ProxyOptions:
     api_key: str | None = None
     upstream_api_key: str | None = None
     admin: bool = True
+    admin_key: str | None = None  # required on /admin/* when set; distinct from api_key; never logged
+    cluster_secret_file: str | None = None  # else env KVFERRY_CLUSTER_SECRET / KVFERRY_CLUSTER_SECRET_FILE
+    require_cluster_secret: bool = False  # an unprotected port beyond loopback is a start-up error
     connect_timeout: float = 5.0
     read_timeout: float = 600.0
     health_interval: float = 5.0
@@ -137,6 +141,13 @@ def parser() -> argparse.ArgumentParser:
     a("--read-timeout", type=float, default=None)
     a("--health-interval", type=float, default=None)
     a("--no-admin", action="store_true", help="disable the /admin API")
+    a("--admin-key", default=None, help="require 'Authorization: Bearer KEY' on /admin/* (env KVFERRY_ADMIN_KEY); "
+                                        "must differ from --api-key")
+    a("--cluster-secret-file", default=None, help="the cluster secret for the proxy's ZMQ sockets (--proxy-port, "
+                                                  "aborts to decoders); else env KVFERRY_CLUSTER_SECRET[_FILE]")
+    a("--require-cluster-secret", action="store_true",
+      help="refuse to start with --proxy-port beyond loopback and no cluster secret, or the admin API beyond "
+           "loopback and no --admin-key (default: a warning)")
     a("--log-level", default=None)
     return ap
 
@@ -144,7 +155,8 @@ def parser() -> argparse.ArgumentParser:
 _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefillers", "decoder_host", "decoder_port",
               "decoder_init_port", "decoder_alloc_port", "num_decoders", "proxy_host", "proxy_port", "prefiller",
               "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
-              "read_timeout", "health_interval", "no_admin", "log_level"}
+              "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
+              "require_cluster_secret"}
 
 
 def parse(argv: list[str] | None = None) -> ProxyOptions:
@@ -179,7 +191,20 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             if v <= 0:
                 raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
             setattr(o, key, v)
+    for key in ("no_admin", "require_cluster_secret"):
+        if not isinstance(vals.get(key, False), bool):
+            raise OptionError(f"--config: {key} must be true or false, got {vals[key]!r}")
     o.admin = not vals.get("no_admin", False)
+    o.require_cluster_secret = vals.get("require_cluster_secret", False)
+    if "cluster_secret_file" in vals:
+        o.cluster_secret_file = str(vals["cluster_secret_file"])
+    admin_key = vals.get("admin_key", os.environ.get("KVFERRY_ADMIN_KEY") or None)
+    if admin_key is not None:
+        o.admin_key = str(admin_key).strip()
+        if not o.admin_key:
+            raise OptionError("--admin-key (or KVFERRY_ADMIN_KEY) is empty: give a key, or leave it unset")
+        if o.api_key is not None and o.admin_key == o.api_key:
+            raise OptionError("--admin-key must differ from --api-key: a client's key must not open the admin API")
     if o.policy not in ("load", "round_robin"):
         raise OptionError(f"--policy: {o.policy!r} is not 'load' or 'round_robin'")
 

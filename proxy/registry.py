@@ -45,6 +45,11 @@ class Instance:
         if self.fails >= FAILS_TO_EJECT:
             self.healthy = False
 
+    def eject(self) -> None:
+        """Out of rotation at once (a failed request and a failed probe); a passing check re-admits it."""
+        self.fails = max(self.fails, FAILS_TO_EJECT)
+        self.healthy = False
+
     def disagg_spec(self) -> dict:
         return {"receiver_host": self.spec.host, "receiver_init_port": list(self.spec.init_ports),
                 "receiver_alloc_port": list(self.spec.alloc_ports)}

