@@ -556,6 +556,8 @@ def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
         assert h.json()["background"]["health_checks"]["ok"]
     finally:
         ctx.destroy(linger=0)
+    px.stop()
+    assert "dropped a bad frame on --proxy-port" in px.proc.stderr.read()
 
 
 # ---- trust ----
