@@ -66,7 +66,7 @@ MAX_TRACKED_ARRIVALS = 10_000
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding
 NOTIFY_MAX_BYTES = 1 << 16
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = 2.0  # a /health answer slower than this counts as a failed check
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
@@ -284,7 +284,7 @@ class Proxy:
         task.add_done_callback(lambda _t, iid=inst.id: self._probes.pop(iid, None))
 
     async def _probe(self, inst: Instance) -> None:
-        good, why = await self._check(inst)
+        good, why = await self._check(inst, PROBE_TIMEOUT_S)
         if good or self.registry.instances.get(inst.id) is not inst:
             return
         was = inst.healthy
@@ -294,10 +294,10 @@ class Proxy:
             logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
                            inst.role, inst.url, inst.id, why, self.opts.health_interval)
 
-    async def _check(self, inst: Instance) -> tuple[bool, str]:
+    async def _check(self, inst: Instance, seconds: float) -> tuple[bool, str]:
         """GET /health: vLLM answers 200 while its EngineCore lives and 503 once it is dead (then
         its API server exits, and the port refuses connections)."""
-        timeout = aiohttp.ClientTimeout(total=min(PROBE_TIMEOUT_S, self.opts.health_interval))
+        timeout = aiohttp.ClientTimeout(total=seconds)
         try:
             async with self.session.get(f"{inst.url}/health", timeout=timeout, headers=self.upstream_headers) as r:
                 return r.status == 200, f"/health answered {r.status}"
@@ -839,7 +839,9 @@ class Proxy:
         health = self.loops["health_checks"]
         while True:
             insts = list(self.registry.instances.values())
-            results = await asyncio.gather(*(self._check(i) for i in insts))
+            # Bounded by the interval, so rounds never overlap.
+            seconds = min(PROBE_TIMEOUT_S, self.opts.health_interval)
+            results = await asyncio.gather(*(self._check(i, seconds) for i in insts))
             for inst, (good, why) in zip(insts, results, strict=True):
                 if self.registry.instances.get(inst.id) is not inst:
                     continue  # removed while it was checked
