@@ -2,7 +2,8 @@
 
     python benchmarks/transfer_bench.py --json [--chunk-mib 1,4,16,32] [--batch 8] [--reps 10]
 
-This process is the sender, a spawned child is the receiver. Per repetition and chunk size:
+This process is the sender, spawned children are the receivers (one plain, one with a cluster
+secret). Per repetition and chunk size:
 
 - raw: one NIXL WRITE of `batch` chunks (one descriptor each) from the sender's registered
   memory into pages of the receiver's pd_buffer, timed until NIXL reports it done. The pages are
@@ -10,10 +11,13 @@ This process is the sender, a spawned child is the receiver. Per repetition and 
   UCX's rendezvous protocol needs the target's progress to move large messages;
 - kvferry: `KVSender.send()` of the same chunks: alloc round trip, write, notification, and the
   receiver marking them readable. Its time runs from the call to the moment the receiver's
-  NIXL thread committed the transfer (CLOCK_MONOTONIC is one clock for both processes).
+  NIXL thread committed the transfer (CLOCK_MONOTONIC is one clock for both processes);
+- kvferry with a cluster secret: the same, sender and receiver speaking CurveZMQ
+  (`secret_cost`: the fraction of kvferry's throughput authentication costs).
 
-The two alternate within each repetition so this VM's noise hits both alike; medians are
-reported. Target: ratio >= 0.9 for >= 1 MiB chunks and batches of >= 8.
+The three alternate within each repetition so this VM's noise hits all alike; medians are
+reported. Targets: ratio >= 0.9 for >= 1 MiB chunks and batches of >= 8; secret_cost < 0.02 at
+4 MiB chunks.
 """
 
 from __future__ import annotations
@@ -32,12 +36,18 @@ import torch
 from kvferry.buffer import nixl_agent
 from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.common import messages as m
+from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.receiver.server import KVReceiver, ReceiverConfig
 from kvferry.receiver.transfers import Incoming
 from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig
 
 DEBUG = bool(os.environ.get("KVFERRY_BENCH_DEBUG"))
+SECRET = secret.generate()
+
+
+def trust(with_secret: bool) -> zsock.Trust:
+    return zsock.Trust(secret.from_text(SECRET, "bench")) if with_secret else zsock.PLAIN
 
 
 def fingerprint(page: int) -> m.LayoutFingerprint:
@@ -46,10 +56,11 @@ def fingerprint(page: int) -> m.LayoutFingerprint:
                                page_bytes=page)
 
 
-def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int) -> None:
+def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, key: str | None) -> None:
     torch.set_num_threads(1)
     buf = PDBuffer(page * pages, "cpu", page)
-    with KVReceiver(ReceiverConfig("127.0.0.1", init_port, alloc_port), buf, fingerprint(page)) as r:
+    t = zsock.Trust(secret.from_text(key, "bench")) if key else zsock.PLAIN
+    with KVReceiver(ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=t), buf, fingerprint(page)) as r:
         conn.send("ready")
         while True:
             cmd = conn.recv()
@@ -57,11 +68,11 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int) 
                 break
             if cmd[0] == "hold":  # pages for a raw write, expected like a transfer (fast polling)
                 res = buf.reserve(cmd[2], cmd[1], lease_seconds=60)
-                r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], [], 0, res))
+                r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], [], 0, res, conn=b"bench"))
                 r._kick.set()
                 conn.send(list(res.pages))
-            elif cmd[0] == "drop":
-                r.table.abort(cmd[1], 0, "raw write done")
+            elif cmd[0] == "drop":  # the raw write is done: nothing more can land in its pages
+                r.table.abort(cmd[1], 0, "raw write done", conn=b"bench", final=True)
                 conn.send(True)
             else:
                 with r.claim(cmd[1], 30) as got:
@@ -76,12 +87,12 @@ def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]
         return await sender._nixl.call(timed, peer)
 
     def timed(peer) -> float:  # on the sender's NIXL thread, the agent's only user
-        agent = sender._agent
+        agent, region = sender._agent, peer.welcome.region
         t = time.monotonic()
         local = agent.get_xfer_descs([(a, n, 0) for a, n in chunks], "DRAM")
-        remote = agent.get_xfer_descs([(peer.buffer_addr + p * peer.page_bytes, n, 0)
-                                       for p, (_, n) in zip(pages, chunks, strict=True)], peer.mem_type)
-        h = agent.initialize_xfer("WRITE", local, remote, peer.agent_name)
+        remote = agent.get_xfer_descs([(region.addr + p * region.page_bytes, n, 0)
+                                       for p, (_, n) in zip(pages, chunks, strict=True)], region.mem_type)
+        h = agent.initialize_xfer("WRITE", local, remote, peer.agent)
         state = agent.transfer(h)
         while state == "PROC":
             state = agent.check_xfer_state(h)
@@ -92,55 +103,76 @@ def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]
     return asyncio.run_coroutine_threadsafe(run(), sender._loop).result(60)
 
 
-def bench_size(chunk: int, batch: int, reps: int) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    ip, ap = free_port(), free_port()
-    proc = ctx.Process(target=receiver_main, args=(child, ip, ap, chunk, 2 * batch), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
+class Receiver:
+    """A receiver in a spawned child, driven over a pipe."""
+
+    def __init__(self, chunk: int, batch: int, key: str | None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.addr = ReceiverAddr("127.0.0.1", free_port(), free_port())
+        self.proc = ctx.Process(target=receiver_main, args=(child, self.addr.init_port, self.addr.alloc_port, chunk,
+                                                            2 * batch, key), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
             raise RuntimeError("receiver did not start")
-        parent.recv()
+        self.conn.recv()
+
+    def ask(self, *cmd):
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def bench_size(chunk: int, batch: int, reps: int) -> dict:
+    plain = Receiver(chunk, batch, None)
+    curve = Receiver(chunk, batch, SECRET)
+    try:
         src = torch.randint(0, 255, (batch * chunk,), dtype=torch.uint8)
         chunks = [(src.data_ptr() + i * chunk, chunk) for i in range(batch)]
-        addr = ReceiverAddr("127.0.0.1", ip, ap)
-        with KVSender(SenderConfig("bench"), fingerprint(chunk)) as sender:
-            sender.register(src)
-            keys = [i.to_bytes(16, "little") for i in range(1, batch + 1)]
-            sender.send("warm", addr, keys, chunks, batch).result(60)
-            parent.send(("claim", "warm"))
-            parent.recv()
-            raw, ours = [], []
-            for i in range(-1, reps):  # -1: warm-up
-                parent.send(("hold", f"raw{i}", batch))
-                pages = parent.recv()
-                dt = raw_write(sender, addr, chunks, pages)
-                parent.send(("drop", f"raw{i}"))
-                parent.recv()
-                if i < 0:
-                    continue
-                raw.append(dt)
-                tid = f"t{i}"
+        keys = [i.to_bytes(16, "little") for i in range(1, batch + 1)]
+        with KVSender(SenderConfig("bench"), fingerprint(chunk)) as sender, \
+                KVSender(SenderConfig("bench-secret", trust=trust(True)), fingerprint(chunk)) as secured:
+            times: dict[str, list[float]] = {"raw": [], "plain": [], "secret": []}
+
+            def send(s: KVSender, r: Receiver, tid: str) -> float:
                 t0 = time.monotonic()
-                res = sender.send(tid, addr, keys, chunks, batch).result(60)
-                parent.send(("claim", tid))
-                ours.append(parent.recv() - t0)
+                res = s.send(tid, r.addr, keys, chunks, batch).result(60)
+                dt = r.ask("claim", tid) - t0
                 if DEBUG:
-                    print(f"send {res.seconds * 1e3:.2f} ms, readable {ours[-1] * 1e3:.2f} ms", file=sys.stderr)
-        parent.send(("stop",))
-        proc.join(10)
+                    print(f"{tid}: send {res.seconds * 1e3:.2f} ms, readable {dt * 1e3:.2f} ms", file=sys.stderr)
+                return dt
+
+            for s, r in ((sender, plain), (secured, curve)):
+                s.register(src)
+                send(s, r, "warm")
+            for i in range(-1, reps):  # -1: warm-up
+                pages = plain.ask("hold", f"raw{i}", batch)
+                dt = raw_write(sender, plain.addr, chunks, pages)
+                plain.ask("drop", f"raw{i}")
+                t_plain = send(sender, plain, f"p{i}")
+                t_secret = send(secured, curve, f"s{i}")
+                if i >= 0:
+                    times["raw"].append(dt)
+                    times["plain"].append(t_plain)
+                    times["secret"].append(t_secret)
     finally:
-        if proc.is_alive():
-            proc.kill()
+        plain.stop()
+        curve.stop()
     nbytes = batch * chunk
-    r, o = statistics.median(raw), statistics.median(ours)
-    ours_sorted = sorted(ours)
+    r, o, c = (statistics.median(times[k]) for k in ("raw", "plain", "secret"))
+    ours_sorted = sorted(times["plain"])
     return {"chunk_bytes": chunk, "batch": batch, "reps": reps,
             "raw_nixl_write_gbps": round(nbytes / r / 1e9, 3), "kvferry_gbps": round(nbytes / o / 1e9, 3),
+            "kvferry_secret_gbps": round(nbytes / c / 1e9, 3), "secret_cost": round(1 - o / c, 3),
             "ratio": round(r / o, 3), "p50_transfer_ms": round(o * 1e3, 3),
-            "p99_transfer_ms": round(ours_sorted[min(len(ours) - 1, int(0.99 * len(ours)))] * 1e3, 3),
-            "raw_p50_ms": round(r * 1e3, 3)}
+            "p99_transfer_ms": round(ours_sorted[min(len(ours_sorted) - 1, int(0.99 * len(ours_sorted)))] * 1e3, 3),
+            "secret_p50_transfer_ms": round(c * 1e3, 3), "raw_p50_ms": round(r * 1e3, 3)}
 
 
 def main() -> int:
@@ -159,13 +191,16 @@ def main() -> int:
               "ratio": round(raw_s / our_s, 3),
               "p50_transfer_ms": statistics.median(r["p50_transfer_ms"] for r in rows),
               "p99_transfer_ms": max(r["p99_transfer_ms"] for r in rows),
-              "target_met": all(r["ratio"] >= 0.9 for r in rows), "rows": rows}
+              "target_met": all(r["ratio"] >= 0.9 for r in rows),
+              "secret_target_met": all(r["secret_cost"] < 0.02 for r in rows if r["chunk_bytes"] >= 4 << 20),
+              "rows": rows}
     if args.json:
         print(json.dumps(result))
     else:
         for r in rows:
             print(f"{r['chunk_bytes'] >> 20:>4} MiB x{r['batch']}: raw {r['raw_nixl_write_gbps']:.2f} GB/s, "
-                  f"kvferry {r['kvferry_gbps']:.2f} GB/s, ratio {r['ratio']}, p50 {r['p50_transfer_ms']} ms")
+                  f"kvferry {r['kvferry_gbps']:.2f} GB/s, ratio {r['ratio']}, p50 {r['p50_transfer_ms']} ms; "
+                  f"with a secret {r['kvferry_secret_gbps']:.2f} GB/s (cost {r['secret_cost']:.1%})")
         print("target met" if result["target_met"] else "target NOT met")
     return 0
 

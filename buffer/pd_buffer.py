@@ -268,14 +268,27 @@ class PDBuffer:
                                 f"expected {' or '.join(s.value for s in states)}")
         return rec
 
-    def commit(self, res: Reservation, nbytes: int | None = None) -> None:
-        """Mark the data as arrived; the lease restarts as the time allowed to read it."""
+    def commit(self, res: Reservation, nbytes: int | None = None, read_within: float | None = None) -> None:
+        """Mark the data as arrived; the lease restarts as the time allowed to read it (its
+        length, or `read_within` seconds)."""
         with self._lock:
             self._reap_locked()
             rec = self._live(res, State.RESERVED)
             rec.state = State.COMMITTED
-            rec.deadline = self._clock() + rec.lease_seconds
+            rec.deadline = self._clock() + (rec.lease_seconds if read_within is None else read_within)
             self._stats.bytes_committed += len(res.pages) * self.page_bytes if nbytes is None else nbytes
+
+    def extend(self, res: Reservation, read_within: float) -> bool:
+        """Give arrived data `read_within` more seconds to be read (a reader is known to be coming).
+        Only COMMITTED data: a reservation still being written keeps the lease its writer was given."""
+        with self._lock:
+            self._reap_locked()
+            try:
+                rec = self._live(res, State.COMMITTED)
+            except PDBufferError:
+                return False
+            rec.deadline = max(rec.deadline, self._clock() + read_within)
+            return True
 
     def begin_read(self, res: Reservation) -> list:
         """Pin committed pages for reading and return their views; call release() after."""

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: one Hello/Welcome handshake for PD and P2P, AbortTransfer.final, lm:// server greeting.
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 4 << 20
 
 # Length limits: generous for real use, small enough that a hostile frame cannot balloon memory.
@@ -24,6 +25,9 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Tokens = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]], msgspec.Meta(max_length=1 << 20)]
 Indices = Annotated[list[NonNeg], msgspec.Meta(max_length=1 << 16)]
+# Seconds from a peer: finite and bounded (NaN and inf fail the bounds).
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 
 
 class MessageError(ValueError):
@@ -64,26 +68,32 @@ class LayoutFingerprint(msgspec.Struct, kw_only=True, frozen=True):
         ]
 
 
-# ---- init port: NIXL handshake ----
-class HandshakeRequest(Msg, tag="handshake_req"):
-    sender_id: Id
-    tp_rank: NonNeg
-    agent_name: Id
-    agent_metadata: Blob
-    fingerprint: LayoutFingerprint
+# ---- init ports (pd_peer_init_port, p2p_init_ports): the one NIXL handshake (buffer/peering.py) ----
+class Region(msgspec.Struct, kw_only=True, frozen=True):
+    """Registered memory the asker may WRITE into: a decoder's pd_buffer, in pages."""
 
-
-class HandshakeResponse(Msg, tag="handshake_resp"):
-    receiver_id: Id
-    epoch: NonNeg  # changes on every receiver restart
-    agent_name: Id
-    agent_metadata: Blob
-    buffer_addr: NonNeg
+    addr: NonNeg
     page_bytes: NonNeg
     num_pages: NonNeg
-    fingerprint: LayoutFingerprint
-    device_id: NonNeg = 0
     mem_type: Text = "DRAM"  # "DRAM" | "VRAM"
+    device_id: NonNeg = 0
+
+
+class Hello(Msg, tag="hello"):
+    peer_id: Id  # the asker: a sender id, or a P2P instance id
+    agent_name: Id
+    agent_metadata: Blob
+    fingerprint: LayoutFingerprint
+    tp_rank: NonNeg = 0
+
+
+class Welcome(Msg, tag="welcome"):
+    peer_id: Id  # the server: a receiver id, or a P2P instance id
+    epoch: NonNeg  # changes on every restart
+    agent_name: Id
+    agent_metadata: Blob
+    fingerprint: LayoutFingerprint
+    region: Region | None = None  # PD: where to WRITE; P2P leases name their addresses instead
 
 
 # ---- alloc port: page reservation ----
@@ -91,7 +101,7 @@ class AllocRequest(Msg, tag="alloc_req"):
     transfer_id: Id
     sender_id: Id
     epoch: NonNeg  # the receiver epoch the sender handshook with
-    chunk_keys: Keys
+    chunk_keys: Annotated[list[Key], msgspec.Meta(min_length=1, max_length=1 << 16)]
     num_tokens: NonNeg
 
 
@@ -100,7 +110,7 @@ class AllocResponse(Msg, tag="alloc_resp"):
     generation: NonNeg
     pages: Indices  # page index for each chunk to send, in order; skipped chunks omitted
     skip: Indices  # chunk indices the receiver already holds: do not send them
-    lease_seconds: float
+    lease_seconds: Seconds
 
 
 class ErrorReply(Msg, tag="error"):
@@ -116,9 +126,15 @@ class ArrivalNotice(Msg, tag="arrived"):
 
 
 class AbortTransfer(Msg, tag="abort"):
+    """Drop a transfer. Its pages are reused only when no WRITE can still land in them: at its
+    arrival notice, at its lease's end, or at once when `final` comes from the connection that
+    reserved them (the sender saying it posted no WRITE and never will). Generation 0 means any
+    (the proxy does not know it)."""
+
     transfer_id: Id
     generation: NonNeg = 0
     reason: Text = ""
+    final: bool = False
 
 
 class ProxyNotification(Msg, tag="proxy_notify"):
@@ -142,6 +158,26 @@ class RemoteGet(Msg, tag="rget"):
 
 class RemoteExists(Msg, tag="rexists"):
     keys: Keys
+
+
+class ServerHello(Msg, tag="server_hello"):
+    """The lm:// server's first frame on every connection: with a cluster secret, a challenge."""
+
+    auth: bool
+    nonce: bytes = b""
+
+
+class AuthAnswer(Msg, tag="auth_answer"):
+    """The client's proof: HMAC over both nonces with the secret's lm:// key (common/secret.py)."""
+
+    nonce: Nonce
+    mac: Annotated[bytes, msgspec.Meta(min_length=32, max_length=64)]
+
+
+class AuthOk(Msg, tag="auth_ok"):
+    """The server's proof back: the client knows it talks to a holder of the secret too."""
+
+    mac: Annotated[bytes, msgspec.Meta(min_length=32, max_length=64)]
 
 
 class RemoteReply(Msg, tag="rreply"):
@@ -174,7 +210,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     salt: Salt
     chunk_size: NonNeg
     partial_chunks: bool
-    heartbeat_timeout: float
+    heartbeat_timeout: Annotated[float, msgspec.Meta(ge=0.1, le=86400.0)]
     cpu_capacity: NonNeg = 0  # bytes
 
 
@@ -205,6 +241,10 @@ class ChunkAdmit(Msg, tag="admit"):
     sizes: Sizes  # bytes of each chunk
     reset: bool = False  # these keys are all the worker holds (a resync)
 
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.sizes):
+            raise ValueError(f"{len(self.keys)} keys and {len(self.sizes)} sizes")
+
 
 class ChunkEvict(Msg, tag="evict"):
     instance_id: Id
@@ -221,7 +261,7 @@ class TransferReport(Msg, tag="transfer"):
     peer_id: Id
     num_chunks: NonNeg
     nbytes: NonNeg
-    seconds: float
+    seconds: Seconds
     ok: bool
     kind: Text = "p2p"  # "p2p" (a request's load) | "move"
 
@@ -289,21 +329,12 @@ class TierNotice(Msg, tag="tier_notice"):
     sizes: Sizes = []
     dropped: Keys = []
 
-
-# Peer <-> peer: p2p_init_ports (handshake) and p2p_lookup_ports (lease chunks for a NIXL READ).
-class PeerHello(Msg, tag="peer_hello"):
-    instance_id: Id
-    agent_name: Id
-    agent_metadata: Blob
-    layout: Salt  # the asker's KV layout digest: another layout's bytes are garbage here
+    def __post_init__(self) -> None:
+        if len(self.adopted) != len(self.sizes):
+            raise ValueError(f"{len(self.adopted)} adopted keys and {len(self.sizes)} sizes")
 
 
-class PeerWelcome(Msg, tag="peer_welcome"):
-    instance_id: Id
-    agent_name: Id
-    agent_metadata: Blob
-
-
+# Peer <-> peer: p2p_init_ports (Hello/Welcome) and p2p_lookup_ports (lease chunks for a NIXL READ).
 class PeerFetch(Msg, tag="peer_fetch"):
     request_id: Id
     agent_name: Id  # the asker's NIXL agent (the holder sends it the registrations it has not seen)
@@ -318,9 +349,13 @@ class PeerChunks(Msg, tag="peer_chunks"):
     lease_id: Id
     addrs: Sizes
     sizes: Sizes
-    lease_seconds: float
+    lease_seconds: Seconds
     # NIXL partial metadata of chunks registered since this asker last heard: load before READing.
     metadata: Annotated[list[Blob], msgspec.Meta(max_length=1 << 16)] = []
+
+    def __post_init__(self) -> None:
+        if len(self.addrs) != len(self.sizes):
+            raise ValueError(f"{len(self.addrs)} addresses and {len(self.sizes)} sizes")
 
 
 class PeerRelease(Msg, tag="peer_release"):
@@ -328,14 +363,17 @@ class PeerRelease(Msg, tag="peer_release"):
 
 
 Message = Union[
-    HandshakeRequest,
-    HandshakeResponse,
+    Hello,
+    Welcome,
     AllocRequest,
     AllocResponse,
     ErrorReply,
     ArrivalNotice,
     AbortTransfer,
     ProxyNotification,
+    ServerHello,
+    AuthAnswer,
+    AuthOk,
     RemotePut,
     RemoteGet,
     RemoteExists,
@@ -354,8 +392,6 @@ Message = Union[
     Resync,
     CommandResult,
     TierNotice,
-    PeerHello,
-    PeerWelcome,
     PeerFetch,
     PeerChunks,
     PeerRelease,

@@ -21,8 +21,8 @@ import zmq
 from zmq.utils import z85
 
 from kvferry.common import messages as m
-from kvferry.common.log import get_logger
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
 
@@ -82,7 +82,7 @@ def check_exposure(host: str, what: str, trust: Trust, fix: str = "set cluster_s
            f"reaches it can use it (for a NIXL port: read and write its registered memory). {fix}, or "
            "listen on 127.0.0.1")
     if trust.require:
-        raise ExposureError(msg + " (require_cluster_secret is set)")
+        raise ExposureError(msg + " (a cluster secret is required: require_cluster_secret / --require-cluster-secret)")
     with _warn_lock:
         if what in _warned:
             return

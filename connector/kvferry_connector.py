@@ -14,9 +14,12 @@ emits a save for it; the worker gathers the prompt's chunks into staging pages i
 ``wait_for_save`` (so vLLM may free the blocks as usual) and the send runs in the background.
 ``request_finished`` returns ``first_tok`` and ``transfer_id`` in ``kv_transfer_params``.
 
-Decoder (kv_consumer): a request with ``kv_transfer_params.transfer_id`` reports its prompt
-minus the last token as externally matched, asynchronously: vLLM parks it in
-WAITING_FOR_REMOTE_KVS and keeps serving others. Each step the worker loads the transfers that
+Decoder (kv_consumer): as soon as vLLM's scheduler takes a request with
+``kv_transfer_params.transfer_id`` (``on_new_request``), the next step tells the workers to pin
+that transfer: its KV, once arrived, waits up to ``pd_queue_seconds`` for the request to leave the
+queue instead of expiring with the lease; the request's end unpins it. When scheduled, the
+request reports its prompt minus the last token as externally matched, asynchronously: vLLM
+parks it in WAITING_FOR_REMOTE_KVS and keeps serving others. Each step the worker loads the transfers that
 arrived and reports them finished; one that does not arrive within ``pd_kv_ready_timeout``, or
 that cannot be loaded, is reported through ``get_block_ids_with_load_errors`` and vLLM
 recomputes it (``pd_kv_timeout_action: recompute``) or fails it (``fail``).
@@ -102,6 +105,8 @@ class KVFerryMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     cache_loads: list[CacheLoad] = field(default_factory=list)  # offload tiers -> blocks, before the forward
     cache_saves: list[CacheStore | CacheEvict] = field(default_factory=list)  # after it, in order
+    pins: list[str] = field(default_factory=list)  # decoder: transfers whose requests the scheduler took
+    unpins: list[str] = field(default_factory=list)  # decoder: transfers whose requests ended
     idle: bool = False  # nothing scheduled this step
 
 
@@ -186,6 +191,9 @@ class KVFerryConnector(KVConnectorBase_V1):
             self._worker = _Worker(self)
 
     # ---- scheduler side ----
+    def on_new_request(self, request: Request) -> None:
+        self._sched.on_new(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.matched(request, num_computed_tokens)
 
@@ -271,6 +279,21 @@ class _Scheduler:
         self._external: dict[str, int] = {}  # consumer: req -> local tokens when matched
         self._tried: set[str] = set()  # consumer: a load was planned (a retry after failure recomputes)
         self._loads: list[LoadOp] = []
+        self._pinned: dict[str, str] = {}  # consumer: req -> transfer id pinned for it
+        self._pins: list[str] = []  # consumer: to tell the workers in the next step
+        self._unpins: list[str] = []
+
+    def on_new(self, request: Request) -> None:
+        """A decoder's request is in vLLM's queue now: its KV must wait for it (see the module docstring)."""
+        if self.c.producer_side or not self.c.pd:
+            return
+        try:
+            tid = decode_transfer_id(request.kv_transfer_params)
+        except ParamsError:
+            return  # matched() logs it and computes the prompt locally
+        if tid is not None:
+            self._pinned[request.request_id] = tid
+            self._pins.append(tid)
 
     def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
         if self.c.producer_side:
@@ -324,6 +347,8 @@ class _Scheduler:
     def build(self, so: SchedulerOutput) -> KVFerryMetadata:
         meta = KVFerryMetadata(idle=so.total_num_scheduled_tokens == 0)
         meta.loads, self._loads = self._loads, []
+        meta.pins, self._pins = self._pins, []
+        meta.unpins, self._unpins = self._unpins, []
         if self.offload is not None:
             for rid, n in so.num_scheduled_tokens.items():
                 req = self._computing.get(rid)
@@ -358,6 +383,9 @@ class _Scheduler:
         rid = request.request_id
         self._tried.discard(rid)
         self._external.pop(rid, None)
+        tid = self._pinned.pop(rid, None)
+        if tid is not None:
+            self._unpins.append(tid)
         self._computing.pop(rid, None)
         if self.offload is not None:
             self.offload.finished(rid)
@@ -442,7 +470,7 @@ class _Worker:
             self.offload = OffloadWorker(self.c.cfg, kv, self.tp_rank, digest)
             if self.c.cfg.enable_p2p and self.offload.cpu is not None:
                 self.offload.p2p = P2PWorker(self.c.cfg, self.offload.cpu, self.tp_rank, self.tp_size,
-                                             _salt(self.vc, self.c.cfg, kv.num_layers), digest,
+                                             _salt(self.vc, self.c.cfg, kv.num_layers), ofp,
                                              notice_addr(self.vc.kv_transfer_config.engine_id))
         if self.c.pd and self.c.producer_side:
             sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
@@ -461,6 +489,10 @@ class _Worker:
                 self._errors.update(self.offload.load(cop))
         if self.consumer is None:
             return
+        for tid in meta.pins:
+            self.consumer.pin(tid)
+        for tid in meta.unpins:
+            self.consumer.unpin(tid)
         for op in meta.loads:
             self._load_blocks[op.req_id] = loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens,
                                                          self.consumer.kv.layout.block_size)
@@ -511,7 +543,12 @@ class _Worker:
         return KVFerryWorkerMeta(lost) if lost else None
 
     def stats(self) -> dict[str, float]:
-        return self.offload.stats() if self.offload is not None else {}
+        out = self.offload.stats() if self.offload is not None else {}
+        if self.producer is not None:
+            out.update(self.producer.counters)
+        if self.consumer is not None:
+            out.update(self.consumer.stats())
+        return out
 
     def close(self) -> None:
         if self.offload is not None:

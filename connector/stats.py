@@ -53,6 +53,26 @@ SERIES: dict[str, tuple[str, str, bool]] = {
     "p2p_errors": ("kvferry:p2p_errors", "Fetches from peers that failed (recomputed)", False),
     "p2p_served_chunks": ("kvferry:p2p_served_chunks", "Chunks this instance lent to peers", False),
     "p2p_served_bytes": ("kvferry:p2p_served_bytes", "Bytes this instance lent to peers", False),
+    "p2p_refused_leases": ("kvferry:p2p_refused_leases", "Leases refused to a peer holding too many already",
+                           False),
+    "pd_sent": ("kvferry:pd_sent_requests", "Prompts whose KV this prefiller sent to a decoder", False),
+    "pd_send_failures": ("kvferry:pd_send_failures", "Prompts whose KV could not be sent (the decoder recomputes)",
+                         False),
+    "pd_sent_bytes": ("kvferry:pd_sent_bytes", "Bytes this prefiller wrote into decoders' pd_buffers", False),
+    "pd_loaded": ("kvferry:pd_loaded_requests", "Decode requests whose prompt KV was loaded from the pd_buffer",
+                  False),
+    "pd_recomputed": ("kvferry:pd_recomputed_requests", "Decode requests whose KV did not arrive or could not be "
+                      "loaded: recomputed (or failed, with pd_kv_timeout_action: fail)", False),
+    "pd_kv_timeouts": ("kvferry:pd_kv_timeouts", "Decode requests whose KV did not arrive within "
+                       "pd_kv_ready_timeout", False),
+    "pd_received_bytes": ("kvferry:pd_received_bytes", "Bytes copied from the pd_buffer into vLLM's KV cache", False),
+    "pd_quarantined": ("kvferry:pd_quarantined_transfers", "Aborted transfers whose pages waited for a write that "
+                       "might still land", False),
+    "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", False),
+    "pd_loop_restarts": ("kvferry:pd_loop_restarts", "Times the receiver's NIXL thread failed and was started "
+                         "again (its log says why)", False),
+    "p2p_loop_restarts": ("kvferry:p2p_loop_restarts", "Times a P2P worker loop (heartbeats, reports) failed and "
+                          "was started again (its log says why)", False),
     "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", True),
     "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", True),
 }

@@ -130,7 +130,7 @@ class OffloadPlanner:
         if cfg.enable_p2p:
             self.p2p = ControllerLookup(cfg, min(1.0, cfg.blocking_timeout_secs))
             if notice_addr:
-                self.notices = PlannerNotices(notice_addr)
+                self.notices = PlannerNotices(notice_addr, self.p2p.trust)
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[CacheLoad] = []
 

@@ -3,12 +3,16 @@
 Worker side (:class:`P2PWorker`, one per TP rank, its own thread and asyncio loop):
 
 - registers with the controller, heartbeats, and reports every chunk its CPU tier admits or drops;
-- serves its CPU tier to peers: a handshake on `p2p_init_ports` (NIXL metadata, KV layout check)
-  and leases on `p2p_lookup_ports` (a peer asks for chunk keys and gets their addresses, held
-  until it releases them or the lease runs out); the peer then READs them over NIXL;
-- fetches from peers the same way (a request's load, or a controller's move), in bounded time;
+- lends its CPU tier to peers (sender/lender.py: handshake on `p2p_init_ports`, leases on
+  `p2p_lookup_ports`); the peer then READs the chunks over NIXL;
+- reads from peers the same way (receiver/peer_reader.py) for a request's load or a controller's
+  move, in bounded time;
 - carries out the controller's commands on `lmcache_worker_ports` (pull, drop, clear, resync),
   telling its own scheduler what appeared in or left its CPU tier (:class:`PlannerNotices`).
+
+Every socket is made by common/zsock.py (the cluster secret, when set, on all of them), and the
+handshake, peer table and fingerprint check are the ones PD transfers use (buffer/peering.py).
+Background loops log and restart when they fail (common/supervise.py).
 
 Scheduler side (:class:`ControllerLookup`): "who holds the longest prefix of these chunks?",
 bounded, and skipped with a back-off while the controller does not answer.
@@ -21,25 +25,28 @@ import concurrent.futures
 import contextlib
 import os
 import queue
+import random
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 import zmq.asyncio
 
-from kvferry.buffer import nixl_agent
+from kvferry.buffer import nixl_agent, peering
 from kvferry.common import messages as m
+from kvferry.common import zsock
 from kvferry.common.backoff import Backoff
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.common.netutil import zmq_host
+from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.cpu_tier import CPUTier
+from kvferry.receiver.peer_reader import MIN_GBPS, FetchError, PeerReader
+from kvferry.sender.lender import ChunkLender
 
 logger = get_logger(__name__)
 
@@ -47,11 +54,8 @@ LOCATION = "LocalCPUBackend"
 REPORT_S = 0.02  # admissions/evictions go to the controller at most this late
 REPORT_BATCH = 4096
 POLL_S = 0.0002
-MIN_GBPS = 0.2  # a transfer's deadline grows by its size at this rate
 
-
-class P2PError(RuntimeError):
-    """A fetch from a peer failed; the caller recomputes."""
+P2PError = FetchError  # a fetch from a peer failed; the caller recomputes
 
 
 def _url(hostport: str) -> str:
@@ -75,6 +79,7 @@ class ControllerLookup:
     def __init__(self, cfg: KVFerryConfig, timeout: float) -> None:
         self.url = _url(cfg.controller_reply_url)
         self.instance_id, self.timeout = cfg.lmcache_instance_id, timeout
+        self.trust = zsock.trust_of(cfg)
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._backoff = Backoff(f"controller {cfg.controller_reply_url}", logger)
@@ -85,9 +90,7 @@ class ControllerLookup:
         if not keys or not self._backoff.up():
             return None
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.url)
+            self._sock = zsock.connect(self._ctx, zmq.DEALER, self.trust, self.url)
         try:
             self._sock.send(m.encode(m.LookupRequest(instance_id=self.instance_id, keys=list(keys[:1 << 16]))))
             if not self._sock.poll(int(self.timeout * 1000), zmq.POLLIN):
@@ -112,10 +115,9 @@ class PlannerNotices:
     """Scheduler side of the worker -> scheduler channel: chunks a move put into or took out of
     the worker's CPU tier, which the planner's index must learn about."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, trust: zsock.Trust = zsock.PLAIN) -> None:
         self.addr = addr
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = zsock.socket(zmq.Context.instance(), zmq.PULL, trust, server=True)
         self._path = addr.removeprefix("ipc://")
         if not self._path.startswith("@"):
             with contextlib.suppress(FileNotFoundError):
@@ -149,62 +151,32 @@ class PlannerNotices:
 
 
 # ---------------------------------------------------------------- worker side
-@dataclass
-class _Reg:
-    """A NIXL registration: the CPU tier's arena (for good), or one chunk outside it (while it stays)."""
-
-    data: torch.Tensor
-    descs: object
-    md: bytes  # NIXL partial metadata a peer needs to READ it
-    serial: int
-    leases: int = 0
-    dead: bool = False  # left the tier; deregistered once no lease holds it
-
-
-@dataclass
-class _Lease:
-    datas: list[torch.Tensor]  # held: an arena slot is not reused while a peer may read it
-    expires: float
-
-
-@dataclass
-class _Peer:
-    addr: m.PeerAddr
-    name: str  # NIXL agent name
-    instance_id: str
-    lookup: zmq.asyncio.Socket
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
 class P2PWorker:
     """One TP rank's P2P side (see the module docstring). Its public calls are thread-safe."""
 
-    def __init__(self, cfg: KVFerryConfig, cpu: CPUTier, tp_rank: int, tp_size: int, salt: bytes, layout: bytes,
-                 notices: str) -> None:
-        self.cfg, self.cpu, self.rank, self.layout = cfg, cpu, tp_rank, layout
+    def __init__(self, cfg: KVFerryConfig, cpu: CPUTier, tp_rank: int, tp_size: int, salt: bytes,
+                 fingerprint: m.LayoutFingerprint, notices: str) -> None:
+        self.cfg, self.cpu, self.rank, self.fp = cfg, cpu, tp_rank, fingerprint
         init, look, work = (cfg.ports(k) for k in ("p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ports"))
         if tp_rank >= len(init):
             raise ConfigError(f"config key p2p_init_ports lists {len(init)} port(s); this instance has TP rank "
                               f"{tp_rank}: give one port per TP rank in p2p_init_ports, p2p_lookup_ports and "
                               "lmcache_worker_ports")
+        self.trust = zsock.trust_of(cfg)
         self.epoch = uuid.uuid4().hex[:12]
         self.info = m.WorkerInfo(
             instance_id=cfg.lmcache_instance_id, worker_id=tp_rank, epoch=self.epoch, host=cfg.p2p_host,
             worker_port=work[tp_rank], p2p_init_port=init[tp_rank], p2p_lookup_port=look[tp_rank],
             tp_size=tp_size, salt=salt, chunk_size=cfg.chunk_size, partial_chunks=cfg.save_unfull_chunk,
             heartbeat_timeout=cfg.lmcache_worker_heartbeat_timeout, cpu_capacity=cpu.capacity)
-        self.counters = {"p2p_read_chunks": 0, "p2p_read_bytes": 0, "p2p_read_seconds": 0.0, "p2p_errors": 0,
-                         "p2p_served_chunks": 0, "p2p_served_bytes": 0}
+        self.counters = {"p2p_errors": 0}
+        self.health = {name: LoopHealth(f"P2P worker {cfg.lmcache_instance_id} rank {tp_rank}: {name}")
+                       for name in ("heartbeats", "reports")}
         self._warn = RateLimitedLog(logger)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._regs: dict[int, _Reg] = {}  # chunks outside the CPU tier's arena, by address
-        self._arena_reg: _Reg | None = None
-        self._serial = 0
-        self._seen: dict[str, set[int]] = {}  # peer agent -> serials of the registrations it has loaded
-        self._leases: dict[str, _Lease] = {}
-        self._peers: dict[tuple[str, int], _Peer] = {}
         self._news: set[bytes] = set()  # a later put of these is news to the planner (moves, drops)
         self._tasks: list[asyncio.Task] = []
+        self._socks: list[zmq.asyncio.Socket] = []
         self._report_lock: asyncio.Lock | None = None
         self._notice_addr = notices
         self.loop = asyncio.new_event_loop()
@@ -223,41 +195,42 @@ class P2PWorker:
 
     async def _start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.agent = nixl_agent.make_agent(f"kvf-p2p-{self.info.instance_id}-{self.rank}-{self.epoch}")
+        me = self.info.instance_id
+        self.agent = nixl_agent.make_agent(f"kvf-p2p-{me}-{self.rank}-{self.epoch}")
         self.nixl = nixl_agent.NixlThread(self.agent, self.loop, POLL_S, name=f"kvf-p2p-nixl-{self.rank}")
-        if self.cpu.arena is not None:  # registered once: see engine/host_arena.py for why
-            self._arena_reg = await self._new_reg(self.cpu.arena.buf)
-        self.metadata = await self.nixl.call(self.agent.get_agent_metadata)
-        host = zmq_host(self.cfg.p2p_host)
-        self._init = self._bind(host, self.info.p2p_init_port, "p2p_init_ports")
-        self._lookup = self._bind(host, self.info.p2p_lookup_port, "p2p_lookup_ports")
-        self._work = self._bind(host, self.info.worker_port, "lmcache_worker_ports")
-        self._push = self.ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
+        self.lender = ChunkLender(self.cpu, self.nixl, self.fp, me, random.SystemRandom().randrange(1, 1 << 62),
+                                  2 * self.cfg.blocking_timeout_secs)
+        await self.lender.start()
+        self.reader = PeerReader(self.ctx, self.trust, self.nixl, self._hello, self.fp, me, self.cpu.alloc,
+                                 self.cpu.arena)
+        host = self.cfg.p2p_host
+        ports = ((self.info.p2p_init_port, "p2p_init_ports", self.lender.on_hello),
+                 (self.info.p2p_lookup_port, "p2p_lookup_ports", self.lender.on_fetch),
+                 (self.info.worker_port, "lmcache_worker_ports", self._on_command))
+        for port, key, handler in ports:
+            try:
+                sock = zsock.listen(self.ctx, zmq.ROUTER, self.trust, host, port, f"config key {key}")
+            except zsock.BindError as e:
+                raise ConfigError(f"{e} (give each instance and TP rank its own port)") from None
+            self._socks.append(sock)
+            self._tasks.append(asyncio.ensure_future(peering.serve(sock, handler, key, self._bad_frame)))
+        self._push = zsock.connect(self.ctx, zmq.PUSH, self.trust,
+                                   _url(self.cfg.controller_pull_url or self.cfg.controller_url))
         self._push.setsockopt(zmq.SNDHWM, 10000)
-        self._push.connect(_url(self.cfg.controller_pull_url or self.cfg.controller_url))
-        self._notice = self.ctx.socket(zmq.PUSH)
-        self._notice.setsockopt(zmq.LINGER, 0)
-        self._notice.connect(self._notice_addr)
+        self._notice = zsock.connect(self.ctx, zmq.PUSH, self.trust, self._notice_addr)
+        self._socks += [self._push, self._notice]
         self._send(m.RegisterWorker(worker=self.info))
-        for coro in (self._serve(self._init, self._on_hello), self._serve(self._lookup, self._on_fetch),
-                     self._serve(self._work, self._on_command), self._heartbeat_loop(), self._report_loop()):
-            self._tasks.append(asyncio.ensure_future(coro))
+        for name, fn in (("heartbeats", self._heartbeat_loop), ("reports", self._report_loop)):
+            self._tasks.append(asyncio.ensure_future(supervise(self.health[name], fn)))
         logger.info("P2P worker %s rank %d: peers on %s:%d (init) / %d (lookup), controller commands on %d",
-                    self.info.instance_id, self.rank, self.cfg.p2p_host, self.info.p2p_init_port,
-                    self.info.p2p_lookup_port, self.info.worker_port)
+                    me, self.rank, host, self.info.p2p_init_port, self.info.p2p_lookup_port, self.info.worker_port)
 
-    def _bind(self, host: str, port: int, key: str) -> zmq.asyncio.Socket:
-        s = self.ctx.socket(zmq.ROUTER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, m.MAX_FRAME_BYTES)
-        try:
-            s.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as e:
-            s.close()
-            raise ConfigError(f"config key {key}: cannot listen on {self.cfg.p2p_host}:{port} ({e}): give each "
-                              "instance (and TP rank) its own port") from None
-        return s
+    def _hello(self) -> m.Hello:
+        return m.Hello(peer_id=self.info.instance_id, tp_rank=self.rank, agent_name=self.agent.name,
+                       agent_metadata=self.lender.metadata, fingerprint=self.fp)
+
+    def _bad_frame(self, why: str) -> None:
+        self._warn.warning("P2P worker %s: rejected %s", self.info.instance_id, why)
 
     def close(self) -> None:
         """Deregister, stop the thread, free every registration; bounded."""
@@ -271,21 +244,21 @@ class P2PWorker:
     async def _stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if hasattr(self, "_push"):
             with contextlib.suppress(zmq.ZMQError):
                 await self._push.send(m.encode(m.DeregisterWorker(instance_id=self.info.instance_id,
                                                                   worker_id=self.rank, epoch=self.epoch)),
                                       zmq.NOBLOCK)
+        if hasattr(self, "reader"):
+            self.reader.peers.close()
+        if hasattr(self, "lender"):
+            await self.lender.close()
         if hasattr(self, "nixl"):
-            for reg in [*self._regs.values(), *([self._arena_reg] if self._arena_reg else [])]:
-                with contextlib.suppress(Exception):
-                    await self.nixl.call(self.agent.deregister_memory, reg.descs)
-            self._regs.clear()
-            self._arena_reg = None
             self.nixl.stop()
         if hasattr(self, "ctx"):
-            for p in self._peers.values():
-                p.lookup.close(linger=0)
+            for s in self._socks:
+                s.close(linger=0)
             self.ctx.destroy(linger=0)
 
     def _send(self, msg: m.Msg) -> None:
@@ -294,19 +267,6 @@ class P2PWorker:
         except zmq.ZMQError as e:  # the controller is away and the queue is full: the next resync fixes it
             self._warn.warning("P2P worker: a report to the controller was dropped (%s)", e)
 
-    async def _serve(self, sock: zmq.asyncio.Socket, handler) -> None:
-        while True:
-            parts = await sock.recv_multipart()
-            try:
-                reply = await handler(m.decode(parts[-1]))
-            except m.MessageError as e:
-                reply = m.ErrorReply(code="bad_message", message=str(e)[:4000])
-            except Exception as e:  # noqa: BLE001 - a peer's request must not stop the server
-                logger.exception("P2P worker: handling a request failed")
-                reply = m.ErrorReply(code="internal", message=str(e)[:4000])
-            if reply is not None:
-                await sock.send_multipart([*parts[:-1], m.encode(reply)])
-
     # ---- reports to the controller ----
     def _on_tier(self, event: str, key: bytes, data: torch.Tensor) -> None:
         self._events.put((event, key, data))
@@ -314,16 +274,15 @@ class P2PWorker:
     async def _heartbeat_loop(self) -> None:
         while True:
             self._send(m.Heartbeat(worker=self.info, num_chunks=len(self.cpu), used_bytes=self.cpu.used))
+            self.health["heartbeats"].recovered()
             await asyncio.sleep(self.cfg.lmcache_worker_heartbeat_time)
 
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(REPORT_S)
             await self._report()
-            now = time.monotonic()
-            for lid in [lid for lid, lease in self._leases.items() if lease.expires < now]:
-                logger.warning("P2P lease %s expired before the peer released it", lid)
-                await self._release(lid)
+            await self.lender.expire()
+            self.health["reports"].recovered()
 
     async def _report(self) -> None:
         """Send what the CPU tier admitted and dropped since the last call, in order."""
@@ -343,18 +302,14 @@ class P2PWorker:
                 break
             if event == "put":
                 admit[key] = data.numel()
-                await self._reg_of(data)  # registered ahead: serving it then costs nothing
+                await self.lender.added(data)
                 if key in self._news:
                     self._news.discard(key)
                     adopted.append((key, data.numel()))
             else:
                 admit.pop(key, None)
                 evict.append(key)
-                reg = self._regs.get(data.data_ptr())
-                if reg is not None and reg.data is data:
-                    reg.dead = True
-                    if not reg.leases:
-                        await self._deregister(data.data_ptr())
+                await self.lender.removed(data)
         for i in range(0, len(evict), REPORT_BATCH):
             self._send(m.ChunkEvict(instance_id=self.info.instance_id, worker_id=self.rank, epoch=self.epoch,
                                     location=LOCATION, keys=evict[i:i + REPORT_BATCH]))
@@ -372,230 +327,24 @@ class P2PWorker:
             self._notice.send(m.encode(m.TierNotice(adopted=[k for k, _ in a], sizes=[n for _, n in a],
                                                     dropped=dropped[i:i + REPORT_BATCH])))
 
-    # ---- serving peers ----
-    async def _on_hello(self, msg: m.Msg) -> m.Msg:
-        if not isinstance(msg, m.PeerHello):
-            return m.ErrorReply(code="unexpected", message=f"{type(msg).__name__} on the p2p init port")
-        if msg.layout != self.layout:
-            return m.ErrorReply(code="fingerprint", message=(
-                f"instance {self.info.instance_id} keeps its KV in another layout (model, dtype, block size "
-                f"or chunk format differ) than {msg.instance_id}: P2P needs the same"))
-        self._seen[msg.agent_name] = set()  # a new handshake: the peer starts from our full metadata
-        return m.PeerWelcome(instance_id=self.info.instance_id, agent_name=self.agent.name,
-                             agent_metadata=self.metadata)
-
-    async def _on_fetch(self, msg: m.Msg) -> m.Msg | None:
-        if isinstance(msg, m.PeerRelease):
-            await self._release(msg.lease_id)
-            return None
-        if not isinstance(msg, m.PeerFetch):
-            return m.ErrorReply(code="unexpected", message=f"{type(msg).__name__} on the p2p lookup port")
-        datas = []
-        for key in msg.keys:
-            d = self.cpu.get(key)
-            if d is None:
-                break
-            datas.append(d)
-        seen = self._seen.setdefault(msg.agent_name, set())
-        mds = []
-        for d in datas:
-            reg = await self._reg_of(d)
-            if reg.serial not in seen:
-                seen.add(reg.serial)
-                mds.append(reg.md)
-            reg.leases += 1
-        nbytes = sum(d.numel() for d in datas)
-        lease_s = 2 * self.cfg.blocking_timeout_secs + nbytes / (MIN_GBPS * 1e9)
-        lid = uuid.uuid4().hex[:16]
-        if datas:
-            self._leases[lid] = _Lease(datas, time.monotonic() + lease_s)
-            if self.cpu.arena is not None:
-                self.cpu.arena.pause()  # until released: the peer's READ needs these cores
-            self.nixl.progress += 1  # the peer's READ needs this agent to make progress
-            self.loop.call_soon(self.nixl.wake)  # after the reply is sent: the woken thread takes the GIL
-        self.counters["p2p_served_chunks"] += len(datas)
-        self.counters["p2p_served_bytes"] += nbytes
-        return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=[d.data_ptr() for d in datas],
-                            sizes=[d.numel() for d in datas],
-                            lease_seconds=lease_s, metadata=mds)
-
-    async def _release(self, lid: str) -> None:
-        lease = self._leases.pop(lid, None)
-        if lease is None:
-            return
-        if self.cpu.arena is not None:
-            self.cpu.arena.resume()
-        self.nixl.progress -= 1
-        for d in lease.datas:
-            reg = self._arena_reg if self._in_arena(d) else self._regs.get(d.data_ptr())
-            if reg is None:
-                continue
-            reg.leases -= 1
-            if reg.dead and not reg.leases:
-                await self._deregister(d.data_ptr())
-
-    def _in_arena(self, d: torch.Tensor) -> bool:
-        return self._arena_reg is not None and self.cpu.arena.holds(d)
-
-    async def _reg_of(self, d: torch.Tensor) -> _Reg:
-        """The registration a peer READs `d` through: the arena's, or (made now) its own."""
-        if self._in_arena(d):
-            return self._arena_reg
-        reg = self._regs.get(d.data_ptr())
-        if reg is None:
-            reg = self._regs[d.data_ptr()] = await self._new_reg(d)
-        return reg
-
-    async def _new_reg(self, d: torch.Tensor) -> _Reg:
-        descs = await self.nixl.call(self.agent.register_memory, d)
-        md = await self.nixl.call(self.agent.get_partial_agent_metadata, descs, False, ["UCX"])
-        self._serial += 1
-        return _Reg(d, descs, md, self._serial)
-
-    async def _deregister(self, ptr: int) -> None:
-        reg = self._regs.pop(ptr)
-        for seen in self._seen.values():
-            seen.discard(reg.serial)
-        try:
-            await self.nixl.call(self.agent.deregister_memory, reg.descs)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not deregister a P2P chunk: %s", e)
-
     # ---- fetching from peers ----
-    async def _peer(self, addr: m.PeerAddr, deadline: float) -> _Peer:
-        k = (addr.host, addr.init_port)
-        peer = self._peers.get(k)
-        if peer is not None:
-            return peer
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        try:
-            s.connect(f"tcp://{zmq_host(addr.host)}:{addr.init_port}")
-            await s.send(m.encode(m.PeerHello(instance_id=self.info.instance_id, agent_name=self.agent.name,
-                                              agent_metadata=self.metadata, layout=self.layout)))
-            if not await s.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
-                raise P2PError(f"peer {addr.host}:{addr.init_port} did not answer the handshake")
-            reply = m.decode(await s.recv(), expect=(m.PeerWelcome, m.ErrorReply))
-        except m.MessageError as e:
-            raise P2PError(f"peer {addr.host}:{addr.init_port} sent a bad handshake: {e}") from None
-        finally:
-            s.close(linger=0)
-        if isinstance(reply, m.ErrorReply):
-            raise P2PError(f"peer {addr.host}:{addr.init_port} refused: {reply.message}")
-        name = await self.nixl.call(self.agent.add_remote_agent, reply.agent_metadata)
-        name = name.decode() if isinstance(name, bytes) else name
-        look = self.ctx.socket(zmq.DEALER)
-        look.setsockopt(zmq.LINGER, 0)
-        look.connect(f"tcp://{zmq_host(addr.host)}:{addr.lookup_port}")
-        peer = self._peers[k] = _Peer(addr, name, reply.instance_id, look)
-        logger.info("Established connection to peer_init_url %s:%d. The peer_lookup_url: %s:%d", addr.host,
-                    addr.init_port, addr.host, addr.lookup_port)
-        return peer
-
-    async def _forget_peer(self, addr: m.PeerAddr) -> None:
-        peer = self._peers.pop((addr.host, addr.init_port), None)
-        if peer is not None:
-            peer.lookup.close(linger=0)
-            with contextlib.suppress(Exception):
-                await self.nixl.call(self.agent.remove_remote_agent, peer.name)
-
     async def _fetch(self, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int] | None,
                      timeout: float, max_bytes: int | None = None) -> list[torch.Tensor]:
         """The leading chunks of `keys` the peer holds (all of them when `sizes` is given, else
         P2PError), READ into new CPU memory; P2PError beyond `max_bytes`."""
         deadline = time.monotonic() + timeout
         try:
-            peer, reply = await self._lease(addr, keys, deadline)
+            peer, reply = await self.reader.lease(addr, keys, deadline)
             need = sum(reply.sizes)
             if max_bytes is not None and need > max_bytes:
-                with contextlib.suppress(zmq.ZMQError):
-                    await peer.lookup.send(m.encode(m.PeerRelease(lease_id=reply.lease_id)))
+                await self.reader.release(peer, reply.lease_id)
                 raise P2PError(f"{self.info.instance_id}'s CPU tier has {fmt_bytes(max(max_bytes, 0))} free of "
                                f"{fmt_bytes(self.cpu.capacity)}; the move needs {fmt_bytes(need)}: raise "
                                "max_local_cpu_size, move fewer tokens, or POST /clear it first")
-            return await self._read(peer, reply, sizes, deadline)
+            return await self.reader.read(peer, reply, sizes, deadline)
         except P2PError:
             self.counters["p2p_errors"] += 1
             raise
-
-    async def _lease(self, addr: m.PeerAddr, keys: Sequence[bytes], deadline: float) -> tuple[_Peer, m.PeerChunks]:
-        """Ask the peer's lookup port for `keys`: their addresses, held for us until released."""
-        try:
-            peer = await self._peer(addr, deadline)
-            async with peer.lock:
-                rid = uuid.uuid4().hex[:16]
-                await peer.lookup.send(m.encode(m.PeerFetch(request_id=rid, agent_name=self.agent.name,
-                                                            keys=list(keys))))
-                while True:
-                    try:  # recv under a timeout, not poll then recv: one wake-up less (0.4 vs 0.6 ms here)
-                        raw = await asyncio.wait_for(peer.lookup.recv(), max(0.0, deadline - time.monotonic()))
-                    except TimeoutError:
-                        raise P2PError(f"peer {peer.instance_id} did not answer the lookup in time") from None
-                    reply = m.decode(raw, expect=(m.PeerChunks, m.ErrorReply))
-                    if isinstance(reply, m.ErrorReply):
-                        raise P2PError(f"peer {peer.instance_id}: {reply.message}")
-                    if reply.request_id == rid:
-                        return peer, reply
-        except (P2PError, m.MessageError, zmq.ZMQError) as e:
-            await self._forget_peer(addr)  # a restarted peer has a new agent: handshake again next time
-            raise P2PError(str(e)) from None
-
-    async def _read(self, peer: _Peer, reply: m.PeerChunks, sizes: Sequence[int] | None,
-                    deadline: float) -> list[torch.Tensor]:
-        read_failed = False
-        arena = self.cpu.arena
-        if arena is not None:
-            arena.pause()  # its touch-ahead thread would take cores from the READ
-        try:
-            n = len(reply.addrs)
-            if sizes is not None:
-                if n < len(sizes):
-                    raise P2PError(f"peer {peer.instance_id} holds {n} of the {len(sizes)} chunks (evicted since "
-                                   "the lookup)")
-                if list(reply.sizes) != list(sizes):
-                    raise P2PError(f"peer {peer.instance_id} has chunks of other sizes ({reply.sizes[:3]}... vs "
-                                   f"{list(sizes[:3])}...): another KV layout")
-            if not n:
-                return []
-            deadline += sum(reply.sizes) / (MIN_GBPS * 1e9)  # the lookup's timeout plus time for the bytes
-            t0 = time.monotonic()
-            for md in reply.metadata:
-                await self.nixl.call(self.agent.add_remote_agent, md)
-            dest = [self.cpu.alloc(s) for s in reply.sizes]
-            own = [d for d in dest if not self._in_arena(d)]
-            descs = await self.nixl.call(self.agent.register_memory, own) if own else None
-            xfer = self.nixl.xfer("READ", [(d.data_ptr(), d.numel(), 0) for d in dest], "DRAM",
-                                  [(a, s, 0) for a, s in zip(reply.addrs, reply.sizes, strict=True)], "DRAM",
-                                  peer.name, b"", deadline)
-            try:
-                state = await asyncio.shield(xfer)
-            except asyncio.CancelledError:
-                # The READ may write into `dest` until NIXL ends it (at `deadline` at the latest):
-                # keep the memory (and its registration) until then.
-                await asyncio.wait([xfer])
-                raise
-            finally:
-                if descs is not None:
-                    await self.nixl.call(self.agent.deregister_memory, descs)
-            if state != "DONE":
-                read_failed = True
-                raise P2PError(f"NIXL READ from {peer.instance_id}: {state}")
-            dt = time.monotonic() - t0
-            nbytes = sum(reply.sizes)
-            self.counters["p2p_read_chunks"] += n
-            self.counters["p2p_read_bytes"] += nbytes
-            self.counters["p2p_read_seconds"] += dt
-            logger.debug("P2P: read %d chunks (%s) from %s in %.2f ms", n, fmt_bytes(nbytes), peer.instance_id,
-                         dt * 1e3)
-            return dest
-        finally:
-            if arena is not None:
-                arena.resume()
-            if reply.lease_id:
-                with contextlib.suppress(zmq.ZMQError):
-                    await peer.lookup.send(m.encode(m.PeerRelease(lease_id=reply.lease_id)))
-            if read_failed:  # e.g. a peer restarted on the same ports has a new agent: handshake again
-                await self._forget_peer(peer.addr)
 
     def fetch(self, peer_id: str, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int]) -> \
             list[torch.Tensor] | None:
@@ -620,7 +369,20 @@ class P2PWorker:
         self.loop.call_soon_threadsafe(self._send, msg)
 
     # ---- the controller's commands ----
-    async def _on_command(self, msg: m.Msg) -> m.Msg:
+    async def _on_command(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        try:
+            msg = m.decode(body, expect=(m.PullChunks, m.DropChunks, m.ClearChunks, m.Resync))
+        except m.MessageError as e:
+            await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            return
+        try:
+            result = await self._command(msg)
+        except Exception as e:  # noqa: BLE001 - the controller hears what failed; the port serves on
+            logger.exception("P2P worker: command %s failed", type(msg).__name__)
+            result = m.CommandResult(event_id=msg.event_id, ok=False, message=f"{type(e).__name__}: {e}"[:4000])
+        await peering.reply(sock, ident, result)
+
+    async def _command(self, msg: m.Msg) -> m.CommandResult:
         if isinstance(msg, m.PullChunks):
             return await self._pull(msg)
         if isinstance(msg, m.DropChunks):
@@ -639,17 +401,14 @@ class P2PWorker:
             self._tell_planner([], keys)
             logger.info("P2P worker: CPU tier cleared by the controller (%d chunks)", n)
             return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=n)
-        if isinstance(msg, m.Resync):
-            await self._report()  # what is queued first: the snapshot then supersedes it
-            keys = self.cpu.keys()
-            sizes = [d.numel() if (d := self.cpu.get(k)) is not None else 0 for k in keys]
-            for i in range(0, max(len(keys), 1), REPORT_BATCH):
-                self._send(m.ChunkAdmit(instance_id=self.info.instance_id, worker_id=self.rank, epoch=self.epoch,
-                                        location=LOCATION, keys=keys[i:i + REPORT_BATCH],
-                                        sizes=sizes[i:i + REPORT_BATCH], reset=i == 0))
-            return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=len(keys))
-        return m.CommandResult(event_id=getattr(msg, "event_id", "?"), ok=False,
-                               message=f"{type(msg).__name__} is not a worker command")
+        await self._report()  # Resync: what is queued first, the snapshot then supersedes it
+        keys = self.cpu.keys()
+        sizes = [d.numel() if (d := self.cpu.get(k)) is not None else 0 for k in keys]
+        for i in range(0, max(len(keys), 1), REPORT_BATCH):
+            self._send(m.ChunkAdmit(instance_id=self.info.instance_id, worker_id=self.rank, epoch=self.epoch,
+                                    location=LOCATION, keys=keys[i:i + REPORT_BATCH],
+                                    sizes=sizes[i:i + REPORT_BATCH], reset=i == 0))
+        return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=len(keys))
 
     async def _pull(self, msg: m.PullChunks) -> m.CommandResult:
         want = [k for k in msg.keys if self.cpu.get(k) is None]
@@ -671,4 +430,5 @@ class P2PWorker:
         return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=len(datas), nbytes=nbytes)
 
     def stats(self) -> dict[str, float]:
-        return dict(self.counters)
+        restarts = sum(h.restarts for h in self.health.values())
+        return {**self.counters, **self.reader.counters, **self.lender.counters, "p2p_loop_restarts": restarts}

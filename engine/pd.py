@@ -89,7 +89,7 @@ class PDProducer:
         self._salt = key_salt(fp)
         # Staging pages are local: held for the longest a send may take, then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
-        self.counters = {"sent": 0, "failed": 0, "bytes": 0, "tokens": 0}
+        self.counters = {"pd_sent": 0, "pd_send_failures": 0, "pd_sent_bytes": 0}
 
     def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
                block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
@@ -102,7 +102,7 @@ class PDProducer:
                                        timeout=self.cfg.pd_alloc_timeout)
         except PDBufferError as e:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(plan), e)
-            self.counters["failed"] += 1
+            self.counters["pd_send_failures"] += 1
             return None
         try:
             views = [self.staging.page(p) for p in res.pages]
@@ -123,14 +123,13 @@ class PDProducer:
         try:
             r = fut.result()
         except (SendError, concurrent.futures.CancelledError) as e:
-            self.counters["failed"] += 1
+            self.counters["pd_send_failures"] += 1
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)
         else:
             dt = time.monotonic() - out.started
-            self.counters["sent"] += 1
-            self.counters["bytes"] += r.bytes
-            self.counters["tokens"] += out.num_tokens
+            self.counters["pd_sent"] += 1
+            self.counters["pd_sent_bytes"] += r.bytes
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks sent, %d skipped)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks, r.skipped_chunks)
@@ -165,7 +164,22 @@ class PDConsumer:
         self.receiver.start()
         self._salt = key_salt(fp)
         self._pending: dict[str, _Expected] = {}
-        self.counters = {"loaded": 0, "failed": 0, "timeouts": 0, "bytes": 0, "tokens": 0}
+        # pd_recomputed: requests whose KV did not arrive or could not be loaded (vLLM recomputes
+        # them, or fails them with pd_kv_timeout_action: fail); pd_kv_timeouts is the part that timed out.
+        self.counters = {"pd_loaded": 0, "pd_recomputed": 0, "pd_kv_timeouts": 0, "pd_received_bytes": 0}
+
+    def pin(self, transfer_id: str) -> None:
+        """The decoder's scheduler holds the request: keep its KV until it is scheduled (pd_queue_seconds)."""
+        self.receiver.table.pin(transfer_id)
+
+    def unpin(self, transfer_id: str) -> None:
+        """The request ended: KV it did not read is not kept for anyone."""
+        self.receiver.table.unpin(transfer_id, "its request ended")
+
+    def stats(self) -> dict[str, float]:
+        table, rx = self.receiver.table.counters, self.receiver.counters
+        return {**self.counters, "pd_quarantined": table["quarantined"], "pd_bad_frames": rx["bad_frames"],
+                "pd_loop_restarts": self.receiver.nixl_health.restarts}
 
     def expect(self, req_id: str, transfer_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
                num_tokens: int, skip_tokens: int = 0) -> None:
@@ -207,7 +221,8 @@ class PDConsumer:
             if st == "pending":
                 if now < e.deadline:
                     continue
-                self.counters["timeouts"] += 1
+                self.counters["pd_kv_timeouts"] += 1
+                self.counters["pd_recomputed"] += 1
                 logger.warning("transfer %s (request %s): KV did not arrive within %.1fs (pd_kv_ready_timeout); "
                                "%s", e.transfer_id, req_id, self.cfg.pd_kv_ready_timeout,
                                "the request fails (pd_kv_timeout_action: fail)"
@@ -217,6 +232,7 @@ class PDConsumer:
                 continue
             del self._pending[req_id]
             if st != "arrived":
+                self.counters["pd_recomputed"] += 1
                 logger.warning("transfer %s (request %s) cannot be loaded: %s; %s", e.transfer_id, req_id, st,
                                "the request fails" if self.cfg.pd_kv_timeout_action == "fail"
                                else "recomputing the prompt")
@@ -225,7 +241,7 @@ class PDConsumer:
             try:
                 self._load(e)
             except (TransferError, ValueError, LayoutError) as err:
-                self.counters["failed"] += 1
+                self.counters["pd_recomputed"] += 1
                 logger.warning("transfer %s (request %s) not loaded: %s", e.transfer_id, req_id, err)
                 failed.add(req_id)
             else:
@@ -252,9 +268,8 @@ class PDConsumer:
                                     chunk_tokens(sent, self.fp.chunk_size), 0, e.block_ids, e.skip_tokens,
                                     e.num_tokens)
         dt = time.monotonic() - t0
-        self.counters["loaded"] += 1
-        self.counters["bytes"] += nbytes
-        self.counters["tokens"] += e.num_tokens
+        self.counters["pd_loaded"] += 1
+        self.counters["pd_received_bytes"] += nbytes
         logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
                     e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
 

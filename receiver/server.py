@@ -2,14 +2,20 @@
 
 Two threads, neither of which spins:
 
-- ``kvf-recv-ports``: an asyncio loop serving the init and alloc ports (ZMQ ROUTER). Each
-  request is its own task, and allocations that must wait for pages wait in a thread pool, so a
-  slow or stuck request never holds up another.
+- ``kvf-recv-ports``: an asyncio loop serving the init and alloc ports (ZMQ ROUTER, made by
+  common/zsock.py: with a cluster secret only its holders get a frame through, and the NIXL
+  metadata of the pd_buffer goes to nobody else). Each request is its own task (buffer/peering.py),
+  and allocations that must wait for pages wait in a thread pool, so a slow or stuck request never
+  holds up another.
 - ``kvf-recv-nixl``: the only user of the NIXL agent after start-up. It polls notifications
   (every 50 us while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
   commits arrived transfers, sends the optional proxy notification, and expires leases. Its
   polls also drive UCX's progress on this side, which large writes need: UCX's rendezvous
-  protocol moves the data when the target answers, so idle polling would stall a write.
+  protocol moves the data when the target answers, so idle polling would stall a write. A
+  failure in it is logged and the loop starts again (common/supervise.py).
+
+The rules that keep one request from reading another's KV (single-use transfer ids, quarantined
+pages after an abort, pinned transfers) live in receiver/transfers.py.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvferry.buffer import nixl_agent
+from kvferry.buffer import nixl_agent, peering
 from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer, PDBufferError
 from kvferry.common import messages as m
+from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferTable
+from kvferry.common.supervise import LoopHealth, supervise_thread
+from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
 
 logger = get_logger(__name__)
 
@@ -52,6 +60,8 @@ class ReceiverConfig:
     proxy_host: str | None = None  # pd_proxy_host
     proxy_port: int | None = None  # pd_proxy_port
     max_waiting_allocs: int = 64
+    queue_seconds: float = 600.0  # pd_queue_seconds
+    trust: zsock.Trust = zsock.PLAIN
 
 
 def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
@@ -63,7 +73,7 @@ def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
     return ReceiverConfig(cfg.pd_peer_host or "0.0.0.0", init[tp_rank], alloc[tp_rank],
                           alloc_timeout=cfg.pd_alloc_timeout, lease_seconds=cfg.pd_lease_seconds,
                           kv_ready_timeout=cfg.pd_kv_ready_timeout, proxy_host=cfg.pd_proxy_host,
-                          proxy_port=cfg.pd_proxy_port)
+                          proxy_port=cfg.pd_proxy_port, queue_seconds=cfg.pd_queue_seconds, trust=zsock.trust_of(cfg))
 
 
 class ReceiverError(RuntimeError):
@@ -85,7 +95,8 @@ class KVReceiver:
         self.epoch = random.SystemRandom().randrange(1, 1 << 62)
         self.receiver_id = receiver_id or f"{cfg.host}:{cfg.init_port}"
         self._holds = holds
-        self.table = TransferTable(buffer)
+        self.table = TransferTable(buffer, cfg.lease_seconds, cfg.queue_seconds)
+        self._allocating: set[str] = set()  # ids between an alloc's arrival and its table entry
         self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}")
         self._agent_metadata = b""
         self._stop = threading.Event()
@@ -96,6 +107,7 @@ class KVReceiver:
         self._ready = threading.Event()
         self._stop_async: Callable[[], object] = lambda: None
         self._start_error: BaseException | None = None
+        self.nixl_health = LoopHealth("receiver NIXL thread")
         self.counters = {"handshakes": 0, "allocs": 0, "arrivals": 0, "bad_frames": 0, "skipped_chunks": 0,
                          "alloc_errors": 0, "proxy_notifications": 0}
 
@@ -109,7 +121,8 @@ class KVReceiver:
         if not self._ready.wait(10) or self._start_error is not None:
             self.close()
             raise ReceiverError(f"receiver ports did not start: {self._start_error}")
-        t = threading.Thread(target=self._nixl_main, name="kvf-recv-nixl", daemon=True)
+        t = threading.Thread(target=supervise_thread, args=(self.nixl_health, self._nixl_main, self._stop),
+                             name="kvf-recv-nixl", daemon=True)
         t.start()
         self._threads.append(t)
         logger.info("receiver %s listening: init port %d, alloc port %d, pd_buffer %d pages of %d bytes "
@@ -143,9 +156,6 @@ class KVReceiver:
         with self.table.claim(transfer_id, self.cfg.kv_ready_timeout if timeout is None else timeout) as t:
             yield t
 
-    def lookup(self, key: bytes) -> str | None:
-        return self.table.lookup(key)
-
     # ---- ports ----
     def _ports_main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -158,55 +168,32 @@ class KVReceiver:
             loop.close()
 
     async def _serve(self) -> None:
-        ctx = zmq.asyncio.Context.instance()
+        ctx = zmq.asyncio.Context()
         socks = []
         try:
-            for port in (self.cfg.init_port, self.cfg.alloc_port):
-                s = ctx.socket(zmq.ROUTER)
-                s.setsockopt(zmq.LINGER, 0)
-                # A hard cap far above any valid frame; decode() rejects, with a reply, what lies between.
-                s.setsockopt(zmq.MAXMSGSIZE, 4 * m.MAX_FRAME_BYTES)
+            for port, key in ((self.cfg.init_port, "pd_peer_init_port"), (self.cfg.alloc_port, "pd_peer_alloc_port")):
                 try:
-                    s.bind(f"tcp://{self.cfg.host}:{port}")
-                except zmq.ZMQError as e:
-                    s.close()
-                    raise ReceiverError(f"cannot bind {self.cfg.host}:{port} ({e}): the port is in use; "
-                                        "choose other pd_peer_init_port / pd_peer_alloc_port") from None
-                socks.append(s)
+                    socks.append(zsock.listen(ctx, zmq.ROUTER, self.cfg.trust, self.cfg.host, port, key))
+                except zsock.BindError as e:
+                    raise ReceiverError(str(e)) from None
             init, alloc = socks
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
             self._ready.set()
-            tasks: set[asyncio.Task] = set()
             # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
-            readers = [asyncio.ensure_future(self._read_port(sock, name, handler, tasks))
+            readers = [asyncio.ensure_future(peering.serve(sock, handler, name, lambda why, n=name: self._bad_frame(why, n)))
                        for sock, name, handler in ((init, "init", self._on_init), (alloc, "alloc", self._on_alloc))]
             if self._stop.is_set():
                 stop.set()
             await stop.wait()
-            for task in [*readers, *tasks]:
+            for task in readers:
                 task.cancel()
-            await asyncio.gather(*readers, *tasks, return_exceptions=True)
+            await asyncio.gather(*readers, return_exceptions=True)
         finally:
             for s in socks:
                 s.close(linger=0)
-
-    async def _read_port(self, sock: zmq.asyncio.Socket, name: str, handler, tasks: set[asyncio.Task]) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 2:  # [identity, body] from a DEALER; anything else is junk
-                self._bad_frame(f"a {len(frames) - 1}-part message", name)
-                continue
-            task = asyncio.ensure_future(handler(sock, frames[0], frames[1]))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    async def _reply(self, sock: zmq.asyncio.Socket, ident: bytes, msg: m.Msg) -> None:
-        try:
-            await sock.send_multipart([ident, m.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # peer gone: ROUTER drops; nothing to undo for a reply
-            logger.debug("reply to a gone peer dropped: %s", e)
+            ctx.term()
 
     def _bad_frame(self, why: str, port_name: str) -> None:
         self.counters["bad_frames"] += 1
@@ -214,35 +201,31 @@ class KVReceiver:
 
     async def _on_init(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
         try:
-            req = m.decode(body, expect=m.HandshakeRequest)
+            hello = m.decode(body, expect=m.Hello)
         except m.MessageError as e:
             self._bad_frame(f"a bad frame ({e})", "init")
-            await self._reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
-        diff = self.fingerprint.diff(req.fingerprint)
-        if diff:
-            msg = (f"KV layout mismatch between sender {req.sender_id} and receiver {self.receiver_id}: "
-                   + "; ".join(diff) + f". sender: {req.fingerprint}; receiver: {self.fingerprint}")
-            logger.error(msg)
-            await self._reply(sock, ident, m.ErrorReply(code="fingerprint", message=msg[:4000]))
-            return
-        self.counters["handshakes"] += 1
-        logger.info("handshake from %s (rank %d, agent %s)", req.sender_id, req.tp_rank, req.agent_name)
-        await self._reply(sock, ident, m.HandshakeResponse(
-            receiver_id=self.receiver_id, epoch=self.epoch, agent_name=self._agent.name,
-            agent_metadata=self._agent_metadata, buffer_addr=self.buffer.base_addr,
-            page_bytes=self.buffer.page_bytes, num_pages=self.buffer.num_pages, fingerprint=self.fingerprint,
-            device_id=nixl_agent.device_id(self.buffer.device), mem_type=nixl_agent.mem_type(self.buffer.device)))
+        answer = peering.welcome(hello, ("receiver", "sender"), self.receiver_id, self.fingerprint, self.epoch, self._agent.name,
+                                 self._agent_metadata, m.Region(
+                                     addr=self.buffer.base_addr, page_bytes=self.buffer.page_bytes,
+                                     num_pages=self.buffer.num_pages, mem_type=nixl_agent.mem_type(self.buffer.device),
+                                     device_id=nixl_agent.device_id(self.buffer.device)))
+        if isinstance(answer, m.Welcome):
+            self.counters["handshakes"] += 1
+            logger.info("handshake from %s (rank %d, agent %s)", hello.peer_id, hello.tp_rank, hello.agent_name)
+        await peering.reply(sock, ident, answer)
 
     async def _on_alloc(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        arrival = time.monotonic()  # a queued alloc's wait counts from here
         try:
             req = m.decode(body, expect=(m.AllocRequest, m.AbortTransfer))
         except m.MessageError as e:
             self._bad_frame(f"a bad frame ({e})", "alloc")
-            await self._reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
         if isinstance(req, m.AbortTransfer):
-            self.table.abort(req.transfer_id, req.generation, req.reason)
+            self.table.abort(req.transfer_id, req.generation, req.reason, conn=ident, final=req.final)
             return
         tid = req.transfer_id
 
@@ -251,12 +234,24 @@ class KVReceiver:
             return m.ErrorReply(code=code, message=message[:4000], transfer_id=tid)
 
         if req.epoch != self.epoch:
-            await self._reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
-                                                 f"(epoch {self.epoch}, request carried {req.epoch}): handshake again"))
+            await peering.reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
+                                                   f"(epoch {self.epoch}, request carried {req.epoch}): handshake again"))
             return
-        if tid in self.table:
-            await self._reply(sock, ident, error("duplicate", f"transfer {tid} is already in progress"))
+        why = self.table.refusal(tid) or (f"transfer {tid} is already in progress" if tid in self._allocating else None)
+        if why is not None:
+            await peering.reply(sock, ident, error("duplicate", why))
             return
+        self._allocating.add(tid)
+        try:
+            reply = await self._reserve(req, ident, arrival)
+        finally:
+            self._allocating.discard(tid)
+        if isinstance(reply, m.ErrorReply):
+            self.counters["alloc_errors"] += 1
+        await peering.reply(sock, ident, reply)
+
+    async def _reserve(self, req: m.AllocRequest, ident: bytes, arrival: float) -> m.Msg:
+        tid = req.transfer_id
         skip = [i for i, k in enumerate(req.chunk_keys) if self._holds is not None and self._holds(k)]
         need = len(req.chunk_keys) - len(skip)
         res = None
@@ -264,35 +259,41 @@ class KVReceiver:
             try:
                 res = self.buffer.reserve(need, tid, self.cfg.lease_seconds, timeout=0)
             except BufferTooSmall as e:
-                await self._reply(sock, ident, error("too_large", str(e)))
-                return
-            except BufferFullTimeout:
+                return m.ErrorReply(code="too_large", message=str(e)[:4000], transfer_id=tid)
+            except BufferFullTimeout as e:
+                if len(self._allocating) > self.cfg.max_waiting_allocs:
+                    return m.ErrorReply(code="buffer_full", transfer_id=tid, message=(
+                        f"{e}; {len(self._allocating) - 1} allocs are waiting already, the most this receiver "
+                        "queues")[:4000])
                 # Wait our turn (FIFO) off the loop; other requests go on meanwhile.
+                deadline = arrival + self.cfg.alloc_timeout
                 logger.info("transfer %s waits for %d pages (pd_alloc_timeout %.1fs)", tid, need,
                             self.cfg.alloc_timeout)
                 try:
                     res = await asyncio.get_running_loop().run_in_executor(
                         self._pool, lambda: self.buffer.reserve(need, tid, self.cfg.lease_seconds,
-                                                                timeout=self.cfg.alloc_timeout))
+                                                                timeout=max(0.001, deadline - time.monotonic())))
                 except PDBufferError as e:  # timed out, or the receiver is closing
-                    await self._reply(sock, ident, error("buffer_full", str(e)))
-                    return
-        self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), skip, req.num_tokens, res))
+                    return m.ErrorReply(code="buffer_full", message=str(e)[:4000], transfer_id=tid)
+        try:
+            self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), skip, req.num_tokens, res, ident))
+        except TransferError as e:  # aborted while it waited for pages: no WRITE can be under way yet
+            if res is not None:
+                self.buffer.release(res)
+            return m.ErrorReply(code="aborted", message=str(e)[:4000], transfer_id=tid)
         self._kick.set()  # poll fast from now on: UCX needs this side's progress to move the data
         self.counters["allocs"] += 1
         self.counters["skipped_chunks"] += len(skip)
-        await self._reply(sock, ident, m.AllocResponse(
-            transfer_id=tid, generation=res.generation if res else 0, pages=list(res.pages) if res else [],
-            skip=skip, lease_seconds=self.cfg.lease_seconds))
+        return m.AllocResponse(transfer_id=tid, generation=res.generation if res else 0,
+                               pages=list(res.pages) if res else [], skip=skip, lease_seconds=self.cfg.lease_seconds)
 
     # ---- NIXL arrivals ----
     def _nixl_main(self) -> None:
+        ctx = zmq.Context()
         proxy = None
         if self.cfg.proxy_host and self.cfg.proxy_port:
-            proxy = zmq.Context.instance().socket(zmq.PUSH)
-            proxy.setsockopt(zmq.LINGER, 0)
+            proxy = zsock.connect(ctx, zmq.PUSH, self.cfg.trust, zsock.tcp(self.cfg.proxy_host, self.cfg.proxy_port))
             proxy.setsockopt(zmq.SNDHWM, 1000)
-            proxy.connect(f"tcp://{self.cfg.proxy_host}:{self.cfg.proxy_port}")
         next_sweep = time.monotonic() + SWEEP_S
         try:
             while not self._stop.is_set():
@@ -305,9 +306,9 @@ class KVReceiver:
                     next_sweep = now + SWEEP_S
                 self._kick.wait(ACTIVE_POLL_S if self.table.expecting() else IDLE_POLL_S)
                 self._kick.clear()
+                self.nixl_health.recovered()
         finally:
-            if proxy is not None:
-                proxy.close(linger=0)
+            ctx.destroy(linger=0)
 
     def _on_notif(self, raw: bytes, proxy: zmq.Socket | None) -> None:
         try:

@@ -5,6 +5,18 @@ transfer's data before its notification). The engine claims it by `transfer_id`;
 the pages while it copies them out and releases them on every exit path. A transfer that is
 never written, or written and never read, loses its pages when its lease expires; its owner
 calls `sweep()` now and then to notice (the receiver's NIXL thread, every 0.5 s).
+
+No request ever reads another request's KV:
+
+- Transfer ids are single-use: an alloc for an id that is live, has ended, or was aborted before
+  its alloc came is refused (the ids of ended transfers are remembered, bounded).
+- The pages of a transfer aborted before its data arrived are *quarantined*, not freed: its
+  sender may still have a WRITE in flight into them. They come back when that write's
+  notification arrives, when the sender that reserved them says it never wrote (a `final`
+  abort on the same connection), or at the lease's end, after which no sender posts a write.
+- A transfer whose decode request the decoder's scheduler already holds is *pinned*: once its
+  data arrived it is kept for `queue_seconds` (pd_queue_seconds) instead of the lease, so a
+  request queued behind others loads its KV instead of recomputing the prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ class Incoming:
     skip: list[int]  # chunk indices the receiver already held: not sent
     num_tokens: int
     res: Reservation | None  # None when every chunk was skipped
+    conn: bytes = b""  # the connection that reserved it: only it may end the quarantine early
+    expires: float = float("inf")  # an entry without pages lives this long (monotonic time)
     arrived: bool = False
     arrived_at: float = 0.0  # time.monotonic() when the notification was processed
 
@@ -66,24 +80,55 @@ class ReceivedTransfer:
 class TransferTable:
     """Thread-safe: the ports thread adds, the NIXL thread marks arrivals, engine threads claim."""
 
-    _FINISHED_MEMORY = 4096  # recently finished ids, to tell "already read" from "unknown"
+    ENDED_MEMORY = 16384  # ended ids remembered: "already read" vs "unknown", and no reuse of an id
+    MAX_PINS = 65536
+    MAX_LIVE = 65536
 
-    def __init__(self, buffer: PDBuffer) -> None:
+    def __init__(self, buffer: PDBuffer, lease_seconds: float = 30.0, queue_seconds: float = 600.0) -> None:
         self.buffer = buffer
+        self.lease_seconds, self.queue_seconds = lease_seconds, queue_seconds
         self._cond = threading.Condition()
         self._live: dict[str, Incoming] = {}
-        self._finished: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why it ended
-        self._by_key: dict[bytes, str] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why it ended
+        self._quarantine: dict[str, Incoming] = {}  # aborted, pages held until no WRITE can land
+        self._pins: OrderedDict[str, None] = OrderedDict()
         self._expecting = 0  # live transfers not yet arrived; read by the NIXL thread every poll
+        self.counters = {"quarantined": 0, "late_writes": 0, "refused_ids": 0, "pinned": 0}
 
     def __contains__(self, transfer_id: str) -> bool:
         with self._cond:
             return transfer_id in self._live
 
-    def add(self, inc: Incoming) -> None:
+    def __len__(self) -> int:
         with self._cond:
+            return len(self._live)
+
+    def refusal(self, transfer_id: str) -> str | None:
+        """Why an alloc for `transfer_id` must be refused now (ids are single-use), or None."""
+        with self._cond:
+            if transfer_id in self._live:
+                return f"transfer {transfer_id} is already in progress"
+            why = self._ended.get(transfer_id)
+            if why is not None:
+                return f"transfer {transfer_id} already ended ({why}): transfer ids are single-use"
+            if len(self._live) >= self.MAX_LIVE:
+                return f"{len(self._live)} transfers are in progress, the most this receiver tracks"
+            return None
+
+    def add(self, inc: Incoming) -> None:
+        """Start tracking `inc`; TransferError (the caller still owns the pages) when its id is
+        taken or was aborted meanwhile."""
+        with self._cond:
+            why = None
             if inc.transfer_id in self._live:
-                raise TransferError(f"transfer {inc.transfer_id} is already in progress")
+                why = f"transfer {inc.transfer_id} is already in progress"
+            elif inc.transfer_id in self._ended:
+                why = f"transfer {inc.transfer_id} ended before its pages were granted ({self._ended[inc.transfer_id]})"
+            if why is not None:
+                self.counters["refused_ids"] += 1
+                raise TransferError(why)
+            if inc.res is None:
+                inc.expires = time.monotonic() + self.lease_seconds
             self._live[inc.transfer_id] = inc
             self._expecting += 1
             if inc.res is None:  # nothing to send: complete at once
@@ -98,14 +143,25 @@ class TransferTable:
         """The sender's notification came: commit the pages. None if the transfer is gone."""
         with self._cond:
             inc = self._live.get(transfer_id)
+            if inc is None:
+                q = self._quarantine.get(transfer_id)
+                if q is not None and q.res is not None and q.res.generation == generation:
+                    # The aborted transfer's WRITE has landed: nothing more can, the pages are free.
+                    del self._quarantine[transfer_id]
+                    self.buffer.release(q.res)
+                    self.counters["late_writes"] += 1
+                    logger.info("transfer %s: the write of an aborted transfer landed; its pages are free again",
+                                transfer_id)
+                    return None
             if inc is None or inc.res is None or inc.res.generation != generation or inc.arrived:
-                why = (self._finished.get(transfer_id, "unknown transfer") if inc is None
+                why = (self._ended.get(transfer_id, "unknown transfer") if inc is None
                        else "duplicate or stale generation")
                 logger.warning("notification for transfer %s (generation %d) ignored: %s",
                                transfer_id, generation, why)
                 return None
+            pinned = transfer_id in self._pins
             try:
-                self.buffer.commit(inc.res)
+                self.buffer.commit(inc.res, read_within=self.queue_seconds if pinned else None)
             except ReservationGone:
                 self._end_locked(inc, "lease expired before the data arrived")
                 logger.warning("transfer %s arrived after its lease expired: dropped; raise "
@@ -119,52 +175,93 @@ class TransferTable:
         inc.arrived = True
         inc.arrived_at = time.monotonic()
         self._expecting -= 1
-        for i in inc.sent_indices:
-            self._by_key[inc.chunk_keys[i]] = inc.transfer_id
 
     def _forget_locked(self, inc: Incoming, why: str) -> None:
         """Take `inc` out of the table (its pages are the caller's business)."""
         del self._live[inc.transfer_id]
         if not inc.arrived:
             self._expecting -= 1
-        for k in inc.chunk_keys:
-            if self._by_key.get(k) == inc.transfer_id:
-                del self._by_key[k]
-        self._finished[inc.transfer_id] = why
-        while len(self._finished) > self._FINISHED_MEMORY:
-            self._finished.popitem(last=False)
+        self._pins.pop(inc.transfer_id, None)
+        self._remember_locked(inc.transfer_id, why)
         self._cond.notify_all()
+
+    def _remember_locked(self, transfer_id: str, why: str) -> None:
+        self._ended[transfer_id] = why
+        self._ended.move_to_end(transfer_id)
+        while len(self._ended) > self.ENDED_MEMORY:
+            self._ended.popitem(last=False)
 
     def _end_locked(self, inc: Incoming, why: str) -> None:
         self._forget_locked(inc, why)
         if inc.res is not None:
             self.buffer.release(inc.res)
 
-    def abort(self, transfer_id: str, generation: int, reason: str) -> bool:
+    def abort(self, transfer_id: str, generation: int, reason: str, conn: bytes = b"", final: bool = False) -> bool:
+        """Drop a transfer nobody will read. Arrived data is freed at once; pages a WRITE may still
+        land in are quarantined (see the module docstring); an id not seen yet is remembered, so
+        its late alloc is refused. `final` (its sender never wrote) counts only from `conn`, the
+        connection that reserved the pages."""
+        why = f"aborted ({reason})" if reason else "aborted"
         with self._cond:
             inc = self._live.get(transfer_id)
-            if inc is None or (generation and inc.res is not None and inc.res.generation != generation):
+            if inc is None:
+                q = self._quarantine.get(transfer_id)
+                if q is not None and final and conn and conn == q.conn and \
+                        (not generation or q.res.generation == generation):
+                    del self._quarantine[transfer_id]
+                    self.buffer.release(q.res)
+                    return True
+                if transfer_id not in self._ended:
+                    self._remember_locked(transfer_id, why + " before its alloc")
+                    logger.info("transfer %s aborted before its alloc: %s", transfer_id, reason or "no reason")
                 return False
-            logger.info("transfer %s aborted by its sender: %s", transfer_id, reason or "no reason given")
-            self._end_locked(inc, f"aborted by the sender ({reason})" if reason else "aborted by the sender")
+            if generation and inc.res is not None and inc.res.generation != generation:
+                return False
+            logger.info("transfer %s aborted: %s", transfer_id, reason or "no reason given")
+            if inc.arrived or inc.res is None or (final and conn and conn == inc.conn):
+                self._end_locked(inc, why)
+            else:
+                self._forget_locked(inc, why)
+                self._quarantine[transfer_id] = inc
+                self.counters["quarantined"] += 1
             return True
+
+    def pin(self, transfer_id: str) -> None:
+        """The decode request for `transfer_id` is held by this decoder's scheduler: keep its data
+        for queue_seconds once it arrived, not the lease (it is read when the request is scheduled)."""
+        with self._cond:
+            if transfer_id in self._ended:
+                return
+            self._pins[transfer_id] = None
+            self._pins.move_to_end(transfer_id)
+            while len(self._pins) > self.MAX_PINS:
+                self._pins.popitem(last=False)
+            self.counters["pinned"] += 1
+            inc = self._live.get(transfer_id)
+            if inc is not None and inc.arrived and inc.res is not None:
+                self.buffer.extend(inc.res, self.queue_seconds)
+
+    def unpin(self, transfer_id: str, why: str) -> None:
+        """Its request ended: if it was not read, nobody will read it."""
+        with self._cond:
+            self._pins.pop(transfer_id, None)
+        self.abort(transfer_id, 0, why)
 
     def sweep(self) -> int:
         """Forget transfers whose lease expired (the buffer already took their pages back)."""
         self.buffer.reap()
+        now = time.monotonic()
         with self._cond:
-            dead = [i for i in self._live.values() if i.res is not None and not self.buffer.is_live(i.res)]
+            dead = [i for i in self._live.values()
+                    if (i.res is not None and not self.buffer.is_live(i.res)) or (i.res is None and i.expires <= now)]
             for inc in dead:
                 logger.warning("transfer %s from %s: lease expired %s; its pages are free again",
                                inc.transfer_id, inc.sender_id,
                                "unread" if inc.arrived else "before the data arrived")
                 self._end_locked(inc, "lease expired")
+            for tid in [t for t, q in self._quarantine.items() if not self.buffer.is_live(q.res)]:
+                del self._quarantine[tid]  # the lease ended: its pages are back, no write can come
             return len(dead)
-
-    def lookup(self, key: bytes) -> str | None:
-        """The arrived, unread transfer holding the chunk `key`, if any."""
-        with self._cond:
-            return self._by_key.get(key)
 
     def wait(self, transfer_id: str, timeout: float) -> bool:
         """True once `transfer_id` arrived; False at the timeout; TransferGone if it ended."""
@@ -174,8 +271,8 @@ class TransferTable:
                 inc = self._live.get(transfer_id)
                 if inc is not None and inc.arrived:
                     return True
-                if inc is None and transfer_id in self._finished:
-                    raise TransferGone(f"transfer {transfer_id}: {self._finished[transfer_id]}")
+                if inc is None and transfer_id in self._ended:
+                    raise TransferGone(f"transfer {transfer_id}: {self._ended[transfer_id]}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -187,7 +284,7 @@ class TransferTable:
             inc = self._live.get(transfer_id)
             if inc is not None:
                 return "arrived" if inc.arrived else "pending"
-            return self._finished.get(transfer_id, "pending")
+            return self._ended.get(transfer_id, "pending")
 
     def wait_any(self, transfer_ids: Collection[str], timeout: float) -> None:
         """Return once one of `transfer_ids` arrived or ended, or after `timeout` seconds."""
@@ -196,7 +293,7 @@ class TransferTable:
             while True:
                 for tid in transfer_ids:
                     inc = self._live.get(tid)
-                    if (inc is not None and inc.arrived) or (inc is None and tid in self._finished):
+                    if (inc is not None and inc.arrived) or (inc is None and tid in self._ended):
                         return
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -212,7 +309,7 @@ class TransferTable:
         with self._cond:
             inc = self._live.get(transfer_id)
             if inc is None:
-                raise TransferGone(f"transfer {transfer_id}: {self._finished.get(transfer_id, 'unknown')}")
+                raise TransferGone(f"transfer {transfer_id}: {self._ended.get(transfer_id, 'unknown')}")
             # Claimed: nobody else may read it, whatever happens next.
             self._forget_locked(inc, "already read")
         views: list = []
@@ -228,7 +325,16 @@ class TransferTable:
             if inc.res is not None:
                 self.buffer.release(inc.res)
 
+    def sizes(self) -> dict[str, int]:
+        """How much the table holds (for tests and stats: every one of these is bounded)."""
+        with self._cond:
+            return {"live": len(self._live), "ended": len(self._ended), "quarantine": len(self._quarantine),
+                    "pins": len(self._pins)}
+
     def close(self) -> None:
         with self._cond:
             for inc in list(self._live.values()):
                 self._end_locked(inc, "receiver closed")
+            for q in self._quarantine.values():
+                self.buffer.release(q.res)
+            self._quarantine.clear()

@@ -6,11 +6,15 @@ loop (``kvf-send``) owning every ZMQ socket, and ``kvf-send-nixl``, the NIXL age
 which posts writes and polls them every 50 us while one is in flight and sleeps on its queue
 otherwise. Every wait is bounded:
 
-- handshake: pd_handshake_timeout, once per receiver, cached; a receiver that restarted (new
-  epoch) answers the next alloc with ``stale_epoch`` and the sender handshakes again, once.
+- handshake: pd_handshake_timeout, once per receiver, cached in a bounded peer table
+  (buffer/peering.py, shared with P2P); a receiver that restarted (new epoch) answers the next
+  alloc with ``stale_epoch`` and the sender handshakes again, once.
 - alloc: pd_alloc_timeout (the receiver's own bound) plus the handshake bound as slack.
 - write: the lease. No write is posted after the lease deadline, counted from when the alloc
   request left (earlier than the receiver's own start of the lease), less a safety margin.
+
+A transfer given up before its write was posted is aborted with ``final``: the receiver may reuse
+its pages at once. Once a write was posted, only its notification or the lease's end frees them.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
-from kvferry.buffer import nixl_agent
+from kvferry.buffer import nixl_agent, peering
 from kvferry.common import messages as m
+from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
 
@@ -36,7 +41,7 @@ POLL_S = 0.00005
 LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
 
 
-class SendError(RuntimeError):
+class SendError(peering.PeerError):
     """A transfer failed; the message names the receiver and the key that bounds the failed step."""
 
     code = "send_failed"
@@ -46,7 +51,7 @@ class HandshakeFailed(SendError):
     code = "handshake"
 
 
-class FingerprintMismatch(HandshakeFailed):
+class FingerprintMismatch(HandshakeFailed, peering.FingerprintError):
     code = "fingerprint"
 
 
@@ -62,6 +67,10 @@ class LeaseExpired(SendError):
 
 class WriteFailed(SendError):
     code = "write"
+
+
+class _Restarted(Exception):
+    """The receiver answered with another epoch than we handshook with: handshake again, once."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,13 @@ class SenderConfig:
     handshake_timeout: float = 5.0  # pd_handshake_timeout
     alloc_timeout: float = 10.0  # pd_alloc_timeout
     tp_rank: int = 0
+    trust: zsock.Trust = zsock.PLAIN
+    max_receivers: int = peering.MAX_PEERS
 
 
 def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> SenderConfig:
     return SenderConfig(sender_id, handshake_timeout=cfg.pd_handshake_timeout, alloc_timeout=cfg.pd_alloc_timeout,
-                        tp_rank=tp_rank)
+                        tp_rank=tp_rank, trust=zsock.trust_of(cfg))
 
 
 @dataclass
@@ -95,21 +106,6 @@ class SendResult:
     bytes: int
     seconds: float
     handshook: bool = False
-
-
-@dataclass
-class _Peer:
-    addr: ReceiverAddr
-    epoch: int
-    agent_name: str
-    buffer_addr: int
-    page_bytes: int
-    num_pages: int
-    mem_type: str
-    device_id: int
-    alloc_sock: zmq.asyncio.Socket
-    pending: dict[str, asyncio.Future] = field(default_factory=dict)
-    reader: asyncio.Task | None = None
 
 
 class KVSender:
@@ -123,11 +119,13 @@ class KVSender:
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
         self._ranges: list[tuple[int, int]] = []
-        self._peers: dict[ReceiverAddr, _Peer] = {}
-        self._locks: dict[ReceiverAddr, asyncio.Lock] = {}
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
         self._nixl = nixl_agent.NixlThread(self._agent, self._loop, POLL_S)
+        self._peers = peering.PeerTable(
+            self._ctx, cfg.trust, self._nixl, self._hello, fingerprint, roles=("sender", "receiver"), me=cfg.sender_id,
+            timeout_key="pd_handshake_timeout", on_drop=self._on_drop, max_peers=cfg.max_receivers,
+            error=HandshakeFailed, fingerprint_error=FingerprintMismatch)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
         self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "skipped_chunks": 0}
@@ -176,8 +174,7 @@ class KVSender:
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        for peer in list(self._peers.values()):
-            self._drop_peer(peer)
+        self._peers.close()
         for descs in self._regs:
             await self._nixl.call(self._agent.deregister_memory, descs)
         self._regs.clear()
@@ -189,90 +186,53 @@ class KVSender:
         self.close()
 
     # ---- peers ----
-    async def _peer(self, addr: ReceiverAddr) -> tuple[_Peer, bool]:
-        lock = self._locks.setdefault(addr, asyncio.Lock())
-        async with lock:
-            peer = self._peers.get(addr)
-            if peer is not None:
-                return peer, False
-            peer = await self._handshake(addr)
-            self._peers[addr] = peer
-            return peer, True
+    def _hello(self) -> m.Hello:
+        return m.Hello(peer_id=self.cfg.sender_id, tp_rank=self.cfg.tp_rank, agent_name=self._agent.name,
+                       agent_metadata=self._metadata, fingerprint=self.fingerprint)
 
-    def _drop_peer(self, peer: _Peer) -> None:
-        if self._peers.get(peer.addr) is peer:
-            del self._peers[peer.addr]
-        if peer.reader is not None:
-            peer.reader.cancel()
-        for fut in peer.pending.values():
+    async def _peer(self, addr: ReceiverAddr) -> tuple[peering.Peer, bool]:
+        peer, new = await self._peers.get(addr.host, addr.init_port, addr.alloc_port, self.cfg.handshake_timeout)
+        if new:
+            w = peer.welcome
+            if w.region is None:
+                self._peers.drop(peer, "no pd_buffer in its welcome")
+                raise HandshakeFailed(f"receiver {addr} ({w.peer_id}) offers no pd_buffer to write into: is it a "
+                                      "decoder's pd_peer_init_port?")
+            peer.state.update(addr=addr, pending={}, reader=asyncio.ensure_future(self._read_allocs(peer)))
+            self.counters["handshakes"] += 1
+            logger.info("connected to receiver %s (%s, epoch %d, %d pages of %d bytes)", addr, w.peer_id, w.epoch,
+                        w.region.num_pages, w.region.page_bytes)
+        return peer, new
+
+    def _on_drop(self, peer: peering.Peer, why: str) -> None:
+        if peer.state.get("reader") is not None:
+            peer.state["reader"].cancel()
+        for fut in peer.state.get("pending", {}).values():
             if not fut.done():
-                fut.set_exception(SendError(f"connection to receiver {peer.addr} was reset"))
-        peer.alloc_sock.close(linger=0)
-        self._nixl.call(self._remove_agent, peer.agent_name)
+                fut.set_exception(SendError(f"connection to receiver {peer.state['addr']} was reset: {why}"))
 
-    def _remove_agent(self, name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as e:  # noqa: BLE001 - already gone is fine
-            logger.debug("remove_remote_agent(%s): %s", name, e)
-
-    async def _handshake(self, addr: ReceiverAddr) -> _Peer:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{addr.host}:{addr.init_port}")
-        try:
-            await sock.send(m.encode(m.HandshakeRequest(
-                sender_id=self.cfg.sender_id, tp_rank=self.cfg.tp_rank, agent_name=self._agent.name,
-                agent_metadata=self._metadata, fingerprint=self.fingerprint)))
-            if not await sock.poll(int(self.cfg.handshake_timeout * 1000), zmq.POLLIN):
-                raise HandshakeFailed(f"receiver {addr} did not answer the handshake within "
-                                      f"{self.cfg.handshake_timeout:.1f}s (pd_handshake_timeout): is the "
-                                      "decoder up, and are pd_peer_host / pd_peer_init_port right?")
-            reply = m.decode(await sock.recv(), expect=(m.HandshakeResponse, m.ErrorReply))
-        except m.MessageError as e:
-            raise HandshakeFailed(f"receiver {addr} sent a bad handshake reply: {e}") from None
-        finally:
-            sock.close(linger=0)
-        if isinstance(reply, m.ErrorReply):
-            cls = FingerprintMismatch if reply.code == "fingerprint" else HandshakeFailed
-            raise cls(f"receiver {addr} refused the handshake: {reply.message}")
-        diff = self.fingerprint.diff(reply.fingerprint)
-        if diff:
-            raise FingerprintMismatch(f"receiver {addr} has a different KV layout: {'; '.join(diff)}. "
-                                      f"sender: {self.fingerprint}; receiver: {reply.fingerprint}")
-        name = await self._nixl.call(self._agent.add_remote_agent, reply.agent_metadata)
-        name = name.decode() if isinstance(name, bytes) else name
-        alloc = self._ctx.socket(zmq.DEALER)
-        alloc.setsockopt(zmq.LINGER, 0)
-        alloc.connect(f"tcp://{addr.host}:{addr.alloc_port}")
-        peer = _Peer(addr, reply.epoch, name, reply.buffer_addr, reply.page_bytes,
-                     reply.num_pages, reply.mem_type, reply.device_id, alloc)
-        peer.reader = asyncio.ensure_future(self._read_allocs(peer))
-        self.counters["handshakes"] += 1
-        logger.info("connected to receiver %s (%s, epoch %d, %d pages of %d bytes)", addr, reply.receiver_id,
-                    reply.epoch, reply.num_pages, reply.page_bytes)
-        return peer
-
-    async def _read_allocs(self, peer: _Peer) -> None:
+    async def _read_allocs(self, peer: peering.Peer) -> None:
         """Route alloc replies (which may come out of order) to their transfers."""
+        pending = peer.state["pending"]
         while True:
-            body = await peer.alloc_sock.recv()
+            body = await peer.sock.recv()
             try:
                 reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply))
             except m.MessageError as e:
-                logger.warning("receiver %s sent a bad alloc reply: %s", peer.addr, e)
+                logger.warning("receiver %s sent a bad alloc reply: %s", peer.state["addr"], e)
                 continue
-            fut = peer.pending.pop(reply.transfer_id or "", None)
+            fut = pending.pop(reply.transfer_id or "", None)
             if fut is not None and not fut.done():
                 fut.set_result(reply)
             elif isinstance(reply, m.AllocResponse):
-                # We gave up on it already: hand the pages back at once.
-                await self._abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting")
+                # We gave up on it already and wrote nothing: the pages may go back at once.
+                await self._abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
 
-    async def _abort(self, peer: _Peer, transfer_id: str, generation: int, reason: str) -> None:
+    async def _abort(self, peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
+        """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
         try:
-            await peer.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
-                                                                reason=reason[:4000])), flags=zmq.NOBLOCK)
+            await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
+                                                          reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.debug("abort of %s not sent: %s", transfer_id, e)
 
@@ -281,7 +241,14 @@ class KVSender:
                     num_tokens: int) -> SendResult:
         t0 = time.monotonic()
         try:
-            res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0, retry=True)
+            try:
+                res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0)
+            except _Restarted:
+                logger.info("receiver %s restarted: handshaking again", addr)
+                res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0)
+        except _Restarted as e:
+            self.counters["failed"] += 1
+            raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
         except SendError:
             self.counters["failed"] += 1
             raise
@@ -291,59 +258,66 @@ class KVSender:
         return res
 
     async def _send_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
-                         num_tokens: int, t0: float, retry: bool) -> SendResult:
+                         num_tokens: int, t0: float) -> SendResult:
         peer, handshook = await self._peer(addr)
+        region = peer.welcome.region
         for _, n in chunks:
-            if n > peer.page_bytes:
-                raise SendError(f"a {n}-byte chunk does not fit receiver {addr}'s {peer.page_bytes}-byte pages")
+            if n > region.page_bytes:
+                raise SendError(f"a {n}-byte chunk does not fit receiver {addr}'s {region.page_bytes}-byte pages")
+        pending = peer.state["pending"]
         fut = asyncio.get_running_loop().create_future()
-        peer.pending[tid] = fut
-        sent_at = time.monotonic()
-        wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
-        request = m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.epoch,
-                                          chunk_keys=keys, num_tokens=num_tokens))
+        pending[tid] = fut
+        peer.busy += 1
         try:
-            # The send is bounded too: with the receiver gone, ZMQ's queue can fill up.
-            await asyncio.wait_for(peer.alloc_sock.send(request), wait)
-            reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
-        except TimeoutError:
-            peer.pending.pop(tid, None)
-            await self._abort(peer, tid, 0, "alloc timed out")
-            raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
-                                         f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
-        if isinstance(reply, m.ErrorReply):
-            if reply.code == "stale_epoch" and retry:
-                logger.info("receiver %s restarted: handshaking again", addr)
-                self._drop_peer(peer)
-                return await self._send_once(tid, addr, keys, chunks, num_tokens, t0, retry=False)
-            raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
-        deadline = sent_at + reply.lease_seconds * (1 - LEASE_MARGIN)
-        skipped = set(reply.skip)
-        todo = [c for i, c in enumerate(chunks) if i not in skipped]
-        if len(todo) != len(reply.pages) or any(p >= peer.num_pages for p in reply.pages):
-            await self._abort(peer, tid, reply.generation, "bad page list")
-            raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
-        nbytes = sum(n for _, n in todo)
-        if todo:
-            await self._write(peer, tid, reply.generation, todo, list(reply.pages), deadline)
-        return SendResult(tid, len(todo), len(skipped), nbytes, time.monotonic() - t0, handshook)
+            sent_at = time.monotonic()
+            wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
+            request = m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.welcome.epoch,
+                                              chunk_keys=keys, num_tokens=num_tokens))
+            try:
+                # The send is bounded too: with the receiver gone, ZMQ's queue can fill up.
+                await asyncio.wait_for(peer.sock.send(request), wait)
+                reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
+            except TimeoutError:
+                pending.pop(tid, None)
+                await self._abort(peer, tid, 0, "alloc timed out", final=True)
+                raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
+                                             f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
+            if isinstance(reply, m.ErrorReply):
+                if reply.code == "stale_epoch":
+                    self._peers.drop(peer, "the receiver restarted")
+                    raise _Restarted(reply.message)
+                raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
+            deadline = sent_at + reply.lease_seconds * (1 - LEASE_MARGIN)
+            skipped = set(reply.skip)
+            todo = [c for i, c in enumerate(chunks) if i not in skipped]
+            if len(todo) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
+                    len(set(reply.pages)) != len(reply.pages):
+                await self._abort(peer, tid, reply.generation, "bad page list", final=True)
+                raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
+            nbytes = sum(n for _, n in todo)
+            if todo:
+                await self._write(peer, tid, reply.generation, todo, list(reply.pages), deadline)
+            return SendResult(tid, len(todo), len(skipped), nbytes, time.monotonic() - t0, handshook)
+        finally:
+            peer.busy -= 1
 
-    async def _write(self, peer: _Peer, tid: str, generation: int, todo: list[tuple[int, int]],
+    async def _write(self, peer: peering.Peer, tid: str, generation: int, todo: list[tuple[int, int]],
                      pages: list[int], deadline: float) -> None:
+        addr, region = peer.state["addr"], peer.welcome.region
         if time.monotonic() >= deadline:
-            await self._abort(peer, tid, generation, "lease ran out before the write")
+            await self._abort(peer, tid, generation, "lease ran out before the write", final=True)
             raise LeaseExpired(f"transfer {tid}: the lease ran out before the write could start; raise "
                                "pd_lease_seconds")
         local = [(a, n, nixl_agent.device_id(self.device)) for a, n in todo]
-        remote = [(peer.buffer_addr + p * peer.page_bytes, n, peer.device_id)
-                  for p, (_, n) in zip(pages, todo, strict=True)]
+        remote = [(region.addr + p * region.page_bytes, n, region.device_id) for p, (_, n) in zip(pages, todo, strict=True)]
         notif = m.encode(m.ArrivalNotice(transfer_id=tid, generation=generation))
-        state = await self._nixl.xfer("WRITE", local, nixl_agent.mem_type(self.device), remote, peer.mem_type,
-                                       peer.agent_name, notif, deadline)
+        state = await self._nixl.xfer("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
+                                      peer.agent, notif, deadline)
         if state != "DONE":
-            await self._abort(peer, tid, generation, f"write {state}")
-            self._drop_peer(peer)  # the connection may be broken: handshake afresh next time
+            # A write was posted: it may still land until the lease ends, so not `final`.
+            await self._abort(peer, tid, generation, f"write {state}", final=False)
+            self._peers.drop(peer, f"write {state}")  # the connection may be broken: handshake afresh next time
             if state == "EXPIRED":
-                raise LeaseExpired(f"transfer {tid} to {peer.addr}: the write did not finish within the lease; "
+                raise LeaseExpired(f"transfer {tid} to {addr}: the write did not finish within the lease; "
                                    "raise pd_lease_seconds")
-            raise WriteFailed(f"transfer {tid} to {peer.addr}: NIXL write failed: {state}")
+            raise WriteFailed(f"transfer {tid} to {addr}: NIXL write failed: {state}")

@@ -3,17 +3,22 @@ receiver ports, for tests against real vLLM servers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import zmq
 
 from kvferry.common import messages as m
+from kvferry.common.netutil import free_port
 from kvferry.engine.pd import KV_LAYOUT_NAMES
-from kvferry.launcher.pd_instances import Decoder
+from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 
 
@@ -93,13 +98,12 @@ class RawPeer:
         self.d, self.fp, self.name = d, fp, name
         self.ctx = zmq.Context()
         s = self._sock(d.init_port)
-        s.send(m.encode(m.HandshakeRequest(sender_id=name, tp_rank=0, agent_name=name, agent_metadata=b"-",
-                                           fingerprint=fp)))
+        s.send(m.encode(m.Hello(peer_id=name, agent_name=name, agent_metadata=b"-", fingerprint=fp)))
         assert s.poll(10000), "no handshake reply"
-        reply = m.decode(s.recv(), expect=(m.HandshakeResponse, m.ErrorReply))
+        reply = m.decode(s.recv(), expect=(m.Welcome, m.ErrorReply))
         s.close()
-        assert isinstance(reply, m.HandshakeResponse), reply
-        self.epoch, self.num_pages = reply.epoch, reply.num_pages
+        assert isinstance(reply, m.Welcome), reply
+        self.epoch, self.num_pages = reply.epoch, reply.region.num_pages
         self.alloc_sock = self._sock(d.alloc_port)
 
     def _sock(self, port: int) -> zmq.Socket:
@@ -115,8 +119,10 @@ class RawPeer:
         assert self.alloc_sock.poll(int(timeout * 1000)), "no alloc reply"
         return m.decode(self.alloc_sock.recv(), expect=(m.AllocResponse, m.ErrorReply))
 
-    def abort(self, tid: str, generation: int) -> None:
-        self.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=generation, reason="test")))
+    def abort(self, tid: str, generation: int, final: bool = True) -> None:
+        """`final`: this peer wrote nothing into the pages (it never does), so they are free at once."""
+        self.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=generation, reason="test",
+                                                      final=final)))
 
     def fully_free(self, timeout: float = 20) -> bool:
         """True once an alloc of every page succeeds (it is handed back at once)."""
@@ -133,3 +139,28 @@ class RawPeer:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder]) -> Iterator[str]:
+    """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy."""
+    port = free_port()
+    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port)]
+    for p in prefillers:
+        args += ["--prefiller", p.url]
+    for d in decoders:
+        args += ["--decoder", f"{d.url},{d.init_port},{d.alloc_port}"]
+    px = subprocess.Popen(args, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        px.terminate()
+        px.wait(10)

@@ -4,7 +4,6 @@ instance, the decoder computes one prompt token, and lost transfers end in bound
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import random
 import subprocess
@@ -20,7 +19,6 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
-from kvferry.common.netutil import free_port
 from kvferry.connector.kvferry_connector import connector_config
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.launcher.pd_instances import Decoder, Prefiller
@@ -30,6 +28,7 @@ from tests.pd_helpers import (
     completion,
     disagg,
     plain,
+    running_proxy,
     source_tokens,
     tiny_fingerprint,
     tokens_and_logprobs,
@@ -286,31 +285,6 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
     finally:
         p2.stop()
         d2.stop()
-
-
-@contextlib.contextmanager
-def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder]) -> Iterator[str]:
-    """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy."""
-    port = free_port()
-    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port)]
-    for p in prefillers:
-        args += ["--prefiller", p.url]
-    for d in decoders:
-        args += ["--decoder", f"{d.url},{d.init_port},{d.alloc_port}"]
-    px = subprocess.Popen(args, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        px.terminate()
-        px.wait(10)
 
 
 @pytest.fixture(scope="module")

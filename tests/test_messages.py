@@ -16,16 +16,18 @@ WORKER = m.WorkerInfo(instance_id="i1", worker_id=0, epoch="e", host="localhost"
                       p2p_init_port=8200, p2p_lookup_port=8201, salt=b"s" * 16, chunk_size=256,
                       partial_chunks=True, heartbeat_timeout=30.0, cpu_capacity=1 << 30)
 SAMPLES = [
-    m.HandshakeRequest(sender_id="p0", tp_rank=0, agent_name="a", agent_metadata=b"\x00" * 100,
-                       fingerprint=FP),
-    m.HandshakeResponse(receiver_id="d0", epoch=7, agent_name="b", agent_metadata=b"x",
-                        buffer_addr=1 << 40, page_bytes=4 << 20, num_pages=256, fingerprint=FP),
+    m.Hello(peer_id="p0", tp_rank=0, agent_name="a", agent_metadata=b"\x00" * 100, fingerprint=FP),
+    m.Welcome(peer_id="d0", epoch=7, agent_name="b", agent_metadata=b"x", fingerprint=FP,
+              region=m.Region(addr=1 << 40, page_bytes=4 << 20, num_pages=256)),
     m.AllocRequest(transfer_id="t1", sender_id="p0", epoch=7, chunk_keys=[b"k" * 16] * 3, num_tokens=700),
     m.AllocResponse(transfer_id="t1", generation=3, pages=[4, 5], skip=[0], lease_seconds=30.0),
     m.ErrorReply(code="buffer_full", message="raise pd_buffer_size", transfer_id="t1"),
     m.ArrivalNotice(transfer_id="t1", generation=3),
-    m.AbortTransfer(transfer_id="t1", reason="client gone"),
+    m.AbortTransfer(transfer_id="t1", reason="client gone", final=True),
     m.ProxyNotification(transfer_id="t1", receiver_id="d0", num_chunks=3, num_tokens=700),
+    m.ServerHello(auth=True, nonce=b"n" * 32),
+    m.AuthAnswer(nonce=b"c" * 32, mac=b"m" * 32),
+    m.AuthOk(mac=b"m" * 32),
     m.RemotePut(key=b"k" * 16, nbytes=4 << 20),
     m.RemoteGet(key=b"k" * 16),
     m.RemoteExists(keys=[b"k" * 16, b"j" * 16]),
@@ -45,8 +47,6 @@ SAMPLES = [
     m.Resync(event_id="e3"),
     m.CommandResult(event_id="e1", ok=True, num_chunks=1, nbytes=10),
     m.TierNotice(adopted=[b"a" * 16], sizes=[10], dropped=[b"b" * 16]),
-    m.PeerHello(instance_id="i2", agent_name="a", agent_metadata=b"md", layout=b"l" * 16),
-    m.PeerWelcome(instance_id="i1", agent_name="b", agent_metadata=b"md"),
     m.PeerFetch(request_id="r1", agent_name="a", keys=[b"a" * 16]),
     m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0,
                  metadata=[b"md"]),
@@ -70,7 +70,7 @@ def test_wrong_version_is_named() -> None:
         m.decode(frame)
     assert e.value.kind == "version"
     # A future version with fields this side does not know is still reported as a version issue.
-    frame = msgspec.msgpack.encode({"t": "arrived", "v": 2, "new_field": [1]})
+    frame = msgspec.msgpack.encode({"t": "arrived", "v": m.PROTOCOL_VERSION + 1, "new_field": [1]})
     with pytest.raises(m.MessageError) as e:
         m.decode(frame)
     assert e.value.kind == "version"
@@ -84,17 +84,48 @@ def test_oversized_frame_rejected_before_parsing() -> None:
 
 def test_unexpected_type() -> None:
     with pytest.raises(m.MessageError) as e:
-        m.decode(m.encode(SAMPLES[5]), expect=(m.AllocRequest, m.HandshakeRequest))
+        m.decode(m.encode(SAMPLES[5]), expect=(m.AllocRequest, m.Hello))
     assert e.value.kind == "unexpected" and "AllocRequest" in str(e.value)
 
 
 def test_limits_enforced() -> None:
-    too_many = msgspec.msgpack.encode({"t": "lookup_req", "v": 1, "keys": [b"k"] * ((1 << 16) + 1)})
+    v = m.PROTOCOL_VERSION
+    too_many = msgspec.msgpack.encode({"t": "lookup_req", "v": v, "keys": [b"k"] * ((1 << 16) + 1)})
     with pytest.raises(m.MessageError):
         m.decode(too_many)
-    negative = msgspec.msgpack.encode({"t": "arrived", "v": 1, "transfer_id": "t", "generation": -1})
+    negative = msgspec.msgpack.encode({"t": "arrived", "v": v, "transfer_id": "t", "generation": -1})
     with pytest.raises(m.MessageError):
         m.decode(negative)
+
+
+@pytest.mark.parametrize("msg,field,bad", [
+    (WORKER, "heartbeat_timeout", float("nan")), (WORKER, "heartbeat_timeout", float("inf")),
+    (WORKER, "heartbeat_timeout", 0.0),
+])
+def test_peer_seconds_must_be_finite_and_bounded(msg, field, bad) -> None:
+    # replace() does not validate: these frames are what a hostile peer can send.
+    with pytest.raises(m.MessageError, match=field):
+        m.decode(m.encode(m.RegisterWorker(worker=msgspec.structs.replace(msg, **{field: bad}))))
+    report = next(x for x in SAMPLES if isinstance(x, m.TransferReport))
+    for sample, key in ((SAMPLES[3], "lease_seconds"), (report, "seconds")):
+        for value in (float("nan"), float("inf"), -1.0):
+            with pytest.raises(m.MessageError, match=key):
+                m.decode(m.encode(msgspec.structs.replace(sample, **{key: value})))
+
+
+def test_parallel_lists_must_have_equal_lengths_and_an_alloc_needs_a_key() -> None:
+    cases = [
+        ({"t": "admit", "instance_id": "i", "worker_id": 0, "epoch": "e", "location": "L", "keys": [b"a", b"b"],
+          "sizes": [1]}, "2 keys and 1 sizes"),
+        ({"t": "peer_chunks", "request_id": "r", "lease_id": "l", "addrs": [1, 2], "sizes": [1],
+          "lease_seconds": 1.0}, "addresses"),
+        ({"t": "tier_notice", "adopted": [b"a"], "sizes": []}, "adopted"),
+        ({"t": "alloc_req", "transfer_id": "t", "sender_id": "s", "epoch": 1, "chunk_keys": [], "num_tokens": 0},
+         "chunk_keys"),
+    ]
+    for body, why in cases:
+        with pytest.raises(m.MessageError, match=why):
+            m.decode(msgspec.msgpack.encode({**body, "v": m.PROTOCOL_VERSION}))
 
 
 def test_fingerprint_diff_shows_both_sides() -> None:
@@ -121,7 +152,7 @@ json_values = st.recursive(
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
-@given(tag=st.sampled_from(TAGS), version=st.sampled_from([1, 1, 0, 2, "1", None]), data=st.data())
+@given(tag=st.sampled_from(TAGS), version=st.sampled_from([2, 2, 0, 1, "2", None]), data=st.data())
 def test_wrong_typed_messages_only_raise_message_error(tag: str, version: object, data: st.DataObject) -> None:
     sample = next(s for s in SAMPLES if s.__struct_config__.tag == tag)
     body = {f: getattr(sample, f) for f in sample.__struct_fields__}

@@ -15,20 +15,23 @@ from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.netutil import free_port
 from kvferry.engine.cpu_tier import CPUTier
-from kvferry.engine.p2p import P2PWorker
+from kvferry.engine.p2p import P2PError, P2PWorker
 from tests.polling import until
+from tests.transfer_helpers import fingerprint
 
 SLOT = 1 << 20
 SLOTS = 4
 
 
-def worker(name: str) -> P2PWorker:
+def worker(name: str, secret: str | None = None, **fp) -> P2PWorker:
     cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
                         p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
                         lmcache_instance_id=name, controller_pull_url=f"127.0.0.1:{free_port()}",
-                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=5.0)
+                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=5.0,
+                        cluster_secret=secret)
     cpu = CPUTier(capacity=SLOTS * SLOT, slot_bytes=SLOT)
-    return P2PWorker(cfg, cpu, 0, 1, b"salt", b"layout", f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
+    return P2PWorker(cfg, cpu, 0, 1, b"salt", fingerprint(SLOT, **fp),
+                     f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     del t
 
     deadline = time.monotonic() + 10
-    peer, reply = reader._call(reader._lease(addr(holder), [b"k0"], deadline), 10)
+    peer, reply = reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10)
     assert list(reply.addrs) == [leased_at] and len(reply.metadata) == 1  # the arena's registration
     until(lambda: holder.cpu.arena._quiet == 1, what="the holder's touch-ahead to pause during a lease")
 
@@ -68,13 +71,13 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     assert len(others) == SLOTS - 1
     assert leased_at not in {o.data_ptr() for o in others}, "a leased slot was handed out again"
 
-    out = reader._call(reader._read(peer, reply, [SLOT], deadline), 10)
+    out = reader._call(reader.reader.read(peer, reply, [SLOT], deadline), 10)
     assert len(out) == 1 and reader.cpu.arena.holds(out[0])
     assert bool((out[0] == 0xAB).all()), "the reader got bytes written after the eviction"
 
     # Released by the read: the slot comes back, and the holder may touch ahead again.
-    until(lambda: not holder._leases, what="the lease's release")
-    assert holder.cpu.arena._quiet == 0 and holder._arena_reg.leases == 0
+    until(lambda: not holder.lender._leases, what="the lease's release")
+    assert holder.cpu.arena._quiet == 0 and holder.lender._arena_reg.leases == 0
     gc.collect()
     until(lambda: holder.cpu.arena.free_slots == 1, what="the leased slot to come back")
     again = holder.cpu.arena.alloc(SLOT)
@@ -90,9 +93,76 @@ def test_the_arena_metadata_goes_to_a_peer_once(pair) -> None:
     deadline = time.monotonic() + 10
     got = []
     for key in (b"\x00", b"\x01"):
-        peer, reply = reader._call(reader._lease(addr(holder), [key], deadline), 10)
+        peer, reply = reader._call(reader.reader.lease(addr(holder), [key], deadline), 10)
         got.append(len(reply.metadata))
-        out = reader._call(reader._read(peer, reply, [SLOT], deadline), 10)
+        out = reader._call(reader.reader.read(peer, reply, [SLOT], deadline), 10)
         assert int(out[0][0]) == key[0] + 1 and int(out[0][-1]) == key[0] + 1
     assert got == [1, 0]
-    assert not holder._regs, "arena chunks got registrations of their own"
+    assert not holder.lender._regs, "arena chunks got registrations of their own"
+
+
+SECRET, OTHER = "p2p-test-cluster-secret-0123456", "a-different-cluster-secret-9876"
+
+
+@pytest.fixture
+def workers():
+    made: list[P2PWorker] = []
+
+    def make(name: str, **kw) -> P2PWorker:
+        made.append(worker(name, **kw))
+        return made[-1]
+
+    yield make
+    for w in reversed(made):
+        w.close()
+        w.cpu.close()
+
+
+def put(w: P2PWorker, key: bytes, value: int) -> None:
+    t = w.cpu.alloc(SLOT)
+    t.fill_(value)
+    w.cpu.put(key, t)
+
+
+def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(workers) -> None:
+    holder = workers("holder", secret=SECRET)
+    put(holder, b"k0", 7)
+    deadline = lambda: time.monotonic() + 1.5  # noqa: E731
+    for name, secret in (("plain", None), ("wrong", OTHER)):
+        intruder = workers(name, secret=secret)
+        with pytest.raises(P2PError, match="did not answer the handshake"):
+            intruder._call(intruder.reader.lease(addr(holder), [b"k0"], deadline()), 10)
+        assert not holder.lender._seen, "the holder answered someone without the secret"
+    friend = workers("friend", secret=SECRET)
+    peer, reply = friend._call(friend.reader.lease(addr(holder), [b"k0"], deadline() + 5), 10)
+    out = friend._call(friend.reader.read(peer, reply, [SLOT], deadline() + 5), 10)
+    assert int(out[0][0]) == 7 and int(out[0][-1]) == 7
+
+
+def test_another_kv_layout_is_refused_naming_both_sides(workers) -> None:
+    holder, reader = workers("holder"), workers("reader", num_kv_heads=4)
+    with pytest.raises(P2PError) as e:
+        reader._call(reader.reader.lease(addr(holder), [b"k0"], time.monotonic() + 5), 10)
+    text = str(e.value)
+    assert "num_kv_heads" in text and "reader:" in text and "holder:" in text
+
+
+def test_leases_per_peer_and_the_peers_remembered_are_bounded(workers, monkeypatch) -> None:
+    from kvferry.sender import lender
+    monkeypatch.setattr(lender, "MAX_LEASES_PER_PEER", 3)
+    monkeypatch.setattr(lender, "MAX_SEEN_PEERS", 2)
+    holder, reader = workers("holder"), workers("reader")
+    put(holder, b"k0", 1)
+    deadline = time.monotonic() + 10
+    held = [reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10) for _ in range(3)]
+    with pytest.raises(P2PError, match="leases of yours are open"):
+        reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10)
+    assert holder.lender.sizes()["leases"] == 3 and holder.lender.counters["p2p_refused_leases"] == 1
+    for peer, reply in held:
+        reader._call(reader.reader.release(peer, reply.lease_id), 10)
+    until(lambda: holder.lender.sizes()["leases"] == 0, what="the releases")
+    for name in ("r2", "r3", "r4"):
+        w = workers(name)
+        p, r = w._call(w.reader.lease(addr(holder), [b"k0"], time.monotonic() + 10), 10)
+        w._call(w.reader.release(p, r.lease_id), 10)
+    assert holder.lender.sizes()["seen_peers"] == 2

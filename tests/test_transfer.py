@@ -25,7 +25,8 @@ from kvferry.sender.client import (  # noqa: E402
     ReceiverAddr,
     SenderConfig,
 )
-from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main  # noqa: E402
+from tests.polling import until  # noqa: E402
+from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
 
 
 @pytest.fixture
@@ -273,11 +274,11 @@ FRAMES = st.one_of(
     st.binary(max_size=300),
     st.builds(lambda t, v: m.encode(m.AllocRequest(transfer_id=t, sender_id="x", epoch=v, chunk_keys=[b"k"],
                                                    num_tokens=1)), st.text(min_size=1, max_size=5), st.integers(0, 9)),
-    st.builds(lambda b: b[:len(b) // 2], st.just(m.encode(m.HandshakeRequest(
-        sender_id="x", tp_rank=0, agent_name="a", agent_metadata=b"m", fingerprint=fingerprint())))),
+    st.builds(lambda b: b[:len(b) // 2], st.just(m.encode(m.Hello(
+        peer_id="x", agent_name="a", agent_metadata=b"m", fingerprint=fingerprint())))),
     st.just(m.encode(m.DeregisterWorker(instance_id="i", worker_id=0, epoch="e"))),
-    st.just(m.encode(m.HandshakeRequest(sender_id="x", tp_rank=0, agent_name="a", agent_metadata=b"m",
-                                        fingerprint=fingerprint())).replace(b"\xa1v\x01", b"\xa1v\x07")),
+    st.just(m.encode(m.Hello(peer_id="x", agent_name="a", agent_metadata=b"m",
+                             fingerprint=fingerprint())).replace(b"\xa1v\x02", b"\xa1v\x07")),
 )
 
 
@@ -399,3 +400,169 @@ def test_closing_a_receiver_ends_waiting_allocs_at_once() -> None:
         assert rx.buffer.fully_free()
     finally:
         sock.close(linger=0)
+
+
+# ---- trust: who gets the pd_buffer's NIXL metadata, and no request reads another's KV ----
+
+SECRET, OTHER = "transfer-test-secret-0123456789", "some-other-cluster-secret-98765"
+
+
+def raw_socket(port: int, secret_text: str | None) -> zmq.Socket:
+    from kvferry.common import zsock
+    return zsock.connect(zmq.Context.instance(), zmq.DEALER, trust(secret_text), zsock.tcp("127.0.0.1", port))
+
+
+def ask(sock: zmq.Socket, msg: m.Msg, timeout: float = 3.0) -> m.Msg | None:
+    sock.send(m.encode(msg))
+    return m.decode(sock.recv()) if sock.poll(int(timeout * 1000)) else None
+
+
+def test_without_the_cluster_secret_a_peer_gets_nothing_and_the_receiver_keeps_serving(receiver, sender) -> None:
+    r = receiver(secret=SECRET)
+    hello = m.Hello(peer_id="intruder", agent_name="a", agent_metadata=b"m", fingerprint=fingerprint())
+    for who in (None, OTHER):
+        for port, msg in ((r.init_port, hello), (r.alloc_port, m.AllocRequest(
+                transfer_id="x", sender_id="x", epoch=r.epoch, chunk_keys=keys(1), num_tokens=1))):
+            sock = raw_socket(port, who)
+            try:
+                assert ask(sock, msg, 1.5) is None, f"a peer with secret {who!r} got an answer on port {port}"
+            finally:
+                sock.close(linger=0)
+    # A real sender with the wrong secret fails the handshake with a message naming the secret.
+    s, src = sender("wrong", trust=trust(OTHER), handshake_timeout=1.0)
+    with pytest.raises(HandshakeFailed, match="cluster secret"):
+        s.send("t0", r.addr, keys(1), chunks_of(src, 1), 32).result(30)
+    assert r.state()[1] and r.state()[3]["handshakes"] == 0 and r.state()[3]["allocs"] == 0
+    # The right secret: the transfer works, byte for byte.
+    s, src = sender("right", trust=trust(SECRET))
+    assert s.send("t1", r.addr, keys(2), chunks_of(src, 2), 64).result(30).sent_chunks == 2
+    kind, _, data = r.ask("claim", "t1", 10)
+    assert kind == "ok" and data[1] == bytes(src[PAGE:2 * PAGE].numpy())
+    # The right raw peer gets the metadata (this is what the others did not get).
+    sock = raw_socket(r.init_port, SECRET)
+    try:
+        assert isinstance(ask(sock, hello), m.Welcome)
+    finally:
+        sock.close(linger=0)
+
+
+def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another_transfer(receiver, sender) -> None:
+    """The proxy aborts transfer A (its client left) after A's pages were reserved and before A's
+    WRITE; B then reserves pages. A's late WRITE must not land in B's pages."""
+    import asyncio
+    r = receiver(pages=4, lease_seconds=20)
+    a, src_a = sender("a")
+    b, src_b = sender("b")
+    src_a.fill_(0xAA)
+    gate = asyncio.Event()
+    original = a._write
+
+    async def held_write(*args, **kw):
+        await gate.wait()
+        return await original(*args, **kw)
+
+    a._write = held_write
+    fa = a.send("A", r.addr, keys(2, 1), chunks_of(src_a, 2), 64)
+    deadline = time.monotonic() + 10
+    while r.state()[2] == 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert r.state()[2] == 2, "A never reserved its pages: nothing was tested"
+    proxy = raw_socket(r.alloc_port, None)  # another connection than A's sender: the proxy's abort
+    try:
+        proxy.send(m.encode(m.AbortTransfer(transfer_id="A", generation=0, reason="client disconnected")))
+        time.sleep(0.3)
+    finally:
+        proxy.close(linger=0)
+    assert b.send("B", r.addr, keys(2, 2), chunks_of(src_b, 2), 64).result(30).sent_chunks == 2
+    a._loop.call_soon_threadsafe(gate.set)
+    assert fa.result(30).sent_chunks == 2  # A's write went somewhere: into its own, quarantined pages
+    time.sleep(0.3)
+    kind, _, data = r.ask("claim", "B", 10)
+    assert kind == "ok"
+    for i in range(2):
+        assert data[i] == bytes(src_b[i * PAGE:(i + 1) * PAGE].numpy()), f"B's chunk {i} holds another's bytes"
+    # A's notification ended the quarantine: every page is back without waiting for the lease.
+    assert r.wait_fully_free(5), r.state()
+    assert r.state()[3]["arrivals"] == 1, "A's aborted write must not be counted as an arrival"
+    # A's id is spent: its alloc again is refused.
+    sock = raw_socket(r.alloc_port, None)
+    try:
+        reply = ask(sock, m.AllocRequest(transfer_id="A", sender_id="a", epoch=r.epoch, chunk_keys=keys(1),
+                                         num_tokens=1))
+        assert isinstance(reply, m.ErrorReply) and reply.code == "duplicate" and "single-use" in reply.message
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_final_abort_frees_pages_at_once_only_from_the_connection_that_reserved_them(receiver) -> None:
+    r = receiver(pages=4, lease_seconds=3)
+    mine, other = raw_socket(r.alloc_port, None), raw_socket(r.alloc_port, None)
+    try:
+        for tid, closer in (("t1", other), ("t2", mine)):
+            reply = ask(mine, m.AllocRequest(transfer_id=tid, sender_id="s", epoch=r.epoch, chunk_keys=keys(4),
+                                             num_tokens=4))
+            assert isinstance(reply, m.AllocResponse)
+            closer.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=reply.generation, final=True)))
+            time.sleep(0.3)
+            if closer is other:
+                # Someone else's "final" means nothing: a WRITE of t1's sender may still be coming.
+                assert r.state()[2] == 0 and r.state()[5]["quarantine"] == 1
+                mine.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=reply.generation, final=True)))
+                time.sleep(0.3)
+            assert r.state()[1], f"{tid}: the sender's own final abort did not free the pages at once"
+        # A quarantine nobody ends is over at the lease's end.
+        reply = ask(mine, m.AllocRequest(transfer_id="t3", sender_id="s", epoch=r.epoch, chunk_keys=keys(2),
+                                         num_tokens=2))
+        other.send(m.encode(m.AbortTransfer(transfer_id="t3", generation=0)))
+        time.sleep(0.3)
+        assert r.state()[2] == 2
+        assert r.wait_fully_free(3 + 2), r.state()
+    finally:
+        mine.close(linger=0)
+        other.close(linger=0)
+
+
+def test_a_hostile_authenticated_peer_leaves_the_table_bounded_and_the_buffer_free(receiver) -> None:
+    r = receiver(pages=4, lease_seconds=2, alloc_timeout=0.5, max_waiting_allocs=2, secret=SECRET)
+    sock = raw_socket(r.alloc_port, SECRET)
+    other = raw_socket(r.alloc_port, SECRET)
+    try:
+        def alloc(tid: str, n: int, s: zmq.Socket = sock) -> m.Msg | None:
+            return ask(s, m.AllocRequest(transfer_id=tid, sender_id="h", epoch=r.epoch, chunk_keys=keys(n),
+                                         num_tokens=n))
+        # Empty chunk keys: refused, no entry.
+        sock.send(m.encode(m.AllocRequest(transfer_id="e", sender_id="h", epoch=r.epoch, chunk_keys=[b"k"],
+                                          num_tokens=0)).replace(b"\xaachunk_keys\x91\xc4\x01k",
+                                                                  b"\xaachunk_keys\x90"))
+        assert sock.poll(3000) and isinstance(m.decode(sock.recv()), m.ErrorReply)
+        # A transfer id twice: the second is refused, and while the first waits for pages too.
+        assert isinstance(alloc("d1", 3), m.AllocResponse)
+        assert (reply := alloc("d1", 1)).code == "duplicate", reply
+        sock.send(m.encode(m.AllocRequest(transfer_id="w", sender_id="h", epoch=r.epoch, chunk_keys=keys(2),
+                                          num_tokens=2)))
+        other.send(m.encode(m.AllocRequest(transfer_id="w", sender_id="h", epoch=r.epoch, chunk_keys=keys(2),
+                                           num_tokens=2)))
+        assert other.poll(3000) and m.decode(other.recv()).code == "duplicate"
+        assert sock.poll(3000) and m.decode(sock.recv()).code == "buffer_full"  # timed out: 0.5 s
+        # More waiting allocs than the receiver queues: refused at once.
+        for i in range(3):
+            sock.send(m.encode(m.AllocRequest(transfer_id=f"q{i}", sender_id="h", epoch=r.epoch,
+                                              chunk_keys=keys(2), num_tokens=2)))
+        replies = [m.decode(sock.recv()) for _ in range(3) if sock.poll(3000)]
+        assert len(replies) == 3 and all(x.code == "buffer_full" for x in replies)
+        assert any("queues" in x.message for x in replies)
+        # A generation-0 abort of a live transfer (not the sender's own connection), and an abort
+        # before its alloc: that alloc is then refused.
+        other.send(m.encode(m.AbortTransfer(transfer_id="d1", generation=0, reason="hostile")))
+        other.send(m.encode(m.AbortTransfer(transfer_id="later", generation=0, reason="early")))
+        time.sleep(0.3)
+        assert (reply := alloc("later", 1)).code == "duplicate" and "aborted" in reply.message
+        for i in range(8):  # unique ids, nothing ever written: their leases take the pages back
+            alloc(f"n{i}", 1)
+    finally:
+        sock.close(linger=0)
+        other.close(linger=0)
+    assert r.wait_fully_free(2 + 3), r.state()
+    until(lambda: r.state()[5]["live"] == 0, timeout=2, what="the table's sweep of expired transfers")
+    sizes = r.state()[5]
+    assert sizes["quarantine"] == 0 and sizes["ended"] <= 16384, sizes

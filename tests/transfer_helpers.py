@@ -13,6 +13,12 @@ from kvferry.common.netutil import free_port
 PAGE = 64 << 10
 
 
+def trust(text: str | None):
+    """A zsock.Trust for a secret given as text (None: plain ZMQ)."""
+    from kvferry.common import secret, zsock
+    return zsock.Trust(secret.from_text(text, "test")) if text else zsock.PLAIN
+
+
 def fingerprint(page: int = PAGE, **over) -> m.LayoutFingerprint:
     base = dict(model="tiny", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64, block_size=32,
                 kv_layout="cpu", chunk_format="block", chunk_size=64, page_bytes=page)
@@ -31,7 +37,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
     held: set[bytes] = set(opts.pop("holds", []))
     fp = fingerprint(**opts.pop("fingerprint", {}))
     buf = PDBuffer(pages * PAGE, "cpu", PAGE)
-    cfg = ReceiverConfig("127.0.0.1", init_port, alloc_port, **opts)
+    cfg = ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
     with KVReceiver(cfg, buf, fp, holds=held.__contains__) as r:
         conn.send(("ready", r.epoch, os.getpid()))
         while True:
@@ -49,7 +55,8 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
                     conn.send(("err", type(e).__name__, str(e)))
             elif cmd == "state":
                 s = buf.stats()
-                conn.send(("state", buf.fully_free(), s.pages_free, dict(r.counters), s.leases_expired))
+                conn.send(("state", buf.fully_free(), s.pages_free, dict(r.counters), s.leases_expired,
+                           r.table.sizes()))
             elif cmd == "hold":
                 held.update(args[0])
                 conn.send(("ok",))

@@ -1,0 +1,231 @@
+"""NIXL peers over ZMQ: the one handshake, peer table and request port shared by PD push
+(prefiller -> decoder's pd_buffer) and P2P pull (reader <- holder's CPU tier).
+
+A handshake is one Hello/Welcome round trip on the serving side's init port: the asker's NIXL
+agent metadata and KV layout fingerprint for the server's. The server answers only what decodes,
+and only with the same layout (``welcome``); with a cluster secret, only peers holding it get a
+frame through at all (common/zsock.py), so NIXL metadata, which lets a peer READ and WRITE the
+registered memory, never reaches anyone else.
+
+The asking side keeps its handshaken peers in a :class:`PeerTable`: bounded, least recently used
+first out, never a peer a transfer still uses; a dropped peer's NIXL agent is removed and its
+socket closed. Requests after the handshake go to the server's data port (alloc or lookup),
+which :func:`serve` reads: [identity, body] frames only, each handled as its own task, never more
+than `max_tasks` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvferry.buffer.nixl_agent import NixlThread
+from kvferry.common import messages as m
+from kvferry.common import zsock
+from kvferry.common.log import RateLimitedLog, get_logger
+
+logger = get_logger(__name__)
+
+MAX_PEERS = 256
+
+
+class PeerError(RuntimeError):
+    """A peer could not be reached or refused; the message names the peer and the fix."""
+
+
+class FingerprintError(PeerError):
+    """The peer keeps its KV in another layout: its bytes would be garbage here."""
+
+
+def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutFingerprint,
+                 theirs: m.LayoutFingerprint) -> str | None:
+    """The one message for a layout mismatch, both sides' fields shown; None when they agree.
+    `roles`/`names`: (this side, the other side), e.g. ("receiver", "sender")."""
+    diff = mine.diff(theirs)
+    if not diff:
+        return None
+    return (f"KV layout mismatch between {roles[0]} {names[0]} and {roles[1]} {names[1]}: " + "; ".join(diff)
+            + f". {roles[0]}: {mine}; {roles[1]}: {theirs}")
+
+
+def welcome(hello: m.Hello, roles: tuple[str, str], me: str, mine: m.LayoutFingerprint, epoch: int,
+            agent_name: str, agent_metadata: bytes, region: m.Region | None = None) -> m.Welcome | m.ErrorReply:
+    """The server's answer to a Hello: its NIXL metadata, or a fingerprint error naming both sides.
+    `roles`: (this side's, the asker's), e.g. ("receiver", "sender")."""
+    err = layout_error(roles, (me, hello.peer_id), mine, hello.fingerprint)
+    if err is not None:
+        logger.error(err)
+        return m.ErrorReply(code="fingerprint", message=err[:4000])
+    return m.Welcome(peer_id=me, epoch=epoch, agent_name=agent_name, agent_metadata=agent_metadata,
+                     fingerprint=mine, region=region)
+
+
+@dataclass(eq=False)
+class Peer:
+    """One handshaken peer: its Welcome, its NIXL agent as added here, the data-port socket."""
+
+    key: tuple[str, int]  # (host, init_port)
+    welcome: m.Welcome
+    agent: str
+    sock: zmq.asyncio.Socket
+    busy: int = 0  # transfers using it: never dropped for room while > 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request-reply at a time, where wanted
+    state: dict[str, Any] = field(default_factory=dict)  # the owner's per-peer bookkeeping
+    dropped: bool = False
+
+
+class PeerTable:
+    """The asking side's handshaken peers (thread: the owner's asyncio loop)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, trust: zsock.Trust, nixl: NixlThread,
+                 hello: Callable[[], m.Hello], fingerprint: m.LayoutFingerprint, *, roles: tuple[str, str],
+                 me: str, timeout_key: str, on_drop: Callable[[Peer, str], None] | None = None,
+                 max_peers: int = MAX_PEERS, error: type[PeerError] = PeerError,
+                 fingerprint_error: type[PeerError] = FingerprintError) -> None:
+        self.ctx, self.trust, self.nixl = ctx, trust, nixl
+        self.hello, self.fp, self.me, self.timeout_key = hello, fingerprint, me, timeout_key
+        self.roles = roles  # (this side's, the servers'), e.g. ("sender", "receiver")
+        self.role = roles[1]
+        self.on_drop, self.max_peers = on_drop, max_peers
+        self.error, self.fingerprint_error = error, fingerprint_error
+        self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self.handshakes = 0
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def cached(self, host: str, init_port: int) -> Peer | None:
+        return self._peers.get((host, init_port))
+
+    async def get(self, host: str, init_port: int, data_port: int, timeout: float) -> tuple[Peer, bool]:
+        """The peer at host:init_port, handshaking first if needed; (peer, handshook now)."""
+        key = (host, init_port)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                peer = self._peers.get(key)
+                if peer is not None:
+                    self._peers.move_to_end(key)
+                    return peer, False
+                welcome = await self._handshake(host, init_port, timeout)
+                name = await self.nixl.call(self.nixl.agent.add_remote_agent, welcome.agent_metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                sock = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, data_port))
+                peer = Peer(key, welcome, name, sock)
+                self._make_room()
+                self._peers[key] = peer
+                self.handshakes += 1
+                return peer, True
+        finally:
+            # Locks of peers that failed, or were dropped, do not pile up (asked-for addresses are
+            # not always trusted: a request may name any host).
+            if key not in self._peers and not lock.locked() and self._locks.get(key) is lock:
+                del self._locks[key]
+
+    def _make_room(self) -> None:
+        while len(self._peers) >= self.max_peers:
+            idle = next((p for p in self._peers.values() if not p.busy), None)
+            if idle is None:
+                return  # every peer is mid-transfer: over the bound until one finishes
+            self.drop(idle, f"the peer table is full ({self.max_peers} peers): least recently used dropped")
+
+    def drop(self, peer: Peer, why: str) -> None:
+        """Forget `peer`: its socket closed, its NIXL agent removed; a later get() handshakes again."""
+        if peer.dropped:
+            return
+        peer.dropped = True
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
+        lock = self._locks.get(peer.key)
+        if lock is not None and not lock.locked():
+            del self._locks[peer.key]
+        logger.debug("%s %s:%d dropped: %s", self.role, *peer.key, why)
+        if self.on_drop is not None:
+            self.on_drop(peer, why)
+        peer.sock.close(linger=0)
+        self.nixl.call(self._remove_agent, peer.agent)
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self.nixl.agent.remove_remote_agent(name)
+        except Exception as e:  # noqa: BLE001 - already gone is fine
+            logger.debug("remove_remote_agent(%s): %s", name, e)
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self.drop(peer, "closing")
+
+    async def _handshake(self, host: str, port: int, timeout: float) -> m.Welcome:
+        where = f"{self.role} {host}:{port}"
+        s = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, port))
+        try:
+            await s.send(m.encode(self.hello()))
+            if not await s.poll(max(1, int(timeout * 1000)), zmq.POLLIN):
+                secret = "the same cluster secret as this side" if self.trust.secret is not None else \
+                    "no cluster secret, as this side"
+                raise self.error(f"{where} did not answer the handshake within {timeout:.1f}s ({self.timeout_key}): "
+                                 f"is it up, are its host and port right, and does it use {secret}?")
+            reply = m.decode(await s.recv(), expect=(m.Welcome, m.ErrorReply))
+        except m.MessageError as e:
+            raise self.error(f"{where} sent a bad handshake reply: {e}") from None
+        finally:
+            s.close(linger=0)
+        if isinstance(reply, m.ErrorReply):
+            cls = self.fingerprint_error if reply.code == "fingerprint" else self.error
+            raise cls(f"{where} refused the handshake: {reply.message}")
+        err = layout_error(self.roles, (self.me, f"{host}:{port} ({reply.peer_id})"), self.fp, reply.fingerprint)
+        if err is not None:
+            raise self.fingerprint_error(err)
+        return reply
+
+
+Handler = Callable[[zmq.asyncio.Socket, bytes, bytes], Awaitable[None]]
+
+
+async def serve(sock: zmq.asyncio.Socket, handler: Handler, port_name: str, on_bad: Callable[[str], None],
+                max_tasks: int = 1024) -> None:
+    """Read a ROUTER port until cancelled: each [identity, body] frame is handled as its own task
+    (so a slow request never holds up another), at most `max_tasks` at once; junk is reported to
+    `on_bad` and dropped. A handler that raises is logged, and the port reads on."""
+    tasks: set[asyncio.Task] = set()
+    warn = RateLimitedLog(logger)
+
+    def done(t: asyncio.Task) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            e = t.exception()
+            warn.warning("%s port: a request failed: %s: %s", port_name, type(e).__name__, e)
+
+    try:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:  # [identity, body] from a DEALER; anything else is junk
+                on_bad(f"a {len(frames) - 1}-part message")
+                continue
+            if len(tasks) >= max_tasks:
+                on_bad(f"a request beyond {max_tasks} in progress")
+                continue
+            task = asyncio.ensure_future(handler(sock, frames[0], frames[1]))
+            tasks.add(task)
+            task.add_done_callback(done)
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def reply(sock: zmq.asyncio.Socket, ident: bytes, msg: m.Msg) -> None:
+    """Answer one request; a peer that is gone (ROUTER drops its frames) is nothing to undo."""
+    try:
+        await sock.send_multipart([ident, m.encode(msg)], flags=zmq.NOBLOCK)
+    except zmq.ZMQError as e:
+        logger.debug("reply to a gone peer dropped: %s", e)

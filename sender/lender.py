@@ -1,0 +1,234 @@
+"""The holder side of P2P sharing: lend this worker's CPU-tier chunks to peers for a NIXL READ.
+
+Data flows out of this process, as in a PD send; the peer pulls it. On `p2p_init_ports` a peer
+handshakes (buffer/peering.py: its KV layout must equal ours); on `p2p_lookup_ports` it asks for
+chunk keys and gets the addresses of the leading ones held here, with the NIXL registration
+metadata it has not seen yet, *leased*: the chunks' memory is kept (an evicted chunk's arena slot
+is not reused) until the peer releases the lease or it expires. While a lease is open this
+side's NIXL agent keeps progressing (the peer's READ needs it) and the arena touches nothing
+ahead (its cores are the READ's).
+
+Everything a peer can make this side hold is bounded: leases per peer (MAX_LEASES_PER_PEER, then
+"busy"), their length, and the table of what metadata each peer has seen (MAX_SEEN_PEERS, least
+recently used first out: a forgotten peer is sent the metadata again).
+
+The CPU tier's arena is registered once (engine/host_arena.py says why); a chunk outside it gets a
+registration of its own when it enters the tier, dropped when it leaves and no lease holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import zmq.asyncio
+
+from kvferry.buffer import peering
+from kvferry.buffer.nixl_agent import NixlThread
+from kvferry.common import messages as m
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+MIN_GBPS = 0.2  # a lease, and a READ's deadline, grow by its size at this rate
+MAX_LEASES_PER_PEER = 64
+MAX_SEEN_PEERS = 1024
+
+
+class ChunkSource(Protocol):
+    """What the lender lends from (engine's CPUTier)."""
+
+    arena: Any  # .buf, .holds(t), .pause(), .resume(); or None
+
+    def get(self, key: bytes) -> torch.Tensor | None: ...
+
+
+@dataclass
+class _Reg:
+    """A NIXL registration: the CPU tier's arena (for good), or one chunk outside it (while it stays)."""
+
+    data: torch.Tensor
+    descs: object
+    md: bytes  # NIXL partial metadata a peer needs to READ it
+    serial: int
+    leases: int = 0
+    dead: bool = False  # left the tier; deregistered once no lease holds it
+
+
+@dataclass
+class _Lease:
+    peer: str  # the asker's NIXL agent name
+    datas: list[torch.Tensor]  # held: an arena slot is not reused while a peer may read it
+    expires: float
+
+
+class ChunkLender:
+    """One worker's lending side. Runs on its owner's asyncio loop; NIXL calls go to `nixl`."""
+
+    def __init__(self, source: ChunkSource, nixl: NixlThread, fingerprint: m.LayoutFingerprint, me: str,
+                 epoch: int, lease_base: float) -> None:
+        self.source, self.nixl, self.fp, self.me, self.epoch = source, nixl, fingerprint, me, epoch
+        self.lease_base = lease_base  # seconds a lease lasts before the time its bytes take
+        self.metadata = b""  # this agent's full metadata (after the arena's registration)
+        self._regs: dict[int, _Reg] = {}  # chunks outside the arena, by address
+        self._arena_reg: _Reg | None = None
+        self._serial = 0
+        self._seen: OrderedDict[str, set[int]] = OrderedDict()  # peer agent -> registrations it loaded
+        self._leases: dict[str, _Lease] = {}
+        self._lock = asyncio.Lock()  # registrations and leases change one request at a time
+        self.counters = {"p2p_served_chunks": 0, "p2p_served_bytes": 0, "p2p_refused_leases": 0}
+
+    @property
+    def agent(self) -> Any:
+        return self.nixl.agent
+
+    async def start(self) -> None:
+        if self.source.arena is not None:
+            self._arena_reg = await self._new_reg(self.source.arena.buf)
+        self.metadata = await self.nixl.call(self.agent.get_agent_metadata)
+
+    async def close(self) -> None:
+        for reg in [*self._regs.values(), *([self._arena_reg] if self._arena_reg else [])]:
+            try:
+                await self.nixl.call(self.agent.deregister_memory, reg.descs)
+            except Exception as e:  # noqa: BLE001 - closing: log and go on
+                logger.debug("deregister at close: %s", e)
+        self._regs.clear()
+        self._arena_reg = None
+
+    # ---- the tier's chunks ----
+    def _in_arena(self, d: torch.Tensor) -> bool:
+        return self._arena_reg is not None and self.source.arena.holds(d)
+
+    async def added(self, data: torch.Tensor) -> None:
+        """A chunk entered the tier: registered ahead, so serving it costs nothing."""
+        async with self._lock:
+            await self._reg_of(data)
+
+    async def removed(self, data: torch.Tensor) -> None:
+        """A chunk left the tier: its own registration goes once no lease holds it."""
+        async with self._lock:
+            reg = self._regs.get(data.data_ptr())
+            if reg is not None and reg.data is data:
+                reg.dead = True
+                if not reg.leases:
+                    await self._deregister(data.data_ptr())
+
+    async def _reg_of(self, d: torch.Tensor) -> _Reg:
+        """The registration a peer READs `d` through: the arena's, or (made now) its own."""
+        if self._in_arena(d):
+            return self._arena_reg
+        reg = self._regs.get(d.data_ptr())
+        if reg is None:
+            reg = self._regs[d.data_ptr()] = await self._new_reg(d)
+        return reg
+
+    async def _new_reg(self, d: torch.Tensor) -> _Reg:
+        descs = await self.nixl.call(self.agent.register_memory, d)
+        md = await self.nixl.call(self.agent.get_partial_agent_metadata, descs, False, ["UCX"])
+        self._serial += 1
+        return _Reg(d, descs, md, self._serial)
+
+    async def _deregister(self, ptr: int) -> None:
+        reg = self._regs.pop(ptr)
+        for seen in self._seen.values():
+            seen.discard(reg.serial)
+        try:
+            await self.nixl.call(self.agent.deregister_memory, reg.descs)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not deregister a P2P chunk: %s", e)
+
+    # ---- the ports ----
+    async def on_hello(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        try:
+            hello = m.decode(body, expect=m.Hello)
+        except m.MessageError as e:
+            await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            return
+        answer = peering.welcome(hello, ("holder", "reader"), self.me, self.fp, self.epoch, self.agent.name,
+                                 self.metadata)
+        if isinstance(answer, m.Welcome):
+            self._seen.pop(hello.agent_name, None)  # a new handshake: the peer starts from our full metadata
+        await peering.reply(sock, ident, answer)
+
+    async def on_fetch(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
+        try:
+            msg = m.decode(body, expect=(m.PeerFetch, m.PeerRelease))
+        except m.MessageError as e:
+            await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
+            return
+        async with self._lock:
+            if isinstance(msg, m.PeerRelease):
+                await self._release(msg.lease_id)
+                return
+            reply = await self._lend(msg)
+        await peering.reply(sock, ident, reply)
+        if isinstance(reply, m.PeerChunks) and reply.addrs:
+            self.nixl.wake()  # after the reply is sent: the woken thread takes the GIL
+
+    async def _lend(self, msg: m.PeerFetch) -> m.Msg:
+        if sum(1 for lease in self._leases.values() if lease.peer == msg.agent_name) >= MAX_LEASES_PER_PEER:
+            self.counters["p2p_refused_leases"] += 1
+            return m.ErrorReply(code="busy", message=f"{self.me}: {MAX_LEASES_PER_PEER} leases of yours are open "
+                                                     "already; release some first")
+        datas = []
+        for key in msg.keys:
+            d = self.source.get(key)
+            if d is None:
+                break
+            datas.append(d)
+        seen = self._seen.pop(msg.agent_name, set())
+        self._seen[msg.agent_name] = seen  # most recently used last
+        while len(self._seen) > MAX_SEEN_PEERS:
+            self._seen.popitem(last=False)
+        mds = []
+        for d in datas:
+            reg = await self._reg_of(d)
+            if reg.serial not in seen:
+                seen.add(reg.serial)
+                mds.append(reg.md)
+            reg.leases += 1
+        nbytes = sum(d.numel() for d in datas)
+        lease_s = self.lease_base + nbytes / (MIN_GBPS * 1e9)
+        lid = uuid.uuid4().hex[:16]
+        if datas:
+            self._leases[lid] = _Lease(msg.agent_name, datas, time.monotonic() + lease_s)
+            if self.source.arena is not None:
+                self.source.arena.pause()  # until released: the peer's READ needs these cores
+            self.nixl.progress += 1  # the peer's READ needs this agent to make progress
+        self.counters["p2p_served_chunks"] += len(datas)
+        self.counters["p2p_served_bytes"] += nbytes
+        return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=[d.data_ptr() for d in datas],
+                            sizes=[d.numel() for d in datas], lease_seconds=lease_s, metadata=mds)
+
+    async def _release(self, lid: str) -> None:
+        lease = self._leases.pop(lid, None)
+        if lease is None:
+            return
+        if self.source.arena is not None:
+            self.source.arena.resume()
+        self.nixl.progress -= 1
+        for d in lease.datas:
+            reg = self._arena_reg if self._in_arena(d) else self._regs.get(d.data_ptr())
+            if reg is None:
+                continue
+            reg.leases -= 1
+            if reg.dead and not reg.leases:
+                await self._deregister(d.data_ptr())
+
+    async def expire(self) -> None:
+        """End leases their peers did not release in time."""
+        now = time.monotonic()
+        async with self._lock:
+            for lid in [lid for lid, lease in self._leases.items() if lease.expires < now]:
+                logger.warning("P2P lease %s expired before the peer released it", lid)
+                await self._release(lid)
+
+    def sizes(self) -> dict[str, int]:
+        return {"leases": len(self._leases), "seen_peers": len(self._seen), "registrations": len(self._regs)}
+

@@ -1,0 +1,94 @@
+"""The receiver's transfer table on its own (a fake clock, no sockets): pinned transfers wait for
+a queued request, aborted ones keep their pages until no WRITE can land, ids are single-use."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.buffer.pd_buffer import PDBuffer
+from kvferry.receiver.transfers import Incoming, TransferGone, TransferTable
+from tests.test_pd_buffer import PAGE, FakeClock
+
+LEASE, QUEUE = 10.0, 100.0
+
+
+@pytest.fixture
+def table() -> tuple[TransferTable, PDBuffer, FakeClock]:
+    clock = FakeClock()
+    buf = PDBuffer(PAGE * 8, "cpu", PAGE, clock=clock)
+    return TransferTable(buf, LEASE, QUEUE), buf, clock
+
+
+def incoming(buf: PDBuffer, tid: str, n: int = 2, conn: bytes = b"c1") -> Incoming:
+    res = buf.reserve(n, tid, LEASE)
+    return Incoming(tid, "s", [bytes([i + 1]) * 8 for i in range(n)], [], n * 16, res, conn)
+
+
+def test_a_pinned_transfer_outlives_its_lease_once_arrived_but_not_while_being_written(table) -> None:
+    t, buf, clock = table
+    # Pinned before its alloc (the decode request reached the scheduler first), then it arrives.
+    t.pin("early")
+    a = incoming(buf, "early")
+    t.add(a)
+    assert t.arrived("early", a.res.generation) is not None
+    # Pinned after it arrived.
+    b = incoming(buf, "late")
+    t.add(b)
+    t.arrived("late", b.res.generation)
+    clock.t += LEASE / 2
+    t.pin("late")
+    # Not pinned: expires with its lease.
+    c = incoming(buf, "plain")
+    t.add(c)
+    t.arrived("plain", c.res.generation)
+    # Pinned but never written: the lease still ends it (its sender may be dead).
+    t.pin("unwritten")
+    t.add(incoming(buf, "unwritten"))
+    clock.t += LEASE * 2
+    t.sweep()
+    assert t.status("plain") == "lease expired" and t.status("unwritten") == "lease expired"
+    assert t.status("early") == "arrived" and t.status("late") == "arrived"
+    with t.claim("early", 0) as got:
+        assert len(got.pages) == 2
+    clock.t += QUEUE
+    t.sweep()
+    assert t.status("late") == "lease expired", "a pin is bounded by pd_queue_seconds"
+    assert buf.fully_free()
+
+
+def test_unpin_of_an_unread_transfer_frees_it_and_a_written_one_waits_for_its_notice(table) -> None:
+    t, buf, clock = table
+    a = incoming(buf, "arrived")
+    t.add(a)
+    t.arrived("arrived", a.res.generation)
+    t.pin("arrived")
+    t.unpin("arrived", "its request ended")
+    assert "its request ended" in t.status("arrived")
+    b = incoming(buf, "writing")
+    t.add(b)
+    t.pin("writing")
+    t.unpin("writing", "its request ended")
+    assert t.sizes()["quarantine"] == 1 and buf.free_pages == 6, "a WRITE may still land in its pages"
+    assert t.arrived("writing", b.res.generation) is None and buf.fully_free()
+    assert t.counters["late_writes"] == 1
+    with pytest.raises(TransferGone):
+        with t.claim("writing", 0):
+            pass
+
+
+def test_ids_are_single_use_and_an_early_abort_refuses_the_late_alloc(table) -> None:
+    t, buf, _ = table
+    a = incoming(buf, "x")
+    t.add(a)
+    assert "in progress" in t.refusal("x")
+    assert t.arrived("x", a.res.generation) is not None
+    with t.claim("x", 0):
+        pass
+    assert "single-use" in t.refusal("x")
+    t.abort("y", 0, "client disconnected")
+    assert "aborted" in t.refusal("y")
+    late = incoming(buf, "y")
+    with pytest.raises(Exception, match="ended before its pages were granted"):
+        t.add(late)
+    buf.release(late.res)
+    assert buf.fully_free()
