@@ -1,6 +1,6 @@
 """Under load, on real vLLM CPU servers: `vllm bench serve` through the proxy with prompts long
 enough for chunked prefill (the prefiller's batch budget is 128 tokens, so every prompt is computed
-over several steps) at concurrency 8, and a decoder that admits 2 requests at a time with a 1 s
+over several steps) at concurrency 8, and a decoder that runs 1 request at a time with a 1 s
 lease, so decode requests wait in its queue longer than the lease. No request may fail, and none
 may recompute its prompt: a transfer whose request the decoder's scheduler holds is pinned."""
 
@@ -23,7 +23,7 @@ PROMPTS = 16
 def bench(url: str, model: Path, out: Path, backend: str, endpoint: str) -> dict:
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vllm_bench.py"), "serve", "--backend", backend,
                         "--base-url", url, "--endpoint", endpoint, "--model", "tiny", "--tokenizer", str(model),
-                        "--dataset-name", "random", "--random-input-len", "320", "--random-output-len", "12",
+                        "--dataset-name", "random", "--random-input-len", "320", "--random-output-len", "48",
                         "--ignore-eos", "--num-prompts", str(PROMPTS), "--max-concurrency", "8", "--save-result",
                         "--result-dir", str(out), "--result-filename", f"{backend}.json"],
                        capture_output=True, text=True, timeout=900)
@@ -37,7 +37,7 @@ def test_chunked_prefill_at_concurrency_8_fails_nothing_and_recomputes_nothing(
     p = Prefiller(str(tiny_model_path), log_dir, "0", tmp_path,
                   server={"extra_args": ["--max-num-batched-tokens", "128"]})
     d = Decoder(str(tiny_model_path), log_dir, "1", tmp_path, pd_lease_seconds=1.0,
-                server={"extra_args": ["--max-num-seqs", "2"]})
+                server={"extra_args": ["--max-num-seqs", "1"]})
     p.start()
     d.start()
     try:
