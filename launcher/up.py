@@ -3,7 +3,8 @@
 Picks free ports, writes each instance's seed-style config, splits the CPU cores (or GPUs)
 between the instances, starts them and the proxy, shows progress while they load, and stops
 everything, children first, on Ctrl-C or SIGTERM. Every child gets PR_SET_PDEATHSIG, so a
-launcher that dies on its own leaves no orphan behind.
+launcher that dies on its own leaves no orphan behind. The cluster gets a new cluster secret
+(a file only its owner can read, named by every config: docs/security.md) unless one is given.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.netutil import port_is_free
 from kvferry.launcher.pd_instances import Decoder, Prefiller
@@ -51,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="where logs and configs go (default: a new temp folder)")
     p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance (CPU)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances")
+    p.add_argument("--cluster-secret-file", default=None,
+                   help="the cluster secret for every port (default: a new one in the log folder)")
 
 
 def gpu_count() -> int:
@@ -83,6 +87,11 @@ def plan(args: argparse.Namespace) -> dict:
         keys = {k: getattr(cfg, k) for k in ("pd_buffer_size", "pd_buffer_device", "chunk_size", "pd_chunk_format",
                                              "pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds",
                                              "pd_kv_ready_timeout", "pd_kv_timeout_action")}
+    if args.cluster_secret_file is not None:
+        try:
+            secret.from_file(args.cluster_secret_file, "--cluster-secret-file")
+        except secret.SecretError as e:
+            raise UpError(str(e)) from None
     if args.pd_buffer_size is not None:
         if args.pd_buffer_size <= 0:
             raise UpError(f"--pd-buffer-size must be a positive number of bytes, got {args.pd_buffer_size}")
@@ -131,11 +140,16 @@ class Cluster:
         self.proxy: subprocess.Popen | None = None
         self.proxy_log = self.log_dir / "proxy.log"
         self.stopping = threading.Event()
+        self.secret_file = args.cluster_secret_file
+        if self.secret_file is None:  # a new secret per cluster, readable by its owner only
+            self.secret_file = str(self.log_dir / "cluster.secret")
+            secret.write_file(self.secret_file, secret.generate())
+        keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
         n = args.num_prefillers + args.num_decoders
         for i in range(n):
             cls = Prefiller if i < args.num_prefillers else Decoder
             self.instances.append(cls(p["model"], self.log_dir, p["cores"][i], self.log_dir,
-                                      server=self._server_kw(i), **p["keys"]))
+                                      server=self._server_kw(i), **keys))
 
     def _server_kw(self, i: int) -> dict:
         kw = dict(self.p["placement"][i])
@@ -169,7 +183,8 @@ class Cluster:
                 last = time.monotonic()
             if waiting:
                 self.stopping.wait(0.5)
-        args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port)]
+        args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port),
+                "--cluster-secret-file", self.secret_file]
         for s in self.instances:
             if isinstance(s, Prefiller):
                 args += ["--prefiller", s.url]
@@ -208,7 +223,8 @@ class Cluster:
             inst.append(d)
         state = {"proxy": {"url": f"http://127.0.0.1:{self.args.port}", "port": self.args.port,
                            "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
-                 "launcher_pid": os.getpid(), "instances": inst}
+                 "launcher_pid": os.getpid(), "instances": inst,
+                 "cluster_secret_file": str(Path(self.secret_file).resolve())}  # the path only, never the secret
         path = self.log_dir / "cluster.json"
         path.write_text(json.dumps(state, indent=2))
         return path

@@ -87,6 +87,7 @@ def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         pids = tree(proc.pid)
         assert len(pids) >= 5  # launcher, proxy, and two vLLM servers with their engine processes
+        assert_the_cluster_has_a_secret_nobody_else_sees(tmp_path, state)
     finally:
         took = stop(proc)
     assert took < 15, f"stopping took {took:.1f}s"
@@ -99,6 +100,32 @@ def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -
         [i[k] for i in state["instances"] if i["role"] == "decoder" for k in ("init_port", "alloc_port")]
     busy = [p for p in ports if not port_is_free(p)]
     assert not busy, f"ports still in use: {busy}"
+
+
+def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> None:
+    """`kvferry up` made a cluster secret: a file only its owner reads, named (never quoted) in
+    cluster.json and the configs, and a peer without it gets no NIXL metadata from a decoder."""
+    import zmq
+
+    from kvferry.common import messages as m
+    from kvferry.common import zsock
+    from tests.transfer_helpers import fingerprint
+
+    path = Path(state["cluster_secret_file"])
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    text = path.read_text().strip()
+    for f in (tmp / "logs").iterdir():
+        if f.is_file() and f != path:
+            assert text not in f.read_text(errors="replace"), f"the secret is in {f}"
+    dec = next(i for i in state["instances"] if i["role"] == "decoder")
+    ctx = zmq.Context()
+    try:
+        sock = zsock.connect(ctx, zmq.DEALER, zsock.PLAIN, zsock.tcp("127.0.0.1", dec["init_port"]))
+        sock.send(m.encode(m.Hello(peer_id="outsider", agent_name="x", agent_metadata=b"x",
+                                   fingerprint=fingerprint())))
+        assert not sock.poll(1500), "a peer without the cluster secret got an answer from the decoder"
+    finally:
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.vllm
