@@ -566,3 +566,19 @@ def test_a_hostile_authenticated_peer_leaves_the_table_bounded_and_the_buffer_fr
     until(lambda: r.state()[5]["live"] == 0, timeout=2, what="the table's sweep of expired transfers")
     sizes = r.state()[5]
     assert sizes["quarantine"] == 0 and sizes["ended"] <= 16384, sizes
+
+
+def test_the_senders_receiver_table_is_bounded_and_drops_the_least_recently_used(receiver, sender) -> None:
+    a, b = receiver(), receiver()
+    s, src = sender("bounded", max_receivers=1)
+    agents = {}
+    for i, (r, again) in enumerate(((a, True), (b, True), (a, True), (a, False))):
+        res = s.send(f"t{i}", r.addr, keys(1, i), chunks_of(src, 1), 32).result(30)
+        assert res.handshook == again, f"send {i}"
+        assert r.ask("claim", f"t{i}", 10)[0] == "ok"
+        assert len(s._peers) == 1
+        agents[i] = s._peers.cached(r.addr.host, r.addr.init_port).agent
+    assert s.counters["handshakes"] == 3
+    # The dropped receivers' NIXL agents were removed from this sender's agent.
+    assert not s._call(s._agent.check_remote_metadata, agents[1]), "b's agent outlived its eviction"
+    assert s._call(s._agent.check_remote_metadata, agents[3])
