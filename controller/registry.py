@@ -4,6 +4,12 @@ Pure bookkeeping (no sockets), so every rule here is testable on its own: regist
 restarted worker replaces its old self; another process claiming a live instance id is refused),
 admissions and evictions, expiry of workers whose heartbeats stopped, and lookups (the instance
 holding the longest prefix of a prompt's chunks, on every one of its TP ranks).
+
+Everything here comes from workers, so everything is bounded: at most `max_workers` workers, TP
+sizes up to MAX_TP, and at most `max_chunks_per_worker` / `max_chunks` indexed keys (keys past a
+bound are left out of the index, which only costs lookups a miss, and the worker is not asked to
+resync for the difference). What cannot be applied raises RegistryError, which the controller
+logs and counts.
 """
 
 from __future__ import annotations
@@ -15,13 +21,20 @@ from dataclasses import dataclass, field
 
 from kvferry.common import messages as m
 from kvferry.common.hashing import chunk_keys
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 
 logger = get_logger(__name__)
 
 CPU = "LocalCPUBackend"
 # LMCache's location names and kvferry's tier names, for the HTTP API.
 LOCATIONS = {"LocalCPUBackend": CPU, "cpu": CPU}
+
+# Bounds on what workers can make the controller hold (memory: ~150 bytes per indexed key).
+MAX_TP = 1024  # a LookupResponse names at most 1024 peers
+MAX_WORKERS = 4096  # all instances together
+MAX_CHUNKS_PER_WORKER = 1 << 22  # e.g. 4 TiB of 1 MiB chunks
+MAX_CHUNKS = 1 << 23  # all workers together: ~1.2 GB of index at most
+MAX_CHUNK_SIZE = 1 << 20  # tokens
 
 
 class RegistryError(ValueError):
@@ -35,15 +48,33 @@ class Worker:
     chunks: dict[bytes, int] = field(default_factory=dict)  # key -> bytes, CPU tier
     used: int = 0
     reported_chunks: int = 0  # what the worker's last heartbeat said it holds
+    capped: bool = False  # keys were left out of the index (a bound): its count cannot match
 
-    def admit(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+    def admit(self, keys: Sequence[bytes], sizes: Sequence[int], room: int) -> tuple[int, int]:
+        """Index `keys`, at most `room` of them new: (keys added, keys left out)."""
+        if len(keys) != len(sizes):
+            raise RegistryError(f"{len(keys)} keys and {len(sizes)} sizes")
+        added = left = 0
         for k, n in zip(keys, sizes, strict=True):
-            self.used += n - self.chunks.get(k, 0)
+            old = self.chunks.get(k)
+            if old is None:
+                if added >= room:
+                    left += 1
+                    continue
+                added += 1
+            self.used += n - (old or 0)
             self.chunks[k] = n
+        return added, left
 
-    def evict(self, keys: Sequence[bytes]) -> None:
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Keys removed."""
+        gone = 0
         for k in keys:
-            self.used -= self.chunks.pop(k, 0)
+            n = self.chunks.pop(k, None)
+            if n is not None:
+                self.used -= n
+                gone += 1
+        return gone
 
     @property
     def peer(self) -> m.PeerAddr:
@@ -58,8 +89,10 @@ class Instance:
 
     @property
     def complete(self) -> bool:
-        """Every TP rank has registered (a lookup needs all of them to hold a chunk)."""
-        return bool(self.workers) and len(self.workers) == next(iter(self.workers.values())).info.tp_size
+        """Every TP rank has registered, and they agree on the TP size (a lookup needs all of them
+        to hold a chunk; ranks of an older incarnation with another TP size expire by themselves)."""
+        sizes = {w.info.tp_size for w in self.workers.values()}
+        return len(sizes) == 1 and len(self.workers) == next(iter(sizes))
 
     def ranks(self) -> list[Worker]:
         return [self.workers[r] for r in sorted(self.workers)]
@@ -86,28 +119,49 @@ class Instance:
 
 
 class Registry:
-    def __init__(self, clock=time.monotonic, history: int = 50) -> None:
+    def __init__(self, clock=time.monotonic, history: int = 50, max_workers: int = MAX_WORKERS,
+                 max_chunks_per_worker: int = MAX_CHUNKS_PER_WORKER, max_chunks: int = MAX_CHUNKS) -> None:
         self.instances: dict[str, Instance] = {}
         self.clock = clock
         self.transfers: deque[dict] = deque(maxlen=history)
         self.events: deque[dict] = deque(maxlen=history)
+        self.max_workers, self.max_chunks_per_worker, self.max_chunks = max_workers, max_chunks_per_worker, max_chunks
+        self.num_workers = 0
+        self.indexed = 0  # keys indexed, all workers together
+        self._refusals = RateLimitedLog(logger)  # a duplicate heartbeats every second: one line per 10 s
 
     # ---- workers ----
     def register(self, info: m.WorkerInfo) -> bool:
-        """Add or refresh a worker; False (and a warning) when another live process owns the id."""
-        inst = self.instances.setdefault(info.instance_id, Instance(info.instance_id))
-        old = inst.workers.get(info.worker_id)
+        """Add or refresh a worker; False (and a warning) when another live process owns the id.
+        RegistryError for a registration that makes no sense or does not fit the bounds."""
+        inst = self.instances.get(info.instance_id)
+        old = inst.workers.get(info.worker_id) if inst is not None else None
         now = self.clock()
         if old is not None and old.info.epoch == info.epoch:
             old.last_seen = now
             return True
+        who = f"instance {info.instance_id} worker {info.worker_id}"
+        if not 1 <= info.tp_size <= MAX_TP or info.worker_id >= info.tp_size:
+            raise RegistryError(f"{who}: worker id (TP rank) {info.worker_id} with tp_size {info.tp_size}: the rank "
+                                f"must be below the TP size, which must be 1 to {MAX_TP}")
+        if not 1 <= info.chunk_size <= MAX_CHUNK_SIZE:
+            raise RegistryError(f"{who}: chunk_size {info.chunk_size} is outside 1 to {MAX_CHUNK_SIZE}")
         if old is not None and (old.info.host, old.info.worker_port) != (info.host, info.worker_port) \
                 and now - old.last_seen < old.info.heartbeat_timeout:
-            logger.warning("instance %s worker %d: already registered from %s:%d (heartbeat %.1fs ago); refused "
-                           "the one at %s:%d. Give each instance its own lmcache_instance_id", info.instance_id,
-                           info.worker_id, old.info.host, old.info.worker_port, now - old.last_seen, info.host,
-                           info.worker_port)
+            self._refusals.warning("instance %s worker %d: already registered from %s:%d (heartbeat %.1fs ago); "
+                                   "refused the one at %s:%d. Give each instance its own lmcache_instance_id",
+                                   info.instance_id, info.worker_id, old.info.host, old.info.worker_port,
+                                   now - old.last_seen, info.host, info.worker_port)
             return False
+        if old is None and self.num_workers >= self.max_workers:
+            raise RegistryError(f"{who}: refused, the controller already tracks {self.num_workers} workers (its "
+                                "bound); the others' heartbeats must stop first")
+        if inst is None:
+            inst = self.instances[info.instance_id] = Instance(info.instance_id)
+        if old is not None:
+            self.indexed -= len(old.chunks)
+        else:
+            self.num_workers += 1
         inst.workers[info.worker_id] = Worker(info, now)
         self.event("register", info.instance_id, f"worker {info.worker_id} at {info.host}:{info.worker_port}"
                     + (" (restarted)" if old is not None else ""))
@@ -149,6 +203,8 @@ class Registry:
     def _drop(self, instance_id: str, worker_id: int, why: str) -> None:
         inst = self.instances[instance_id]
         w = inst.workers.pop(worker_id)
+        self.num_workers -= 1
+        self.indexed -= len(w.chunks)
         logger.warning("instance %s worker %d dropped: %s; its %d chunks are forgotten", instance_id, worker_id,
                        why, len(w.chunks))
         self.event("drop", instance_id, f"worker {worker_id}: {why}")
@@ -157,19 +213,31 @@ class Registry:
 
     # ---- chunks ----
     def admit(self, msg: m.ChunkAdmit) -> bool:
+        """False for an unknown worker (its next heartbeat registers it and asks for a resync);
+        RegistryError when keys were left out of the index (a bound; the rest is indexed)."""
         w = self.worker(msg.instance_id, msg.worker_id, msg.epoch)
         if w is None:
-            return False  # unknown: its next heartbeat registers it and asks for a resync
+            return False
         if msg.reset:
+            self.indexed -= len(w.chunks)
             w.chunks.clear()
             w.used = 0
-        w.admit(msg.keys, msg.sizes)
+            w.capped = False
+        room = max(0, min(self.max_chunks_per_worker - len(w.chunks), self.max_chunks - self.indexed))
+        added, left = w.admit(msg.keys, msg.sizes, room)
+        self.indexed += added
+        if left:
+            w.capped = True
+            raise RegistryError(f"instance {msg.instance_id} worker {msg.worker_id}: {left} chunk(s) left out of the "
+                                f"index (it holds {len(w.chunks)}; the controller indexes at most "
+                                f"{self.max_chunks_per_worker} per worker and {self.max_chunks} in all): lookups "
+                                "miss them")
         return True
 
     def evict(self, msg: m.ChunkEvict) -> None:
         w = self.worker(msg.instance_id, msg.worker_id, msg.epoch)
         if w is not None:
-            w.evict(msg.keys)
+            self.indexed -= w.evict(msg.keys)
 
     def lookup(self, keys: Sequence[bytes], asker: str | None = None) -> m.LookupResponse:
         """The instance holding the longest prefix of `keys` (the asker wins a tie)."""

@@ -6,6 +6,7 @@ where it is missing and apt is usable)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -52,10 +53,11 @@ def wait_port(proc: subprocess.Popen, port: int, what: str, log: Path, timeout: 
 class Proc:
     """One store process: started on a free port, stopped (and waited for) by stop()."""
 
-    def __init__(self, what: str, argv: list[str], port: int, log: Path) -> None:
+    def __init__(self, what: str, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
         self.what, self.port, self.log = what, port, log
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
+                                         env=None if env is None else {**os.environ, **env})
         wait_port(self.proc, port, what, log)
 
     @property
@@ -103,24 +105,30 @@ def start_sentinel(work: Path, master_port: int, service: str = "mymaster", down
     return Proc(f"redis-sentinel :{port}", [exe, str(conf), "--sentinel"], port, work / f"sentinel-{port}.log")
 
 
-def start_lm_server(work: Path, port: int | None = None, *extra: str) -> Proc:
-    """kvferry-server (the lm:// store)."""
+def start_lm_server(work: Path, port: int | None = None, *extra: str, secret_file: str | Path | None = None) -> Proc:
+    """kvferry-server (the lm:// store); with `secret_file`, clients must prove the cluster secret."""
     port = port or free_port()
+    secret = ["--cluster-secret-file", str(secret_file)] if secret_file else []
     return Proc(f"kvferry-server :{port}", [sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", str(port),
-                                            "cpu", *extra], port, work / f"lm-server-{port}.log")
+                                            "cpu", *secret, *extra], port, work / f"lm-server-{port}.log")
 
 
 class Controller(Proc):
-    """kvferry-controller on free ports: `port` (HTTP), `pull`, `reply`, `heartbeat`."""
+    """kvferry-controller on free ports: `port` (HTTP), `pull`, `reply`, `heartbeat`; with
+    `secret_file` its ZMQ ports speak CurveZMQ, with `admin_key` (passed in the environment, not
+    on the command line) its HTTP API wants the key."""
 
-    def __init__(self, work: Path, port: int | None = None) -> None:
+    def __init__(self, work: Path, port: int | None = None, secret_file: str | Path | None = None,
+                 admin_key: str | None = None) -> None:
         self.pull, self.reply, self.heartbeat = free_port(), free_port(), free_port()
+        self.secret_file, self.admin_key = secret_file, admin_key
         port = port or free_port()
         ports = f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}'
+        secret = ["--cluster-secret-file", str(secret_file)] if secret_file else []
         super().__init__(f"kvferry-controller :{port}", [sys.executable, "-m", "kvferry.controller.server",
                                                           "--host", "127.0.0.1", "--port", str(port),
-                                                          "--monitor-ports", ports],
-                         port, work / f"controller-{port}.log")
+                                                          "--monitor-ports", ports, *secret],
+                         port, work / f"controller-{port}.log", env={"KVFERRY_ADMIN_KEY": admin_key or ""})
 
     @property
     def url(self) -> str:
@@ -128,6 +136,10 @@ class Controller(Proc):
 
     def worker_keys(self, instance_id: str) -> dict[str, object]:
         """The seed's controller keys for an instance that reports to this controller."""
-        return {"enable_controller": True, "lmcache_instance_id": instance_id,
-                "controller_pull_url": f"127.0.0.1:{self.pull}", "controller_reply_url": f"127.0.0.1:{self.reply}",
-                "lmcache_worker_ports": free_port()}
+        keys: dict[str, object] = {
+            "enable_controller": True, "lmcache_instance_id": instance_id,
+            "controller_pull_url": f"127.0.0.1:{self.pull}", "controller_reply_url": f"127.0.0.1:{self.reply}",
+            "lmcache_worker_ports": free_port()}
+        if self.secret_file:
+            keys["cluster_secret_file"] = str(self.secret_file)
+        return keys
