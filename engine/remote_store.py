@@ -28,6 +28,7 @@ import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_server import LMClient, LMError
 from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
 
@@ -76,8 +77,9 @@ class _Mapped:
 class LMBackend(_Mapped):
     errors = (LMError,)
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        self.client, self.where = LMClient(host, port, timeout), "kvferry-server"  # LMError names the URL
+    def __init__(self, host: str, port: int, timeout: float, secret: ClusterSecret | None = None) -> None:
+        # With the cluster secret, every connection proves it (and wants the server's proof).
+        self.client, self.where = LMClient(host, port, timeout, secret), "kvferry-server"  # LMError names the URL
 
     def put_many(self, items: Sequence[Item]) -> None:
         self._do(self.client.put_many, [(key, (head, payload)) for key, head, payload in items])
@@ -173,12 +175,13 @@ def _sentinel_backend(url: str, nodes: list[tuple[str, int]], service: str, time
     return RedisBackend(sentinel.master_for(service, **_redis_kwargs(timeout)), f"{url} (service {service})")
 
 
-def open_backend(url: str, timeout: float) -> Backend:
-    """A connection to `url` (connecting lazily where the client allows)."""
+def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None) -> Backend:
+    """A connection to `url` (connecting lazily where the client allows); `secret` (the cluster
+    secret, `zsock.trust_of(cfg).secret`) authenticates lm:// connections."""
     scheme, nodes, service = parse_url(url)
     (host, port) = nodes[0]
     if scheme == "lm":
-        return LMBackend(host, port, timeout)
+        return LMBackend(host, port, timeout, secret)
     if scheme == "redis":
         return RedisBackend.connect(host, port, timeout)
     try:
@@ -197,8 +200,9 @@ class RemoteTier:
     BATCH_BYTES = 4 << 20
 
     def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
-                 max_queued_bytes: int = 512 << 20) -> None:
+                 max_queued_bytes: int = 512 << 20, secret: ClusterSecret | None = None) -> None:
         self.url, self.timeout, self.serde = url, timeout, serde
+        self.secret = secret  # the cluster secret (zsock.trust_of(cfg).secret): lm:// connections prove it
         self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
         self.max_queued_bytes = max_queued_bytes
         self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_put_dropped": 0,
@@ -221,7 +225,7 @@ class RemoteTier:
 
     def _conn(self) -> Backend:
         if self._backend is None:
-            self._backend = open_backend(self.url, self.timeout)
+            self._backend = open_backend(self.url, self.timeout, self.secret)
         return self._backend
 
     # ---- calls ----
@@ -311,7 +315,7 @@ class RemoteTier:
                     continue
                 items = [(key + self.suffix, *self.serde.encode(data, tokens)) for key, data, tokens in batch]
                 if backend is None:
-                    backend = open_backend(self.url, self.timeout)
+                    backend = open_backend(self.url, self.timeout, self.secret)
                 backend.put_many(items)
                 self._backoff.ok()
                 with self._lock:

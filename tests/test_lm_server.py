@@ -1,6 +1,7 @@
-"""kvferry-server (lm://) as a real process: round trips, LRU under its memory limit, and bad
-peers (garbage, oversized frames, byte-at-a-time frames, stalled frames, a dead server) that
-cost a connection, never the server."""
+"""kvferry-server (lm://) as a real process: round trips, LRU under its memory limit, bad peers
+(garbage, oversized frames, byte-at-a-time frames, stalled frames, a dead server) that cost a
+connection, never the server, and the cluster-secret handshake (clients without the secret, or
+with another one, neither read nor store anything)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from kvferry.common import messages as m
+from kvferry.common import secret
 from kvferry.engine.lm_server import LMClient, LMError, frame
 from kvferry.launcher.stores import Proc, start_lm_server
 
 KIB = 1 << 10
+A, B = "a-cluster-secret-of-32-characters", "another-cluster-secret-entirely!"
+SA, SB = secret.from_text(A, "test"), secret.from_text(B, "test")
 
 
 @pytest.fixture
@@ -29,8 +33,20 @@ def server(tmp_path: Path) -> Iterator[tuple[int, Proc]]:
     p.kill()
 
 
-def raw(port: int) -> socket.socket:
+@pytest.fixture
+def secret_server(tmp_path: Path) -> Iterator[tuple[int, Proc]]:
+    path = tmp_path / "secret"
+    secret.write_file(str(path), A)
+    p = start_lm_server(tmp_path, None, "--frame-timeout", "1", secret_file=path)
+    yield p.port, p
+    p.kill()
+
+
+def raw(port: int, auth: bool = False) -> socket.socket:
+    """A raw connection past the server's greeting (a ServerHello, with a challenge when `auth`)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    hello = reply_of(s)
+    assert isinstance(hello, m.ServerHello) and hello.auth is auth and len(hello.nonce) == (32 if auth else 0)
     return s
 
 
@@ -43,6 +59,14 @@ def reply_of(s: socket.socket) -> m.Msg | None:
         return m.decode(s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL))
     except (ConnectionError, TimeoutError):
         return None
+
+
+def closed(s: socket.socket) -> bool:
+    """The server closed the connection (a reset, when it left bytes of ours unread)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
 
 
 def still_serves(port: int) -> bool:
@@ -144,3 +168,83 @@ def test_bad_arguments_exit_2() -> None:
         r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", *args], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2, (args, r.stderr)
+
+
+def test_with_the_cluster_secret_round_trips_work(secret_server) -> None:
+    port, _ = secret_server
+    c = LMClient("127.0.0.1", port, secret=SA)
+    blob = os.urandom(300 * KIB)
+    c.put(b"k1", blob)
+    assert c.get(b"k1") == blob
+    assert c.exists([b"k1", b"nope"]) == [True, False]
+    c.close()
+    assert c.get(b"k1") == blob, "a new connection proves the secret again"
+    c.close()
+
+
+def test_clients_without_the_secret_neither_read_nor_store(secret_server) -> None:
+    port, p = secret_server
+    good = LMClient("127.0.0.1", port, secret=SA)
+    good.put(b"mine", b"v" * 1000)
+    wrong, none = LMClient("127.0.0.1", port, secret=SB), LMClient("127.0.0.1", port)
+    for c, fix in ((wrong, "wrong cluster secret"), (none, "set cluster_secret_file")):
+        with pytest.raises(LMError, match=fix):
+            c.get(b"mine")
+        with pytest.raises(LMError, match=fix):
+            c.put(b"theirs", b"x" * 100)
+        with pytest.raises(LMError, match=fix):
+            c.exists([b"mine"])
+    # A raw peer that skips the challenge and sends a request (payload and all) gets refused.
+    s = raw(port, auth=True)
+    s.sendall(frame(m.RemotePut(key=b"raw", nbytes=10)) + b"y" * 10)
+    got = reply_of(s)
+    assert isinstance(got, m.ErrorReply) and got.code == "unauthorized" and "cluster_secret_file" in got.message
+    assert closed(s)
+    s.close()
+    # So is a raw peer with a well-formed answer made with the wrong key.
+    s = raw(port, auth=True)
+    s.sendall(frame(m.AuthAnswer(nonce=os.urandom(32), mac=os.urandom(32))))
+    got = reply_of(s)
+    assert isinstance(got, m.ErrorReply) and got.code == "unauthorized" and "wrong cluster secret" in got.message
+    s.close()
+    # Nothing they sent was stored; the good client's connection was never disturbed.
+    assert good.exists([b"mine", b"theirs", b"raw"]) == [True, False, False]
+    assert good.get(b"mine") == b"v" * 1000
+    assert p.proc.poll() is None
+    good.close()
+
+
+def test_a_peer_that_never_answers_the_challenge_is_cut_off(secret_server) -> None:
+    port, _ = secret_server
+    s = raw(port, auth=True)
+    t0 = time.monotonic()
+    got = reply_of(s)  # we send nothing
+    assert isinstance(got, m.ErrorReply) and got.code == "unauthorized" and "no answer" in got.message
+    assert 0.8 < time.monotonic() - t0 < 4, "cut off after --frame-timeout (1 s)"
+    assert closed(s)
+    s.close()
+    # A header too large for an answer is refused at once, before its bytes are read.
+    s = raw(port, auth=True)
+    s.sendall((1 << 20).to_bytes(4, "big"))
+    got = reply_of(s)
+    assert isinstance(got, m.ErrorReply) and got.code == "unauthorized"
+    s.close()
+    c = LMClient("127.0.0.1", port, secret=SA)
+    c.put(b"after", b"z")
+    assert c.get(b"after") == b"z"
+    c.close()
+
+
+def test_a_client_with_a_secret_refuses_a_server_without_one(server) -> None:
+    port, _ = server
+    c = LMClient("127.0.0.1", port, secret=SA)
+    with pytest.raises(LMError, match="start kvferry-server with --cluster-secret-file"):
+        c.put(b"k", b"v")
+    assert LMClient("127.0.0.1", port).exists([b"k"]) == [False], "it sent nothing"
+
+
+def test_an_exposed_server_needs_a_secret_when_told_to() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_CLUSTER_SECRET")}
+    r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", "0.0.0.0", "5", "--require-cluster-secret"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--cluster-secret-file" in r.stderr and len(r.stderr.strip().splitlines()) == 1

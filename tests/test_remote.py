@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 
+from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.engine.remote_serde import HEADER_BYTES, ChunkShape, Serde, SerdeError
 from kvferry.engine.remote_store import PREFIX, RemoteError, RemoteTier, parse_url
@@ -107,6 +108,30 @@ def test_round_trip_exists_and_ranks(store: str) -> None:
     assert w0.stats()["stored_chunks|remote"] == 1 and w0.stats()["remote_errors"] == 0
     for t in (w0, w1, sched):
         t.close()
+
+
+def test_lm_with_the_cluster_secret_and_clients_without_it(tmp_path: Path, kvf_logs) -> None:
+    path = tmp_path / "secret"
+    secret.write_file(str(path), "a-cluster-secret-of-32-characters")
+    p = start_lm_server(tmp_path, secret_file=path)
+    url = f"lm://{p.url_hostport}"
+    good = RemoteTier(url, 2.0, Serde("naive", SHAPE), secret=secret.from_file(str(path), "test"))
+    plain = RemoteTier(url, 2.0, Serde("naive", SHAPE))
+    try:
+        assert good.put(b"A" * 16, chunk(1), TOKENS) and good.flush(10)
+        assert torch.equal(good.get(b"A" * 16, TOKENS, NBYTES), chunk(1))
+        # Without the secret: misses and a counted error naming the fix, never the data.
+        assert plain.exists([b"A" * 16]) == [False]
+        assert plain.stats()["remote_errors"] == 1
+        assert "set cluster_secret_file" in kvf_logs.text
+        time.sleep(1.1)  # past the back-off: its put is tried, and refused
+        assert plain.put(b"B" * 16, chunk(2), TOKENS) and plain.flush(10)
+        assert plain.stats()["stored_chunks|remote"] == 0 and plain.stats()["remote_errors"] == 2
+        assert good.exists([b"A" * 16, b"B" * 16]) == [True, False]
+    finally:
+        good.close()
+        plain.close()
+        p.stop()
 
 
 def test_a_damaged_value_is_a_counted_miss(tmp_path: Path, redis_available) -> None:
