@@ -52,7 +52,7 @@ logger = get_logger(__name__)
 
 RESYNC_AFTER = 3  # heartbeats whose chunk count disagrees with the index before a resync
 REALM = "kvferry-controller"
-PORTS = "kvferry-controller's monitor ports (--host)"  # one exposure warning for all of them
+PORTS = "kvferry-controller (--monitor-ports)"  # one exposure warning for all of them
 WORKER_MSGS = (m.RegisterWorker, m.Heartbeat, m.DeregisterWorker, m.ChunkAdmit, m.ChunkEvict, m.TransferReport)
 
 
@@ -87,7 +87,7 @@ class Controller:
         """Warn (or, with require, SystemExit in one line) for ports beyond loopback left open."""
         try:
             zsock.check_exposure(self.host, PORTS, self.trust,
-                                 fix="start it with --cluster-secret-file (the workers' cluster_secret_file)")
+                                 fix="Start it with --cluster-secret-file (the workers' cluster_secret_file)")
         except zsock.ExposureError as e:
             raise SystemExit(f"kvferry-controller: {e}") from None
         if self._admin_key is None and not zsock.is_loopback(self.host):

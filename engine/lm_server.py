@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         secret = csecret.from_env(args.cluster_secret_file, "kvferry-server")
         zsock.check_exposure(args.host, "kvferry-server", zsock.Trust(secret, args.require_cluster_secret),
-                             fix="start it with --cluster-secret-file (the instances' cluster_secret_file)")
+                             fix="Start it with --cluster-secret-file (the instances' cluster_secret_file)")
     except (csecret.SecretError, zsock.ExposureError) as e:
         print(f"kvferry-server: {e}", file=sys.stderr)
         return 2
