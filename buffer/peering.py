@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -166,14 +167,19 @@ class PeerTable:
     async def _handshake(self, host: str, port: int, timeout: float) -> m.Welcome:
         where = f"{self.role} {host}:{port}"
         s = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, port))
+        deadline = time.monotonic() + timeout
+        secret = "the same cluster secret as this side" if self.trust.secret is not None else \
+            "no cluster secret, as this side"
+        silent = self.error(f"{where} did not answer the handshake within {timeout:.1f}s ({self.timeout_key}): "
+                            f"is it up, are its host and port right, and does it use {secret}?")
         try:
-            await s.send(m.encode(self.hello()))
-            if not await s.poll(max(1, int(timeout * 1000)), zmq.POLLIN):
-                secret = "the same cluster secret as this side" if self.trust.secret is not None else \
-                    "no cluster secret, as this side"
-                raise self.error(f"{where} did not answer the handshake within {timeout:.1f}s ({self.timeout_key}): "
-                                 f"is it up, are its host and port right, and does it use {secret}?")
+            # Bounded send too: a socket whose handshake failed has no peer, and a send would wait.
+            await asyncio.wait_for(s.send(m.encode(self.hello())), timeout)
+            if not await s.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+                raise silent
             reply = m.decode(await s.recv(), expect=(m.Welcome, m.ErrorReply))
+        except TimeoutError:
+            raise silent from None
         except m.MessageError as e:
             raise self.error(f"{where} sent a bad handshake reply: {e}") from None
         finally:

@@ -38,17 +38,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def zmq_host(host: str) -> str:
-    """`host` as a ZMQ tcp endpoint takes it: "*" for every interface, a name resolved to its
-    address (ZMQ binds to interface names or addresses, not host names like "localhost")."""
-    if host in ("0.0.0.0", "*", ""):
-        return "*"
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -73,16 +73,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, what: str, trust: Trust, fix: str = "set cluster_secret_file") -> None:
-    """Warn once (or raise ExposureError when a secret is required) for a port on `host` that
-    anyone beyond this machine may reach without a secret. `what` names the port's key or flag."""
-    if trust.secret is not None or is_loopback(host):
+def check_exposure(host: str, what: str, trust: Trust, fix: str = "Set cluster_secret_file") -> None:
+    """A ZMQ port on `host`: see warn_exposed. `what` names the port's key or flag."""
+    warn_exposed(host, what, trust.secret is not None, trust.require, "a cluster secret",
+                 "any host that reaches it can use it (for a NIXL port: read and write its registered memory)", fix)
+
+
+def warn_exposed(host: str, what: str, protected: bool, require: bool, protection: str, risk: str, fix: str) -> None:
+    """The one rule for anything kvferry listens on (ZMQ ports, admin HTTP APIs): on loopback, or
+    `protected`, nothing; else one warning per `what` per process, or ExposureError when `require`
+    (require_cluster_secret / --require-cluster-secret). `fix` starts a sentence."""
+    if protected or is_loopback(host):
         return
-    msg = (f"{what} listens on {host or '*'}, beyond loopback, without a cluster secret: any host that "
-           f"reaches it can use it (for a NIXL port: read and write its registered memory). {fix}, or "
-           "listen on 127.0.0.1")
-    if trust.require:
-        raise ExposureError(msg + " (a cluster secret is required: require_cluster_secret / --require-cluster-secret)")
+    msg = f"{what} listens on {host or '*'}, beyond loopback, without {protection}: {risk}. {fix}, or listen on 127.0.0.1"
+    if require:
+        raise ExposureError(msg + " (require_cluster_secret / --require-cluster-secret is set)")
     with _warn_lock:
         if what in _warned:
             return

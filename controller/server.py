@@ -88,15 +88,12 @@ class Controller:
         try:
             zsock.check_exposure(self.host, PORTS, self.trust,
                                  fix="Start it with --cluster-secret-file (the workers' cluster_secret_file)")
+            zsock.warn_exposed(self.host, f"kvferry-controller's HTTP API (port {self.port})",
+                               self._admin_key is not None, self.trust.require, "an admin key",
+                               "anyone who reaches it can /move and /clear every instance's KV cache",
+                               "Set --admin-key (or KVFERRY_ADMIN_KEY)")
         except zsock.ExposureError as e:
             raise SystemExit(f"kvferry-controller: {e}") from None
-        if self._admin_key is None and not zsock.is_loopback(self.host):
-            msg = (f"kvferry-controller's HTTP API listens on {self.host}:{self.port}, beyond loopback, without an "
-                   "admin key: anyone who reaches it can /move and /clear every instance's KV cache. Set "
-                   "--admin-key (or KVFERRY_ADMIN_KEY), or use --host 127.0.0.1")
-            if self.trust.require:
-                raise SystemExit(f"kvferry-controller: {msg} (--require-cluster-secret is set)")
-            logger.warning("SECURITY: %s", msg)
 
     async def start(self) -> None:
         self.check_exposure()

@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from kvferry.common import messages as m
+from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
@@ -122,7 +123,8 @@ class OffloadPlanner:
         if cfg.remote_url:
             parse_url(cfg.remote_url)
             remote_serde.check_name(cfg.remote_serde)
-            self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs))
+            self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs),
+                                     secret=zsock.trust_of(cfg).secret)
         # P2P: the controller says which instance holds a prefix; the worker's notices say what a
         # controller's move put into or took out of this instance's CPU tier.
         self.p2p: ControllerLookup | None = None
@@ -326,7 +328,8 @@ class OffloadWorker:
             lay = kv.layout
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
-            self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank)
+            self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
+                                     secret=zsock.trust_of(cfg).secret)
         self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB),
                            slot_bytes=kv.chunk_nbytes("block", cfg.chunk_size)) \
             if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None

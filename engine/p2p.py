@@ -92,7 +92,9 @@ class ControllerLookup:
         if self._sock is None:
             self._sock = zsock.connect(self._ctx, zmq.DEALER, self.trust, self.url)
         try:
-            self._sock.send(m.encode(m.LookupRequest(instance_id=self.instance_id, keys=list(keys[:1 << 16]))))
+            # NOBLOCK: with the controller away (or refusing our secret) a send would wait for good.
+            self._sock.send(m.encode(m.LookupRequest(instance_id=self.instance_id, keys=list(keys[:1 << 16]))),
+                            zmq.NOBLOCK)
             if not self._sock.poll(int(self.timeout * 1000), zmq.POLLIN):
                 raise TimeoutError(f"no answer within {self.timeout:g}s")
             reply = m.decode(self._sock.recv(), expect=m.LookupResponse)
@@ -324,8 +326,11 @@ class P2PWorker:
     def _tell_planner(self, adopted: list[tuple[bytes, int]], dropped: list[bytes]) -> None:
         for i in range(0, max(len(adopted), len(dropped), 1), REPORT_BATCH):
             a = adopted[i:i + REPORT_BATCH]
-            self._notice.send(m.encode(m.TierNotice(adopted=[k for k, _ in a], sizes=[n for _, n in a],
-                                                    dropped=dropped[i:i + REPORT_BATCH])))
+            try:  # NOBLOCK: the scheduler is this process's own; if it is not reading, do not wait
+                self._notice.send(m.encode(m.TierNotice(adopted=[k for k, _ in a], sizes=[n for _, n in a],
+                                                        dropped=dropped[i:i + REPORT_BATCH])), zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                self._warn.warning("P2P worker: a notice to the scheduler was dropped (%s)", e)
 
     # ---- fetching from peers ----
     async def _fetch(self, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int] | None,

@@ -241,19 +241,16 @@ class Proxy:
     def _check_exposure(self) -> None:
         """Unprotected surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
         o = self.opts
-        if o.admin and not o.admin_key and not zsock.is_loopback(o.host):
-            msg = (f"the admin API (/admin/*) listens on {o.host}, beyond loopback, without --admin-key: anyone "
-                   "who reaches it can add, drain and remove instances, and so choose where prompts and their "
-                   "KV go. Set --admin-key (or --no-admin), or listen on 127.0.0.1")
-            if o.require_cluster_secret:
-                raise OptionError(msg + " (--require-cluster-secret is set)")
-            logger.warning("SECURITY: %s", msg)
-        if o.proxy_port:
-            try:
+        try:
+            zsock.warn_exposed(o.host, "the admin API (/admin/*, --admin-key)", not o.admin or bool(o.admin_key),
+                               o.require_cluster_secret, "an admin key", "anyone who reaches it can add, drain and "
+                               "remove instances, and so choose where prompts and their KV go",
+                               "Set --admin-key (or --no-admin)")
+            if o.proxy_port:
                 zsock.check_exposure(o.proxy_host or "0.0.0.0", "--proxy-port", self.trust,
-                                     fix="set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
-            except zsock.ExposureError as e:
-                raise OptionError(str(e)) from None
+                                     fix="Set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
+        except zsock.ExposureError as e:
+            raise OptionError(str(e)) from None
 
     def in_flight(self, inst: Instance):  # -> the instance's in-flight gauge (looked up once)
         g = self._gauges.get(inst.id)

@@ -64,8 +64,12 @@ class PeerReader:
                             addr.init_port, addr.host, addr.lookup_port)
             async with peer.lock:
                 rid = uuid.uuid4().hex[:16]
-                await peer.sock.send(m.encode(m.PeerFetch(request_id=rid, agent_name=self.nixl.agent.name,
-                                                          keys=list(keys))))
+                try:  # bounded: a peer gone since the handshake takes no frames
+                    await asyncio.wait_for(peer.sock.send(m.encode(m.PeerFetch(
+                        request_id=rid, agent_name=self.nixl.agent.name, keys=list(keys)))),
+                        max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise FetchError(f"peer {peer.welcome.peer_id} took no lookup within the deadline") from None
                 while True:
                     try:  # recv under a timeout, not poll then recv: one wake-up less (0.4 vs 0.6 ms here)
                         raw = await asyncio.wait_for(peer.sock.recv(), max(0.0, deadline - time.monotonic()))
@@ -82,8 +86,8 @@ class PeerReader:
             raise FetchError(str(e)) from None
 
     async def release(self, peer: peering.Peer, lease_id: str) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            await peer.sock.send(m.encode(m.PeerRelease(lease_id=lease_id)))
+        with contextlib.suppress(zmq.ZMQError):  # NOBLOCK: a peer gone is no reason to wait (its lease expires)
+            await peer.sock.send(m.encode(m.PeerRelease(lease_id=lease_id)), flags=zmq.NOBLOCK)
 
     async def read(self, peer: peering.Peer, reply: m.PeerChunks, sizes: Sequence[int] | None,
                    deadline: float) -> list[torch.Tensor]:
