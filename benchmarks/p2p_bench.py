@@ -1,7 +1,7 @@
 """Time to first token on instance 2 for a long prompt, cold vs fetched from instance 1 over P2P,
 and the P2P retrieval rate next to raw NIXL between two processes on the same cores.
 
-    python benchmarks/p2p_bench.py --json [--rounds 5] [--prompt-tokens 3000]
+    python benchmarks/p2p_bench.py --json [--rounds 5] [--prompt-tokens 3000] [--cluster-secret]
 
 kvferry-controller and two kv_both vLLM servers (tiny model, bf16, vLLM's prefix cache off;
 instance 1 on core 0, instance 2 on core 1) with seed 003's P2P keys. After a warm-up (a prompt on
@@ -21,7 +21,9 @@ NIXL UCX progress the way kvferry does; `raw_nixl_reread_gbps`: the same pair RE
 again and again (what this bench reported as raw before; no fetch of new KV does that). A new pair after each round (one READ to connect, then `--raw-reps` of each), medians of
 all: this VM's speed drifts by +-30 % within a minute (a baseline taken once compares badly), and
 a pair kept running beside the servers measured half its fresh speed (3-4 vs 6-9 GB/s).
-Target: p2p_gbps >= 0.8 x raw_nixl_gbps.
+Target: p2p_gbps >= 0.8 x raw_nixl_gbps. With `--cluster-secret` every kvferry port (controller,
+P2P handshake and leases) speaks CurveZMQ with a new cluster secret; its cost is the change of
+`p2p_vs_raw` against a run without (the raw pair is the same in both).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
@@ -189,13 +192,18 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=3000)
     ap.add_argument("--raw-reps", type=int, default=4, help="raw NIXL READs after each round")
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--cluster-secret", action="store_true", help="run the cluster with a cluster secret")
     args = ap.parse_args()
     if args.rounds < 1 or args.raw_reps < 1:
         ap.error("--rounds and --raw-reps must be at least 1")
     model = tiny_model.ensure()
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-p2p-bench-"))
     logs = Path(args.log_dir) if args.log_dir else tmp
-    controller = Controller(tmp)
+    secret_file = None
+    if args.cluster_secret:
+        secret_file = tmp / "cluster.secret"
+        secret.write_file(str(secret_file), secret.generate())
+    controller = Controller(tmp, secret_file=secret_file)
     servers: list[OffloadServer] = []
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"cold": [], "p2p": []}
@@ -252,7 +260,8 @@ def main() -> int:
     log = servers[1].log_path.read_text(errors="replace") if servers else ""
     ok = [t for t in fetches if t["ok"]]
     ms = {k: round(statistics.median(v) * 1e3, 1) for k, v in samples.items()}
-    result = {"prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "cold_ttft_ms": ms["cold"],
+    result = {"prompt_tokens": args.prompt_tokens, "rounds": args.rounds, "cluster_secret": args.cluster_secret,
+              "cold_ttft_ms": ms["cold"],
               "p2p_ttft_ms": ms["p2p"], "p2p_ratio": round(ms["p2p"] / ms["cold"], 3),
               "p2p_gbps": round(statistics.median(t["gbps"] for t in ok), 3) if ok else 0.0,
               "raw_nixl_gbps": round(statistics.median(raw), 3),
