@@ -76,14 +76,15 @@ class PeerReader:
                     except TimeoutError:
                         raise FetchError(f"peer {peer.welcome.peer_id} did not answer the lookup in time") from None
                     reply = m.decode(raw, expect=(m.PeerChunks, m.ErrorReply))
-                    if isinstance(reply, m.ErrorReply):
-                        raise FetchError(f"peer {peer.welcome.peer_id}: {reply.message}")
-                    if reply.request_id == rid:
-                        return peer, reply
+                    if isinstance(reply, m.ErrorReply) or reply.request_id == rid:
+                        break
         except (FetchError, m.MessageError, zmq.ZMQError) as e:
             if peer is not None:
                 self.peers.drop(peer, str(e))  # a restarted peer has a new agent: handshake again next time
             raise FetchError(str(e)) from None
+        if isinstance(reply, m.ErrorReply):  # a refusal (e.g. busy): the connection is fine, keep it
+            raise FetchError(f"peer {peer.welcome.peer_id}: {reply.message}")
+        return peer, reply
 
     async def release(self, peer: peering.Peer, lease_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):  # NOBLOCK: a peer gone is no reason to wait (its lease expires)

@@ -133,6 +133,23 @@ def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(wo
         with pytest.raises(P2PError, match="did not answer the handshake"):
             intruder._call(intruder.reader.lease(addr(holder), [b"k0"], deadline()), 10)
         assert not holder.lender._seen, "the holder answered someone without the secret"
+    # The controller's command port too: nothing without the secret, an answer with it.
+    import zmq
+
+    from kvferry.common import secret as csecret
+    from kvferry.common import zsock
+    ctx = zmq.Context()
+    try:
+        for key, answered in ((None, False), (OTHER, False), (SECRET, True)):
+            trust = zsock.Trust(csecret.from_text(key, "test")) if key else zsock.PLAIN
+            sock = zsock.connect(ctx, zmq.DEALER, trust, zsock.tcp("127.0.0.1", holder.info.worker_port))
+            sock.send(m.encode(m.Resync(event_id="e1")))
+            got = sock.poll(1500)
+            assert bool(got) == answered, f"worker port with secret {key!r}"
+            if got:
+                assert isinstance(m.decode(sock.recv()), m.CommandResult)
+    finally:
+        ctx.destroy(linger=0)
     friend = workers("friend", secret=SECRET)
     peer, reply = friend._call(friend.reader.lease(addr(holder), [b"k0"], deadline() + 5), 10)
     out = friend._call(friend.reader.read(peer, reply, [SLOT], deadline() + 5), 10)
@@ -160,7 +177,7 @@ def test_leases_per_peer_and_the_peers_remembered_are_bounded(workers, monkeypat
     assert holder.lender.sizes()["leases"] == 3 and holder.lender.counters["p2p_refused_leases"] == 1
     for peer, reply in held:
         reader._call(reader.reader.release(peer, reply.lease_id), 10)
-    until(lambda: holder.lender.sizes()["leases"] == 0, what="the releases")
+    until(lambda: holder.lender.sizes()["leases"] == 0, timeout=3, what="the releases (not the leases' expiry, at 10 s)")
     for name in ("r2", "r3", "r4"):
         w = workers(name)
         p, r = w._call(w.reader.lease(addr(holder), [b"k0"], time.monotonic() + 10), 10)
