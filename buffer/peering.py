@@ -35,6 +35,7 @@ from kvferry.common.log import RateLimitedLog, get_logger
 logger = get_logger(__name__)
 
 MAX_PEERS = 256
+MIN_GBPS = 0.2  # P2P: a lease, and a READ's deadline, grow by its bytes at this rate
 
 
 class PeerError(RuntimeError):
@@ -98,7 +99,6 @@ class PeerTable:
         self.error, self.fingerprint_error = error, fingerprint_error
         self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
-        self.handshakes = 0
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -123,7 +123,6 @@ class PeerTable:
                 peer = Peer(key, welcome, name, sock)
                 self._make_room()
                 self._peers[key] = peer
-                self.handshakes += 1
                 return peer, True
         finally:
             # Locks of peers that failed, or were dropped, do not pile up (asked-for addresses are

@@ -11,6 +11,8 @@ never sent, and never written anywhere but the file the user (or ``kvferry up``)
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import hmac
@@ -108,6 +110,23 @@ def from_env(path: str | None = None, source: str = "command line") -> ClusterSe
         return from_file(path, f"{source} --cluster-secret-file")
     env = os.environ
     return load(env.get("KVFERRY_CLUSTER_SECRET"), env.get("KVFERRY_CLUSTER_SECRET_FILE"), "env")
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """An HTTP Authorization header carrying `key` (an API or admin key): `Bearer <key>`, or Basic
+    auth with `key` as the password (what a browser sends). Compared in constant time."""
+    scheme, _, cred = (header or "").strip().partition(" ")
+    cred = cred.strip()
+    if scheme.lower() == "bearer":
+        given = cred.encode("utf-8", "surrogateescape")
+    elif scheme.lower() == "basic":
+        try:
+            given = base64.b64decode(cred, validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return False
+    else:
+        return False
+    return hmac.compare_digest(given, key.encode())
 
 
 def write_file(path: str, text: str) -> None:

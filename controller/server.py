@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import contextlib
-import hmac
 import json
 import os
 import signal
@@ -62,7 +59,7 @@ class Controller:
         self.host, self.port, self.ports = host, port, monitor_ports
         self.command_timeout, self.sweep_interval = command_timeout, sweep_interval
         self.trust = trust
-        self._admin_key = admin_key.encode() if admin_key else None
+        self._admin_key = admin_key or None
         self.registry = Registry()
         self.ctx = zmq.asyncio.Context()
         # What workers and HTTP clients got wrong; shown in /health.
@@ -274,7 +271,12 @@ class Controller:
                 url = await asyncio.to_thread(zsock.tcp, w.info.host, w.info.worker_port)
                 sock = zsock.connect(self.ctx, zmq.DEALER, self.trust, url)
                 self._cmd[k] = sock
-            await sock.send(m.encode(cmd))
+            try:  # bounded too: a worker gone (or refusing our secret) takes no frames
+                await asyncio.wait_for(sock.send(m.encode(cmd)), self.command_timeout)
+            except TimeoutError:
+                self._cmd.pop(k, None)
+                sock.close(linger=0)
+                raise
             while True:  # skip results of commands that timed out earlier
                 if not await sock.poll(int(self.command_timeout * 1000), zmq.POLLIN):
                     self._cmd.pop(k, None)
@@ -335,27 +337,14 @@ class Controller:
     @web.middleware
     async def _auth(self, req: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
         """With an admin key, everything but /health needs it: Bearer, or Basic with it as the password."""
-        if self._admin_key is None or req.path == "/health" or self._authorized(req.headers.get("Authorization")):
+        if self._admin_key is None or req.path == "/health" or \
+                csecret.authorized(req.headers.get("Authorization"), self._admin_key):
             return await handler(req)
         self.counters["unauthorized_http"] += 1
         return web.json_response(
             {"error": "this kvferry-controller needs its admin key: send 'Authorization: Bearer <key>' (or HTTP "
                       "Basic auth with the key as the password); the key is its --admin-key / KVFERRY_ADMIN_KEY"},
             status=401, headers={"WWW-Authenticate": f'Basic realm="{REALM}"'})
-
-    def _authorized(self, header: str | None) -> bool:
-        scheme, _, cred = (header or "").strip().partition(" ")
-        cred = cred.strip()
-        if scheme.lower() == "bearer":
-            given = cred.encode()
-        elif scheme.lower() == "basic":
-            try:
-                given = base64.b64decode(cred, validate=True).partition(b":")[2]
-            except (binascii.Error, ValueError):
-                return False
-        else:
-            return False
-        return hmac.compare_digest(given, self._admin_key)
 
     async def _page(self, _: web.Request) -> web.Response:
         return web.Response(text=page.render(self.registry.state()), content_type="text/html")

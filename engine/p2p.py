@@ -45,7 +45,7 @@ from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.cpu_tier import CPUTier
-from kvferry.receiver.peer_reader import MIN_GBPS, FetchError, PeerReader
+from kvferry.receiver.peer_reader import FetchError, PeerReader
 from kvferry.sender.lender import ChunkLender
 
 logger = get_logger(__name__)
@@ -358,7 +358,7 @@ class P2PWorker:
         t0 = time.monotonic()
         fut = asyncio.run_coroutine_threadsafe(self._fetch(addr, keys, sizes, timeout), self.loop)
         try:
-            out = fut.result(timeout + sum(sizes) / (MIN_GBPS * 1e9) + 1.0)
+            out = fut.result(timeout + sum(sizes) / (peering.MIN_GBPS * 1e9) + 1.0)
         except (P2PError, concurrent.futures.TimeoutError) as e:
             fut.cancel()
             self._warn.warning("P2P fetch of %d chunks from %s failed: %s; recomputing", len(keys), peer_id,

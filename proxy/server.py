@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import random
 import signal
@@ -215,9 +214,8 @@ class Proxy:
         self.upstream_headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.upstream_headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
-        # Compared in constant time (hmac.compare_digest): the expected header values, as bytes.
-        self._api_auth = f"Bearer {opts.api_key}".encode() if opts.api_key else None
-        self._admin_auth = f"Bearer {opts.admin_key}".encode() if opts.admin_key else self._api_auth
+        # Checked in constant time (common/secret.authorized); /admin/* falls back to the API key.
+        self._admin_auth = opts.admin_key or opts.api_key
         try:
             self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
         except cluster_secret.SecretError as e:
@@ -351,8 +349,8 @@ class Proxy:
         path = request.path
         endpoint = path if path.startswith("/v1/") else "other"
         admin = path == "/admin" or path.startswith("/admin/")
-        want = self._admin_auth if admin else None if path in ("/health", "/metrics") else self._api_auth
-        if want is not None and not _auth_ok(request.headers.get("Authorization", ""), want):
+        want = self._admin_auth if admin else None if path in ("/health", "/metrics") else self.opts.api_key
+        if want and not cluster_secret.authorized(request.headers.get("Authorization"), want):
             self.metrics.requests.labels(endpoint, "401").inc()
             what = "admin key" if admin and self.opts.admin_key else "API key"
             return web.json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
@@ -897,15 +895,6 @@ def _same_first_token(body: dict) -> bool:
         return True
     seed = body.get("seed")
     return isinstance(seed, int) and not isinstance(seed, bool)
-
-
-def _auth_ok(header: str, want: bytes) -> bool:
-    """Constant-time comparison of an Authorization header with the expected one."""
-    try:
-        got = header.encode("utf-8", "surrogateescape")
-    except UnicodeError:
-        return False
-    return hmac.compare_digest(got, want)
 
 
 def _batch(prompt: Any) -> list | None:

@@ -30,7 +30,6 @@ from kvferry.common.units import fmt_bytes
 
 logger = get_logger(__name__)
 
-MIN_GBPS = 0.2  # a READ's deadline grows by its size at this rate
 
 
 class FetchError(peering.PeerError):
@@ -108,7 +107,7 @@ class PeerReader:
                                      f"{list(sizes[:3])}...): another KV layout")
             if not n:
                 return []
-            deadline += sum(reply.sizes) / (MIN_GBPS * 1e9)  # the lookup's timeout plus time for the bytes
+            deadline += sum(reply.sizes) / (peering.MIN_GBPS * 1e9)  # the lookup's timeout plus time for the bytes
             t0 = time.monotonic()
             for md in reply.metadata:
                 await self.nixl.call(self.nixl.agent.add_remote_agent, md)

@@ -99,10 +99,6 @@ class TransferTable:
         with self._cond:
             return transfer_id in self._live
 
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._live)
-
     def refusal(self, transfer_id: str) -> str | None:
         """Why an alloc for `transfer_id` must be refused now (ids are single-use), or None."""
         with self._cond:

@@ -35,7 +35,6 @@ from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
-MIN_GBPS = 0.2  # a lease, and a READ's deadline, grow by its size at this rate
 MAX_LEASES_PER_PEER = 64
 MAX_SEEN_PEERS = 1024
 
@@ -194,7 +193,7 @@ class ChunkLender:
                 mds.append(reg.md)
             reg.leases += 1
         nbytes = sum(d.numel() for d in datas)
-        lease_s = self.lease_base + nbytes / (MIN_GBPS * 1e9)
+        lease_s = self.lease_base + nbytes / (peering.MIN_GBPS * 1e9)
         lid = uuid.uuid4().hex[:16]
         if datas:
             self._leases[lid] = _Lease(msg.agent_name, datas, time.monotonic() + lease_s)

@@ -141,3 +141,14 @@ def test_a_loop_that_raises_is_logged_counted_and_started_again(kvf_logs) -> Non
     stop.set()
     t.join(5)
     assert len(calls) == 2 and th.restarts == 1 and not t.is_alive()
+
+
+def test_an_authorization_header_carries_the_key_as_bearer_or_basic_and_nothing_else() -> None:
+    import base64
+    key = "admin-key-123"
+    basic = "Basic " + base64.b64encode(f"anyone:{key}".encode()).decode()
+    assert secret.authorized(f"Bearer {key}", key) and secret.authorized(f"bearer  {key} ", key)
+    assert secret.authorized(basic, key)
+    for bad in (None, "", key, f"Bearer {key}x", f"Bearer {key[:-1]}", "Basic !!!",
+                "Basic " + base64.b64encode(key.encode()).decode(), f"Token {key}", "Bearer \udcff"):
+        assert not secret.authorized(bad, key), bad
