@@ -5,6 +5,11 @@ paged_copy's overlapping span view moves 16-byte elements one by one (about 0.5x
 ``rowcopy.c`` is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 the user's cache, as Triton does for its kernels; without a compiler, or with
 ``KVFERRY_NATIVE_COPY=0``, callers fall back to the torch path (one log line says so).
+
+The library is loaded into vLLM's processes, so it is trusted only when the current user made
+it: its name is a hash of the C source, the flags and the compiler's version line; the folder
+and the file must be the user's and writable by nobody else (checked on the open file, which is
+what gets loaded, so nothing can be swapped in between); anything else is refused with the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import shlex
+import stat
 import subprocess
 import tempfile
 import threading
@@ -38,25 +44,60 @@ def cache_dir() -> Path:
     return cache_root() / "native"
 
 
+class UntrustedLibrary(OSError):
+    """A cached library (or its folder) that another user could have written."""
+
+
+def _check_owner(st: os.stat_result, what: str) -> None:
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedLibrary(f"{what} is not owned by this user or is writable by others (mode "
+                               f"{stat.filemode(st.st_mode)}, uid {st.st_uid}): remove it, or set "
+                               "KVFERRY_CACHE_DIR to a folder of your own")
+
+
+def _compiler_version(cc: list[str]) -> bytes:
+    """The compiler's first version line: a new compiler under the same name makes a new library."""
+    try:
+        r = subprocess.run([*cc, "--version"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return b""
+    return r.stdout.split(b"\n", 1)[0]
+
+
 def _build() -> Path:
     cc = shlex.split(os.environ.get("CC", "cc"))
-    src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"rowcopy-{tag}.so"
+    key = b"\0".join([_SOURCE.read_bytes(), " ".join(cc + _FLAGS).encode(), _compiler_version(cc)])
+    out = cache_dir() / f"rowcopy-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(out.parent)
+    if st.st_uid == os.getuid() and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.chmod(out.parent, 0o700)  # ours, made under a loose umask: tighten rather than refuse
+        st = os.stat(out.parent)
+    _check_owner(st, f"the kernel cache folder {out.parent}")
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent builders never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run([*cc, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True,
                        text=True, timeout=120)
+        os.chmod(tmp, 0o755)  # whatever the umask: writable by this user only
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """dlopen the file whose owner and mode were checked: through its open descriptor."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_owner(os.fstat(fd), f"the compiled row copy {path}")
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 class RowCopier:
@@ -94,7 +135,9 @@ def row_copier() -> RowCopier | None:
             log.info("KVFERRY_NATIVE_COPY=0: CPU gather/scatter use torch index_select")
         else:
             try:
-                rc = RowCopier(ctypes.CDLL(str(_build())))
+                rc = RowCopier(_load(_build()))
+            except UntrustedLibrary as e:
+                log.warning("refusing the compiled row copy: %s; CPU gather/scatter use torch index_select", e)
             except (OSError, subprocess.SubprocessError) as e:
                 detail = getattr(e, "stderr", "") or e
                 log.warning("no compiled row copy (%s); CPU gather/scatter use torch index_select, "

@@ -272,3 +272,34 @@ def test_scatter_blocks_can_stop_before_the_chunk_ends() -> None:
         assert all(torch.equal(d[k], o[k]) for k in (0, 1, 2, 3, 6, 7))
     with pytest.raises(ValueError, match="outside"):
         b.scatter_blocks(chunk, [1, 2, 3, 4, 5], 0, chunk_blocks=4)
+
+
+def test_a_cached_library_others_can_write_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                      kvf_logs: pytest.LogCaptureFixture) -> None:
+    """The row copy is loaded into vLLM: a library someone else could have written never is."""
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    if native.row_copier() is None:
+        pytest.skip("no C compiler")
+    lib = next(tmp_path.rglob("rowcopy-*.so"))
+    assert lib.stat().st_mode & 0o022 == 0 and lib.parent.stat().st_mode & 0o077 == 0
+    lib.chmod(0o777)
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    assert native.row_copier() is None
+    assert "writable by others" in kvf_logs.text and str(lib) in kvf_logs.text
+
+
+def test_the_library_name_follows_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Another compiler (or other flags) under the same source builds another library, not the old one."""
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    if native.row_copier() is None:
+        pytest.skip("no C compiler")
+    first = {p.name for p in tmp_path.rglob("rowcopy-*.so")}
+    wrapper = tmp_path / "cc-wrapper"
+    wrapper.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "other-cc 9.9"; exit 0; }\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "_loaded", (False, None))
+    assert native.row_copier() is not None
+    assert len({p.name for p in tmp_path.rglob("rowcopy-*.so")} - first) == 1
