@@ -18,11 +18,9 @@ when the store cannot keep up, puts are dropped (counted), never waited for.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -30,51 +28,14 @@ from kvferry.common.backoff import Backoff
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_server import LMClient, LMError
+from kvferry.engine.redis_backend import RedisBackend, sentinel_backend
+from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
 
 logger = get_logger(__name__)
 
-PREFIX = b"kvferry:"
 
-
-class RemoteError(RuntimeError):
-    """The remote store failed, timed out or is misconfigured."""
-
-
-Item = tuple[bytes, bytes, "bytes | memoryview"]  # key, serde header, payload
-
-
-class Backend(Protocol):
-    def put_many(self, items: Sequence[Item]) -> None: ...
-    def get(self, key: bytes) -> tuple[memoryview | bytes, memoryview | bytes] | None: ...
-    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
-    def close(self) -> None: ...
-
-
-def _hostports(rest: str, url: str) -> list[tuple[str, int]]:
-    out = []
-    for part in rest.split(","):
-        host, sep, port = part.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise RemoteError(f"remote_url {url!r}: {part!r} is not host:port")
-        out.append((host, int(port)))
-    return out
-
-
-class _Mapped:
-    """Runs a client call, turning the client's own errors into RemoteError."""
-
-    errors: tuple[type[Exception], ...] = ()
-    where = ""
-
-    def _do(self, fn, *args):  # noqa: ANN001, ANN202
-        try:
-            return fn(*args)
-        except self.errors as e:
-            raise RemoteError(f"{self.where}: {type(e).__name__}: {e}") from None
-
-
-class LMBackend(_Mapped):
+class LMBackend(Mapped):
     errors = (LMError,)
 
     def __init__(self, host: str, port: int, timeout: float, secret: ClusterSecret | None = None) -> None:
@@ -95,47 +56,6 @@ class LMBackend(_Mapped):
         self.client.close()
 
 
-class RedisBackend(_Mapped):
-    def __init__(self, client: object, where: str) -> None:
-        import redis
-
-        self.r, self.where, self.errors = client, where, (redis.RedisError,)
-
-    @classmethod
-    def connect(cls, host: str, port: int, timeout: float) -> RedisBackend:
-        import redis
-
-        return cls(redis.Redis(host=host, port=port, **_redis_kwargs(timeout)), f"redis://{host}:{port}")
-
-    def put_many(self, items: Sequence[Item]) -> None:
-        pipe = self.r.pipeline(transaction=False)  # one round trip for the batch
-        for key, head, payload in items:
-            k = PREFIX + key
-            pipe.mset({k + b":h": head, k + b":d": payload})
-        self._do(pipe.execute)
-
-    def get(self, key: bytes) -> tuple[bytes, bytes] | None:
-        k = PREFIX + key
-        head, payload = self._do(self.r.mget, [k + b":h", k + b":d"])
-        return None if head is None or payload is None else (head, payload)
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        return [v is not None for v in self._do(self.r.mget, [PREFIX + k + b":h" for k in keys])]
-
-    def close(self) -> None:
-        self.r.close()
-
-
-def _redis_kwargs(timeout: float) -> dict:
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    # No retries inside redis-py: one bounded attempt, the tier's back-off decides when to try again.
-    return {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
-
-
 SCHEMES = ("redis", "redis-sentinel", "lm")
 
 
@@ -146,33 +66,10 @@ def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:
         raise RemoteError(f"remote_url {url!r}: scheme {scheme!r} is not supported by kvferry: use redis://host:port"
                           ", redis-sentinel://host:port,host:port,... or lm://host:port (kvferry-server)")
     addrs, _, service = rest.partition("/")
-    nodes = _hostports(addrs, url)
+    nodes = hostports(addrs, url)
     if scheme != "redis-sentinel" and len(nodes) != 1:
         raise RemoteError(f"remote_url {url!r}: {scheme}:// takes one host:port")
     return scheme, nodes, service
-
-
-def _sentinel_backend(url: str, nodes: list[tuple[str, int]], service: str, timeout: float) -> RedisBackend:
-    from redis.sentinel import Sentinel
-
-    service = service or os.environ.get("REDIS_SERVICE_NAME", "")
-    sentinel = Sentinel(nodes, sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": timeout},
-                        **_redis_kwargs(timeout))
-    if not service:
-        masters: dict = {}
-        for s in sentinel.sentinels:
-            try:
-                masters = s.sentinel_masters()
-                break
-            except Exception:  # noqa: BLE001, S112 - try the next Sentinel
-                continue
-        else:
-            raise RemoteError(f"{url}: no Sentinel answered")
-        if len(masters) != 1:
-            raise RemoteError(f"{url}: the Sentinels monitor {len(masters)} masters ({', '.join(masters) or 'none'})"
-                              f": name one as {url}/<service> or in $REDIS_SERVICE_NAME")
-        service = next(iter(masters))
-    return RedisBackend(sentinel.master_for(service, **_redis_kwargs(timeout)), f"{url} (service {service})")
 
 
 def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None) -> Backend:
@@ -185,7 +82,7 @@ def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None) 
     if scheme == "redis":
         return RedisBackend.connect(host, port, timeout)
     try:
-        return _sentinel_backend(url, nodes, service, timeout)
+        return sentinel_backend(url, nodes, service, timeout)
     except RemoteError:
         raise
     except Exception as e:  # noqa: BLE001 - redis-py's errors while finding the master
