@@ -46,6 +46,31 @@ class FingerprintError(PeerError):
     """The peer keeps its KV in another layout: its bytes would be garbage here."""
 
 
+class BadPeerData(PeerError):
+    """A peer's answer failed a check before any NIXL call used it (names, metadata, addresses,
+    sizes) or its bytes failed one after (a MAC): a counted miss, never trusted."""
+
+
+def check_name(what: str, name: str) -> str | None:
+    """Why `name` (a peer id or NIXL agent name from a peer) is unfit for logs and NIXL, or None."""
+    if not name.isprintable():  # control characters would forge log lines
+        return f"{what} {name[:64]!r} has unprintable characters"
+    return None
+
+
+def check_welcome(w: m.Welcome, where: str, me: str, others: set[str], max_metadata: int | None) -> str | None:
+    """Why a Welcome must not reach NIXL, or None: names, metadata size, an agent name that is
+    ours or another peer's (its metadata would replace that agent's)."""
+    for what, name in (("peer id", w.peer_id), ("NIXL agent name", w.agent_name)):
+        if (why := check_name(what, name)) is not None:
+            return f"{where}: {why}"
+    if max_metadata is not None and len(w.agent_metadata) > max_metadata:
+        return f"{where}: NIXL agent metadata of {len(w.agent_metadata)} bytes (at most {max_metadata})"
+    if w.agent_name == me or w.agent_name in others:
+        return f"{where}: NIXL agent name {w.agent_name!r} is this side's own or another peer's"
+    return None
+
+
 def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutFingerprint,
                  theirs: m.LayoutFingerprint) -> str | None:
     """The one message for a layout mismatch, both sides' fields shown; None when they agree.
@@ -90,13 +115,15 @@ class PeerTable:
                  hello: Callable[[], m.Hello], fingerprint: m.LayoutFingerprint, *, roles: tuple[str, str],
                  me: str, timeout_key: str, on_drop: Callable[[Peer, str], None] | None = None,
                  max_peers: int = MAX_PEERS, error: type[PeerError] = PeerError,
-                 fingerprint_error: type[PeerError] = FingerprintError) -> None:
+                 fingerprint_error: type[PeerError] = FingerprintError,
+                 bad_error: type[PeerError] = BadPeerData, max_metadata: int | None = None) -> None:
         self.ctx, self.trust, self.nixl = ctx, trust, nixl
         self.hello, self.fp, self.me, self.timeout_key = hello, fingerprint, me, timeout_key
         self.roles = roles  # (this side's, the servers'), e.g. ("sender", "receiver")
         self.role = roles[1]
         self.on_drop, self.max_peers = on_drop, max_peers
-        self.error, self.fingerprint_error = error, fingerprint_error
+        self.error, self.fingerprint_error, self.bad_error = error, fingerprint_error, bad_error
+        self.max_metadata = max_metadata  # bytes of a peer's NIXL agent metadata (None: the frame's bound)
         self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
 
@@ -117,8 +144,22 @@ class PeerTable:
                     self._peers.move_to_end(key)
                     return peer, False
                 welcome = await self._handshake(host, init_port, timeout)
-                name = await self.nixl.call(self.nixl.agent.add_remote_agent, welcome.agent_metadata)
+                where = f"{self.role} {host}:{init_port}"
+                why = check_welcome(welcome, where, self.nixl.agent.name, {p.agent for p in self._peers.values()},
+                                    self.max_metadata)
+                if why is not None:
+                    raise self.bad_error(why)
+                try:
+                    name = await self.nixl.call(self.nixl.agent.add_remote_agent, welcome.agent_metadata)
+                except Exception as e:  # noqa: BLE001 - NIXL raises its own types on bad metadata
+                    raise self.bad_error(f"{where}: NIXL refused its agent metadata ({type(e).__name__}: {e})"
+                                         ) from None
                 name = name.decode() if isinstance(name, bytes) else name
+                if name != welcome.agent_name:
+                    if name not in {p.agent for p in self._peers.values()} | {self.nixl.agent.name}:
+                        self.nixl.call(self._remove_agent, name)
+                    raise self.bad_error(f"{where}: its metadata names NIXL agent {str(name)[:64]!r}, its handshake "
+                                         f"{welcome.agent_name!r}")
                 sock = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, data_port))
                 peer = Peer(key, welcome, name, sock)
                 self._make_room()

@@ -341,6 +341,17 @@ class PeerFetch(Msg, tag="peer_fetch"):
     keys: Keys
 
 
+class Span(msgspec.Struct, kw_only=True, frozen=True):
+    """A holder's NIXL registration: the only memory its leases may name."""
+
+    addr: Annotated[int, msgspec.Meta(ge=1)]
+    nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
+
+
+# A chunk's keyed MAC (common/chunk_mac.py TAG_BYTES; messages import no hashing library).
+Tag = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+
+
 class PeerChunks(Msg, tag="peer_chunks"):
     """The holder's memory for the leading `len(addrs)` of the asked keys, held until released
     or `lease_seconds` pass."""
@@ -352,10 +363,18 @@ class PeerChunks(Msg, tag="peer_chunks"):
     lease_seconds: Seconds
     # NIXL partial metadata of chunks registered since this asker last heard: load before READing.
     metadata: Annotated[list[Blob], msgspec.Meta(max_length=1 << 16)] = []
+    # The registration each `metadata` entry describes (the reader checks every address against them).
+    spans: Annotated[list[Span], msgspec.Meta(max_length=1 << 16)] = []
+    # With a cluster secret: each chunk's keyed MAC over its key and bytes, checked after the READ.
+    tags: Annotated[list[Tag], msgspec.Meta(max_length=1 << 16)] = []
 
     def __post_init__(self) -> None:
         if len(self.addrs) != len(self.sizes):
             raise ValueError(f"{len(self.addrs)} addresses and {len(self.sizes)} sizes")
+        if len(self.spans) != len(self.metadata):
+            raise ValueError(f"{len(self.metadata)} metadata entries and {len(self.spans)} spans")
+        if self.tags and len(self.tags) != len(self.addrs):
+            raise ValueError(f"{len(self.addrs)} chunks and {len(self.tags)} tags")
 
 
 class PeerRelease(Msg, tag="peer_release"):

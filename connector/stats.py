@@ -51,6 +51,8 @@ SERIES: dict[str, tuple[str, str, bool]] = {
     "p2p_read_bytes": ("kvferry:p2p_read_bytes", "Bytes read from peers over NIXL", False),
     "p2p_read_seconds": ("kvferry:p2p_read_seconds", "Seconds spent in NIXL reads from peers", False),
     "p2p_errors": ("kvferry:p2p_errors", "Fetches from peers that failed (recomputed)", False),
+    "p2p_rejected": ("kvferry:p2p_rejected", "Fetches from peers whose answer or bytes failed a check: counts, "
+                     "sizes, addresses, NIXL metadata, names, MAC (recomputed; also in p2p_errors)", False),
     "p2p_served_chunks": ("kvferry:p2p_served_chunks", "Chunks this instance lent to peers", False),
     "p2p_served_bytes": ("kvferry:p2p_served_bytes", "Bytes this instance lent to peers", False),
     "p2p_refused_leases": ("kvferry:p2p_refused_leases", "Leases refused to a peer holding too many already",

@@ -344,35 +344,20 @@ class OffloadWorker:
         return self.cpu if name == "cpu" else self.disk if name == "disk" else None
 
     def load(self, op: CacheLoad) -> list[int]:
-        """Copy the op's chunks into its blocks; on any miss load nothing and return the blocks
-        vLLM must recompute."""
+        """Copy the op's chunks into its blocks; on any miss or failure load nothing and return
+        the blocks vLLM must recompute. Runs in vLLM's worker: never raises."""
         t0 = time.monotonic()
         bs = self.kv.layout.block_size
-        datas = []
-        from_peer = self._fetch_p2p(op)
-        for key, tier, promote, n in zip(op.keys, op.tiers, op.promote, op.tokens, strict=True):
-            if tier == "p2p":
-                data = from_peer.get(key)
-            elif tier == "remote":
-                data = self.remote.get(key, n, self.kv.chunk_nbytes("block", n)) if self.remote else None
-            else:
-                store = self._tier(tier)
-                data = store.get(key) if store is not None else None
-            if data is None:
-                self._lost.setdefault(tier, set()).add(key)
-                # The index counted the rest as promoted to the CPU tier: they are not there.
-                j = op.keys.index(key)
-                self._lost.setdefault("cpu", set()).update(k for k, p in zip(op.keys[j:], op.promote[j:], strict=True)
-                                                           if p)
-                self.counters["load_errors"] += 1
-                logger.warning("request %s: chunk %s missing from the %s tier; recomputing its prompt from token %d",
-                               op.req_id, key.hex()[:12], tier, op.skip_tokens)
-                return loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens, bs)
-            if promote and self.cpu is not None:
-                self.cpu.put(key, data)
-            datas.append(self._host_to_device(data))
-        nbytes = scatter_chunks(self.kv, "block", self.chunk_size, datas, op.tokens, op.first_chunk, op.block_ids,
-                                op.skip_tokens, op.num_tokens)
+        try:
+            nbytes = self._load(op)
+        except Exception as e:  # noqa: BLE001 - a tier's bad data must cost a recompute, not the worker
+            self.counters["load_errors"] += 1
+            self._lost.setdefault("cpu", set()).update(k for k, p in zip(op.keys, op.promote, strict=True) if p)
+            logger.warning("request %s: loading its cached KV failed (%s: %s); recomputing its prompt from token %d",
+                           op.req_id, type(e).__name__, e, op.skip_tokens)
+            return loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens, bs)
+        if nbytes is None:
+            return loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens, bs)
         dt = time.monotonic() - t0
         n = op.num_tokens - op.skip_tokens
         self.counters["retrieved_tokens"] += n
@@ -383,13 +368,51 @@ class OffloadWorker:
                     nbytes / max(dt, 1e-9) / 1e9, where)
         return []
 
+    def _load(self, op: CacheLoad) -> int | None:
+        """The op's chunks, each checked for its size, scattered into its blocks: bytes copied, or
+        None on a miss (counted, and the chunks reported lost)."""
+        datas = []
+        from_peer = self._fetch_p2p(op)
+        for key, tier, promote, n in zip(op.keys, op.tiers, op.promote, op.tokens, strict=True):
+            want = self.kv.chunk_nbytes("block", n)
+            if tier == "p2p":
+                data = from_peer.get(key)
+            elif tier == "remote":
+                data = self.remote.get(key, n, want) if self.remote else None
+            else:
+                store = self._tier(tier)
+                data = store.get(key) if store is not None else None
+            bad = data is not None and (data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != want)
+            if data is None or bad:
+                self._lost.setdefault(tier, set()).add(key)
+                # The index counted the rest as promoted to the CPU tier: they are not there.
+                j = op.keys.index(key)
+                self._lost.setdefault("cpu", set()).update(k for k, p in zip(op.keys[j:], op.promote[j:], strict=True)
+                                                           if p)
+                self.counters["load_errors"] += 1
+                if bad:  # e.g. a chunk a move brought in from a peer of another build
+                    if tier == "cpu" and self.cpu is not None:
+                        self.cpu.delete(key)
+                    logger.warning("request %s: chunk %s from the %s tier is %d bytes (%s), not %d; recomputing its "
+                                   "prompt from token %d", op.req_id, key.hex()[:12], tier, data.numel(), data.dtype,
+                                   want, op.skip_tokens)
+                else:
+                    logger.warning("request %s: chunk %s missing from the %s tier; recomputing its prompt from "
+                                   "token %d", op.req_id, key.hex()[:12], tier, op.skip_tokens)
+                return None
+            if promote and self.cpu is not None:
+                self.cpu.put(key, data)
+            datas.append(self._host_to_device(data))
+        return scatter_chunks(self.kv, "block", self.chunk_size, datas, op.tokens, op.first_chunk, op.block_ids,
+                              op.skip_tokens, op.num_tokens)
+
     def _fetch_p2p(self, op: CacheLoad) -> dict[bytes, torch.Tensor]:
         """The op's P2P chunks, in one lease and one NIXL READ; {} on failure (then recompute)."""
         idx = [i for i, t in enumerate(op.tiers) if t == "p2p"]
         if not idx or self.p2p is None or self.p2p.rank >= len(op.peers):
             return {}
         keys = [op.keys[i] for i in idx]
-        got = self.p2p.fetch(op.peer_id or "?", op.peers[self.p2p.rank], keys,
+        got = self.p2p.fetch(op.peer_id, op.peers[self.p2p.rank], keys,
                              [self.kv.chunk_nbytes("block", op.tokens[i]) for i in idx])
         return dict(zip(keys, got, strict=True)) if got is not None else {}
 

@@ -12,6 +12,9 @@ Worker side (:class:`P2PWorker`, one per TP rank, its own thread and asyncio loo
 
 Every socket is made by common/zsock.py (the cluster secret, when set, on all of them), and the
 handshake, peer table and fingerprint check are the ones PD transfers use (buffer/peering.py).
+What a peer answers is checked before NIXL uses it, and with the secret every chunk carries a
+keyed MAC (receiver/peer_reader.py); a peer that fails a check is a counted miss
+(``p2p_rejected``), never an exception in vLLM's worker.
 Background loops log and restart when they fail (common/supervise.py).
 
 Scheduler side (:class:`ControllerLookup`): "who holds the longest prefix of these chunks?",
@@ -37,15 +40,15 @@ import zmq
 import zmq.asyncio
 
 from kvferry.buffer import nixl_agent, peering
+from kvferry.common import chunk_mac, zsock
 from kvferry.common import messages as m
-from kvferry.common import zsock
 from kvferry.common.backoff import Backoff
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.cpu_tier import CPUTier
-from kvferry.receiver.peer_reader import FetchError, PeerReader
+from kvferry.receiver.peer_reader import BadPeerAnswer, FetchError, PeerReader
 from kvferry.sender.lender import ChunkLender
 
 logger = get_logger(__name__)
@@ -171,7 +174,8 @@ class P2PWorker:
             worker_port=work[tp_rank], p2p_init_port=init[tp_rank], p2p_lookup_port=look[tp_rank],
             tp_size=tp_size, salt=salt, chunk_size=cfg.chunk_size, partial_chunks=cfg.save_unfull_chunk,
             heartbeat_timeout=cfg.lmcache_worker_heartbeat_timeout, cpu_capacity=cpu.capacity)
-        self.counters = {"p2p_errors": 0}
+        self.counters = {"p2p_errors": 0, "p2p_rejected": 0}
+        self.mac = chunk_mac.for_secret(self.trust.secret)  # None without a secret: chunks carry no tag
         self.health = {name: LoopHealth(f"P2P worker {cfg.lmcache_instance_id} rank {tp_rank}: {name}")
                        for name in ("heartbeats", "reports")}
         self._warn = RateLimitedLog(logger)
@@ -201,10 +205,10 @@ class P2PWorker:
         self.agent = nixl_agent.make_agent(f"kvf-p2p-{me}-{self.rank}-{self.epoch}")
         self.nixl = nixl_agent.NixlThread(self.agent, self.loop, POLL_S, name=f"kvf-p2p-nixl-{self.rank}")
         self.lender = ChunkLender(self.cpu, self.nixl, self.fp, me, random.SystemRandom().randrange(1, 1 << 62),
-                                  2 * self.cfg.blocking_timeout_secs)
+                                  2 * self.cfg.blocking_timeout_secs, mac=self.mac)
         await self.lender.start()
         self.reader = PeerReader(self.ctx, self.trust, self.nixl, self._hello, self.fp, me, self.cpu.alloc,
-                                 self.cpu.arena)
+                                 self.cpu.arena, mac=self.mac)
         host = self.cfg.p2p_host
         ports = ((self.info.p2p_init_port, "p2p_init_ports", self.lender.on_hello),
                  (self.info.p2p_lookup_port, "p2p_lookup_ports", self.lender.on_fetch),
@@ -304,14 +308,14 @@ class P2PWorker:
                 break
             if event == "put":
                 admit[key] = data.numel()
-                await self.lender.added(data)
+                await self.lender.added(key, data)
                 if key in self._news:
                     self._news.discard(key)
                     adopted.append((key, data.numel()))
             else:
                 admit.pop(key, None)
                 evict.append(key)
-                await self.lender.removed(data)
+                await self.lender.removed(key, data)
         for i in range(0, len(evict), REPORT_BATCH):
             self._send(m.ChunkEvict(instance_id=self.info.instance_id, worker_id=self.rank, epoch=self.epoch,
                                     location=LOCATION, keys=evict[i:i + REPORT_BATCH]))
@@ -334,38 +338,49 @@ class P2PWorker:
 
     # ---- fetching from peers ----
     async def _fetch(self, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int] | None,
-                     timeout: float, max_bytes: int | None = None) -> list[torch.Tensor]:
+                     timeout: float, max_bytes: int | None = None, peer_id: str | None = None
+                     ) -> list[torch.Tensor]:
         """The leading chunks of `keys` the peer holds (all of them when `sizes` is given, else
-        P2PError), READ into new CPU memory; P2PError beyond `max_bytes`."""
+        P2PError), READ into new CPU memory and checked; P2PError beyond `max_bytes`, and for
+        anything else that fails (BadPeerAnswer when the peer's answer or bytes were wrong)."""
         deadline = time.monotonic() + timeout
         try:
-            peer, reply = await self.reader.lease(addr, keys, deadline)
+            peer, reply = await self.reader.lease(addr, keys, deadline, sizes, peer_id)
             need = sum(reply.sizes)
             if max_bytes is not None and need > max_bytes:
                 await self.reader.release(peer, reply.lease_id)
                 raise P2PError(f"{self.info.instance_id}'s CPU tier has {fmt_bytes(max(max_bytes, 0))} free of "
                                f"{fmt_bytes(self.cpu.capacity)}; the move needs {fmt_bytes(need)}: raise "
                                "max_local_cpu_size, move fewer tokens, or POST /clear it first")
-            return await self.reader.read(peer, reply, sizes, deadline)
-        except P2PError:
+            return await self.reader.read(peer, reply, keys, deadline)
+        except P2PError as e:
             self.counters["p2p_errors"] += 1
+            if isinstance(e, BadPeerAnswer):
+                self.counters["p2p_rejected"] += 1
             raise
+        except Exception as e:  # noqa: BLE001 - whatever a peer makes fail here is a miss, not a crash
+            self.counters["p2p_errors"] += 1
+            logger.debug("P2P fetch failed", exc_info=True)
+            raise P2PError(f"{type(e).__name__}: {e}") from None
 
-    def fetch(self, peer_id: str, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int]) -> \
+    def fetch(self, peer_id: str | None, addr: m.PeerAddr, keys: Sequence[bytes], sizes: Sequence[int]) -> \
             list[torch.Tensor] | None:
-        """A request's load (from vLLM's worker thread): every chunk or None (then recompute)."""
+        """A request's load (from vLLM's worker thread): every chunk, checked, or None (then
+        recompute); never raises. `peer_id`: the instance the controller named (checked)."""
         timeout = self.cfg.blocking_timeout_secs
         t0 = time.monotonic()
-        fut = asyncio.run_coroutine_threadsafe(self._fetch(addr, keys, sizes, timeout), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(self._fetch(addr, keys, sizes, timeout, peer_id=peer_id), self.loop)
         try:
             out = fut.result(timeout + sum(sizes) / (peering.MIN_GBPS * 1e9) + 1.0)
-        except (P2PError, concurrent.futures.TimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - this runs in vLLM's worker: any failure is a miss
             fut.cancel()
-            self._warn.warning("P2P fetch of %d chunks from %s failed: %s; recomputing", len(keys), peer_id,
+            if not isinstance(e, (P2PError, concurrent.futures.TimeoutError)):
+                self.counters["p2p_errors"] += 1
+            self._warn.warning("P2P fetch of %d chunks from %s failed: %s; recomputing", len(keys), peer_id or "?",
                                e or "timed out")
-            self._report_transfer(peer_id, 0, 0, time.monotonic() - t0, False, "p2p")
+            self._report_transfer(peer_id or "?", 0, 0, time.monotonic() - t0, False, "p2p")
             return None
-        self._report_transfer(peer_id, len(out), sum(sizes), time.monotonic() - t0, True, "p2p")
+        self._report_transfer(peer_id or "?", len(out), sum(sizes), time.monotonic() - t0, True, "p2p")
         return out
 
     def _report_transfer(self, peer_id: str, chunks: int, nbytes: int, seconds: float, ok: bool, kind: str) -> None:
@@ -421,8 +436,11 @@ class P2PWorker:
         try:
             # Evicting is the scheduler's decision, so a move only fills free space.
             datas = await self._fetch(msg.source, want, None, self.cfg.blocking_timeout_secs,
-                                      max_bytes=self.cpu.capacity - self.cpu.used) if want else []
+                                      max_bytes=self.cpu.capacity - self.cpu.used, peer_id=msg.source_id) \
+                if want else []
         except P2PError as e:
+            # Nothing of a failed pull is adopted: a chunk of the wrong size or bytes never enters the tier.
+            self._warn.warning("P2P move of %d chunks from %s failed: %s", len(want), msg.source_id, e)
             self._report_transfer(msg.source_id, 0, 0, time.monotonic() - t0, False, "move")
             return m.CommandResult(event_id=msg.event_id, ok=False, message=str(e))
         nbytes = sum(d.numel() for d in datas)

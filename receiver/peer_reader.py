@@ -6,6 +6,13 @@ its lookup port (the holder's addresses of the leading chunks it holds, kept for
 release them) and one READ of them into local memory, every step bounded by a deadline.
 A peer whose READ failed, or that stopped answering, is dropped: a restarted peer has a new NIXL
 agent, and the next fetch handshakes again.
+
+Nothing a peer sends reaches NIXL unchecked: its handshake (names, metadata size, buffer/peering.py)
+and each lease (chunk count against the keys asked, every size against the one expected, or for
+a move a whole number of blocks up to a chunk; metadata size and count; every address a slot of
+the arena its handshake declared or the start of a registration a lease declared). With a cluster
+secret each chunk's MAC is checked after the READ. A failed check is a :class:`BadPeerAnswer`,
+which the caller counts and recomputes.
 """
 
 from __future__ import annotations
@@ -25,15 +32,24 @@ from kvferry.buffer import peering
 from kvferry.buffer.nixl_agent import NixlThread
 from kvferry.common import messages as m
 from kvferry.common import zsock
+from kvferry.common.chunk_mac import ChunkMAC
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 
 logger = get_logger(__name__)
 
+# One NIXL metadata blob from a peer (measured: a UCX agent's full metadata 331-495 bytes, a
+# registration's partial metadata 215): far above real use, far below what could hurt.
+MAX_PEER_METADATA = 64 << 10
+MAX_SPANS_PER_PEER = 1 << 16  # registrations of one peer remembered (then handshake again)
 
 
 class FetchError(peering.PeerError):
     """A fetch from a peer failed; the caller recomputes."""
+
+
+class BadPeerAnswer(FetchError, peering.BadPeerData):
+    """A peer's handshake, lease or bytes failed a check: counted (p2p_rejected), recomputed."""
 
 
 class PeerReader:
@@ -41,19 +57,28 @@ class PeerReader:
 
     def __init__(self, ctx: zmq.asyncio.Context, trust: zsock.Trust, nixl: NixlThread,
                  hello: Callable[[], m.Hello], fingerprint: m.LayoutFingerprint, me: str,
-                 alloc: Callable[[int], torch.Tensor], arena: Any = None) -> None:
-        self.nixl, self.me, self.alloc, self.arena = nixl, me, alloc, arena
+                 alloc: Callable[[int], torch.Tensor], arena: Any = None, mac: ChunkMAC | None = None) -> None:
+        self.nixl, self.me, self.alloc, self.arena, self.mac = nixl, me, alloc, arena, mac
         self.peers = peering.PeerTable(ctx, trust, nixl, hello, fingerprint, roles=("reader", "holder"), me=me,
                                        timeout_key="blocking_timeout_secs", error=FetchError,
-                                       fingerprint_error=FetchError)
+                                       fingerprint_error=FetchError, bad_error=BadPeerAnswer,
+                                       max_metadata=MAX_PEER_METADATA)
+        # A chunk is a whole number of blocks, up to `chunk_size` tokens (the handshake's layout).
+        fp = fingerprint
+        per = fp.chunk_size // fp.block_size if fp.block_size and not fp.chunk_size % fp.block_size else 0
+        self.chunk_bytes = fp.page_bytes
+        self.block_bytes = fp.page_bytes // per if per and not fp.page_bytes % per else fp.page_bytes
         self.counters = {"p2p_read_chunks": 0, "p2p_read_bytes": 0, "p2p_read_seconds": 0.0}
 
     def _in_arena(self, d: torch.Tensor) -> bool:
         return self.arena is not None and self.arena.holds(d)
 
-    async def lease(self, addr: m.PeerAddr, keys: Sequence[bytes], deadline: float
+    async def lease(self, addr: m.PeerAddr, keys: Sequence[bytes], deadline: float,
+                    sizes: Sequence[int] | None = None, peer_id: str | None = None
                     ) -> tuple[peering.Peer, m.PeerChunks]:
-        """Ask the peer's lookup port for `keys`: their addresses, held for us until released."""
+        """Ask the peer's lookup port for `keys`: their addresses, held for us until released and
+        checked (see the module docstring). With `sizes`, every asked chunk must be there, of
+        exactly those sizes; with `peer_id`, the peer must be that instance."""
         peer = None
         try:
             peer, new = await self.peers.get(addr.host, addr.init_port, addr.lookup_port,
@@ -80,40 +105,119 @@ class PeerReader:
         except (FetchError, m.MessageError, zmq.ZMQError) as e:
             if peer is not None:
                 self.peers.drop(peer, str(e))  # a restarted peer has a new agent: handshake again next time
-            raise FetchError(str(e)) from None
+            raise (e if isinstance(e, FetchError) else FetchError(str(e))) from None
         if isinstance(reply, m.ErrorReply):  # a refusal (e.g. busy): the connection is fine, keep it
             raise FetchError(f"peer {peer.welcome.peer_id}: {reply.message}")
+        err = self._check(peer, reply, keys, sizes, peer_id)
+        if err is not None:
+            if reply.lease_id:
+                await self.release(peer, reply.lease_id)
+            raise err
         return peer, reply
+
+    def _check(self, peer: peering.Peer, reply: m.PeerChunks, keys: Sequence[bytes], sizes: Sequence[int] | None,
+               peer_id: str | None) -> FetchError | None:
+        """Why this lease must not be READ (before any NIXL call sees it), or None."""
+        who = peer.welcome.peer_id
+        if peer_id is not None and who != peer_id:  # e.g. a restarted peer's ports reused: a plain miss
+            return FetchError(f"the holder at {peer.key[0]}:{peer.key[1]} is {who}, not {peer_id} (its ports were "
+                              "reused since the controller heard of it)")
+        n = len(reply.addrs)
+
+        def bad(why: str) -> BadPeerAnswer:
+            return BadPeerAnswer(f"peer {who} sent a bad lease: {why}")
+
+        if n > len(keys):
+            return bad(f"{n} chunks for {len(keys)} keys asked")
+        if sizes is not None:
+            if n < len(sizes):
+                return FetchError(f"peer {who} holds {n} of the {len(sizes)} chunks (evicted since the lookup)")
+            if list(reply.sizes) != list(sizes):
+                i = next(i for i, (a, b) in enumerate(zip(reply.sizes, sizes, strict=True)) if a != b)
+                return bad(f"chunk {i} is {reply.sizes[i]} bytes, expected {sizes[i]}")
+        elif self.chunk_bytes:
+            for i, size in enumerate(reply.sizes):
+                if not 0 < size <= self.chunk_bytes or size % self.block_bytes:
+                    return bad(f"chunk {i} is {size} bytes, not a whole number of {self.block_bytes}-byte blocks "
+                               f"up to {self.chunk_bytes}")
+        if len(reply.metadata) > n:
+            return bad(f"{len(reply.metadata)} NIXL metadata entries for {n} chunks")
+        if big := [len(md) for md in reply.metadata if len(md) > MAX_PEER_METADATA]:
+            return bad(f"NIXL metadata of {big[0]} bytes (at most {MAX_PEER_METADATA})")
+        if self.mac is not None and n and len(reply.tags) != n:
+            return bad(f"no MAC on its {n} chunks, though this cluster has a secret (an older kvferry?)")
+        spans = {**peer.state.get("spans", {}), **{sp.addr: sp.nbytes for sp in reply.spans}}
+        if len(spans) > MAX_SPANS_PER_PEER:
+            self.peers.drop(peer, "too many registrations remembered")  # a new handshake starts both sides afresh
+            return FetchError(f"peer {who}: more than {MAX_SPANS_PER_PEER} registrations; handshaking again")
+        region = peer.welcome.region
+        for i, (a, size) in enumerate(zip(reply.addrs, reply.sizes, strict=True)):
+            if region is not None and region.page_bytes and \
+                    region.addr <= a < region.addr + region.page_bytes * region.num_pages:
+                if (a - region.addr) % region.page_bytes or size > region.page_bytes:
+                    return bad(f"chunk {i} at {a:#x} ({size} bytes) is not one slot of its arena")
+            elif size > spans.get(a, 0):
+                return bad(f"chunk {i} at {a:#x} ({size} bytes) is outside the memory it registered")
+        return None
 
     async def release(self, peer: peering.Peer, lease_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):  # NOBLOCK: a peer gone is no reason to wait (its lease expires)
             await peer.sock.send(m.encode(m.PeerRelease(lease_id=lease_id)), flags=zmq.NOBLOCK)
 
-    async def read(self, peer: peering.Peer, reply: m.PeerChunks, sizes: Sequence[int] | None,
+    async def read(self, peer: peering.Peer, reply: m.PeerChunks, keys: Sequence[bytes],
                    deadline: float) -> list[torch.Tensor]:
-        """READ the leased chunks into new local memory (the lease is released on every path).
-        With `sizes`, every asked chunk must be there, of exactly those sizes."""
+        """READ a checked lease (from :meth:`lease`) into new local memory, releasing it on every
+        path; with a cluster secret, every chunk's MAC over its key in `keys` is checked after."""
+        dest = await self._read(peer, reply, deadline)
+        if self.mac is not None and dest:
+            bad = await asyncio.to_thread(self._forged, keys, dest, reply.tags)  # ~1 ms per 4 MiB: off the loop
+            if bad:
+                raise BadPeerAnswer(f"peer {peer.welcome.peer_id}: {len(bad)} of {len(dest)} chunks failed the "
+                                    f"cluster-secret MAC (corrupted or forged; first: chunk {bad[0]})")
+        return dest
+
+    def _forged(self, keys: Sequence[bytes], dest: list[torch.Tensor], tags: Sequence[bytes]) -> list[int]:
+        return [i for i, (k, d, t) in enumerate(zip(keys, dest, tags, strict=False))
+                if not self.mac.check(t, k, memoryview(d.numpy()))]
+
+    async def _add_metadata(self, peer: peering.Peer, reply: m.PeerChunks) -> None:
+        """Load the lease's NIXL metadata; it must describe the peer's own agent."""
+        for md in reply.metadata:
+            try:
+                name = await self.nixl.call(self.nixl.agent.add_remote_agent, md)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own types on bad metadata
+                raise BadPeerAnswer(f"peer {peer.welcome.peer_id}: NIXL refused its metadata "
+                                    f"({type(e).__name__}: {e})") from None
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != peer.agent:
+                raise BadPeerAnswer(f"peer {peer.welcome.peer_id}: its lease's metadata names NIXL agent "
+                                    f"{str(name)[:64]!r}, not its own {peer.agent!r}")
+        spans = peer.state.setdefault("spans", {})
+        spans.update((sp.addr, sp.nbytes) for sp in reply.spans)
+
+    async def _read(self, peer: peering.Peer, reply: m.PeerChunks, deadline: float) -> list[torch.Tensor]:
         read_failed = False
         if self.arena is not None:
             self.arena.pause()  # its touch-ahead thread would take cores from the READ
         who = peer.welcome.peer_id
         try:
             n = len(reply.addrs)
-            if sizes is not None:
-                if n < len(sizes):
-                    raise FetchError(f"peer {who} holds {n} of the {len(sizes)} chunks (evicted since the lookup)")
-                if list(reply.sizes) != list(sizes):
-                    raise FetchError(f"peer {who} has chunks of other sizes ({reply.sizes[:3]}... vs "
-                                     f"{list(sizes[:3])}...): another KV layout")
             if not n:
                 return []
             deadline += sum(reply.sizes) / (peering.MIN_GBPS * 1e9)  # the lookup's timeout plus time for the bytes
             t0 = time.monotonic()
-            for md in reply.metadata:
-                await self.nixl.call(self.nixl.agent.add_remote_agent, md)
+            try:
+                await self._add_metadata(peer, reply)
+            except BadPeerAnswer:
+                read_failed = True  # what NIXL holds of this agent is in doubt: handshake again
+                raise
             dest = [self.alloc(s) for s in reply.sizes]
             own = [d for d in dest if not self._in_arena(d)]
-            descs = await self.nixl.call(self.nixl.agent.register_memory, own) if own else None
+            try:
+                descs = await self.nixl.call(self.nixl.agent.register_memory, own) if own else None
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own types
+                raise FetchError(f"could not register {fmt_bytes(sum(d.numel() for d in own))} to READ into: "
+                                 f"{type(e).__name__}: {e}") from None
             xfer = self.nixl.xfer("READ", [(d.data_ptr(), d.numel(), 0) for d in dest], "DRAM",
                                   [(a, s, 0) for a, s in zip(reply.addrs, reply.sizes, strict=True)], "DRAM",
                                   peer.agent, b"", deadline)

@@ -14,6 +14,14 @@ recently used first out: a forgotten peer is sent the metadata again).
 
 The CPU tier's arena is registered once (engine/host_arena.py says why); a chunk outside it gets a
 registration of its own when it enters the tier, dropped when it leaves and no lease holds it.
+The handshake declares the arena and every lease the spans of the registrations it sends, so a
+reader can check each address before its NIXL READ (receiver/peer_reader.py).
+
+With a cluster secret every lent chunk carries a keyed MAC over its key and bytes
+(common/chunk_mac.py), made when the chunk enters the tier (off the fetch path: a get then costs
+the reader's check only; a tag made at the lease adds the hash to every get's latency), or at its
+first lease if that comes first. Bytes changed in this tier after the tag was made (by a bug, or
+a WRITE from anyone holding our NIXL metadata) fail the reader's check.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import zmq.asyncio
 from kvferry.buffer import peering
 from kvferry.buffer.nixl_agent import NixlThread
 from kvferry.common import messages as m
+from kvferry.common.chunk_mac import ChunkMAC
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -55,6 +64,7 @@ class _Reg:
     descs: object
     md: bytes  # NIXL partial metadata a peer needs to READ it
     serial: int
+    span: m.Span  # what the peer may READ through it
     leases: int = 0
     dead: bool = False  # left the tier; deregistered once no lease holds it
 
@@ -70,8 +80,11 @@ class ChunkLender:
     """One worker's lending side. Runs on its owner's asyncio loop; NIXL calls go to `nixl`."""
 
     def __init__(self, source: ChunkSource, nixl: NixlThread, fingerprint: m.LayoutFingerprint, me: str,
-                 epoch: int, lease_base: float) -> None:
+                 epoch: int, lease_base: float, mac: ChunkMAC | None = None) -> None:
         self.source, self.nixl, self.fp, self.me, self.epoch = source, nixl, fingerprint, me, epoch
+        self.mac = mac
+        self.tag_on_store = True  # False: tags are made at a chunk's first lease (p2p_bench compares)
+        self._tags: dict[bytes, tuple[torch.Tensor, bytes]] = {}  # key -> (the bytes tagged, their tag)
         self.lease_base = lease_base  # seconds a lease lasts before the time its bytes take
         self.metadata = b""  # this agent's full metadata (after the arena's registration)
         self._regs: dict[int, _Reg] = {}  # chunks outside the arena, by address
@@ -104,14 +117,22 @@ class ChunkLender:
     def _in_arena(self, d: torch.Tensor) -> bool:
         return self._arena_reg is not None and self.source.arena.holds(d)
 
-    async def added(self, data: torch.Tensor) -> None:
-        """A chunk entered the tier: registered ahead, so serving it costs nothing."""
+    async def added(self, key: bytes, data: torch.Tensor) -> None:
+        """A chunk entered the tier: registered (and tagged) ahead, so serving it costs nothing."""
+        held = self._tags.get(key)
+        fresh = held is None or held[0] is not data  # a lease may have tagged it already
+        tag = await self._make_tag(key, data) if self.mac is not None and self.tag_on_store and fresh else None
         async with self._lock:
             await self._reg_of(data)
+            if tag is not None and self.source.get(key) is data:
+                self._tags[key] = (data, tag)
 
-    async def removed(self, data: torch.Tensor) -> None:
-        """A chunk left the tier: its own registration goes once no lease holds it."""
+    async def removed(self, key: bytes, data: torch.Tensor) -> None:
+        """A chunk left the tier: its tag goes, its own registration once no lease holds it."""
         async with self._lock:
+            held = self._tags.get(key)
+            if held is not None and held[0] is data:
+                del self._tags[key]
             reg = self._regs.get(data.data_ptr())
             if reg is not None and reg.data is data:
                 reg.dead = True
@@ -131,7 +152,25 @@ class ChunkLender:
         descs = await self.nixl.call(self.agent.register_memory, d)
         md = await self.nixl.call(self.agent.get_partial_agent_metadata, descs, False, ["UCX"])
         self._serial += 1
-        return _Reg(d, descs, md, self._serial)
+        return _Reg(d, descs, md, self._serial, m.Span(addr=d.data_ptr(), nbytes=d.numel()))
+
+    async def _make_tag(self, key: bytes, d: torch.Tensor) -> bytes:
+        # A thread: hashing 4 MiB takes ~1 ms, which this loop's other peers must not wait for
+        # (BLAKE3 drops the GIL while it hashes).
+        return await asyncio.to_thread(self.mac.tag, key, memoryview(d.numpy()))
+
+    async def _tag_of(self, key: bytes, d: torch.Tensor) -> bytes:
+        held = self._tags.get(key)
+        if held is None or held[0] is not d:
+            held = self._tags[key] = (d, await self._make_tag(key, d))
+        return held[1]
+
+    def region(self) -> m.Region | None:
+        """The arena, declared in the handshake: leased addresses must be its slots."""
+        arena = self.source.arena if self._arena_reg is not None else None
+        if arena is None:
+            return None
+        return m.Region(addr=arena.base, page_bytes=arena.slot_bytes, num_pages=arena.num_slots)
 
     async def _deregister(self, ptr: int) -> None:
         reg = self._regs.pop(ptr)
@@ -150,7 +189,7 @@ class ChunkLender:
             await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
         answer = peering.welcome(hello, ("holder", "reader"), self.me, self.fp, self.epoch, self.agent.name,
-                                 self.metadata)
+                                 self.metadata, self.region())
         if isinstance(answer, m.Welcome):
             self._seen.pop(hello.agent_name, None)  # a new handshake: the peer starts from our full metadata
         await peering.reply(sock, ident, answer)
@@ -185,13 +224,16 @@ class ChunkLender:
         self._seen[msg.agent_name] = seen  # most recently used last
         while len(self._seen) > MAX_SEEN_PEERS:
             self._seen.popitem(last=False)
-        mds = []
+        mds, spans = [], []
         for d in datas:
             reg = await self._reg_of(d)
             if reg.serial not in seen:
                 seen.add(reg.serial)
                 mds.append(reg.md)
+                spans.append(reg.span)
             reg.leases += 1
+        tags = [await self._tag_of(k, d) for k, d in zip(msg.keys, datas, strict=False)] \
+            if self.mac is not None else []
         nbytes = sum(d.numel() for d in datas)
         lease_s = self.lease_base + nbytes / (peering.MIN_GBPS * 1e9)
         lid = uuid.uuid4().hex[:16]
@@ -203,7 +245,8 @@ class ChunkLender:
         self.counters["p2p_served_chunks"] += len(datas)
         self.counters["p2p_served_bytes"] += nbytes
         return m.PeerChunks(request_id=msg.request_id, lease_id=lid, addrs=[d.data_ptr() for d in datas],
-                            sizes=[d.numel() for d in datas], lease_seconds=lease_s, metadata=mds)
+                            sizes=[d.numel() for d in datas], lease_seconds=lease_s, metadata=mds, spans=spans,
+                            tags=tags)
 
     async def _release(self, lid: str) -> None:
         lease = self._leases.pop(lid, None)
@@ -229,5 +272,6 @@ class ChunkLender:
                 await self._release(lid)
 
     def sizes(self) -> dict[str, int]:
-        return {"leases": len(self._leases), "seen_peers": len(self._seen), "registrations": len(self._regs)}
+        return {"leases": len(self._leases), "seen_peers": len(self._seen), "registrations": len(self._regs),
+                "tags": len(self._tags)}
 

@@ -71,7 +71,7 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     assert len(others) == SLOTS - 1
     assert leased_at not in {o.data_ptr() for o in others}, "a leased slot was handed out again"
 
-    out = reader._call(reader.reader.read(peer, reply, [SLOT], deadline), 10)
+    out = reader._call(reader.reader.read(peer, reply, [b"k0"], deadline), 10)
     assert len(out) == 1 and reader.cpu.arena.holds(out[0])
     assert bool((out[0] == 0xAB).all()), "the reader got bytes written after the eviction"
 
@@ -95,7 +95,7 @@ def test_the_arena_metadata_goes_to_a_peer_once(pair) -> None:
     for key in (b"\x00", b"\x01"):
         peer, reply = reader._call(reader.reader.lease(addr(holder), [key], deadline), 10)
         got.append(len(reply.metadata))
-        out = reader._call(reader.reader.read(peer, reply, [SLOT], deadline), 10)
+        out = reader._call(reader.reader.read(peer, reply, [key], deadline), 10)
         assert int(out[0][0]) == key[0] + 1 and int(out[0][-1]) == key[0] + 1
     assert got == [1, 0]
     assert not holder.lender._regs, "arena chunks got registrations of their own"
@@ -152,7 +152,7 @@ def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(wo
         ctx.destroy(linger=0)
     friend = workers("friend", secret=SECRET)
     peer, reply = friend._call(friend.reader.lease(addr(holder), [b"k0"], deadline() + 5), 10)
-    out = friend._call(friend.reader.read(peer, reply, [SLOT], deadline() + 5), 10)
+    out = friend._call(friend.reader.read(peer, reply, [b"k0"], deadline() + 5), 10)
     assert int(out[0][0]) == 7 and int(out[0][-1]) == 7
 
 
