@@ -3,7 +3,13 @@
 File ``<root>/<key hex>.kvf``: a fixed header (magic, version, payload length, xxh3-64 of the
 payload, the writer's layout digest, the key) then the chunk's bytes. Files are written to a
 temporary name and renamed, so a reader sees a whole file or none; a file that is truncated,
-corrupt, or from another layout is a miss with a warning and is deleted, never loaded.
+oversize, corrupt, not a regular file, or from another layout is a miss with a warning and is
+deleted, never loaded. Every size is checked against the chunk the reader expects before any
+memory is allocated for it.
+
+Only this user may read or plant chunks: folders are 0700, files 0600, temporary files are
+created exclusively (O_CREAT|O_EXCL) and no path is followed through a symlink (O_NOFOLLOW), so
+a link planted at a chunk's or a temporary file's name is neither written through nor read.
 
 Writes run on one thread in submission order (a put, then a delete, then a put of the same key
 leaves the second put on disk); until its file is written a chunk is served from memory.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -42,8 +49,28 @@ def rank_root(local_disk: str, tp_rank: int) -> Path:
     return disk_path(local_disk) / f"rank{tp_rank}"
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a planted FIFO must not hang
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` (and missing parents) a folder only this user can use, or raise naming the fix."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)  # mode applies to the folders it makes
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"disk tier folder {path} is a symlink or not a folder: point local_disk at a real folder")
+    if st.st_uid != os.getuid():
+        raise OSError(f"disk tier folder {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): "
+                      "point local_disk at a folder of this user's")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        logger.info("disk tier folder %s: mode %o changed to 700 (chunks are this user's only)", path,
+                    stat.S_IMODE(st.st_mode))
+        os.chmod(path, 0o700)
+
+
 def scan(root: Path) -> list[tuple[bytes, int]]:
-    """(key, file bytes) of every chunk file under `root`, least recently used first."""
+    """(key, file bytes) of every chunk file under `root` (regular files only, never a link),
+    least recently used first."""
     found = []
     try:
         entries = list(os.scandir(root))
@@ -55,8 +82,10 @@ def scan(root: Path) -> list[tuple[bytes, int]]:
             continue
         try:
             key = bytes.fromhex(name[:32])
-            st = e.stat()
+            st = e.stat(follow_symlinks=False)
         except (ValueError, OSError):
+            continue
+        if not stat.S_ISREG(st.st_mode):
             continue
         found.append((st.st_mtime_ns, key, st.st_size))
     found.sort()
@@ -68,7 +97,8 @@ class DiskTier:
 
     def __init__(self, root: Path, layout_digest: bytes, max_pending_bytes: int = 2 << 30) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # local_disk: private when made here
+        private_dir(self.root)
         for tmp in self.root.glob("*.tmp*"):  # a writer killed mid-file
             tmp.unlink(missing_ok=True)
         self.digest = layout_digest.ljust(16, b"\0")[:16]
@@ -117,52 +147,74 @@ class DiskTier:
             self._queued += 1
             self._q.put(("d", key, 0, None))
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        """The chunk's bytes, or None (missing, or bad: warned and deleted)."""
+    def get(self, key: bytes, nbytes: int) -> torch.Tensor | None:
+        """The chunk's bytes if they are an `nbytes` chunk, or None (missing, or bad: warned,
+        counted and deleted)."""
         with self._lock:
             hit = self._pending.get(key)
         if hit is not None:
-            return hit[1]
+            return hit[1] if hit[1].numel() == nbytes else None
         p = self.path(key)
+        why, data = None, None
         try:
-            with open(p, "rb") as f:
-                head = f.read(HEADER_BYTES)
-                size = os.fstat(f.fileno()).st_size
-                why = self._check_header(head, key, size)
-                if why is None:
-                    data = torch.empty(size - HEADER_BYTES, dtype=torch.uint8)
-                    view = memoryview(data.numpy())
-                    got = f.readinto(view)
-                    if got != data.numel():
-                        why = f"short read: {got} of {data.numel()} bytes"
-                    elif xxhash.xxh3_64_intdigest(view) != _HEADER.unpack(head)[4]:
-                        why = "checksum mismatch"
+            fd = os.open(p, _READ_FLAGS)
         except FileNotFoundError:
             self.counters["misses"] += 1
             return None
-        except OSError as e:
-            why = f"unreadable: {e}"
+        except OSError as e:  # ELOOP: a symlink planted at the chunk's name
+            why = f"not openable without following a link: {e.strerror}"
+        else:
+            try:
+                why, data = self._read(fd, key, nbytes)
+            except OSError as e:
+                why = f"unreadable: {e}"
+            finally:
+                os.close(fd)
         if why is not None:
             self.counters["corrupt"] += 1
             self._warn.warning("disk tier: chunk file %s is %s; treated as a miss and deleted", p, why)
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)  # a link itself, never its target
+            except OSError as e:
+                self._warn.warning("disk tier: could not delete %s: %s", p, e)
             return None
         self.counters["reads"] += 1
         self.counters["read_bytes"] += data.numel()
         return data
 
-    def _check_header(self, head: bytes, key: bytes, size: int) -> str | None:
+    def _read(self, fd: int, key: bytes, nbytes: int) -> tuple[str | None, torch.Tensor | None]:
+        """(None, data) or (why it is bad, None); allocates only after every size checks out."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file", None
+        if st.st_size != HEADER_BYTES + nbytes:
+            return f"{st.st_size} bytes, expected {HEADER_BYTES + nbytes} (truncated or oversize)", None
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+            head = f.read(HEADER_BYTES)
+            why = self._check_header(head, key, nbytes)
+            if why is not None:
+                return why, None
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(data.numpy())
+            got = f.readinto(view)
+        if got != nbytes:
+            return f"short read: {got} of {nbytes} bytes", None
+        if xxhash.xxh3_64_intdigest(view) != _HEADER.unpack(head)[4]:
+            return "checksum mismatch", None
+        return None, data
+
+    def _check_header(self, head: bytes, key: bytes, nbytes: int) -> str | None:
         if len(head) < HEADER_BYTES:
-            return f"truncated ({size} bytes, shorter than its header)"
-        magic, version, _, nbytes, _, digest, fkey = _HEADER.unpack(head)
+            return f"truncated ({len(head)} header bytes)"
+        magic, version, _, size, _, digest, fkey = _HEADER.unpack(head)
         if magic != MAGIC or version != VERSION:
             return f"not a kvferry v{VERSION} chunk file"
         if fkey != key:
             return "holding another key"
         if digest != self.digest:
             return "from another model or KV layout"
-        if size != HEADER_BYTES + nbytes:
-            return f"truncated ({size - HEADER_BYTES} of {nbytes} payload bytes)"
+        if size != nbytes:
+            return f"a {size}-byte chunk, expected {nbytes}"
         return None
 
     def take_lost(self) -> set[bytes]:
@@ -201,12 +253,14 @@ class DiskTier:
         view = memoryview(data.numpy())
         head = _HEADER.pack(MAGIC, VERSION, 0, data.numel(), xxhash.xxh3_64_intdigest(view), self.digest, key)
         final = self.path(key)
-        tmp = final.with_name(f"{final.name}.tmp{threading.get_native_id()}")
+        tmp = final.with_name(f"{final.name}.tmp{os.urandom(6).hex()}")
+        # Exclusive and link-free: a planted file or symlink at this name makes the write fail.
+        fd = os.open(tmp, _WRITE_FLAGS, 0o600)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 f.write(head)
                 f.write(view)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # replaces a link at `final` itself, never writes through it
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

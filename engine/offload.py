@@ -379,6 +379,8 @@ class OffloadWorker:
                 data = from_peer.get(key)
             elif tier == "remote":
                 data = self.remote.get(key, n, want) if self.remote else None
+            elif tier == "disk":
+                data = self.disk.get(key, want) if self.disk else None
             else:
                 store = self._tier(tier)
                 data = store.get(key) if store is not None else None

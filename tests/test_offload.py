@@ -210,10 +210,10 @@ def test_disk_writes_and_deletes_apply_in_order(tmp_path: Path) -> None:
     d.delete(key)
     d.put(key, two)
     assert d.flush(10)
-    got = d.get(key)
+    got = d.get(key, 1000)
     assert got is not None and torch.equal(got, two)
     d.delete(key)
-    assert d.flush(10) and d.get(key) is None
+    assert d.flush(10) and d.get(key, 1000) is None
     d.close()
 
 
