@@ -49,6 +49,12 @@ class ProxyOptions:
     read_timeout: float = 600.0
     health_interval: float = 5.0
     log_level: str = "info"
+    # Front-door limits (docs/proxy.md): each answered with an OpenAI-shaped JSON error.
+    max_body_bytes: int = 64 << 20  # a larger body gets 413 before it is read
+    max_batch_prompts: int = 256  # prompts in one /v1/completions list; each is two upstream requests
+    max_in_flight: int = 1024  # client requests handled at once; more get 503 with Retry-After
+    max_n: int = 16  # samples per request (n): each is its own pair of legs
+    upstream_connections: int = 512  # open connections per instance (aiohttp's pool; 0 was unbounded)
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -148,6 +154,14 @@ def parser() -> argparse.ArgumentParser:
     a("--require-cluster-secret", action="store_true",
       help="refuse to start with --proxy-port beyond loopback and no cluster secret, or the admin API beyond "
            "loopback and no --admin-key (default: a warning)")
+    a("--max-body-bytes", type=int, default=None, help="largest request body in bytes (default 64 MiB); more "
+                                                        "gets a JSON 413")
+    a("--max-batch-prompts", type=int, default=None, help="most prompts in one /v1/completions list (default 256)")
+    a("--max-in-flight", type=int, default=None, help="client requests handled at once (default 1024); more get "
+                                                       "503 with Retry-After")
+    a("--max-n", type=int, default=None, help="largest n (samples per request) accepted (default 16)")
+    a("--upstream-connections", type=int, default=None, help="connections the proxy opens to each instance "
+                                                              "(default 512); more requests wait for one")
     a("--log-level", default=None)
     return ap
 
@@ -156,7 +170,8 @@ _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefiller
               "decoder_init_port", "decoder_alloc_port", "num_decoders", "proxy_host", "proxy_port", "prefiller",
               "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
               "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
-              "require_cluster_secret"}
+              "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
+              "upstream_connections"}
 
 
 def parse(argv: list[str] | None = None) -> ProxyOptions:
@@ -190,6 +205,15 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             v = float(vals[key])
             if v <= 0:
                 raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
+            setattr(o, key, v)
+    for key in ("max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n", "upstream_connections"):
+        if key in vals:
+            try:
+                v = int(vals[key])
+            except (TypeError, ValueError):
+                raise OptionError(f"--{key.replace('_', '-')} must be a positive integer, got {vals[key]!r}") from None
+            if v < 1:
+                raise OptionError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
             setattr(o, key, v)
     for key in ("no_admin", "require_cluster_secret"):
         if not isinstance(vals.get(key, False), bool):

@@ -54,11 +54,13 @@ class Instance:
         return {"receiver_host": self.spec.host, "receiver_init_port": list(self.spec.init_ports),
                 "receiver_alloc_port": list(self.spec.alloc_ports)}
 
-    def describe(self) -> dict:
+    def describe(self, ports: bool = True) -> dict:
+        """The instance for /health and /admin; `ports` adds a decoder's receiver ports (internal:
+        only for callers with the admin key)."""
         d = {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy, "draining": self.draining,
              "in_flight": self.active, "queued_prompt_tokens": self.queued_tokens, "served": self.served,
              "errors": self.errors}
-        if self.role == "decoder":
+        if ports and self.role == "decoder":
             d["init_ports"], d["alloc_ports"] = list(self.spec.init_ports), list(self.spec.alloc_ports)
         return d
 

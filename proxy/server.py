@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import signal
 import sys
@@ -47,6 +46,8 @@ from kvferry.common import secret as cluster_secret
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
+from kvferry.proxy import answers, limits
+from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import (
     InstanceSpec,
@@ -60,7 +61,6 @@ from kvferry.proxy.registry import Instance, NoInstance, Registry
 
 logger = get_logger(__name__)
 
-MAX_BODY = 64 << 20
 MAX_TRACKED_ARRIVALS = 10_000
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding
@@ -72,20 +72,27 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 class ProxyError(Exception):
     """An error answered to the client as an OpenAI-style JSON body."""
 
-    def __init__(self, status: int, message: str, kind: str = "proxy_error", body: bytes | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str = "proxy_error", body: bytes | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.body = status, message, kind, body
+        self.param, self.headers = param, headers
 
     def response(self) -> web.Response:
         if self.body is not None:  # an upstream 4xx, passed through as the engine wrote it
             return web.Response(status=self.status, body=self.body, content_type="application/json")
-        return web.json_response(error_body(self.status, self.message, self.kind), status=self.status)
+        return json_response(error_body(self.status, self.message, self.kind, self.param), self.status,
+                             self.headers)
 
 
-def error_body(status: int, message: str, kind: str) -> dict:
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error shape (as vLLM writes it): {"error": {message, type, param, code}}."""
     etype = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": etype, "code": kind}, "object": "error", "message": message,
-            "type": etype, "code": status}
+    return {"error": {"message": message, "type": etype, "param": param, "code": kind}}
+
+
+def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=limits.dumps(obj), status=status, content_type="application/json", headers=headers)
 
 
 class Upstream:
@@ -114,12 +121,13 @@ class Upstream:
         """POST and return the response once its status is 2xx; errors become ProxyError."""
         p = self.proxy
         try:
-            resp = await p.session.post(f"{self.inst.url}{path}", data=json.dumps(body), headers=p.upstream_headers)
+            resp = await p.session.post(f"{self.inst.url}{path}", data=limits.dumps(body), headers=p.upstream_headers)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except TimeoutError:
-            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
-                                            f"{p.opts.connect_timeout:.0f}s (--connect-timeout)") from None
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url}: no connection within "
+                                            f"{p.opts.connect_timeout:g}s (--connect-timeout), or no free one of "
+                                            f"its {p.opts.upstream_connections} (--upstream-connections)") from None
         except aiohttp.ClientError as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url}: {type(e).__name__}: {e}"
                             ) from None
@@ -133,10 +141,16 @@ class Upstream:
         self.inst.ok()
         return resp
 
-    async def json(self, path: str, body: dict) -> dict:
+    async def json(self, path: str, body: dict, kind: str | None = None) -> dict:
+        """A non-streamed answer; with `kind` ("completion" or "chat") its choices[0] is checked."""
         resp = await self.open(path, body)
         try:
-            return await resp.json(content_type=None)
+            out = limits.loads(await resp.read())
+            if kind is not None:
+                answers.choice0(out, kind)
+            return out
+        except BadAnswer as e:
+            raise self.bad(str(e)) from None
         except TimeoutError:
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
                                             f"{self.proxy.opts.read_timeout:.0f}s (--read-timeout)") from None
@@ -179,11 +193,22 @@ class Upstream:
         finally:
             resp.release()
 
+    def bad(self, why: str) -> ProxyError:
+        """An answer the proxy cannot use (answers.py): a 502 naming the field, never a guess."""
+        return self.fail("bad_answer", 502, f"{self.inst.role} {self.inst.url} answered {why}")
+
+    def chunk(self, data: bytes) -> dict:
+        """One streamed chunk, parsed and checked."""
+        try:
+            return answers.chunk(limits.loads(data))
+        except (ValueError, BadAnswer) as e:
+            raise self.bad(f"a bad stream chunk ({e})") from None
+
     def _stream_error(self, data: bytes) -> None:
         """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore
         that died mid-stream says so this way. 5xx: the instance's failure; else the request's."""
         try:
-            err = json.loads(data).get("error") or {}
+            err = limits.loads(data).get("error") or {}
         except (ValueError, AttributeError):
             err = {}
         if not isinstance(err, dict):
@@ -196,7 +221,7 @@ class Upstream:
 
 
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + limits.dumps(obj) + b"\n\n"
 
 
 class Proxy:
@@ -234,6 +259,8 @@ class Proxy:
         if opts.proxy_port:
             self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
         self._bad_notes = RateLimitedLog(logger, 10.0)
+        self.gate = limits.Gate(opts.max_in_flight)
+        self._no_ids = RateLimitedLog(logger, 60.0)
         self._client_kvp = RateLimitedLog(logger, 60.0)
 
     def _check_exposure(self) -> None:
@@ -245,10 +272,16 @@ class Proxy:
                                "remove instances, and so choose where prompts and their KV go",
                                "Set --admin-key (or --no-admin)")
             if o.proxy_port:
-                zsock.check_exposure(o.proxy_host or "0.0.0.0", "--proxy-port", self.trust,
+                zsock.check_exposure(self.notify_host, "--proxy-port", self.trust,
                                      fix="Set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
         except zsock.ExposureError as e:
             raise OptionError(str(e)) from None
+
+    @property
+    def notify_host(self) -> str:
+        """Where the notification socket binds: --proxy-host (the address receivers PUSH to), else
+        loopback; never every interface unless asked."""
+        return self.opts.proxy_host or "127.0.0.1"
 
     def in_flight(self, inst: Instance):  # -> the instance's in-flight gauge (looked up once)
         g = self._gauges.get(inst.id)
@@ -303,7 +336,8 @@ class Proxy:
 
     # ---- app ----
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
+        # _body reads within --max-body-bytes itself; client_max_size backs up any other reader.
+        app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -322,10 +356,13 @@ class Proxy:
     async def _start(self, app: web.Application) -> None:
         if self.opts.proxy_port:
             self._bind_notifications()  # now, so a port in use is a start-up error, not a loop's
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.opts.connect_timeout,
-                                        sock_read=self.opts.read_timeout)
+        # sock_connect bounds the TCP connect; connect (waiting for a pooled connection included)
+        # is bounded by the read timeout, so a busy pool queues requests rather than failing them.
+        timeout = aiohttp.ClientTimeout(total=None, connect=max(self.opts.read_timeout, self.opts.connect_timeout),
+                                        sock_connect=self.opts.connect_timeout, sock_read=self.opts.read_timeout)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, ttl_dns_cache=300, enable_cleanup_closed=True), auto_decompress=False)
+            limit=0, limit_per_host=self.opts.upstream_connections, ttl_dns_cache=300, enable_cleanup_closed=True),
+            auto_decompress=False)
         self._tasks.append(asyncio.ensure_future(supervise(self.loops["health_checks"], self._health_loop)))
         if self.opts.proxy_port:
             self._tasks.append(asyncio.ensure_future(supervise(self.loops["notifications"], self._notifications)))
@@ -353,12 +390,22 @@ class Proxy:
         if want and not cluster_secret.authorized(request.headers.get("Authorization"), want):
             self.metrics.requests.labels(endpoint, "401").inc()
             what = "admin key" if admin and self.opts.admin_key else "API key"
-            return web.json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
-                                                "unauthorized"), status=401)
+            return json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
+                                            "unauthorized"), 401)
+        gated = endpoint != "other"
+        if gated and not self.gate.enter():
+            self.metrics.requests.labels(endpoint, "503").inc()
+            self.metrics.errors.labels("overloaded", "proxy").inc()
+            return json_response(error_body(503, f"the proxy is handling {self.gate.limit} requests "
+                                                 "(--max-in-flight); retry shortly", "overloaded"), 503,
+                                 {"Retry-After": str(limits.RETRY_AFTER_S)})
         try:
             resp = await handler(request)
         except ProxyError as e:
             resp = e.response()
+        except (limits.TooLarge, web.HTTPRequestEntityTooLarge):
+            resp = json_response(error_body(413, f"request body larger than {self.opts.max_body_bytes} bytes "
+                                                 "(--max-body-bytes)", "body_too_large"), 413)
         except web.HTTPException:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
@@ -366,15 +413,17 @@ class Proxy:
             raise
         except Exception as e:  # noqa: BLE001 - the client gets a JSON error, the log the traceback
             logger.exception("proxy error on %s", request.path)
-            resp = web.json_response(error_body(500, f"internal proxy error: {type(e).__name__}", "internal"),
-                                     status=500)
+            resp = json_response(error_body(500, f"internal proxy error: {type(e).__name__}", "internal"), 500)
+        finally:
+            if gated:
+                self.gate.leave()
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         return resp
 
     # ---- helpers ----
     async def _body(self, request: web.Request) -> dict:
         try:
-            body = json.loads(await request.read())
+            body = limits.loads(await limits.read_body(request, self.opts.max_body_bytes))
         except (ValueError, UnicodeDecodeError) as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):
@@ -387,10 +436,15 @@ class Proxy:
             if isinstance(xargs, dict):
                 body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
             self._client_kvp.warning("ignoring a client's kv_transfer_params: only the proxy chooses where KV goes")
-        n = body.get("n", 1)
-        if n != 1:
-            raise ProxyError(400, f"n={n!r}: disaggregated serving returns one sample per request; send n "
-                                  "requests (or n=1)", "unsupported_n")
+        n = body.get("n")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ProxyError(400, f"'n' must be a positive integer, got {n!r}", "bad_field", param="n")
+        if n is not None and n > self.opts.max_n:
+            raise ProxyError(400, f"n={n} is more than this proxy's --max-n {self.opts.max_n}", "too_many_samples",
+                             param="n")
+        if n is not None and n > 1 and body.get("stream"):
+            raise ProxyError(400, f"n={n} with stream=true is not supported through the disaggregation proxy: "
+                                  "send n requests, or stream=false", "unsupported_n", param="n")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise ProxyError(400, "'stream' must be true or false", "bad_field")
         return body
@@ -417,7 +471,7 @@ class Proxy:
             raise ProxyError(503, str(e), "no_instance") from None
 
     async def _prefill(self, request: web.Request, path: str, body: dict, decoder: Instance,
-                       prompt_tokens: int) -> tuple[dict, str, Instance]:
+                       prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
         """The prefill leg, retried once on another prefiller if it fails before anything was sent."""
         p = self._pick(request, "prefiller")
         for attempt in (0, 1):
@@ -427,7 +481,7 @@ class Proxy:
             t0 = time.perf_counter()
             try:
                 with Upstream(self, p, prompt_tokens, "prefill") as up:
-                    out = await up.json(path, leg)
+                    out = await up.json(path, leg, kind)
                 p.served += 1
                 self.metrics.prefill.observe(time.perf_counter() - t0)
                 if self.opts.proxy_port:
@@ -468,30 +522,30 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         body = await self._body(request)
-        prompt = body.get("prompt")
-        batch = _batch(prompt)
+        batch = _batch(body.get("prompt"))
         if batch is None:
             raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of either",
-                             "bad_prompt")
+                             "bad_prompt", param="prompt")
+        if len(batch) > self.opts.max_batch_prompts:
+            raise ProxyError(400, f"{len(batch)} prompts in one request; this proxy takes at most "
+                                  f"{self.opts.max_batch_prompts} (--max-batch-prompts): split the batch",
+                             "too_many_prompts", param="prompt")
         max_tokens = self._max_tokens(body, "max_tokens")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-        if len(batch) > 1:
+        n = body.get("n") or 1
+        if len(batch) > 1 or n > 1:
             if body.get("stream"):
                 raise ProxyError(400, "a batch of prompts with stream=true is not supported: send one request "
-                                      "per prompt, or stream=false", "unsupported_batch_stream")
-            outs = await asyncio.gather(*(self._completion_one(request, dict(body, prompt=p), max_tokens, t0)
-                                          for p in batch))
-            merged = outs[0]
-            merged["choices"] = [dict(o["choices"][0], index=i) for i, o in enumerate(outs)]
-            merged["usage"] = {k: sum(o["usage"][k] for o in outs) for k in ("prompt_tokens", "completion_tokens",
-                                                                              "total_tokens")}
-            return web.json_response(merged)
+                                      "per prompt, or stream=false", "unsupported_batch_stream", param="prompt")
+            outs = await asyncio.gather(*(self._completion_one(request, _sample(body, n, i, prompt=p), max_tokens, t0)
+                                          for p in batch for i in range(n)))
+            return json_response(_merge_samples(outs, n))
         body = dict(body, prompt=batch[0])
         if body.get("stream"):
             return await self._completion_stream(request, body, max_tokens, t0)
-        return web.json_response(await self._completion_one(request, body, max_tokens, t0))
+        return json_response(await self._completion_one(request, body, max_tokens, t0))
 
-    def _completion_legs(self, body: dict, max_tokens: int) -> dict:
+    def _completion_legs(self, body: dict) -> dict:
         # No seed unless the client sent one: the decode leg continues from prompt + first token,
         # so nothing needs the legs to sample alike, and a seeded request in a partial
         # chunked-prefill step kills vLLM-CPU's EngineCore ("CPU Generator does not use offset").
@@ -501,9 +555,17 @@ class Proxy:
             leg["min_tokens"] = 1
         return leg
 
-    def _decode_leg(self, body: dict, first: dict, tid: str, max_tokens: int, stream: bool) -> dict:
+    def _decode_leg(self, body: dict, first: dict | None, tid: str, max_tokens: int, stream: bool) -> dict:
+        """The decode leg: prompt ids + the first token and max_tokens - 1; or, with `first` None
+        (the prefiller gave no token ids), the client's own prompt and max_tokens: the decoder
+        loads the prompt's KV and regenerates the first token itself."""
+        if first is None:
+            leg = dict(body, max_tokens=max_tokens, stream=stream, kv_transfer_params={"transfer_id": tid})
+            if not stream:
+                leg.pop("stream_options", None)
+            return leg
         choice = first["choices"][0]
-        ids = list(choice.get("prompt_token_ids") or first.get("prompt_token_ids") or [])
+        ids = _prompt_ids(first)
         leg = dict(body, prompt=ids + list(choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
                    kv_transfer_params={"transfer_id": tid}, seed=body.get("seed"))
         for k in ("echo", "prompt_logprobs", "return_token_ids", "stream_options"):
@@ -519,37 +581,76 @@ class Proxy:
         return leg
 
     async def _first_completion(self, request: web.Request, body: dict, max_tokens: int
-                                ) -> tuple[dict, str, Instance, bool]:
+                                ) -> tuple[dict, str, Instance, Instance, str]:
+        """The prefill leg. Returns (answer, transfer id, decoder, prefiller, mode): mode "done"
+        (the answer is the whole answer), "ids" (decode from its token ids) or "regen" (it has no
+        usable token ids: the decoder gets the client's prompt and regenerates the first token)."""
         d = self._pick(request, "decoder")
         prompt = body["prompt"]
         ntok = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
         if max_tokens <= 1:  # no decode leg: a plain request to a prefiller, no KV sent anywhere
             p = self._pick(request, "prefiller")
+            leg = dict(body, stream=False)
+            if body.get("stream"):  # the client's stream is the proxy's to write
+                leg.pop("stream_options", None)
             with Upstream(self, p, ntok, "single") as up:
-                return await up.json("/v1/completions", dict(body, stream=False)), "", d, True
-        first, tid, _ = await self._prefill(request, "/v1/completions", self._completion_legs(body, max_tokens),
-                                            d, ntok)
+                return await up.json("/v1/completions", leg, "completion"), "", d, p, "done"
+        first, tid, p = await self._prefill(request, "/v1/completions", self._completion_legs(body), d, ntok,
+                                            "completion")
         choice = first["choices"][0]
-        done = choice.get("finish_reason") == "stop" or not choice.get("token_ids")
-        if done:
+        if choice.get("finish_reason") == "stop":
             self.abort_transfer(d, tid, "the first token ended the request")
-        return first, tid, d, done
+            return first, tid, d, p, "done"
+        if answers.is_ids(choice.get("token_ids")) and answers.is_ids(_prompt_ids(first)):
+            return first, tid, d, p, "ids"
+        self.metrics.errors.labels("no_token_ids", p.id).inc()
+        self._no_ids.warning("%s %s answered without token ids (choices[0].token_ids, prompt_token_ids: it "
+                             "ignores return_token_ids); its decoders regenerate the first token", p.role, p.url)
+        return first, tid, d, p, "regen"
+
+    async def _echo(self, body: dict, first: dict, p: Instance) -> str:
+        """The prompt text vLLM puts before the completion for `echo` (none with return_token_ids,
+        as vLLM does); the prefill leg cannot echo it, as it asks for token ids."""
+        if not body.get("echo") or body.get("return_token_ids"):
+            return ""
+        prompt = body["prompt"]
+        if isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None:
+            return prompt
+        ids = _prompt_ids(first)
+        if not answers.is_ids(ids):
+            ids = prompt if answers.is_ids(prompt) else None
+        if ids is None:
+            raise ProxyError(502, f"echo: {p.role} {p.url} returned no prompt_token_ids to echo", "bad_answer")
+        with Upstream(self, p, leg="detokenize") as up:
+            out = await up.json("/detokenize", {"model": body.get("model"), "tokens": ids})
+        if not isinstance(out, dict) or not isinstance(out.get("prompt"), str):
+            raise up.bad("/detokenize without a 'prompt' string")
+        return out["prompt"]
 
     async def _completion_one(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> dict:
-        first, tid, d, done = await self._first_completion(request, dict(body, return_token_ids=True), max_tokens)
-        if done:
+        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
+        first, tid, d, p, mode = await self._first_completion(request, leg_body, max_tokens)
+        echo = "" if max_tokens <= 1 else await self._echo(body, first, p)
+        if mode == "done":
             out = first
         else:
             try:
                 with Upstream(self, d) as up:
                     t1 = time.perf_counter()
-                    rest = await up.json("/v1/completions", self._decode_leg(body, first, tid, max_tokens, False))
+                    rest = await up.json("/v1/completions", self._decode_leg(
+                        body, first if mode == "ids" else None, tid, max_tokens, False), "completion")
                     self.metrics.decoder_first.observe(time.perf_counter() - t1)
                 d.served += 1
             except BaseException:
                 self.abort_transfer(d, tid, "decode leg failed")
                 raise
-            out = _merge_completion(first, rest)
+            try:
+                out = _merge_completion(first, rest) if mode == "ids" else rest
+            except BadAnswer as e:
+                raise up.bad(str(e)) from None
+            echo = "" if mode == "regen" else echo  # the decoder echoed it itself
+        if echo:
+            out["choices"][0]["text"] = echo + (out["choices"][0].get("text") or "")
         if not body.get("return_token_ids"):
             for c in out["choices"]:
                 c.pop("token_ids", None)
@@ -563,12 +664,19 @@ class Proxy:
                                  ) -> web.StreamResponse:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         want_ids = bool(body.get("return_token_ids"))
-        first, tid, d, done = await self._first_completion(request, dict(body, return_token_ids=True), max_tokens)
+        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
+        first, tid, d, p, mode = await self._first_completion(request, leg_body, max_tokens)
+        echo = await self._echo(body, first, p) if mode == "ids" else ""
         choice = first["choices"][0]
         rid = first.get("id") or f"cmpl-{uuid.uuid4().hex}"
         created, model = first.get("created") or int(time.time()), first.get("model")
-        prompt_tokens = (first.get("usage") or {}).get("prompt_tokens", 0)
-        completion_tokens = (first.get("usage") or {}).get("completion_tokens", 1)
+        usage = answers.usage(first)
+        prompt_tokens = usage.get("prompt_tokens") or len(_prompt_ids(first) or [])
+        completion_tokens = usage.get("completion_tokens", 1) if mode != "regen" else 0
+        done = mode == "done"
+        # Plain vLLM's text offsets run on across chunks: the decoder's start at 0 again.
+        lp = choice.get("logprobs") if mode == "ids" and body.get("logprobs") is not None else None
+        shift = _offset_after(lp)
         up = Upstream(self, d)
         finished = done
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -577,42 +685,53 @@ class Proxy:
                 # The first token goes out before the decode leg starts: sending both at once
                 # measured slower here (an extra task and two writers on one loop).
                 await resp.prepare(request)
-                c0 = {"index": 0, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
-                      "finish_reason": choice.get("finish_reason") if done else None,
-                      "stop_reason": choice.get("stop_reason") if done else None}
-                if want_ids:
-                    c0["token_ids"] = choice.get("token_ids")
-                    c0["prompt_token_ids"] = choice.get("prompt_token_ids")
-                await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [c0]}))
-                self.metrics.ttft.observe(time.perf_counter() - t0)
+                if mode != "regen":
+                    c0 = {"index": 0, "text": echo + (choice.get("text") or ""), "logprobs": choice.get("logprobs"),
+                          "finish_reason": choice.get("finish_reason") if done else None,
+                          "stop_reason": choice.get("stop_reason") if done else None}
+                    if want_ids:
+                        c0["token_ids"] = choice.get("token_ids")
+                        c0["prompt_token_ids"] = _prompt_ids(first)
+                    await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                          "choices": [c0]}))
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
                 if not done:
-                    leg = self._decode_leg(body, first, tid, max_tokens, True)
+                    leg = self._decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
+                    if mode == "regen":
+                        leg["stream_options"] = {"include_usage": True}
                     t1 = last = time.perf_counter()
                     swap = None
                     async for batch in up.events("/v1/completions", leg):
                         out = []
                         for data in batch:
                             if swap is None:
-                                chunk = json.loads(data)
+                                chunk = up.chunk(data)
                                 swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
                                         f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
                                 self.metrics.decoder_first.observe(time.perf_counter() - t1)
+                                if mode == "regen":
+                                    self.metrics.ttft.observe(time.perf_counter() - t0)
                             if b'"usage"' in data:
-                                u = json.loads(data)
+                                u = up.chunk(data)
                                 if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
-                                    completion_tokens += u["usage"].get("completion_tokens", 0)
+                                    completion_tokens += u["usage"].get("completion_tokens") or 0
+                                    if mode == "regen":
+                                        prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
                                     continue
-                            if swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data):
+                            if (swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data)
+                                    and not shift):
                                 # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
                                 data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
                             else:
-                                chunk = json.loads(data)
+                                chunk = up.chunk(data)
                                 chunk["id"], chunk["created"] = rid, created
-                                if not want_ids:
-                                    for c in chunk.get("choices", []):
+                                for c in chunk.get("choices", []):
+                                    if not want_ids:
                                         c.pop("token_ids", None)
-                                data = json.dumps(chunk, separators=(",", ":")).encode()
+                                        c.pop("prompt_token_ids", None)
+                                    if shift:
+                                        shift = _shift_offsets(c, shift)
+                                data = limits.dumps(chunk)
                             out.append(b"data: " + data + b"\n\n")
                         if out:
                             await resp.write(b"".join(out))
@@ -643,38 +762,34 @@ class Proxy:
         body = await self._body(request)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
-            raise ProxyError(400, "'messages' must be a non-empty list", "bad_messages")
+            raise ProxyError(400, "'messages' must be a non-empty list", "bad_messages", param="messages")
         max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = self._max_tokens(body, max_key)
+        n = body.get("n") or 1
+        if n > 1:  # stream=true was refused in _body
+            outs = await asyncio.gather(*(self._chat_one(request, _sample(body, n, i), max_key, max_tokens)
+                                          for i in range(n)))
+            self.metrics.total.observe(time.perf_counter() - t0)
+            return json_response(_merge_samples(outs, n))
+        if not body.get("stream"):
+            out = await self._chat_one(request, body, max_key, max_tokens)
+            self.metrics.total.observe(time.perf_counter() - t0)
+            return json_response(out)
+        ntok = _chat_tokens(msgs)
         d = self._pick(request, "decoder")
-        ntok = sum(len(str(x.get("content", ""))) for x in msgs if isinstance(x, dict)) // 4 + 1
-        stream = bool(body.get("stream"))
         if max_tokens == 1:
             p = self._pick(request, "prefiller")
             with Upstream(self, p, ntok, "single") as up:
-                if not stream:
-                    return web.json_response(await up.json("/v1/chat/completions", body))
                 return await self._relay(request, up, "/v1/chat/completions", body, t0)
-        leg = dict(body, stream=False, **{max_key: 1})
-        leg.pop("stream_options", None)
-        if leg.get("min_tokens"):
-            leg["min_tokens"] = 1
-        first, tid, _ = await self._prefill(request, "/v1/chat/completions", leg, d, ntok)
+        first, tid = await self._chat_prefill(request, body, max_key, d, ntok)
         choice = first["choices"][0]
         if choice.get("finish_reason") in ("stop", "tool_calls"):
             self.abort_transfer(d, tid, "the first token ended the request")
-            if not stream:
-                return web.json_response(first)
             return await self._chat_as_stream(request, first, body, t0)
         dleg = dict(body, kv_transfer_params={"transfer_id": tid})
         try:
             with Upstream(self, d) as up:
-                if not stream:
-                    out = await up.json("/v1/chat/completions", dleg)
-                    d.served += 1
-                    self.metrics.total.observe(time.perf_counter() - t0)
-                    return web.json_response(out)
-                msg = choice.get("message") or {}
+                msg = choice["message"]
                 # The decoder regenerates the first token: stream the prefiller's at once only
                 # when the decoder is sure to pick the same one; else stream the decoder's own.
                 fast = msg.get("content") if (_same_first_token(body) and msg.get("content")
@@ -686,6 +801,41 @@ class Proxy:
         except BaseException:
             self.abort_transfer(d, tid, "decode leg failed")
             raise
+
+    async def _chat_prefill(self, request: web.Request, body: dict, max_key: str, d: Instance, ntok: int
+                            ) -> tuple[dict, str]:
+        leg = dict(body, stream=False, **{max_key: 1})
+        leg.pop("stream_options", None)
+        leg.pop("n", None)
+        if leg.get("min_tokens"):
+            leg["min_tokens"] = 1
+        first, tid, _ = await self._prefill(request, "/v1/chat/completions", leg, d, ntok, "chat")
+        return first, tid
+
+    async def _chat_one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
+        """One non-streamed chat answer: the prefiller's, when its first token ends it; else the
+        decoder's, which repeats the conversation with the prompt's KV and regenerates that token."""
+        ntok = _chat_tokens(body["messages"])
+        d = self._pick(request, "decoder")
+        if max_tokens == 1:
+            p = self._pick(request, "prefiller")
+            with Upstream(self, p, ntok, "single") as up:
+                return await up.json("/v1/chat/completions", body, "chat")
+        first, tid = await self._chat_prefill(request, body, max_key, d, ntok)
+        if first["choices"][0].get("finish_reason") in ("stop", "tool_calls"):
+            self.abort_transfer(d, tid, "the first token ended the request")
+            first.pop("kv_transfer_params", None)
+            return first
+        try:
+            with Upstream(self, d) as up:
+                out = await up.json("/v1/chat/completions", dict(body, kv_transfer_params={"transfer_id": tid}),
+                                    "chat")
+            d.served += 1
+        except BaseException:
+            self.abort_transfer(d, tid, "decode leg failed")
+            raise
+        out.pop("kv_transfer_params", None)
+        return out
 
     async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
                      first_text: str | None = None, first: dict | None = None) -> web.StreamResponse:
@@ -708,7 +858,7 @@ class Proxy:
             async for batch in events:
                 out = []
                 for data in batch:
-                    chunk = json.loads(data)
+                    chunk = up.chunk(data)
                     if rid is None:
                         rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
                     chunk["id"], chunk["created"], chunk["model"] = rid, created, model
@@ -777,18 +927,29 @@ class Proxy:
                     return web.Response(body=body, status=resp.status, content_type="application/json")
         raise ProxyError(503, "no healthy instance to list models from", "no_instance")
 
+    def _trusted(self, request: web.Request) -> bool:
+        """May this caller see internal ports (receiver init/alloc ports, ZMQ errors naming
+        addresses)? Only with the admin key, and only when one is set."""
+        return bool(self.opts.admin_key) and cluster_secret.authorized(request.headers.get("Authorization"),
+                                                                        self.opts.admin_key)
+
     async def health(self, request: web.Request) -> web.Response:
         ok = self.registry.ready()
-        return web.json_response({"status": "ok" if ok else "unavailable",
-                                  "instances": [i.describe() for i in self.registry.instances.values()],
-                                  "background": {k: h.describe() for k, h in self.loops.items()}},
-                                 status=200 if ok else 503)
+        full = self._trusted(request)
+        background = {k: h.describe() for k, h in self.loops.items()}
+        if not full:
+            for d in background.values():
+                if d.get("last_error"):
+                    d["last_error"] = "see the proxy's log"
+        return json_response({"status": "ok" if ok else "unavailable",
+                              "instances": [i.describe(ports=full) for i in self.registry.instances.values()],
+                              "background": background}, 200 if ok else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def admin_list(self, request: web.Request) -> web.Response:
-        return web.json_response({"instances": [i.describe() for i in self.registry.instances.values()]})
+        return json_response({"instances": [i.describe() for i in self.registry.instances.values()]})
 
     async def admin_add(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -805,7 +966,7 @@ class Proxy:
         except (OptionError, ValueError) as e:
             raise ProxyError(400, str(e), "bad_instance") from None
         logger.info("admin: added %s %s as %s", role, inst.url, inst.id)
-        return web.json_response(inst.describe(), status=201)
+        return json_response(inst.describe(), 201)
 
     def _inst(self, request: web.Request) -> Instance:
         inst = self.registry.instances.get(request.match_info["iid"])
@@ -816,18 +977,18 @@ class Proxy:
     async def admin_drain(self, request: web.Request) -> web.Response:
         inst = self._inst(request)
         inst.draining = True
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())
 
     async def admin_undrain(self, request: web.Request) -> web.Response:
         inst = self._inst(request)
         inst.draining = False
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())
 
     async def admin_remove(self, request: web.Request) -> web.Response:
         inst = self._inst(request)
         self.registry.remove(inst.id)
         self.metrics.healthy.remove(inst.id, inst.role, inst.url)
-        return web.json_response(inst.describe())
+        return json_response(inst.describe())
 
     # ---- background (each under supervise(): a loop that raises is logged and started again) ----
     async def _health_loop(self) -> None:
@@ -856,7 +1017,7 @@ class Proxy:
         if self._note_ctx is None:
             self._note_ctx = zmq.asyncio.Context()
         try:
-            self._note_sock = zsock.listen(self._note_ctx, zmq.PULL, self.trust, self.opts.proxy_host or "0.0.0.0",
+            self._note_sock = zsock.listen(self._note_ctx, zmq.PULL, self.trust, self.notify_host,
                                            self.opts.proxy_port, "--proxy-port", max_bytes=NOTIFY_MAX_BYTES)
         except (zsock.BindError, zsock.ExposureError) as e:
             raise OptionError(str(e)) from None
@@ -897,6 +1058,11 @@ def _same_first_token(body: dict) -> bool:
     return isinstance(seed, int) and not isinstance(seed, bool)
 
 
+def _chat_tokens(msgs: list) -> int:
+    """A rough prompt size for the prefillers' load measure."""
+    return sum(len(str(x.get("content", ""))) for x in msgs if isinstance(x, dict)) // 4 + 1
+
+
 def _batch(prompt: Any) -> list | None:
     if isinstance(prompt, str):
         return [prompt]
@@ -909,23 +1075,78 @@ def _batch(prompt: Any) -> list | None:
     return None
 
 
+def _prompt_ids(first: dict) -> list | None:
+    """The prompt's token ids in a prefiller's answer (vLLM puts them on the choice)."""
+    c = first["choices"][0]
+    ids = c.get("prompt_token_ids")
+    return ids if ids is not None else first.get("prompt_token_ids")
+
+
+def _offset_after(lp: dict | None) -> int:
+    """Where the next token's text_offset starts after completion logprobs `lp` (vLLM advances
+    by the tokens reported, not by the text)."""
+    if not isinstance(lp, dict):
+        return 0
+    offs, toks = lp.get("text_offset") or [], lp.get("tokens") or []
+    if not offs or not toks or not isinstance(offs[-1], int) or not isinstance(toks[-1], str):
+        return 0
+    return offs[-1] + len(toks[-1])
+
+
+def _shift_offsets(c: dict, shift: int) -> int:
+    lp = c.get("logprobs")
+    if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
+        lp["text_offset"] = [o + shift for o in lp["text_offset"]]
+    return shift
+
+
+def _sample(body: dict, n: int, i: int, **kw: Any) -> dict:
+    """Sample i of n as a request of its own: vLLM seeds sample i of a seeded request with seed + i."""
+    leg = dict(body, **kw)
+    leg.pop("n", None)
+    if n > 1 and isinstance(body.get("seed"), int) and not isinstance(body.get("seed"), bool):
+        leg["seed"] = body["seed"] + i
+    return leg
+
+
+def _merge_samples(outs: list[dict], n: int) -> dict:
+    """One answer from per-prompt, per-sample answers, as vLLM orders and counts them: choice
+    index prompt * n + sample; prompt tokens once per prompt, completion tokens per sample."""
+    merged = dict(outs[0])
+    merged["choices"] = [dict(o["choices"][0], index=i) for i, o in enumerate(outs)]
+    us = [o.get("usage") or {} for o in outs]
+    prompt = sum(u.get("prompt_tokens") or 0 for u in us[::n])
+    completion = sum(u.get("completion_tokens") or 0 for u in us)
+    merged["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return merged
+
+
 def _merge_completion(first: dict, rest: dict) -> dict:
+    """The prefiller's first token and the decoder's rest as one answer (BadAnswer when the
+    decoder's token ids or logprobs do not fit the prefiller's)."""
     a, b = first["choices"][0], rest["choices"][0]
     out = dict(first)
     c = dict(a, text=(a.get("text") or "") + (b.get("text") or ""), finish_reason=b.get("finish_reason"),
              stop_reason=b.get("stop_reason"))
     if "token_ids" in a and b.get("token_ids") is not None:
+        if not isinstance(b["token_ids"], list):
+            raise BadAnswer("choices[0].token_ids is not a list")
         c["token_ids"] = list(a["token_ids"]) + list(b["token_ids"])
     la, lb = a.get("logprobs"), b.get("logprobs")
     if la and lb:
-        shift = len(a.get("text") or "")
-        c["logprobs"] = {"tokens": la["tokens"] + lb["tokens"], "token_logprobs": la["token_logprobs"] + lb[
-            "token_logprobs"], "top_logprobs": (la.get("top_logprobs") or []) + (lb.get("top_logprobs") or []),
-            "text_offset": (la.get("text_offset") or []) + [o + shift for o in lb.get("text_offset") or []]}
+        shift = _offset_after(la)
+        try:
+            c["logprobs"] = {"tokens": la["tokens"] + lb["tokens"],
+                             "token_logprobs": la["token_logprobs"] + lb["token_logprobs"],
+                             "top_logprobs": (la.get("top_logprobs") or []) + (lb.get("top_logprobs") or []),
+                             "text_offset": (la.get("text_offset") or []) + [o + shift for o in
+                                                                              lb.get("text_offset") or []]}
+        except (KeyError, TypeError):
+            raise BadAnswer("choices[0].logprobs without tokens/token_logprobs lists") from None
     out["choices"] = [c]
-    pu, du = first.get("usage") or {}, rest.get("usage") or {}
-    prompt_tokens = pu.get("prompt_tokens", 0)
-    completion = pu.get("completion_tokens", 1) + du.get("completion_tokens", 0)
+    pu, du = answers.usage(first), answers.usage(rest)
+    prompt_tokens = pu.get("prompt_tokens") or len(_prompt_ids(first) or [])
+    completion = (pu.get("completion_tokens") or 1) + (du.get("completion_tokens") or 0)
     out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                     "total_tokens": prompt_tokens + completion}
     out.pop("kv_transfer_params", None)

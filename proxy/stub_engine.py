@@ -13,7 +13,9 @@ Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next reque
 503) and ``{"die_mid_stream": true}`` one that dies during its next stream (one token, then
 vLLM's error event and [DONE], then dead), both until ``POST /stub/reset``; ``GET /stub/log``
 returns the request bodies it saw, the text it generated for each, and how many streams the
-client cut.
+client cut. ``{"answer": {...}}`` makes the next answer that object verbatim (200, as an engine
+with a different API shape would); ``--no-token-ids`` plays an engine that ignores
+``return_token_ids`` (an older vLLM, another engine behind the same API).
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ def render_chat(messages: list[dict]) -> str:
 
 
 class Stub:
-    def __init__(self, token_delay: float, salt: int = 1) -> None:
+    def __init__(self, token_delay: float, salt: int = 1, token_ids: bool = True) -> None:
         self.token_delay = token_delay
+        self.token_ids = token_ids
+        self.verbatim: list[object] = []
+        self.active = self.max_active = 0  # completions being answered at once, and the most seen
         self.salt = salt
         self.fail: list[int] = []
         self.log: list[dict] = []
@@ -72,7 +77,8 @@ class Stub:
         app.router.add_get("/health", lambda r: web.Response(text="", status=503 if self.dead else 200))
         app.router.add_post("/stub/fail", self.set_fail)
         app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log, "answers": self.answers,
-                                                                      "cut_streams": self.cut_streams}))
+                                                                      "cut_streams": self.cut_streams,
+                                                                      "max_active": self.max_active}))
         app.router.add_post("/stub/reset", self.reset)
         return app
 
@@ -82,13 +88,16 @@ class Stub:
             self.dead = True
         elif body.get("die_mid_stream"):
             self.die_mid_stream = True
+        elif "answer" in body:
+            self.verbatim.append(body["answer"])
         else:
             self.fail += [int(body.get("status", 500))] * int(body.get("count", 1))
         return web.json_response({"ok": True})
 
     async def reset(self, request: web.Request) -> web.Response:
-        self.fail, self.log, self.answers, self.cut_streams = [], [], [], 0
+        self.fail, self.log, self.answers, self.cut_streams, self.max_active = [], [], [], 0, 0
         self.dead = self.die_mid_stream = False
+        self.verbatim = []
         return web.json_response({"ok": True})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -120,9 +129,19 @@ class Stub:
             status = self.fail.pop(0)
             return web.json_response({"error": {"message": f"stub failure {status}", "type": "stub", "code": status}},
                                      status=status)
+        if self.verbatim:
+            return web.json_response(self.verbatim.pop(0))
         return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            return await self._completions(request)
+        finally:
+            self.active -= 1
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.log.append(body)
         if (r := await self._maybe_fail()) is not None:
@@ -142,7 +161,9 @@ class Stub:
             extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
                                            "num_tokens": len(ids)}
         texts = [token_text(t) if t != EOS else "" for t in toks]
-        echo = prompt if (body.get("echo") and isinstance(prompt, str)) else ""
+        # vLLM echoes no prompt text when it returns the prompt's token ids instead.
+        echo = prompt if (body.get("echo") and isinstance(prompt, str)
+                          and not (body.get("return_token_ids") and self.token_ids)) else ""
         lp = bool(body.get("logprobs"))
 
         def logprobs(ts: list[int], tx: list[str]) -> dict | None:
@@ -153,7 +174,7 @@ class Stub:
         if not body.get("stream"):
             choice = {"index": 0, "text": echo + "".join(texts), "logprobs": logprobs(toks, texts),
                       "finish_reason": finish, "stop_reason": None}
-            if body.get("return_token_ids"):
+            if (body.get("return_token_ids") and self.token_ids):
                 choice["token_ids"] = toks
                 choice["prompt_token_ids"] = ids
             await asyncio.sleep(self.token_delay * len(toks))
@@ -167,7 +188,7 @@ class Stub:
                     await asyncio.sleep(self.token_delay)
                 c = {"index": 0, "text": (echo if i == 0 else "") + x, "logprobs": logprobs([t], [x]),
                      "finish_reason": finish if i == len(toks) - 1 else None, "stop_reason": None}
-                if body.get("return_token_ids"):
+                if (body.get("return_token_ids") and self.token_ids):
                     c["token_ids"] = [t]
                 await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
                                                          "model": "stub", "choices": [c]}).encode() + b"\n\n")
@@ -244,13 +265,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--salt", type=int, default=None, help="mixed into unseeded sampled tokens (default: the port)")
+    ap.add_argument("--no-token-ids", action="store_true", help="ignore return_token_ids, as an older engine does")
     args = ap.parse_args()
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(Stub(args.token_delay, args.port if args.salt is None else args.salt).app(), host=args.host, port=args.port, access_log=None, print=None,
+    web.run_app(Stub(args.token_delay, args.port if args.salt is None else args.salt,
+                     not args.no_token_ids).app(), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True)
 
 

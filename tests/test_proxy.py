@@ -78,10 +78,10 @@ class Proc:
 _SALTS = itertools.count(1)  # each stub samples differently from every other (salts differ by < 500)
 
 
-def stub(delay: float = 0.0, wait: bool = True) -> Proc:
+def stub(delay: float = 0.0, wait: bool = True, *extra: str) -> Proc:
     port = free_port()
     return Proc(["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--token-delay", str(delay),
-                 "--salt", str(next(_SALTS))], f"http://127.0.0.1:{port}", "/health", wait)
+                 "--salt", str(next(_SALTS)), *extra], f"http://127.0.0.1:{port}", "/health", wait)
 
 
 def stubs(*delays: float) -> list[Proc]:
@@ -268,9 +268,18 @@ def test_edge_cases(cluster) -> None:
         got = r["choices"][i]
         assert got["index"] == i and got["text"] == want["text"] and got["text"].startswith(p)
         assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
-    # n > 1: a clear 400.
-    r = post(url, "/v1/completions", {"model": "stub", "prompt": "x", "n": 2})
-    assert r.status_code == 400 and "n=2" in r.json()["error"]["message"]
+    # n > 1: n samples, indexed and counted as vLLM does (prompt tokens once); streamed, a clear 400.
+    body = {"model": "stub", "prompt": "x y", "n": 2, "max_tokens": 3}
+    r = post(url, "/v1/completions", body).json()
+    want = post(ref, "/v1/completions", dict(body, n=1)).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert [c["text"] for c in r["choices"]] == [want["choices"][0]["text"]] * 2
+    assert r["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert r["usage"]["completion_tokens"] == 2 * want["usage"]["completion_tokens"]
+    r = post(url, "/v1/completions", dict(body, stream=True))
+    assert r.status_code == 400 and "n=2" in r.json()["error"]["message"] and r.json()["error"]["param"] == "n"
+    r = post(url, "/v1/completions", dict(body, n=1000))
+    assert r.status_code == 400 and "--max-n" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("raw,status", [(b"{not json", 400), (b"[1,2]", 400), (b'{"prompt": 5}', 400),
@@ -475,7 +484,12 @@ def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
     finally:
         log.removeHandler(handler)
     with pytest.raises(OptionError, match="--proxy-port"):  # a notification port open to all, no secret
-        Proxy(parse([*base, "--admin-key", "k", "--proxy-port", str(free_port()), "--require-cluster-secret"]))
+        Proxy(parse([*base, "--admin-key", "k", "--proxy-host", "0.0.0.0", "--proxy-port", str(free_port()),
+                     "--require-cluster-secret"]))
+    # Without --proxy-host the notification socket binds loopback, not every interface.
+    px = Proxy(parse([*base, "--proxy-port", str(free_port()), "--require-cluster-secret"]))
+    assert px.notify_host == "127.0.0.1"
+    px._zmq.destroy()
     Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500", "--require-cluster-secret"]))._zmq.destroy()
     # The one-line start-up error, exit code 2.
     r = subprocess.run([sys.executable, "-m", "kvferry.proxy", *base, "--host", "0.0.0.0", "--port", str(free_port()),
