@@ -1,14 +1,23 @@
 """kvferry-server: the ``lm://`` remote cache (LMCache's ``lmcache_server``), chunks in host memory.
 
-    kvferry-server HOST PORT [cpu] [--max-bytes GB] [--max-frame MB]
+    kvferry-server HOST PORT [cpu] [--max-bytes GB] [--max-frame MB] [--max-connections N] ...
 
 Protocol (TCP, every frame): a 4-byte big-endian length, that many bytes of a msgpack header
 (:class:`~kvferry.common.messages.RemotePut` / ``RemoteGet`` / ``RemoteExists``, answered by
 ``RemoteReply`` or ``ErrorReply``), then, for a put or a found get, ``nbytes`` raw payload bytes.
-Reads are exact (a frame may arrive a byte at a time); a frame once started must finish within
-``--frame-timeout``. A header over 4 MiB, a payload over ``--max-frame``, or a header that does
-not decode is answered with an error and the connection is closed (its stream can no longer be
-trusted); other connections never notice. Chunks live in an LRU capped at ``--max-bytes``.
+Reads are exact (a frame may arrive a byte at a time). A header over 4 MiB, a payload over
+``--max-frame``, or a header that does not decode is answered with an error and the connection is
+closed (its stream can no longer be trusted); other connections never notice. Chunks live in an
+LRU capped at ``--max-bytes``.
+
+Every resource a peer can hold has a limit (docs/lm_server.md): a connection waits at most
+``--idle-timeout`` for its next frame; a frame, from the first byte of its length prefix to the
+last of its payload, must finish within ``--frame-timeout``; a reply must be taken within
+``--send-timeout``; at most ``--max-connections`` are open (the excess hears ``busy`` and is
+closed at once); the bytes that frames being received hold, across all connections, stay under
+``--max-inflight-bytes`` (a frame waits for room, within its frame timeout, before its buffer is
+allocated). Accept errors (out of file descriptors above all) cost the connections that arrive
+meanwhile, never the listener.
 
 Every connection opens with the server's ``ServerHello``. With a cluster secret
 (``--cluster-secret-file``, or KVFERRY_CLUSTER_SECRET / KVFERRY_CLUSTER_SECRET_FILE) it carries a
@@ -24,11 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
+import resource
 import signal
 import socket
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -38,18 +48,34 @@ from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
+from kvferry.engine.byte_budget import ByteBudget
+
+# LMClient and LMError live in engine/lm_client.py; they are importable from here too (remote_store, tests).
+from kvferry.engine.lm_client import LMClient, LMError
+from kvferry.engine.lm_protocol import (
+    CLIENT_PURPOSE,
+    LEN_BYTES,
+    MAX_AUTH_HEADER,
+    MAX_HEADER,
+    NONCE_BYTES,
+    SERVER_PURPOSE,
+    frame,
+)
+
+__all__ = ["ChunkLRU", "LMClient", "LMError", "LMServer", "frame", "main"]
 
 logger = get_logger(__name__)
 
-LEN_BYTES = 4
-MAX_HEADER = m.MAX_FRAME_BYTES
-MAX_AUTH_HEADER = 1024  # an AuthAnswer is ~120 bytes: an unauthenticated peer gets no big buffer
-NONCE_BYTES = 32
-CLIENT_PURPOSE, SERVER_PURPOSE = "lm-auth-client", "lm-auth-server"
 NEEDS_SECRET = ("this kvferry-server requires the cluster secret: set cluster_secret_file (or "
                 "KVFERRY_CLUSTER_SECRET_FILE) on the client to the file the server's --cluster-secret-file names")
 WRONG_SECRET = ("wrong cluster secret: the client's cluster_secret_file must hold the same secret as the "
                 "server's --cluster-secret-file")
+DEFAULT_MAX_CONNECTIONS = 1024
+FD_RESERVE = 32  # descriptors kept for everything but client connections: listener, epoll, logs, the spare
+# Out of descriptors (or kernel memory): the listener stays good, the connection waiting is what fails.
+RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_BACKOFF = (0.01, 1.0)  # first and longest pause after an accept error
+SHED_BATCH = 64  # connections refused per accept error, so a flood cannot hold the loop
 
 
 class ChunkLRU:
@@ -82,13 +108,17 @@ class ChunkLRU:
         return value
 
 
-def frame(msg: m.Msg) -> bytes:
-    body = m.encode(msg)
-    return len(body).to_bytes(LEN_BYTES, "big") + body
-
-
 class Unauthorized(Exception):
     """A peer that did not prove the cluster secret; the message names the fix."""
+
+
+class Closing(Exception):
+    """End this connection: with an ErrorReply of `code` first, or silently when `code` is None
+    (the peer is idle, or is not reading what we send)."""
+
+    def __init__(self, code: str | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 async def _read_frame(exact, limit: int) -> bytes:  # noqa: ANN001 - the side's exact-read coroutine
@@ -98,16 +128,85 @@ async def _read_frame(exact, limit: int) -> bytes:  # noqa: ANN001 - the side's 
     return bytes(await exact(n))
 
 
+def _refuse_now(conn: socket.socket, code: str, message: str) -> None:
+    """Tell a connection we will not serve why, if its buffer takes it at once, and close it."""
+    try:
+        conn.setblocking(False)
+        conn.send(frame(m.ErrorReply(code=code, message=message)))
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def _open_spare() -> int | None:
+    """A descriptor held in reserve: closed when accept() runs out, so waiting peers can be told no."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def fd_limit() -> int:
+    """The soft RLIMIT_NOFILE (`ulimit -n`); a large number when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
+
+
+def fit_connections(wanted: int | None) -> int:
+    """The connection cap: `wanted`, or the default lowered to what `ulimit -n` allows (raising
+    the soft limit toward the hard one first). An explicit cap above the limit is kept, with a
+    warning: beyond the limit new connections are refused until descriptors free up."""
+    cap = DEFAULT_MAX_CONNECTIONS if wanted is None else wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = cap + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if new > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            except (OSError, ValueError):
+                pass
+    room = max(1, fd_limit() - FD_RESERVE)
+    if cap <= room:
+        return cap
+    if wanted is not None:
+        logger.warning("kvferry-server: --max-connections %d is more than `ulimit -n` %d allows (%d); past that, "
+                       "new connections are refused until descriptors free up: raise `ulimit -n`", cap, fd_limit(),
+                       room)
+        return cap
+    logger.warning("kvferry-server: --max-connections lowered to %d to fit `ulimit -n` %d; raise `ulimit -n` "
+                   "for more", room, fd_limit())
+    return room
+
+
 class LMServer:
+    """The lm:// store and its listener; every connection's memory, time and slot is bounded."""
+
     def __init__(self, host: str, port: int, max_bytes: int, max_frame: int, frame_timeout: float = 30.0,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, *, idle_timeout: float = 300.0, send_timeout: float = 30.0,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_inflight: int = 1 << 30) -> None:
+        if max_inflight < max_frame:
+            raise ValueError(f"--max-inflight-bytes ({fmt_bytes(max_inflight)}) is less than --max-frame "
+                             f"({fmt_bytes(max_frame)}): a chunk of --max-frame could never be received; raise "
+                             "--max-inflight-bytes or lower --max-frame")
         self.host, self.port = host, port
         self.store = ChunkLRU(max_bytes)
         self.max_frame, self.frame_timeout = max_frame, frame_timeout
+        self.idle_timeout, self.send_timeout = idle_timeout, send_timeout
+        self.max_connections = max_connections
+        self.budget = ByteBudget(max_inflight)
         self.secret = secret
-        self.counters = {"connections": 0, "puts": 0, "gets": 0, "hits": 0, "rejected": 0, "unauthorized": 0}
+        self.active = 0
+        self.counters = {"connections": 0, "puts": 0, "gets": 0, "hits": 0, "rejected": 0, "unauthorized": 0,
+                         "refused_cap": 0, "refused_fd": 0, "accept_errors": 0, "idle_closed": 0,
+                         "frame_timeouts": 0, "send_timeouts": 0, "busy": 0}
+        # One limiter per kind of trouble, so a flood of one kind does not hide another.
         self._warn = RateLimitedLog(logger)
+        self._cap_warn = RateLimitedLog(logger)
+        self._accept_warn = RateLimitedLog(logger)
         self._lsock: socket.socket | None = None
+        self._spare: int | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -122,31 +221,126 @@ class LMServer:
         s.setblocking(False)
         self._lsock, self.port = s, s.getsockname()[1]
 
+    def stats(self) -> str:
+        """One log line of counters and in-flight bytes (logged on SIGUSR1 and at exit)."""
+        held = {"active": self.active, "inflight_bytes": self.budget.used, "peak_inflight_bytes": self.budget.peak,
+                "waiting_for_room": self.budget.waiting, "chunks": len(self.store.data),
+                "stored_bytes": self.store.used, "evictions": self.store.evictions}
+        return " ".join(f"{k}={v}" for k, v in {**held, **self.counters}.items())
+
     async def serve_forever(self) -> None:
+        """Accept until cancelled; no accept error ends the loop (out of descriptors: refuse and go on)."""
         assert self._lsock is not None
         loop = asyncio.get_running_loop()
+        self._spare = _open_spare()
+        pause = ACCEPT_BACKOFF[0]
         try:
             while True:
-                conn, peer = await loop.sock_accept(self._lsock)
-                conn.setblocking(False)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                task = asyncio.create_task(self._handle(conn, peer))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                try:
+                    conn, peer = await loop.sock_accept(self._lsock)
+                except OSError as e:
+                    self.counters["accept_errors"] += 1
+                    self._accept_warn.warning(
+                        "kvferry-server: cannot accept connections: %s (%d open, `ulimit -n` %d); refusing new ones "
+                        "until that passes (%d refused so far): raise `ulimit -n` or lower --max-connections",
+                        e.strerror or e, self.active, fd_limit(), self.counters["refused_fd"])
+                    if not (e.errno in RESOURCE_ERRNOS and await self._out_of_descriptors()):
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, ACCEPT_BACKOFF[1])
+                    continue
+                pause = ACCEPT_BACKOFF[0]
+                self._admit(conn, peer)
         finally:
             self._lsock.close()
+            if self._spare is not None:
+                os.close(self._spare)
+                self._spare = None
 
-    async def _exact(self, conn: socket.socket, n: int) -> bytearray:
-        """Exactly `n` bytes, received straight into their final buffer (no stream-buffer copies)."""
+    async def _out_of_descriptors(self) -> bool:
+        """After EMFILE: wait for a connection (Linux's accept() fails for want of a descriptor
+        even when none is waiting, so retrying at once would spin), then serve it if descriptors
+        were freed meanwhile, or refuse it; False if neither worked (the caller backs off)."""
+        loop, fd = asyncio.get_running_loop(), self._lsock.fileno()
+        arrived = loop.create_future()
+        loop.add_reader(fd, lambda: arrived.done() or arrived.set_result(None))
+        try:
+            await asyncio.wait_for(arrived, ACCEPT_BACKOFF[1])
+        except TimeoutError:
+            return True  # nobody came: try a plain accept again
+        finally:
+            loop.remove_reader(fd)
+        try:
+            conn, peer = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return True  # it went away before we took it
+        except OSError as e:
+            return e.errno in RESOURCE_ERRNOS and self._shed()
+        self._admit(conn, peer)
+        return True
+
+    def _shed(self) -> bool:
+        """Out of descriptors: spend the spare one to accept and close the waiting connections, so
+        their clients hear 'busy' now instead of hanging in the backlog; True if any was."""
+        if self._spare is None:
+            self._spare = _open_spare()
+            return False
+        os.close(self._spare)
+        self._spare, shed = None, 0
+        try:
+            while shed < SHED_BATCH:
+                conn, _ = self._lsock.accept()
+                shed += 1
+                self.counters["refused_fd"] += 1
+                _refuse_now(conn, "busy", "kvferry-server is out of file descriptors; try again later (its "
+                                          "operator: raise `ulimit -n` or lower --max-connections)")
+        except OSError:
+            pass  # the backlog is empty (EAGAIN), or the spare's slot was taken meanwhile
+        finally:
+            self._spare = _open_spare()
+        return shed > 0
+
+    def _admit(self, conn: socket.socket, peer: object) -> None:
+        if self.active >= self.max_connections:
+            self.counters["refused_cap"] += 1
+            self._cap_warn.warning("kvferry-server: refusing connection %s: %d connections open, the "
+                                   "--max-connections limit (%d refused so far)", peer, self.active,
+                                   self.counters["refused_cap"])
+            _refuse_now(conn, "busy", f"kvferry-server has {self.active} connections open, its --max-connections; "
+                                      "try again later (or raise its --max-connections)")
+            return
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.active += 1
+        task = asyncio.create_task(self._handle(conn, peer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fill(self, conn: socket.socket, view: memoryview) -> None:
+        """Receive exactly len(view) bytes into `view`."""
         loop = asyncio.get_running_loop()
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        got, n = 0, len(view)
         while got < n:
             k = await loop.sock_recv_into(conn, view[got:])
             if not k:
-                raise asyncio.IncompleteReadError(bytes(buf[:got]), n)
+                raise asyncio.IncompleteReadError(bytes(view[:got]), n)
             got += k
+
+    async def _exact(self, conn: socket.socket, n: int) -> bytearray:
+        """Exactly `n` bytes, received straight into their final buffer (no stream-buffer copies)."""
+        buf = bytearray(n)
+        await self._fill(conn, memoryview(buf))
         return buf
+
+    async def _send(self, conn: socket.socket, parts: Sequence[bytes | bytearray]) -> None:
+        """Send a reply within --send-timeout; a peer that does not read it loses its connection."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                for part in parts:
+                    await loop.sock_sendall(conn, part)
+        except TimeoutError:
+            self.counters["send_timeouts"] += 1
+            raise Closing(None, f"it did not take a reply within --send-timeout {self.send_timeout:g}s") from None
 
     async def _handle(self, conn: socket.socket, peer: object) -> None:
         self.counters["connections"] += 1
@@ -157,25 +351,29 @@ class LMServer:
         except Unauthorized as e:
             self.counters["unauthorized"] += 1
             await self._reject(conn, peer, "unauthorized", str(e))
+        except Closing as e:
+            if e.code is None:
+                logger.debug("kvferry-server: closing connection %s: %s", peer, e)
+            else:
+                await self._reject(conn, peer, e.code, str(e))
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away mid-frame: its business
         except m.MessageError as e:
             await self._reject(conn, peer, "bad_message", str(e))
-        except TimeoutError:
-            await self._reject(conn, peer, "timeout", f"a frame did not finish within {self.frame_timeout:.0f}s")
         except Exception as e:  # noqa: BLE001 - one connection's failure must not end the server
             logger.exception("kvferry-server: connection %s failed: %s", peer, e)
         finally:
             conn.close()
+            self.active -= 1
 
     async def _greet(self, conn: socket.socket) -> None:
         """Send the ServerHello; with a secret, have the client prove it (Unauthorized if not) and prove it back."""
-        loop = asyncio.get_running_loop()
         nonce = os.urandom(NONCE_BYTES) if self.secret is not None else b""
-        await loop.sock_sendall(conn, frame(m.ServerHello(auth=self.secret is not None, nonce=nonce)))
+        await self._send(conn, [frame(m.ServerHello(auth=self.secret is not None, nonce=nonce))])
         if self.secret is None:
             return
         try:
+            # The whole answer, prefix included, within the frame timeout; at most 1 KiB is ever allocated.
             async with asyncio.timeout(self.frame_timeout):
                 body = await _read_frame(lambda n: self._exact(conn, n), MAX_AUTH_HEADER)
         except TimeoutError:
@@ -191,7 +389,7 @@ class LMServer:
             raise Unauthorized(f"{e}; {NEEDS_SECRET}" if e.kind != "version" else str(e)) from None
         if not self.secret.verify(CLIENT_PURPOSE, answer.mac, nonce, answer.nonce):
             raise Unauthorized(WRONG_SECRET)
-        await loop.sock_sendall(conn, frame(m.AuthOk(mac=self.secret.mac(SERVER_PURPOSE, answer.nonce, nonce))))
+        await self._send(conn, [frame(m.AuthOk(mac=self.secret.mac(SERVER_PURPOSE, answer.nonce, nonce)))])
 
     async def _reject(self, conn: socket.socket, peer: object, code: str, message: str) -> None:
         self.counters["rejected"] += 1
@@ -202,32 +400,74 @@ class LMServer:
         except (ConnectionError, TimeoutError):
             pass
 
-    async def _one(self, conn: socket.socket) -> bool:
-        """Serve one request; False when the client closed the connection between frames."""
-        loop = asyncio.get_running_loop()
+    async def _next_byte(self, conn: socket.socket, head: bytearray) -> bool:
+        """Wait, up to --idle-timeout, for the first byte of the next frame; False if the client closed."""
         try:
-            head = await self._exact(conn, LEN_BYTES)  # idle between requests: no limit
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise
-            return False
-        n = int.from_bytes(head, "big")
-        if n > MAX_HEADER:
-            raise m.MessageError("too_large", f"header of {n} bytes exceeds {MAX_HEADER}")
-        async with asyncio.timeout(self.frame_timeout):
-            msg = m.decode(bytes(await self._exact(conn, n)), expect=(m.RemotePut, m.RemoteGet, m.RemoteExists))
-            if isinstance(msg, m.RemotePut):
+            async with asyncio.timeout(self.idle_timeout):
+                got = await asyncio.get_running_loop().sock_recv_into(conn, memoryview(head)[:1])
+        except TimeoutError:
+            self.counters["idle_closed"] += 1
+            raise Closing(None, f"idle for --idle-timeout {self.idle_timeout:g}s") from None
+        return got == 1
+
+    async def _receive(self, conn: socket.socket, head: bytearray) -> tuple[m.Msg, bytearray | None]:
+        """The rest of a frame whose first byte is in `head`: its header, and a put's payload with
+        its bytes reserved in the budget (the caller releases them). Closing on a timeout."""
+        waiting = False  # for room in the budget, not for the peer's bytes
+        try:
+            async with asyncio.timeout(self.frame_timeout):  # from the first byte: a partial prefix is a frame
+                await self._fill(conn, memoryview(head)[1:])
+                n = int.from_bytes(head, "big")
+                if n > MAX_HEADER:
+                    raise m.MessageError("too_large", f"header of {n} bytes exceeds {MAX_HEADER}")
+                waiting = True
+                await self.budget.acquire(n)
+                waiting = False
+                try:
+                    msg = m.decode(await self._exact(conn, n), expect=(m.RemotePut, m.RemoteGet, m.RemoteExists))
+                finally:
+                    self.budget.release(n)
+                if not isinstance(msg, m.RemotePut):
+                    return msg, None
                 if msg.nbytes > self.max_frame:
                     raise m.MessageError("too_large", f"payload of {msg.nbytes} bytes exceeds --max-frame "
                                                       f"{self.max_frame}")
-                data = await self._exact(conn, msg.nbytes)
+                waiting = True
+                await self.budget.acquire(msg.nbytes)  # before the buffer exists: memory is reserved, then taken
+                waiting = False
+                try:
+                    return msg, await self._exact(conn, msg.nbytes)
+                except BaseException:
+                    self.budget.release(msg.nbytes)
+                    raise
+        except TimeoutError:
+            if waiting:
+                self.counters["busy"] += 1
+                raise Closing("busy", f"no room for this frame within --frame-timeout {self.frame_timeout:g}s: "
+                                      f"{fmt_bytes(self.budget.used)} of --max-inflight-bytes "
+                                      f"{fmt_bytes(self.budget.limit)} are held by frames being received; try "
+                                      "again later") from None
+            self.counters["frame_timeouts"] += 1
+            raise Closing("timeout", f"a frame did not finish within --frame-timeout {self.frame_timeout:g}s "
+                                     "(counted from the first byte of its length prefix)") from None
+
+    async def _one(self, conn: socket.socket) -> bool:
+        """Serve one request; False when the client closed the connection between frames."""
+        head = bytearray(LEN_BYTES)
+        if not await self._next_byte(conn, head):
+            return False
+        msg, data = await self._receive(conn, head)
         if isinstance(msg, m.RemotePut):
-            self.counters["puts"] += 1
-            if self.store.put(msg.key, data):
-                out = [frame(m.RemoteReply())]
-            else:
-                out = [frame(m.ErrorReply(code="too_large", message=f"a {msg.nbytes}-byte chunk is larger than "
-                                          f"the server's memory limit {self.store.limit}"))]
+            try:
+                self.counters["puts"] += 1
+                if self.store.put(msg.key, data):
+                    out = [frame(m.RemoteReply())]
+                else:
+                    out = [frame(m.ErrorReply(code="too_large", message=f"a {msg.nbytes}-byte chunk is larger "
+                                              f"than the server's memory limit {self.store.limit}"))]
+            finally:
+                self.budget.release(msg.nbytes)  # the store holds (and counts) the bytes now
+                del data
         elif isinstance(msg, m.RemoteGet):
             self.counters["gets"] += 1
             value = self.store.get(msg.key)
@@ -238,139 +478,8 @@ class LMServer:
                 out = [frame(m.RemoteReply(found=True, nbytes=len(value))), value]
         else:
             out = [frame(m.RemoteReply(found_keys=[k in self.store.data for k in msg.keys]))]
-        for part in out:
-            await loop.sock_sendall(conn, part)
+        await self._send(conn, out)
         return True
-
-
-class LMError(RuntimeError):
-    """The lm:// server could not be reached, timed out, or refused the request."""
-
-
-class LMClient:
-    """A blocking client (one connection, reconnected on demand); every call bounded by `timeout`.
-    With `secret` (the cluster secret) it proves it to the server, and wants the server to prove
-    it back, on every new connection; a server that wants no secret is refused."""
-
-    def __init__(self, host: str, port: int, timeout: float = 5.0, secret: ClusterSecret | None = None) -> None:
-        self.host, self.port, self.timeout, self.secret = host, port, timeout, secret
-        self._sock: socket.socket | None = None
-
-    def _conn(self, deadline: float) -> socket.socket:
-        if self._sock is None:
-            try:
-                self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-            except OSError as e:
-                raise LMError(f"lm://{self.host}:{self.port} unreachable: {e}") from None
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._handshake(deadline)
-        return self._sock
-
-    def _frame(self, deadline: float, limit: int = MAX_HEADER) -> m.Msg:
-        self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-        n = int.from_bytes(self._exact(LEN_BYTES), "big")
-        if n > limit:
-            raise m.MessageError("too_large", f"reply header of {n} bytes")
-        return m.decode(bytes(self._exact(n)))
-
-    def _handshake(self, deadline: float) -> None:
-        """The server's greeting and, when it asks, the cluster-secret proof both ways."""
-        where = f"lm://{self.host}:{self.port}"
-        try:
-            hello = self._frame(deadline, MAX_AUTH_HEADER)
-            if not isinstance(hello, m.ServerHello):
-                raise LMError(f"{where} did not greet with a ServerHello (got {type(hello).__name__}): is it a "
-                              "kvferry-server of this version?")
-            if hello.auth and self.secret is None:
-                raise LMError(f"{where} requires the cluster secret: set cluster_secret_file (or "
-                              "KVFERRY_CLUSTER_SECRET_FILE) to the file its --cluster-secret-file names")
-            if not hello.auth and self.secret is not None:
-                raise LMError(f"{where} does not check the cluster secret, so it cannot be told from an impostor: "
-                              "start kvferry-server with --cluster-secret-file (the same secret as this instance's "
-                              "cluster_secret_file)")
-            if not hello.auth:
-                return
-            if len(hello.nonce) < 16:
-                raise LMError(f"{where} sent a challenge of {len(hello.nonce)} bytes: not a kvferry-server")
-            mine = os.urandom(NONCE_BYTES)
-            self._sock.sendall(frame(m.AuthAnswer(nonce=mine, mac=self.secret.mac(CLIENT_PURPOSE, hello.nonce,
-                                                                                  mine))))
-            ok = self._frame(deadline)
-            if isinstance(ok, m.ErrorReply):
-                raise LMError(f"{where} refused: {ok.code}: {ok.message}")
-            if not isinstance(ok, m.AuthOk) or not self.secret.verify(SERVER_PURPOSE, ok.mac, mine, hello.nonce):
-                raise LMError(f"{where} could not prove the cluster secret: it holds another one (or is not the "
-                              "server you meant); give both sides the same secret")
-        except TimeoutError:
-            self.close()
-            raise LMError(f"{where}: no greeting within {self.timeout:g}s: is it a kvferry-server of this "
-                          "version, and not overloaded?") from None
-        except (OSError, m.MessageError) as e:
-            self.close()
-            raise LMError(f"{where}: handshake failed: {type(e).__name__}: {e}") from None
-        except LMError:
-            self.close()
-            raise
-
-    def _exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
-        while got < n:
-            k = self._sock.recv_into(view[got:])
-            if not k:
-                raise ConnectionError("server closed the connection")
-            got += k
-        return buf
-
-    def _calls(self, calls: Sequence[tuple[m.Msg, Sequence[bytes | memoryview]]]
-               ) -> list[tuple[m.RemoteReply, memoryview | None]]:
-        """Send every request, then read every reply (one round trip); bounded by `timeout`."""
-        deadline = time.monotonic() + self.timeout
-        out: list[tuple[m.Msg, memoryview | None]] = []
-        s = self._conn(deadline)
-        try:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            for msg, payload in calls:
-                s.sendall(frame(msg))
-                for part in payload:  # sent as they are: no joined copy of a large chunk
-                    s.sendall(part)
-            for _ in calls:
-                s.settimeout(max(0.01, deadline - time.monotonic()))
-                n = int.from_bytes(self._exact(LEN_BYTES), "big")
-                if n > MAX_HEADER:
-                    raise m.MessageError("too_large", f"reply header of {n} bytes")
-                reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
-                found = isinstance(reply, m.RemoteReply) and reply.found
-                out.append((reply, memoryview(self._exact(reply.nbytes)) if found else None))
-        except (OSError, m.MessageError) as e:
-            self.close()
-            raise LMError(f"lm://{self.host}:{self.port}: {type(e).__name__}: {e}") from None
-        for reply, _ in out:
-            if isinstance(reply, m.ErrorReply):
-                raise LMError(f"lm://{self.host}:{self.port} refused: {reply.code}: {reply.message}")
-        return out
-
-    def _call(self, msg: m.Msg, *payload: bytes | memoryview) -> tuple[m.RemoteReply, memoryview | None]:
-        return self._calls([(msg, payload)])[0]
-
-    def put(self, key: bytes, *parts: bytes | memoryview) -> None:
-        """Store the concatenation of `parts` under `key`."""
-        self.put_many([(key, parts)])
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> None:
-        self._calls([(m.RemotePut(key=key, nbytes=sum(memoryview(p).nbytes for p in parts)), parts)
-                     for key, parts in items])
-
-    def get(self, key: bytes) -> memoryview | None:
-        return self._call(m.RemoteGet(key=key))[1]
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return list(self._call(m.RemoteExists(keys=list(keys)))[0].found_keys)
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -382,7 +491,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-bytes", type=float, default=4.0, help="GB (GiB) of chunks kept (default 4)")
     ap.add_argument("--max-frame", type=float, default=256, help="largest chunk accepted, MB (MiB) (default 256)")
     ap.add_argument("--frame-timeout", type=float, default=30.0,
-                    help="seconds a started frame, or the answer to the cluster-secret challenge, may take")
+                    help="seconds a frame may take from the first byte of its length prefix to its last payload "
+                         "byte, and the answer to the cluster-secret challenge (default 30)")
+    ap.add_argument("--idle-timeout", type=float, default=300.0,
+                    help="seconds a connection may wait between frames before it is closed (default 300; clients "
+                         "reconnect on demand)")
+    ap.add_argument("--send-timeout", type=float, default=30.0,
+                    help="seconds a client may take to read a reply before its connection is closed (default 30)")
+    ap.add_argument("--max-connections", type=int, default=None,
+                    help=f"connections open at once; the excess hears 'busy' and is closed (default "
+                         f"{DEFAULT_MAX_CONNECTIONS}, lowered to fit `ulimit -n`)")
+    ap.add_argument("--max-inflight-bytes", type=float, default=1.0,
+                    help="GB (GiB) that frames being received may hold across all connections; a frame waits "
+                         "for room (within --frame-timeout) before its buffer is allocated (default 1; at least "
+                         "--max-frame)")
     ap.add_argument("--cluster-secret-file", default=None,
                     help="clients must prove this cluster secret (their cluster_secret_file) before any request; "
                          "default: $KVFERRY_CLUSTER_SECRET or $KVFERRY_CLUSTER_SECRET_FILE")
@@ -393,8 +515,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"device {args.device!r}: kvferry-server keeps chunks in host memory; use cpu")
     if not 0 < args.port < 65536:
         ap.error(f"port {args.port} is outside 1-65535")
-    if args.max_bytes <= 0 or args.max_frame <= 0 or args.frame_timeout <= 0:
-        ap.error("--max-bytes, --max-frame and --frame-timeout must be positive")
+    if min(args.max_bytes, args.max_frame, args.frame_timeout, args.idle_timeout, args.send_timeout,
+           args.max_inflight_bytes) <= 0:
+        ap.error("--max-bytes, --max-frame, --max-inflight-bytes and the timeouts must be positive")
+    if args.max_connections is not None and args.max_connections < 1:
+        ap.error("--max-connections must be at least 1")
+    max_frame, max_inflight = int(args.max_frame * (1 << 20)), int(args.max_inflight_bytes * (1 << 30))
+    if max_inflight < max_frame:
+        ap.error(f"--max-inflight-bytes {args.max_inflight_bytes:g} GB is less than --max-frame {args.max_frame:g} "
+                 "MB: a chunk of --max-frame could never be received; raise --max-inflight-bytes or lower --max-frame")
     try:
         secret = csecret.from_env(args.cluster_secret_file, "kvferry-server")
         zsock.check_exposure(args.host, "kvferry-server", zsock.Trust(secret, args.require_cluster_secret),
@@ -402,8 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (csecret.SecretError, zsock.ExposureError) as e:
         print(f"kvferry-server: {e}", file=sys.stderr)
         return 2
-    server = LMServer(args.host, args.port, int(args.max_bytes * (1 << 30)), int(args.max_frame * (1 << 20)),
-                      args.frame_timeout, secret)
+    server = LMServer(args.host, args.port, int(args.max_bytes * (1 << 30)), max_frame, args.frame_timeout, secret,
+                      idle_timeout=args.idle_timeout, send_timeout=args.send_timeout,
+                      max_connections=fit_connections(args.max_connections), max_inflight=max_inflight)
 
     async def run() -> None:
         try:
@@ -414,14 +544,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        logger.info("kvferry-server listening on %s:%d (memory limit %s, largest chunk %s; %s)", args.host,
-                    server.port, fmt_bytes(server.store.limit), fmt_bytes(server.max_frame),
+        loop.add_signal_handler(signal.SIGUSR1, lambda: logger.info("kvferry-server stats: %s", server.stats()))
+        logger.info("kvferry-server listening on %s:%d (memory limit %s, largest chunk %s, %d connections, %s in "
+                    "flight; %s)", args.host, server.port, fmt_bytes(server.store.limit), fmt_bytes(server.max_frame),
+                    server.max_connections, fmt_bytes(server.budget.limit),
                     "clients must prove the cluster secret" if secret else "no cluster secret: any client")
         task = asyncio.create_task(server.serve_forever())
         await stop.wait()
         task.cancel()
-        logger.info("kvferry-server stopped: %d chunks (%s) dropped", len(server.store.data),
-                    fmt_bytes(server.store.used))
+        logger.info("kvferry-server stopped: %d chunks (%s) dropped; %s", len(server.store.data),
+                    fmt_bytes(server.store.used), server.stats())
 
     asyncio.run(run())
     return 0

@@ -1,14 +1,20 @@
 """kvferry-server (lm://) as a real process: round trips, LRU under its memory limit, bad peers
 (garbage, oversized frames, byte-at-a-time frames, stalled frames, a dead server) that cost a
 connection, never the server, and the cluster-secret handshake (clients without the secret, or
-with another one, neither read nor store anything)."""
+with another one, neither read nor store anything). Its limits: more connections than its
+`ulimit -n`, a connection cap, idle and partial-prefix connections, trickled puts under an
+in-flight byte budget, a client that does not read; and LMClient against a lying peer."""
 
 from __future__ import annotations
 
 import os
+import re
+import resource
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,3 +254,265 @@ def test_an_exposed_server_needs_a_secret_when_told_to() -> None:
     r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", "0.0.0.0", "5", "--require-cluster-secret"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "--cluster-secret-file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- limits: the server keeps serving ----
+
+MIB = 1 << 20
+
+
+def lm_server(tmp_path: Path, *extra: str) -> Proc:
+    return start_lm_server(tmp_path, None, "--frame-timeout", "1", *extra)
+
+
+def wait_for(pred, timeout: float = 10.0, what: str = "") -> None:  # noqa: ANN001
+    """A bounded wait for an expected event."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
+        time.sleep(0.05)
+
+
+def serves(port: int) -> bool:
+    try:
+        return still_serves(port)
+    except LMError:
+        return False
+
+
+def greeting(port: int, rcvbuf: int | None = None) -> tuple[socket.socket, m.Msg | None]:
+    """A raw connection and the server's first frame on it (None: closed without one)."""
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(5)
+    s.connect(("127.0.0.1", port))
+    return s, reply_of(s)
+
+
+def stats(p: Proc) -> dict[str, int]:
+    """The server's counters: SIGUSR1 makes it log a stats line."""
+    before = p.log.read_text().count("kvferry-server stats:")
+    p.proc.send_signal(signal.SIGUSR1)
+    wait_for(lambda: p.log.read_text().count("kvferry-server stats:") > before, what="a stats line")
+    line = p.log.read_text().split("kvferry-server stats:")[-1].split("(")[0]
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KIB
+    raise AssertionError("no VmRSS")
+
+
+def test_more_connections_than_its_ulimit_then_it_serves_again(tmp_path: Path) -> None:
+    p = lm_server(tmp_path, "--max-connections", "1000")  # a cap above the limit: accept() itself runs out
+    try:
+        resource.prlimit(p.proc.pid, resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        conns, answers = [], []
+        for _ in range(150):
+            s, hello = greeting(p.port)
+            conns.append(s)
+            answers.append(hello)
+        assert sum(isinstance(a, m.ServerHello) for a in answers) < 64, "the limit was in force"
+        refused = [a for a in answers if not isinstance(a, m.ServerHello)]
+        assert refused, "connections past the limit were refused at once, not left in the backlog"
+        assert all(a is None or (isinstance(a, m.ErrorReply) and a.code == "busy") for a in refused)
+        assert p.proc.poll() is None
+        for s in conns:
+            s.close()
+        wait_for(lambda: serves(p.port), what="serving again once descriptors were free")
+        log = p.log.read_text()
+        assert 1 <= log.count("cannot accept connections") <= 3, "logged once per burst, not per connection"
+        assert "ulimit -n" in log
+        assert stats(p)["refused_fd"] >= 1
+    finally:
+        p.kill()
+
+
+def test_the_connection_cap_refuses_the_excess_and_serves_again_after(tmp_path: Path) -> None:
+    p = lm_server(tmp_path, "--max-connections", "3")
+    try:
+        held = []
+        for _ in range(3):
+            s, hello = greeting(p.port)
+            assert isinstance(hello, m.ServerHello)
+            held.append(s)
+        s, got = greeting(p.port)
+        assert isinstance(got, m.ErrorReply) and got.code == "busy" and "--max-connections" in got.message
+        assert closed(s)
+        s.close()
+        with pytest.raises(LMError, match="busy"):
+            LMClient("127.0.0.1", p.port).exists([b"k"])
+        assert stats(p)["refused_cap"] == 2
+        assert "--max-connections limit" in p.log.read_text()
+        held.pop().close()
+        wait_for(lambda: serves(p.port), what="a slot freed by a closed connection")
+    finally:
+        for s in held:
+            s.close()
+        p.kill()
+
+
+def test_a_trickled_partial_length_prefix_is_cut_off_by_the_frame_timeout(tmp_path: Path) -> None:
+    p = lm_server(tmp_path, "--idle-timeout", "600")
+    try:
+        s, _ = greeting(p.port)
+        head = frame(m.RemoteGet(key=b"k"))[:3]
+        for b in head:  # three bytes of four, a third of a second apart: still one frame in progress
+            s.sendall(bytes([b]))
+            time.sleep(0.3)
+        got = reply_of(s)  # waits up to 5 s: the idle timeout (600 s) must not be what applies
+        assert isinstance(got, m.ErrorReply) and got.code == "timeout" and "length prefix" in got.message
+        assert closed(s)
+        s.close()
+        assert stats(p)["frame_timeouts"] == 1
+        assert serves(p.port)
+    finally:
+        p.kill()
+
+
+def test_idle_connections_are_closed_and_the_client_reconnects_unnoticed(tmp_path: Path) -> None:
+    p = lm_server(tmp_path, "--idle-timeout", "1")
+    try:
+        s, hello = greeting(p.port)
+        assert isinstance(hello, m.ServerHello)
+        assert closed(s), "closed by the idle timeout, with nothing sent"  # the socket waits up to 5 s
+        s.close()
+        c = LMClient("127.0.0.1", p.port)
+        c.put(b"k", b"v" * 100)
+        wait_for(lambda: c._sock is not None and closed_now(c._sock), what="the client's idle connection closed")
+        assert c.get(b"k") == b"v" * 100, "the next call opens a new connection instead of failing"
+        c.close()
+        assert stats(p)["idle_closed"] == 2
+    finally:
+        p.kill()
+
+
+def closed_now(s: socket.socket) -> bool:
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_trickled_max_size_puts_keep_memory_bounded(tmp_path: Path) -> None:
+    budget = 24 * MIB  # three 8 MiB frames
+    p = start_lm_server(tmp_path, None, "--max-frame", "8", "--max-inflight-bytes", str(budget / (1 << 30)),
+                        "--frame-timeout", "4")
+    conns: list[socket.socket] = []
+    try:
+        base = rss(p.proc.pid)
+
+        def trickle(n: int) -> None:
+            for _ in range(n):
+                s, _ = greeting(p.port)
+                s.sendall(frame(m.RemotePut(key=os.urandom(8), nbytes=8 * MIB)) + b"x" * 1000)
+                conns.append(s)
+
+        trickle(3)  # these three take the whole budget...
+        wait_for(lambda: stats(p)["inflight_bytes"] >= budget, what="three frames holding the budget")
+        trickle(9)  # ...so these nine wait for room, with no buffer of their own
+        wait_for(lambda: stats(p)["waiting_for_room"] == 9, what="nine frames waiting for room")
+        for s in conns:
+            s.sendall(b"y")  # still trickling
+        st = stats(p)
+        assert st["peak_inflight_bytes"] <= budget
+        grown = rss(p.proc.pid) - base
+        assert grown < budget + 16 * MIB, f"RSS grew {grown / MIB:.0f} MiB; 12 unbounded buffers would be 96 MiB"
+        replies = [reply_of(s) for s in conns]  # each frame's own timeout ends it
+        codes = [r.code for r in replies if isinstance(r, m.ErrorReply)]
+        assert codes.count("timeout") >= 3 and "busy" in codes, codes
+        busy = next(r for r in replies if isinstance(r, m.ErrorReply) and r.code == "busy")
+        assert "--max-inflight-bytes" in busy.message
+        assert stats(p)["inflight_bytes"] == 0, "every reservation was given back"
+        assert serves(p.port)
+    finally:
+        for s in conns:
+            s.close()
+        p.kill()
+
+
+def test_a_client_that_does_not_read_its_replies_is_cut_off(tmp_path: Path) -> None:
+    p = lm_server(tmp_path, "--max-frame", "1", "--send-timeout", "1")
+    try:
+        value = os.urandom(MIB)
+        c = LMClient("127.0.0.1", p.port)
+        c.put(b"big", value)
+        s, _ = greeting(p.port, rcvbuf=4096)
+        s.sendall(frame(m.RemoteGet(key=b"big")) * 40)  # 40 MiB of replies, none read for now
+        wait_for(lambda: stats(p)["send_timeouts"] == 1, what="the send timeout")
+        got = 0
+        while True:  # what was already in the socket buffers, then the end
+            try:
+                k = len(s.recv(1 << 20))
+            except ConnectionError:
+                break
+            if not k:
+                break
+            got += k
+        assert got < 40 * MIB
+        s.close()
+        assert c.get(b"big") == value, "other connections never noticed"
+        c.close()
+    finally:
+        p.kill()
+
+
+def test_a_max_frame_above_the_inflight_budget_is_a_start_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", "5", "--max-frame", "512",
+                        "--max-inflight-bytes", "0.25"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "raise --max-inflight-bytes" in r.stderr
+
+
+class LyingServer:
+    """A peer that greets like a kvferry-server, then answers every request with `reply`."""
+
+    def __init__(self, reply: m.Msg) -> None:
+        self.reply = reply
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.lsock.accept()
+            self.conns.append(conn)
+            conn.sendall(frame(m.ServerHello(auth=False)))
+            while head := conn.recv(4, socket.MSG_WAITALL):
+                conn.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
+                conn.sendall(frame(self.reply))  # and never the payload it announced
+        except OSError:
+            pass  # closed by the test
+
+    def close(self) -> None:
+        self.lsock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("max_bytes", [4096, None])
+def test_a_reply_larger_than_expected_is_an_error_not_an_allocation(max_bytes: int | None) -> None:
+    fake = LyingServer(m.RemoteReply(found=True, nbytes=1 << 40))
+    try:
+        c = LMClient("127.0.0.1", fake.port, timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(LMError, match=f"at most {max_bytes or 256 * MIB} bytes"):
+            c.get(b"k", max_bytes=max_bytes)
+        assert time.monotonic() - t0 < 10, "refused on the header, not after waiting for a terabyte"
+        assert c._sock is None, "the stream is lost: the connection is dropped"
+    finally:
+        fake.close()
+
+
+def test_an_exists_answer_of_another_length_is_an_error() -> None:
+    fake = LyingServer(m.RemoteReply(found_keys=[True]))
+    try:
+        with pytest.raises(LMError, match="1 flags for 2 keys"):
+            LMClient("127.0.0.1", fake.port).exists([b"a", b"b"])
+    finally:
+        fake.close()

@@ -1,0 +1,189 @@
+"""LMClient: the blocking lm:// client the remote tier uses; every call bounded in time and in bytes."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from collections.abc import Sequence
+
+from kvferry.common import messages as m
+from kvferry.common.secret import ClusterSecret
+from kvferry.engine.lm_protocol import (
+    CLIENT_PURPOSE,
+    DEFAULT_MAX_CHUNK,
+    LEN_BYTES,
+    MAX_AUTH_HEADER,
+    MAX_HEADER,
+    NONCE_BYTES,
+    SERVER_PURPOSE,
+    frame,
+)
+
+Call = tuple[m.Msg, Sequence[bytes | memoryview], int]  # a request, its payload, the largest reply payload wanted
+
+
+class LMError(RuntimeError):
+    """The lm:// server could not be reached, timed out, refused the request, or sent a reply we cannot trust."""
+
+
+class LMClient:
+    """A blocking client (one connection, reconnected on demand); every call bounded by `timeout`.
+    With `secret` (the cluster secret) it proves it to the server, and wants the server to prove
+    it back, on every new connection; a server that wants no secret is refused. A get's reply is
+    read only up to `max_bytes` (default `max_reply`): a larger one is an LMError, never an
+    allocation the server chose."""
+
+    def __init__(self, host: str, port: int, timeout: float = 5.0, secret: ClusterSecret | None = None,
+                 max_reply: int = DEFAULT_MAX_CHUNK) -> None:
+        self.host, self.port, self.timeout, self.secret = host, port, timeout, secret
+        self.max_reply = max_reply
+        self._sock: socket.socket | None = None
+
+    @property
+    def where(self) -> str:
+        return f"lm://{self.host}:{self.port}"
+
+    def _conn(self, deadline: float) -> socket.socket:
+        if self._sock is not None and self._stale():
+            self.close()  # the server closed it (idle timeout, restart): a fresh one, not a failed call
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except OSError as e:
+                raise LMError(f"{self.where} unreachable: {e}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._handshake(deadline)
+        return self._sock
+
+    def _stale(self) -> bool:
+        """Between calls the server sends nothing: readable now means it closed (or broke) the connection."""
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def _frame(self, deadline: float, limit: int = MAX_HEADER) -> m.Msg:
+        self._sock.settimeout(max(0.01, deadline - time.monotonic()))
+        n = int.from_bytes(self._exact(LEN_BYTES), "big")
+        if n > limit:
+            raise m.MessageError("too_large", f"reply header of {n} bytes")
+        return m.decode(bytes(self._exact(n)))
+
+    def _handshake(self, deadline: float) -> None:
+        """The server's greeting and, when it asks, the cluster-secret proof both ways."""
+        where = self.where
+        try:
+            hello = self._frame(deadline, MAX_AUTH_HEADER)
+            if isinstance(hello, m.ErrorReply):  # e.g. busy: over its --max-connections
+                raise LMError(f"{where} refused the connection: {hello.code}: {hello.message}")
+            if not isinstance(hello, m.ServerHello):
+                raise LMError(f"{where} did not greet with a ServerHello (got {type(hello).__name__}): is it a "
+                              "kvferry-server of this version?")
+            if hello.auth and self.secret is None:
+                raise LMError(f"{where} requires the cluster secret: set cluster_secret_file (or "
+                              "KVFERRY_CLUSTER_SECRET_FILE) to the file its --cluster-secret-file names")
+            if not hello.auth and self.secret is not None:
+                raise LMError(f"{where} does not check the cluster secret, so it cannot be told from an impostor: "
+                              "start kvferry-server with --cluster-secret-file (the same secret as this instance's "
+                              "cluster_secret_file)")
+            if not hello.auth:
+                return
+            if len(hello.nonce) < 16:
+                raise LMError(f"{where} sent a challenge of {len(hello.nonce)} bytes: not a kvferry-server")
+            mine = os.urandom(NONCE_BYTES)
+            self._sock.sendall(frame(m.AuthAnswer(nonce=mine, mac=self.secret.mac(CLIENT_PURPOSE, hello.nonce,
+                                                                                  mine))))
+            ok = self._frame(deadline)
+            if isinstance(ok, m.ErrorReply):
+                raise LMError(f"{where} refused: {ok.code}: {ok.message}")
+            if not isinstance(ok, m.AuthOk) or not self.secret.verify(SERVER_PURPOSE, ok.mac, mine, hello.nonce):
+                raise LMError(f"{where} could not prove the cluster secret: it holds another one (or is not the "
+                              "server you meant); give both sides the same secret")
+        except TimeoutError:
+            self.close()
+            raise LMError(f"{where}: no greeting within {self.timeout:g}s: is it a kvferry-server of this "
+                          "version, and not overloaded?") from None
+        except (OSError, m.MessageError) as e:
+            self.close()
+            raise LMError(f"{where}: handshake failed: {type(e).__name__}: {e}") from None
+        except LMError:
+            self.close()
+            raise
+
+    def _exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("server closed the connection")
+            got += k
+        return buf
+
+    def _calls(self, calls: Sequence[Call]) -> list[tuple[m.RemoteReply, memoryview | None]]:
+        """Send every request, then read every reply (one round trip); bounded by `timeout`."""
+        deadline = time.monotonic() + self.timeout
+        out: list[tuple[m.Msg, memoryview | None]] = []
+        s = self._conn(deadline)
+        try:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            for msg, payload, _ in calls:
+                s.sendall(frame(msg))
+                for part in payload:  # sent as they are: no joined copy of a large chunk
+                    s.sendall(part)
+            for _, _, limit in calls:
+                s.settimeout(max(0.01, deadline - time.monotonic()))
+                n = int.from_bytes(self._exact(LEN_BYTES), "big")
+                if n > MAX_HEADER:
+                    raise m.MessageError("too_large", f"reply header of {n} bytes")
+                reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
+                found = isinstance(reply, m.RemoteReply) and reply.found
+                if found and reply.nbytes > limit:
+                    # Its payload is never read, so the stream is lost: the finally below drops the connection.
+                    raise LMError(f"{self.where} answered with a {reply.nbytes}-byte chunk where at most {limit} "
+                                  "bytes were expected: another model or chunk layout wrote that key, or the "
+                                  "server is not a kvferry-server; treated as a miss")
+                out.append((reply, memoryview(self._exact(reply.nbytes)) if found else None))
+        except (OSError, m.MessageError) as e:
+            self.close()
+            raise LMError(f"{self.where}: {type(e).__name__}: {e}") from None
+        except LMError:
+            self.close()
+            raise
+        for reply, _ in out:
+            if isinstance(reply, m.ErrorReply):
+                raise LMError(f"{self.where} refused: {reply.code}: {reply.message}")
+        return out
+
+    def _call(self, msg: m.Msg, *payload: bytes | memoryview, limit: int = 0) -> tuple[m.RemoteReply,
+                                                                                       memoryview | None]:
+        return self._calls([(msg, payload, limit)])[0]
+
+    def put(self, key: bytes, *parts: bytes | memoryview) -> None:
+        """Store the concatenation of `parts` under `key`."""
+        self.put_many([(key, parts)])
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> None:
+        """Store several chunks in one round trip."""
+        self._calls([(m.RemotePut(key=key, nbytes=sum(memoryview(p).nbytes for p in parts)), parts, 0)
+                     for key, parts in items])
+
+    def get(self, key: bytes, max_bytes: int | None = None) -> memoryview | None:
+        """The chunk under `key`, or None; a reply over `max_bytes` (the caller's expected size) is an LMError."""
+        return self._call(m.RemoteGet(key=key), limit=self.max_reply if max_bytes is None else max_bytes)[1]
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of `keys` the server holds; an answer of another length is an LMError, not a misaligned list."""
+        found = list(self._call(m.RemoteExists(keys=list(keys)))[0].found_keys)
+        if len(found) != len(keys):
+            raise LMError(f"{self.where} answered {len(found)} flags for {len(keys)} keys: not a kvferry-server "
+                          "of this version?")
+        return found
+
+    def close(self) -> None:
+        """Drop the connection; the next call opens a new one."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
