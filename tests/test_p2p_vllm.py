@@ -1,5 +1,7 @@
 """P2P sharing between two real vLLM CPU instances through kvferry-controller over real NIXL
-(seeds 000/003 walk-through, seed 001's move, the controller's page, a killed instance).
+(seeds 000/003 walk-through, seed 001's move, the controller's page, a chunk changed in a holder's
+CPU tier after its MAC was made, a killed instance). The cluster runs with a cluster secret, as
+`kvferry up` makes one: every port speaks CurveZMQ and every lent chunk carries a keyed MAC.
 
 Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
 to 1e-4 in every logprob. The instance-killing test runs last (it takes instance 1 down).
@@ -7,8 +9,10 @@ to 1e-4 in every logprob. The instance-killing test runs last (it takes instance
 
 from __future__ import annotations
 
+import ast
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +23,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+import zmq
 
+from kvferry.buffer.nixl_agent import make_agent
+from kvferry.common import messages as m
+from kvferry.common import secret as csecret
+from kvferry.common import zsock
+from kvferry.common.hashing import chunk_keys
+from kvferry.engine.offload import offload_salt
 from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
 from kvferry.launcher.stores import Controller
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
@@ -39,6 +51,8 @@ class Setup:
     controller: Controller
     one: OffloadServer
     two: OffloadServer
+    secret: str
+    one_p2p: dict[str, object]  # instance 1's P2P keys (its ports)
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(self.controller.url + path, json=body, timeout=30)
@@ -77,18 +91,21 @@ def log(server: OffloadServer) -> str:
 @pytest.fixture(scope="module")
 def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     work = tmp_path_factory.mktemp("p2p")
-    controller = Controller(work)
+    text = csecret.generate()
+    csecret.write_file(str(work / "cluster.secret"), text)
+    controller = Controller(work, secret_file=work / "cluster.secret")
     servers: list[OffloadServer] = []
+    keys = [p2p_keys(), p2p_keys()]
     try:
-        for name, core in (("instance_1", "0"), ("instance_2", "1")):
+        for name, core, p2p in (("instance_1", "0", keys[0]), ("instance_2", "1", keys[1])):
             servers.append(OffloadServer(
                 str(tiny_model_path), log_dir, core, work, server={"extra_args": FP32}, local_cpu=True,
                 max_local_cpu_size=0.25, blocking_timeout_secs=3.0, lmcache_worker_heartbeat_time=HEARTBEAT,
-                lmcache_worker_heartbeat_timeout=HEARTBEAT_TIMEOUT, **p2p_keys(), **controller.worker_keys(name),
+                lmcache_worker_heartbeat_timeout=HEARTBEAT_TIMEOUT, **p2p, **controller.worker_keys(name),
             ).start())
         for s in servers:
             s.wait_ready()
-        yield Setup(controller, *servers)
+        yield Setup(controller, *servers, text, keys[0])
     finally:
         for s in servers:
             s.stop()
@@ -195,6 +212,81 @@ def test_web_page_lists_both_instances(setup: Setup, log_dir: Path) -> None:
         assert f"<b class=\"instance\">{name}</b>" in dom
     assert "LocalCPUBackend" in dom and "Recent transfers" in dom
     assert "<td>p2p</td>" in dom and "<td>move</td>" in dom  # the retrieval and the moves are listed
+
+
+def _holder_fingerprint(sock: zmq.Socket) -> m.LayoutFingerprint:
+    """The holder's KV layout, from the refusal of a Hello with a layout that matches nothing
+    (the refusal names both sides' fields, as users see it)."""
+    probe = m.LayoutFingerprint(model="?", dtype="?", num_layers=0, num_kv_heads=0, head_size=0, block_size=0,
+                                kv_layout="?", chunk_format="?", chunk_size=0, tp_size=0, page_bytes=0)
+    sock.send(m.encode(m.Hello(peer_id="probe", agent_name="probe", agent_metadata=b"", fingerprint=probe)))
+    assert sock.poll(10_000), "the holder did not answer the handshake"
+    err = m.decode(sock.recv(), expect=m.ErrorReply)
+    text = re.search(r"holder: LayoutFingerprint\((.*?)\); reader:", err.message).group(1)
+    return m.LayoutFingerprint(**{k: ast.literal_eval(v)
+                                  for k, v in re.findall(r"(\w+)=('(?:[^'\\]|\\.)*'|\d+)", text)})
+
+
+def _overwrite_a_lent_chunk(setup: Setup, tokens: list[int], chunk: int) -> None:
+    """What anyone holding instance 1's NIXL metadata can do (NIXL's data plane has no
+    authentication): lease a chunk as a reader would, then WRITE into it instead of READing."""
+    p2p = setup.one_p2p
+    trust = zsock.Trust(csecret.from_text(setup.secret, "test"))
+    ctx = zmq.Context()
+    agent = make_agent(f"vandal-{os.getpid()}")
+    junk = torch.full((4096,), 0x5A, dtype=torch.uint8)
+    reg = agent.register_memory(junk)
+    try:
+        init = zsock.connect(ctx, zmq.DEALER, trust, zsock.tcp("127.0.0.1", p2p["p2p_init_ports"]))
+        fp = _holder_fingerprint(init)
+        init.send(m.encode(m.Hello(peer_id="vandal", agent_name=agent.name, agent_metadata=agent.get_agent_metadata(),
+                                   fingerprint=fp)))
+        assert init.poll(10_000)
+        name = agent.add_remote_agent(m.decode(init.recv(), expect=m.Welcome).agent_metadata)
+        salt = offload_salt(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.block_size,
+                            fp.chunk_size, fp.tp_size)
+        key = chunk_keys(tokens, fp.chunk_size, salt)[chunk]
+        look = zsock.connect(ctx, zmq.DEALER, trust, zsock.tcp("127.0.0.1", p2p["p2p_lookup_ports"]))
+        look.send(m.encode(m.PeerFetch(request_id="r1", agent_name=agent.name, keys=[key])))
+        assert look.poll(10_000)
+        lease = m.decode(look.recv(), expect=m.PeerChunks)
+        assert len(lease.addrs) == 1 and len(lease.tags) == 1, "instance 1 does not hold the chunk, or sent no MAC"
+        for md in lease.metadata:
+            agent.add_remote_agent(md)
+        h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(junk.data_ptr(), 4096, 0)], "DRAM"),
+                                  agent.get_xfer_descs([(lease.addrs[0] + lease.sizes[0] // 2, 4096, 0)], "DRAM"),
+                                  name)
+        state, deadline = agent.transfer(h), time.monotonic() + 20
+        while state == "PROC" and time.monotonic() < deadline:  # the lease keeps the holder's NIXL progressing
+            time.sleep(0.001)
+            state = agent.check_xfer_state(h)
+        agent.release_xfer_handle(h)
+        assert state == "DONE", f"the WRITE into instance 1's CPU tier ended {state}"
+        look.send(m.encode(m.PeerRelease(lease_id=lease.lease_id)))
+    finally:
+        agent.deregister_memory(reg)
+        ctx.destroy(linger=0)
+
+
+def test_a_chunk_changed_after_its_mac_is_a_counted_miss_and_recomputed(setup: Setup) -> None:
+    one, two = setup.one, setup.two
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    setup.wait_holders(p, {"instance_1": len(p)})
+    _overwrite_a_lent_chunk(setup, p, 1)
+    rejected0 = sum(prom(two, "kvferry:p2p_rejected_total").values())
+    loads0 = log(two).count("from p2p")
+    got = tokens_and_logprobs(completion(two, p, 8))
+    assert got[0] == want[0], "the recomputed answer differs"
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    assert log(two).count("from p2p") == loads0, "instance 2 loaded the changed chunk"
+    assert "failed the cluster-secret MAC" in log(two)
+    # vLLM collects a worker's counters in its steps: one more request reports them.
+    completion(two, prompt(20), 1)
+    deadline = time.monotonic() + 10
+    while sum(prom(two, "kvferry:p2p_rejected_total").values()) < rejected0 + 1:
+        assert time.monotonic() < deadline, "kvferry:p2p_rejected_total never counted the MAC failure"
+        time.sleep(0.5)
 
 
 def test_killed_instance_is_dropped_and_its_prompts_recomputed(setup: Setup) -> None:
