@@ -24,6 +24,7 @@ import yaml
 
 from kvferry.common import secret
 from kvferry.common.log import get_logger
+from kvferry.common.redact import redact_url
 
 logger = get_logger(__name__)
 
@@ -45,6 +46,16 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_local_disk_size: float = 0.0  # GB
     remote_url: str | None = None
     remote_serde: str = "naive"
+    # Redis credentials and TLS (docs/redis.md); each also from extra_config. Passwords are never logged.
+    remote_username: str | None = None  # an ACL user; or user:password@ in remote_url
+    remote_password: str | None = None  # or remote_password_file, or env KVFERRY_REMOTE_PASSWORD
+    remote_password_file: str | None = None
+    remote_sentinel_username: str | None = None  # the Sentinels' own credentials (redis-sentinel://)
+    remote_sentinel_password: str | None = None
+    remote_sentinel_password_file: str | None = None
+    remote_tls_ca_file: str | None = None  # rediss://: the CA that signed the server's certificate
+    remote_tls_cert_file: str | None = None  # rediss://: a client certificate, for servers that check clients
+    remote_tls_key_file: str | None = None
     save_unfull_chunk: bool = True
     discard_partial_chunks: bool = False
     enable_async_loading: bool = False
@@ -105,8 +116,7 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     extra_config: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f}=<hidden>" if f == "cluster_secret" and getattr(self, f) else
-                           f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__)
+        fields = ", ".join(f"{f}={_shown(f, getattr(self, f))!r}" for f in self.__struct_fields__)
         return f"KVFerryConfig({fields})"
 
     def ports(self, key: str) -> list[int]:
@@ -117,6 +127,21 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return [value] if isinstance(value, int) else list(value)
 
 
+# Values a repr, log line or error must not show (also as extra_config entries).
+SECRET_KEYS = frozenset({"cluster_secret", "remote_password", "remote_sentinel_password"})
+
+
+def _shown(key: str, value: Any) -> Any:
+    """`value` as it may be shown: secrets hidden, a password in a URL redacted."""
+    if key in SECRET_KEYS and value:
+        return "<hidden>"
+    if key == "remote_url":
+        return redact_url(value) if value else value
+    if key == "extra_config" and isinstance(value, dict):
+        return {k: _shown(_canonical(str(k)), v) for k, v in value.items()}
+    return value
+
+
 FIELD_TYPES: dict[str, Any] = {
     f.name: f.type for f in msgspec.structs.fields(KVFerryConfig)
 }
@@ -125,7 +150,7 @@ FIELD_TYPES: dict[str, Any] = {
 # kvferry's own switches (README "Configuration", environment table).
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR"}
 _PREFIXES = ("lmcache.", "kvferry.")
-_REMOTE_SCHEMES = ("redis", "redis-sentinel", "lm", "mooncakestore", "infinistore")
+_REMOTE_SCHEMES = ("redis", "rediss", "redis-sentinel", "lm", "mooncakestore", "infinistore")
 _SERDES = ("naive", "cachegen", "zstd")
 # Keys LMCache knows that kvferry accepts for drop-in use but does not act on.
 IGNORED_KEYS = ("numa_mode", "use_layerwise", "py_enable_gc", "lmcache_rpc_port", "use_experimental")
@@ -151,7 +176,7 @@ def _convert(key: str, value: Any, source: str) -> Any:
     except msgspec.ValidationError:
         raise ConfigError(
             f"config key {key} ({source}): expected {_type_name(tp)}, got "
-            f"{type(value).__name__} {value!r}"
+            f"{type(value).__name__} {_shown(key, value)!r}"  # a secret of the wrong type stays hidden
         ) from None
 
 
@@ -281,7 +306,8 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
     if c.remote_url is not None:
         scheme, sep, rest = c.remote_url.partition("://")
         if not sep or not rest:
-            raise err("remote_url", f"{c.remote_url!r} is not scheme://host:port (e.g. redis://localhost:6379)")
+            raise err("remote_url", f"{redact_url(c.remote_url)!r} is not scheme://host:port (e.g. "
+                      "redis://localhost:6379)")
         if scheme not in _REMOTE_SCHEMES:
             raise err("remote_url", f"scheme {scheme!r} is not one of {', '.join(_REMOTE_SCHEMES)}")
     if c.remote_serde not in _SERDES:

@@ -25,7 +25,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
-from kvferry.engine import disk_tier, remote_serde
+from kvferry.engine import disk_tier, redis_settings, remote_serde
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
 from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.index import ChunkIndex, TierIndex
@@ -124,7 +124,7 @@ class OffloadPlanner:
             parse_url(cfg.remote_url)
             remote_serde.check_name(cfg.remote_serde)
             self.remote = RemoteTier(cfg.remote_url, min(1.0, cfg.blocking_timeout_secs),
-                                     secret=zsock.trust_of(cfg).secret)
+                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg))
         # P2P: the controller says which instance holds a prefix; the worker's notices say what a
         # controller's move put into or took out of this instance's CPU tier.
         self.p2p: ControllerLookup | None = None
@@ -329,7 +329,7 @@ class OffloadWorker:
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
-                                     secret=zsock.trust_of(cfg).secret)
+                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg))
         self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB),
                            slot_bytes=kv.chunk_nbytes("block", cfg.chunk_size)) \
             if cfg.local_cpu and cfg.max_local_cpu_size > 0 else None

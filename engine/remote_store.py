@@ -26,9 +26,10 @@ import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_server import LMClient, LMError
-from kvferry.engine.redis_backend import RedisBackend, sentinel_backend
+from kvferry.engine.redis_backend import REDIS_SCHEMES, RedisSettings, open_redis, parse_redis_url
 from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
 
@@ -56,37 +57,35 @@ class LMBackend(Mapped):
         self.client.close()
 
 
-SCHEMES = ("redis", "redis-sentinel", "lm")
+SCHEMES = ("lm", *REDIS_SCHEMES)
 
 
 def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:
-    """(scheme, [(host, port)...], service) of a remote_url, or RemoteError naming the fix."""
+    """(scheme, [(host, port)...], service) of a remote_url, or RemoteError naming the fix (and never
+    showing a password)."""
     scheme, _, rest = url.partition("://")
     if scheme not in SCHEMES:
-        raise RemoteError(f"remote_url {url!r}: scheme {scheme!r} is not supported by kvferry: use redis://host:port"
-                          ", redis-sentinel://host:port,host:port,... or lm://host:port (kvferry-server)")
-    addrs, _, service = rest.partition("/")
-    nodes = hostports(addrs, url)
-    if scheme != "redis-sentinel" and len(nodes) != 1:
-        raise RemoteError(f"remote_url {url!r}: {scheme}:// takes one host:port")
-    return scheme, nodes, service
+        raise RemoteError(f"remote_url {redact_url(url)!r}: scheme {scheme!r} is not supported by kvferry: use "
+                          "redis://host:port, rediss://host:port (TLS), redis-sentinel://host:port,host:port,... "
+                          "or lm://host:port (kvferry-server)")
+    if scheme != "lm":
+        u = parse_redis_url(url)
+        return scheme, u.nodes, u.service
+    nodes = hostports(rest.partition("/")[0], redact_url(url))
+    if len(nodes) != 1:
+        raise RemoteError(f"remote_url {redact_url(url)!r}: lm:// takes one host:port")
+    return scheme, nodes, ""
 
 
-def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None) -> Backend:
+def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None,
+                 redis: RedisSettings | None = None) -> Backend:
     """A connection to `url` (connecting lazily where the client allows); `secret` (the cluster
-    secret, `zsock.trust_of(cfg).secret`) authenticates lm:// connections."""
-    scheme, nodes, service = parse_url(url)
-    (host, port) = nodes[0]
+    secret, `zsock.trust_of(cfg).secret`) authenticates lm:// connections, `redis` (credentials and
+    TLS files, redis_settings.from_config) Redis ones."""
+    scheme, nodes, _ = parse_url(url)
     if scheme == "lm":
-        return LMBackend(host, port, timeout, secret)
-    if scheme == "redis":
-        return RedisBackend.connect(host, port, timeout)
-    try:
-        return sentinel_backend(url, nodes, service, timeout)
-    except RemoteError:
-        raise
-    except Exception as e:  # noqa: BLE001 - redis-py's errors while finding the master
-        raise RemoteError(f"{url}: {type(e).__name__}: {e}") from None
+        return LMBackend(*nodes[0], timeout, secret)
+    return open_redis(url, timeout, redis)
 
 
 class RemoteTier:
@@ -97,14 +96,17 @@ class RemoteTier:
     BATCH_BYTES = 4 << 20
 
     def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
-                 max_queued_bytes: int = 512 << 20, secret: ClusterSecret | None = None) -> None:
-        self.url, self.timeout, self.serde = url, timeout, serde
+                 max_queued_bytes: int = 512 << 20, secret: ClusterSecret | None = None,
+                 redis: RedisSettings | None = None) -> None:
+        # self.url is for messages (its password redacted); the real one only connects.
+        self._url, self.url, self.timeout, self.serde = url, redact_url(url), timeout, serde
+        self.redis = redis  # Redis credentials and TLS files (redis_settings.from_config)
         self.secret = secret  # the cluster secret (zsock.trust_of(cfg).secret): lm:// connections prove it
         self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
         self.max_queued_bytes = max_queued_bytes
         self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_put_dropped": 0,
                          "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}
-        self._backoff = Backoff(f"remote store {url}", logger)
+        self._backoff = Backoff(f"remote store {self.url}", logger)
         self._warn = RateLimitedLog(logger)
         self._backend: Backend | None = None
         self._lock = threading.Lock()  # counters and back-off are shared with the put thread
@@ -122,7 +124,7 @@ class RemoteTier:
 
     def _conn(self) -> Backend:
         if self._backend is None:
-            self._backend = open_backend(self.url, self.timeout, self.secret)
+            self._backend = open_backend(self._url, self.timeout, self.secret, self.redis)
         return self._backend
 
     # ---- calls ----
@@ -212,7 +214,7 @@ class RemoteTier:
                     continue
                 items = [(key + self.suffix, *self.serde.encode(data, tokens)) for key, data, tokens in batch]
                 if backend is None:
-                    backend = open_backend(self.url, self.timeout, self.secret)
+                    backend = open_backend(self._url, self.timeout, self.secret, self.redis)
                 backend.put_many(items)
                 self._backoff.ok()
                 with self._lock:

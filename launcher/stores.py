@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.netutil import free_port
@@ -55,6 +56,7 @@ class Proc:
 
     def __init__(self, what: str, argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
         self.what, self.port, self.log = what, port, log
+        self.tls_port: int | None = None  # a redis-server's TLS port, if it has one
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                                          env=None if env is None else {**os.environ, **env})
@@ -63,6 +65,10 @@ class Proc:
     @property
     def url_hostport(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def tls_hostport(self) -> str:
+        return f"127.0.0.1:{self.tls_port}"
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -78,30 +84,81 @@ class Proc:
                 self.kill()
 
 
-def start_redis(work: Path, port: int | None = None, replicaof: int | None = None, maxmemory_mb: int = 512) -> Proc:
-    """A redis-server with no persistence, evicting least recently used keys past `maxmemory_mb`."""
+@dataclass(frozen=True)
+class ServerTLS:
+    """A TLS Redis server's files: its certificate and key, and the CA whose clients it accepts
+    (`check_clients`: only clients with a certificate that CA signed)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    check_clients: bool = True
+
+
+def _secret_conf(path: Path, lines: list[str]) -> Path:
+    """A redis.conf fragment for passwords, readable by its owner only (not on the command line,
+    where `ps` shows it to every user)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("".join(f"{line}\n" for line in lines))
+    return path
+
+
+def start_redis(work: Path, port: int | None = None, replicaof: int | None = None, maxmemory_mb: int = 512, *,
+                password: str | None = None, users: dict[str, str] | None = None, masterauth: str | None = None,
+                tls: ServerTLS | None = None, plain: bool = True) -> Proc:
+    """A redis-server with no persistence, evicting least recently used keys past `maxmemory_mb`.
+
+    `password` is the default user's (requirepass), `users` more ACL users (name: password, all
+    commands and keys), `masterauth` what a replica tells its master (default: `password`). With
+    `tls` it also listens for TLS on `proc.tls_port`; `plain=False` leaves only that port."""
     exe = _redis_exe()
     port = port or free_port()
     d = work / f"redis-{port}"
     d.mkdir(parents=True, exist_ok=True)
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "", "--appendonly", "no",
+    lines = [f"requirepass {password}"] if password else []
+    lines += [f"user {name} on >{pw} ~* &* +@all" for name, pw in (users or {}).items()]
+    if replicaof is not None and (masterauth or password):
+        lines.append(f"masterauth {masterauth or password}")
+    argv = [exe, str(_secret_conf(d / "auth.conf", lines)), "--port", str(port if plain else 0),
+            "--bind", "127.0.0.1", "--dir", str(d), "--save", "", "--appendonly", "no",
             "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no"]
     if replicaof is not None:
         argv += ["--replicaof", "127.0.0.1", str(replicaof)]
-    return Proc(f"redis-server :{port}", argv, port, work / f"redis-{port}.log")
+    tls_port = None
+    if tls is not None:
+        tls_port = free_port()
+        argv += ["--tls-port", str(tls_port), "--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key),
+                 "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "yes" if tls.check_clients else "no"]
+    proc = Proc(f"redis-server :{port if plain else tls_port}", argv, port if plain else tls_port,
+                work / f"redis-{port}.log")
+    proc.tls_port = tls_port
+    if tls_port is not None and plain:
+        wait_port(proc.proc, tls_port, proc.what, proc.log)
+    return proc
 
 
 def start_sentinel(work: Path, master_port: int, service: str = "mymaster", down_after_ms: int = 1000,
-                   port: int | None = None) -> Proc:
-    """A Sentinel watching the master at `master_port` (quorum 1, fast failover for tests)."""
+                   port: int | None = None, *, password: str | None = None, master_password: str | None = None,
+                   master_user: str | None = None) -> Proc:
+    """A Sentinel watching the master at `master_port` (quorum 1, fast failover for tests).
+
+    `password` is the Sentinel's own (requirepass; Sentinels of one set share it, as they also use
+    it with each other), `master_password` / `master_user` what it tells the master and replicas."""
     exe = _redis_exe()
     port = port or free_port()
-    conf = work / f"sentinel-{port}.conf"
-    conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {work}\n"
-                    f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
-                    f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
-                    f"sentinel failover-timeout {service} {max(3 * down_after_ms, 3000)}\n"
-                    f"sentinel parallel-syncs {service} 1\n")
+    lines = [f"port {port}", "bind 127.0.0.1", "protected-mode no", f"dir {work}",
+             f"sentinel monitor {service} 127.0.0.1 {master_port} 1",
+             f"sentinel down-after-milliseconds {service} {down_after_ms}",
+             f"sentinel failover-timeout {service} {max(3 * down_after_ms, 3000)}",
+             f"sentinel parallel-syncs {service} 1"]
+    if password:
+        lines.append(f"requirepass {password}")
+    if master_password:
+        lines.append(f"sentinel auth-pass {service} {master_password}")
+    if master_user:
+        lines.append(f"sentinel auth-user {service} {master_user}")
+    conf = _secret_conf(work / f"sentinel-{port}.conf", lines)
     return Proc(f"redis-sentinel :{port}", [exe, str(conf), "--sentinel"], port, work / f"sentinel-{port}.log")
 
 
