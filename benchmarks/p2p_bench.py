@@ -2,6 +2,7 @@
 and the P2P retrieval rate next to raw NIXL between two processes on the same cores.
 
     python benchmarks/p2p_bench.py --json [--rounds 5] [--prompt-tokens 3000] [--cluster-secret]
+    python benchmarks/p2p_bench.py --json --mac-only [--mac-rounds 15] [--mac-chunks 12]
 
 kvferry-controller and two kv_both vLLM servers (tiny model, bf16, vLLM's prefix cache off;
 instance 1 on core 0, instance 2 on core 1) with seed 003's P2P keys. After a warm-up (a prompt on
@@ -24,6 +25,14 @@ a pair kept running beside the servers measured half its fresh speed (3-4 vs 6-9
 Target: p2p_gbps >= 0.8 x raw_nixl_gbps. With `--cluster-secret` every kvferry port (controller,
 P2P handshake and leases) speaks CurveZMQ with a new cluster secret; its cost is the change of
 `p2p_vs_raw` against a run without (the raw pair is the same in both).
+
+The chunk MAC's cost (`mac_*`, also the whole output of `--mac-only`), side by side in one run:
+three holder processes (core 0) lend the same 12 x 4 MiB chunks, one without a cluster secret, one
+with it (tags made when a chunk enters its CPU tier), one with it making the tags at every lease;
+a reader (core 1) gets all 12 from each in turn, the order rotating every round, as a request's
+load does (lease, NIXL READ, checks; with the secret the reader verifies every tag). Medians:
+`get_gbps_plain`, `get_gbps_mac`, `get_gbps_mac_tag_at_lease`; `mac_cost` = 1 - mac / plain
+(target < 0.10); `mac_hash_gbps_one_core`: ChunkMAC on one 4 MiB chunk here.
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import os
-import pickle
 import random
 import select
 import statistics
@@ -41,8 +50,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import httpx
+import msgspec
 
 from kvferry.common import secret
 from kvferry.common.netutil import free_port
@@ -55,6 +66,22 @@ from pd_bench import stream  # noqa: E402
 
 CHUNK = 256
 TOKEN_BYTES = 16 << 10  # bf16 tiny model: 8 layers x 8 KV heads x 64 x (K, V) x 2 bytes
+
+MAX_RAW_HELLO = 4 << 20  # the raw pair's one message, decoded typed and bounded (never pickle from a socket)
+
+
+class RawHolderHello(msgspec.Struct, frozen=True):
+    """The raw pair's one message: the holder's NIXL metadata and its regions' descriptors."""
+
+    metadata: Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
+    regions: Annotated[list[Annotated[list[tuple[int, int, int]], msgspec.Meta(max_length=1 << 12)]],
+                       msgspec.Meta(max_length=1 << 10)]
+
+
+def decode_raw_hello(frame: bytes) -> RawHolderHello:
+    if len(frame) > MAX_RAW_HELLO:
+        raise ValueError(f"raw NIXL holder sent {len(frame)} bytes (at most {MAX_RAW_HELLO})")
+    return msgspec.msgpack.decode(frame, type=RawHolderHello)
 
 
 def raw_role(role: str, port: int, sizes: list[int], regions: int, core: int) -> None:
@@ -81,7 +108,8 @@ def raw_role(role: str, port: int, sizes: list[int], regions: int, core: int) ->
     if role == "holder":
         sock.bind(f"tcp://127.0.0.1:{port}")
         sock.recv()
-        sock.send(pickle.dumps((agent.get_agent_metadata(), [descs(r) for r in range(regions)])))
+        sock.send(msgspec.msgpack.encode(RawHolderHello(agent.get_agent_metadata(),
+                                                        [descs(r) for r in range(regions)])))
         while True:  # "go" ... "idle" brackets the reader's READs, as a lease does kvferry's
             if not sock.poll(120_000):  # the pair lives for one round's READs
                 raise SystemExit("raw NIXL holder: the reader went silent")
@@ -98,8 +126,9 @@ def raw_role(role: str, port: int, sizes: list[int], regions: int, core: int) ->
     else:
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send(b"hello")
-        md, remote = pickle.loads(sock.recv())
-        name = agent.add_remote_agent(md)
+        hello = decode_raw_hello(sock.recv())
+        remote = hello.regions
+        name = agent.add_remote_agent(hello.metadata)
         pairs = [(agent.get_xfer_descs(descs(r), "DRAM"), agent.get_xfer_descs(remote[r], "DRAM"))
                  for r in range(regions)]
         for line in sys.stdin:
@@ -169,6 +198,126 @@ class RawNixl:
                 p.wait(timeout=10)
 
 
+# ---- get throughput with and without the chunk MAC (no vLLM: P2P workers in their own processes)
+MAC_CHUNK = CHUNK * TOKEN_BYTES  # 4 MiB
+
+
+def _mac_worker(name: str, secret_text: str | None, nchunks: int):
+    from kvferry.common import messages as m
+    from kvferry.common.config import KVFerryConfig
+    from kvferry.engine.cpu_tier import CPUTier
+    from kvferry.engine.p2p import P2PWorker
+    fp = m.LayoutFingerprint(model="p2p-bench", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
+                             block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=CHUNK,
+                             page_bytes=MAC_CHUNK)
+    cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1", p2p_init_ports=free_port(),
+                        p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(), lmcache_instance_id=name,
+                        controller_pull_url=f"127.0.0.1:{free_port()}",
+                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=10.0,
+                        cluster_secret=secret_text)
+    cpu = CPUTier(capacity=(nchunks + 2) * MAC_CHUNK, slot_bytes=MAC_CHUNK)
+    return P2PWorker(cfg, cpu, 0, 1, b"p2p-bench", fp, f"ipc://@kvferry-p2p-bench-{name}-{os.getpid()}")
+
+
+def mac_holder(conn, name: str, secret_text: str | None, tag_at: str, nchunks: int, core: int) -> None:
+    """A holder process lending `nchunks` random 4 MiB chunks; with `tag_at` "lease" every lease
+    hashes its chunks (no tag made at store, none kept), as a lender that tags on demand would."""
+    import torch
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    w = _mac_worker(name, secret_text, nchunks)
+    if tag_at == "lease":
+        w.lender.tag_on_store = False
+        lend = w.lender._lend
+
+        async def lend_untagged(msg):
+            w.lender._tags.clear()
+            return await lend(msg)
+        w.lender._lend = lend_untagged
+    keys = [f"bench-chunk-{i:04d}".encode() for i in range(nchunks)]
+    for k in keys:
+        t = w.cpu.alloc(MAC_CHUNK)
+        t.copy_(torch.randint(0, 256, (MAC_CHUNK,), dtype=torch.uint8))
+        w.cpu.put(k, t)
+    want = nchunks if secret_text and tag_at == "store" else 0
+    deadline = time.monotonic() + 60
+    while w.lender.sizes()["tags"] < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    conn.send((w.info.p2p_init_port, w.info.p2p_lookup_port, keys))
+    conn.poll(600)
+    w.close()
+    w.cpu.close()
+
+
+def mac_bench(rounds: int, nchunks: int, reader_core: int = 1, holder_core: int = 0) -> dict:
+    """Median get throughput (lease + NIXL READ + checks, as a request's load does) of `nchunks`
+    x 4 MiB from a holder without a secret, with one (tags made at store), and with one making
+    tags at each lease; the three in turn in every round, the order rotating."""
+    from kvferry.common import messages as m
+    from kvferry.common.chunk_mac import ChunkMAC
+    text = secret.generate()
+    configs = {"plain": None, "mac": "store", "mac_tag_at_lease": "lease"}
+    ctx = mp.get_context("spawn")
+    holders, conns = {}, {}
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {reader_core})
+    readers = {}
+    try:
+        for label, tag_at in configs.items():
+            a, b = ctx.Pipe()
+            proc = ctx.Process(target=mac_holder, args=(b, f"holder-{label}", None if tag_at is None else text,
+                                                        tag_at or "store", nchunks, holder_core), daemon=True)
+            proc.start()
+            if not a.poll(180):
+                raise RuntimeError(f"the {label} holder did not start")
+            init, look, keys = a.recv()
+            holders[label] = (proc, m.PeerAddr(host="127.0.0.1", init_port=init, lookup_port=look), keys)
+            conns[label] = a
+        readers = {"plain": _mac_worker("reader-plain", None, nchunks),
+                   "secret": _mac_worker("reader-secret", text, nchunks)}
+        rates: dict[str, list[float]] = {k: [] for k in configs}
+        labels = list(configs)
+        for r in range(-2, rounds):  # two warm-up rounds (handshakes, first use of the registrations)
+            for label in labels[r % 3:] + labels[:r % 3]:
+                _, addr, keys = holders[label]
+                reader = readers["plain" if configs[label] is None else "secret"]
+                t0 = time.perf_counter()
+                out = reader.fetch(f"holder-{label}", addr, keys, [MAC_CHUNK] * nchunks)
+                dt = time.perf_counter() - t0
+                if out is None:
+                    raise RuntimeError(f"a {label} get failed (see the log)")
+                del out
+                if r >= 0:
+                    rates[label].append(nchunks * MAC_CHUNK / dt / 1e9)
+        mac = ChunkMAC(secret.from_text(text, "bench"))
+        import torch
+        data = memoryview(torch.randint(0, 256, (MAC_CHUNK,), dtype=torch.uint8).numpy())
+        t0 = time.perf_counter()
+        for _ in range(20):
+            mac.tag(b"k" * 16, data)
+        hash_gbps = 20 * MAC_CHUNK / (time.perf_counter() - t0) / 1e9
+    finally:
+        for w in readers.values():
+            w.close()
+            w.cpu.close()
+        for a in conns.values():
+            with contextlib.suppress(OSError):
+                a.send("stop")
+        for proc, _, _ in holders.values():
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        os.sched_setaffinity(0, old)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = med["mac"] / med["plain"]
+    return {"mac_chunk_bytes": MAC_CHUNK, "mac_chunks_per_get": nchunks, "mac_rounds": rounds,
+            "get_gbps_plain": round(med["plain"], 3), "get_gbps_mac": round(med["mac"], 3),
+            "get_gbps_mac_tag_at_lease": round(med["mac_tag_at_lease"], 3),
+            "mac_vs_plain": round(ratio, 3), "mac_cost": round(1 - ratio, 3),
+            "mac_tag_at_lease_vs_plain": round(med["mac_tag_at_lease"] / med["plain"], 3),
+            "mac_hash_gbps_one_core": round(hash_gbps, 3), "mac_target_met": 1 - ratio < 0.10}
+
+
 def transfers(c: Controller) -> list[dict]:
     return httpx.get(c.url + "/api/state", timeout=10).json()["transfers"]
 
@@ -193,9 +342,17 @@ def main() -> int:
     ap.add_argument("--raw-reps", type=int, default=4, help="raw NIXL READs after each round")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--cluster-secret", action="store_true", help="run the cluster with a cluster secret")
+    ap.add_argument("--mac-only", action="store_true", help="only the get throughput with and without the MAC "
+                    "(P2P workers in their own processes, no vLLM)")
+    ap.add_argument("--mac-rounds", type=int, default=15)
+    ap.add_argument("--mac-chunks", type=int, default=12, help="4 MiB chunks per get")
     args = ap.parse_args()
-    if args.rounds < 1 or args.raw_reps < 1:
-        ap.error("--rounds and --raw-reps must be at least 1")
+    if args.rounds < 1 or args.raw_reps < 1 or args.mac_rounds < 1 or args.mac_chunks < 1:
+        ap.error("--rounds, --raw-reps, --mac-rounds and --mac-chunks must be at least 1")
+    if args.mac_only:
+        result = mac_bench(args.mac_rounds, args.mac_chunks)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        return 0
     model = tiny_model.ensure()
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-p2p-bench-"))
     logs = Path(args.log_dir) if args.log_dir else tmp
@@ -272,6 +429,7 @@ def main() -> int:
     result["p2p_vs_raw"] = round(result["p2p_gbps"] / result["raw_nixl_gbps"], 3)
     result["p2p_vs_reread"] = round(result["p2p_gbps"] / result["raw_nixl_reread_gbps"], 3)
     result["target_met"] = result["p2p_vs_raw"] >= 0.8
+    result.update(mac_bench(args.mac_rounds, args.mac_chunks))  # the servers are gone: the cores are free
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
 

@@ -49,7 +49,7 @@ SAMPLES = [
     m.TierNotice(adopted=[b"a" * 16], sizes=[10], dropped=[b"b" * 16]),
     m.PeerFetch(request_id="r1", agent_name="a", keys=[b"a" * 16]),
     m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0,
-                 metadata=[b"md"]),
+                 metadata=[b"md"], spans=[m.Span(addr=1 << 40, nbytes=1 << 20)], tags=[bytes(16)]),
     m.PeerRelease(lease_id="l1"),
 ]
 
