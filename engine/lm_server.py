@@ -417,9 +417,9 @@ class LMServer:
         try:
             async with asyncio.timeout(self.frame_timeout):  # from the first byte: a partial prefix is a frame
                 await self._fill(conn, memoryview(head)[1:])
-                n = int.from_bytes(head, "big")
-                if n > MAX_HEADER:
-                    raise m.MessageError("too_large", f"header of {n} bytes exceeds {MAX_HEADER}")
+                n, limit = int.from_bytes(head, "big"), min(MAX_HEADER, self.budget.limit)
+                if n > limit:
+                    raise m.MessageError("too_large", f"header of {n} bytes exceeds {limit}")
                 waiting = True
                 await self.budget.acquire(n)
                 waiting = False

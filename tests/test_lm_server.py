@@ -402,7 +402,7 @@ def closed_now(s: socket.socket) -> bool:
 def test_trickled_max_size_puts_keep_memory_bounded(tmp_path: Path) -> None:
     budget = 24 * MIB  # three 8 MiB frames
     p = start_lm_server(tmp_path, None, "--max-frame", "8", "--max-inflight-bytes", str(budget / (1 << 30)),
-                        "--frame-timeout", "4")
+                        "--frame-timeout", "6")  # the time the test has to set the scene
     conns: list[socket.socket] = []
     try:
         base = rss(p.proc.pid)
