@@ -59,10 +59,9 @@ class LMClient:
 
     def _stale(self) -> bool:
         """Between calls the server sends nothing: readable now means it closed (or broke) the connection."""
-        try:
-            return bool(select.select([self._sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return True
+        poller = select.poll()  # not select(): a vLLM worker's descriptors run past FD_SETSIZE
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR
 
     def _frame(self, deadline: float, limit: int = MAX_HEADER) -> m.Msg:
         self._sock.settimeout(max(0.01, deadline - time.monotonic()))
