@@ -442,9 +442,15 @@ class Proxy:
         if n is not None and n > self.opts.max_n:
             raise ProxyError(400, f"n={n} is more than this proxy's --max-n {self.opts.max_n}", "too_many_samples",
                              param="n")
+        t = body.get("temperature")
+        if n is not None and n > 1 and isinstance(t, (int, float)) and t < GREEDY_EPS:  # vLLM's own refusal
+            raise ProxyError(400, f"n must be 1 when using greedy sampling, got {n}.", "bad_field", param="n")
         if n is not None and n > 1 and body.get("stream"):
             raise ProxyError(400, f"n={n} with stream=true is not supported through the disaggregation proxy: "
                                   "send n requests, or stream=false", "unsupported_n", param="n")
+        if body.get("stream_options") is not None and not body.get("stream"):  # as vLLM refuses it
+            raise ProxyError(400, "Stream options can only be defined when `stream=True`.", "bad_field",
+                             param="stream_options")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise ProxyError(400, "'stream' must be true or false", "bad_field")
         return body

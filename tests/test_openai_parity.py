@@ -1,0 +1,190 @@
+"""The official `openai` client gets the same answers through `kvferry up` (1 prefiller, 1
+decoder, the proxy) as from one plain vLLM, for every request shape the proxy accepts; greedy, so
+texts, finish reasons and usage must match exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.test_up import start_up, stop
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "The history of the old kingdom by the sea begins"
+CHAT = [{"role": "user", "content": "Tell me about the old kingdom by the sea."}]
+
+
+@pytest.fixture(scope="module")
+def clients(plain_vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """(through the proxy, plain vLLM): one 1P1D cluster for the whole module."""
+    proc, state = start_up(tmp_path_factory.mktemp("parity"), "--num-prefillers", "1", "--num-decoders", "1")
+    try:
+        yield (openai.OpenAI(base_url=state["proxy"]["url"] + "/v1", api_key="x", max_retries=0, timeout=300),
+               openai.OpenAI(base_url=plain_vllm.url + "/v1", api_key="x", max_retries=0, timeout=300))
+    finally:
+        stop(proc)
+
+
+def _completion(client, stream: bool, **kw) -> dict:
+    """A completion as plain data; a stream is folded into the non-streamed shape (texts and
+    logprobs joined per choice, the final usage), with the chunks' ids and [DONE] checked."""
+    kw = {"model": "tiny", "prompt": PROMPT, "temperature": 0, **kw}
+    if not stream:
+        out = client.completions.create(**kw).model_dump()
+        return {"choices": [_choice(c) for c in out["choices"]], "usage": _usage(out["usage"])}
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert len({c.id for c in chunks}) == 1
+    by: dict[int, dict] = {}
+    usage = None
+    for c in chunks:
+        if c.usage is not None:
+            usage = _usage(c.usage.model_dump())
+        for ch in c.choices:
+            d = by.setdefault(ch.index, {"index": ch.index, "text": "", "finish_reason": None, "logprobs": None})
+            d["text"] += ch.text
+            d["finish_reason"] = ch.finish_reason or d["finish_reason"]
+            if ch.logprobs is not None:
+                lp = d["logprobs"] = d["logprobs"] or {"tokens": [], "text_offset": []}
+                lp["tokens"] += ch.logprobs.tokens
+                lp["text_offset"] += ch.logprobs.text_offset
+    return {"choices": [by[i] for i in sorted(by)], "usage": usage}
+
+
+def _choice(c: dict) -> dict:
+    lp = c.get("logprobs")
+    return {"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
+            "logprobs": None if lp is None else {"tokens": lp["tokens"], "text_offset": lp["text_offset"]}}
+
+
+def _usage(u: dict | None) -> dict | None:
+    return None if u is None else {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def _chat(client, stream: bool, **kw) -> dict:
+    kw = {"model": "tiny", "messages": CHAT, "temperature": 0, **kw}
+    if not stream:
+        out = client.chat.completions.create(**kw).model_dump()
+        return {"choices": [{"index": c["index"], "content": c["message"]["content"],
+                             "finish_reason": c["finish_reason"],
+                             "logprobs": None if not c.get("logprobs") else
+                             [t["token"] for t in c["logprobs"]["content"]]} for c in out["choices"]],
+                "usage": _usage(out["usage"])}
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert len({c.id for c in chunks}) == 1
+    by: dict[int, dict] = {}
+    usage = None
+    for c in chunks:
+        if c.usage is not None:
+            usage = _usage(c.usage.model_dump())
+        for ch in c.choices:
+            d = by.setdefault(ch.index, {"index": ch.index, "content": "", "finish_reason": None, "logprobs": None})
+            d["content"] += ch.delta.content or ""
+            d["finish_reason"] = ch.finish_reason or d["finish_reason"]
+            if ch.logprobs is not None and ch.logprobs.content:
+                d["logprobs"] = (d["logprobs"] or []) + [t.token for t in ch.logprobs.content]
+    return {"choices": [by[i] for i in sorted(by)], "usage": usage}
+
+
+COMPLETIONS = {
+    "max_tokens 16": (False, {"max_tokens": 16}),
+    "max_tokens 1": (False, {"max_tokens": 1}),
+    "no max_tokens": (False, {}),
+    "stream, include_usage": (True, {"max_tokens": 16, "stream_options": {"include_usage": True}}),
+    "stream, no usage": (True, {"max_tokens": 16}),
+    "stream, max_tokens 1, include_usage": (True, {"max_tokens": 1, "stream_options": {"include_usage": True}}),
+    "stream, max_tokens 1": (True, {"max_tokens": 1}),
+    "echo": (False, {"max_tokens": 6, "echo": True}),
+    "echo, max_tokens 1": (False, {"max_tokens": 1, "echo": True}),
+    "echo, stream": (True, {"max_tokens": 6, "echo": True}),
+    "echo, logprobs": (False, {"max_tokens": 6, "echo": True, "logprobs": 1}),
+    "logprobs": (False, {"max_tokens": 8, "logprobs": 2}),
+    "logprobs, stream": (True, {"max_tokens": 8, "logprobs": 2}),
+    "token id prompt": (False, {"max_tokens": 8, "prompt": [791, 3925, 315, 279, 2362, 2613, 555, 279, 1581]}),
+    "token id prompt, echo": (False, {"max_tokens": 4, "echo": True, "prompt": [791, 395, 315, 279, 2362]}),
+    "batch of two": (False, {"max_tokens": 6, "prompt": [PROMPT, "Once upon a time"]}),
+    "top_p, user, logit_bias": (False, {"max_tokens": 8, "top_p": 0.9, "user": "u1", "logit_bias": {"11": -100}}),
+    "presence and frequency penalty": (False, {"max_tokens": 12, "presence_penalty": 0.5,
+                                               "frequency_penalty": 0.5}),
+    "seed": (False, {"max_tokens": 8, "seed": 3}),
+    "return_token_ids, min_tokens (vLLM)": (False, {"max_tokens": 8, "extra_body": {"return_token_ids": True,
+                                                                                     "min_tokens": 4}}),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPLETIONS))
+def test_completions_match_one_vllm(clients, name: str) -> None:
+    proxy, plain = clients
+    stream, kw = COMPLETIONS[name]
+    assert _completion(proxy, stream, **kw) == _completion(plain, stream, **kw)
+
+
+def test_a_stop_string_matches(clients) -> None:
+    proxy, plain = clients
+    text = _completion(plain, False, max_tokens=16)["choices"][0]["text"]
+    stop_at = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop_at.strip(), text
+    for stream in (False, True):
+        want = _completion(plain, stream, max_tokens=16, stop=[stop_at])
+        assert want["choices"][0]["finish_reason"] == "stop"
+        assert _completion(proxy, stream, max_tokens=16, stop=[stop_at]) == want
+
+
+CHATS = {
+    "max_tokens 16": (False, {"max_tokens": 16}),
+    "max_completion_tokens": (False, {"max_completion_tokens": 10}),
+    "max_tokens 1": (False, {"max_tokens": 1}),
+    "stream, include_usage": (True, {"max_tokens": 16, "stream_options": {"include_usage": True}}),
+    "stream, no usage": (True, {"max_tokens": 16}),
+    "stream, max_tokens 1, include_usage": (True, {"max_tokens": 1, "stream_options": {"include_usage": True}}),
+    "logprobs": (False, {"max_tokens": 8, "logprobs": True, "top_logprobs": 2}),
+    "stop": (False, {"max_tokens": 16, "stop": ["\n\n"]}),
+    "seed, top_p, penalties": (False, {"max_tokens": 10, "seed": 5, "top_p": 0.9, "presence_penalty": 0.3,
+                                       "frequency_penalty": 0.3}),
+}
+
+
+@pytest.mark.parametrize("name", list(CHATS))
+def test_chat_matches_one_vllm(clients, name: str) -> None:
+    proxy, plain = clients
+    stream, kw = CHATS[name]
+    assert _chat(proxy, stream, **kw) == _chat(plain, stream, **kw)
+
+
+def test_n_2(clients) -> None:
+    """Greedy n=2 is vLLM's 400 on both; sampled n=2 gives two samples, indexed and counted as
+    vLLM does (the samples themselves differ: a decode leg restarts the seeded generator)."""
+    proxy, plain = clients
+    for c in (proxy, plain):
+        with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+            c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, temperature=0)
+        with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+            c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, n=2, temperature=0)
+    kw = {"max_tokens": 6, "n": 2, "temperature": 0.8, "seed": 3, "extra_body": {"ignore_eos": True}}
+    got, want = _completion(proxy, False, **kw), _completion(plain, False, **kw)
+    assert [c["index"] for c in got["choices"]] == [c["index"] for c in want["choices"]] == [0, 1]
+    assert got["usage"] == want["usage"] == {"prompt_tokens": want["usage"]["prompt_tokens"],
+                                             "completion_tokens": 12, "total_tokens": want["usage"]["total_tokens"]}
+    got, want = _chat(proxy, False, **kw), _chat(plain, False, **kw)
+    assert [c["index"] for c in got["choices"]] == [0, 1] and got["usage"] == want["usage"]
+
+
+def test_refusals_are_the_same_errors(clients) -> None:
+    """A request vLLM refuses is refused through the proxy too, with vLLM's status."""
+    proxy, plain = clients
+    for kw in ({"max_tokens": -1}, {"max_tokens": 4, "stream_options": {"include_usage": True}}):
+        codes = []
+        for c in (proxy, plain):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(model="tiny", prompt=PROMPT, **kw)
+            codes.append(e.value.status_code)
+        assert codes == [400, 400], kw
+
+
+def test_models_list_the_same_model(clients) -> None:
+    proxy, plain = clients
+    assert [m.id for m in proxy.models.list()] == [m.id for m in plain.models.list()] == ["tiny"]
+
