@@ -42,8 +42,10 @@ SERIES: dict[str, tuple[str, str, bool]] = {
                       False),
     "remote_put_dropped": ("kvferry:cache_remote_put_dropped", "Chunks not sent to the remote store (queue full or "
                            "store down)", False),
-    "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length)",
+    "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length, format)",
                        False),
+    "remote_forged": ("kvferry:cache_remote_forged", "Remote values refused by the cluster-secret MAC (forged, "
+                      "untagged, or another key's)", False),
     "remote_get_bytes": ("kvferry:cache_remote_read_bytes", "Bytes read from the remote store", False),
     "p2p_lookup_errors": ("kvferry:p2p_lookup_errors", "Controller lookups that failed or timed out (misses)",
                           False),

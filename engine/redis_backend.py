@@ -257,10 +257,13 @@ class RedisBackend(Mapped):
             pipe.mset({k + b":h": head, k + b":d": payload})
         self._do(pipe.execute)
 
-    def get(self, key: bytes) -> tuple[bytes, bytes] | None:
+    def get(self, key: bytes, max_bytes: int) -> tuple[bytes, bytes] | None:
         k = PREFIX + key
-        head, payload = self._do(self.r.mget, [k + b":h", k + b":d"])
-        return None if head is None or payload is None else (head, payload)
+        pipe = self.r.pipeline(transaction=False)  # one round trip; GETRANGE bounds what Redis sends
+        pipe.getrange(k + b":h", 0, max_bytes)
+        pipe.getrange(k + b":d", 0, max_bytes)
+        head, payload = self._do(pipe.execute)
+        return (head, payload) if head and payload else None  # GETRANGE gives b"" for a missing key
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:

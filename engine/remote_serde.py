@@ -1,15 +1,26 @@
 """How a chunk travels to and from a remote store (``remote_serde``).
 
-A stored chunk is two parts: a small header and the payload. The header names the format, the
-KV dtype and the chunk's shape (layers, tokens, KV heads, head size), the raw and stored payload
-lengths, an xxh3-64 checksum of the raw bytes and the writer's 16-byte layout digest, so a reader
-with another model, dtype or memory layout, or a damaged or truncated value, gets a miss and
-never reads wrong KV.
+A stored chunk is two parts: a small header and the payload. The header names the format that
+wrote it, the KV dtype and the chunk's shape (layers, tokens, KV heads, head size), the raw and
+stored payload lengths, an xxh3-64 checksum of the raw bytes, the writer's 16-byte layout digest
+and, with the cluster secret, a 16-byte keyed MAC (common/chunk_mac.py) over the store key, the
+rest of the header and the stored payload. A reader with another model, dtype or memory layout,
+a damaged, truncated, oversize or forged value, or another key's value, gets a miss and never
+reads wrong KV.
 
 - ``naive``: the payload is the raw chunk bytes (no copy on the way out: the backends send the
   header and the tensor's memory as separate buffers).
 - ``zstd``: the payload is zstd-compressed (level 1); smaller values for slow links, at the cost
   of CPU time on both ends.
+
+A reader decodes either format whatever its own ``remote_serde`` (which only picks how it writes),
+so a cluster with mixed settings shares its chunks. Every length is checked against the chunk
+size the reader expects before anything is allocated or decompressed.
+
+The MAC: a reader with the cluster secret refuses a value without a tag or with a wrong one
+(:class:`ForgedError`); a reader without one ignores tags and relies on the checksum, so a
+cluster part-way through turning the secret on keeps working (its secret-less readers cannot
+tell a forged value from a good one: that is what the secret buys).
 """
 
 from __future__ import annotations
@@ -21,17 +32,26 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from kvferry.common.chunk_mac import TAG_BYTES, ChunkMAC
+
 MAGIC = b"KVFR"
-VERSION = 1
+VERSION = 2  # 1: no MAC field (refused as "an older kvferry", a miss)
 FORMATS = {"naive": 0, "zstd": 1}
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
            torch.int8]
-_HEADER = struct.Struct("<4sBBBB4IQQQ16s")  # magic, version, format, dtype, ndim, shape[4], raw, stored, xxh3, layout
+# magic, version, format, dtype, flags, shape[4], raw, stored, xxh3, layout, MAC tag (last: it covers the rest)
+_HEADER = struct.Struct(f"<4sBBBB4IQQQ16s{TAG_BYTES}s")
 HEADER_BYTES = _HEADER.size
+_TAGGED = 1  # flags: the tag field holds a MAC (else zeros)
+_NO_TAG = bytes(TAG_BYTES)
 
 
 class SerdeError(ValueError):
     """A stored value that cannot be this reader's chunk (damaged, foreign or truncated)."""
+
+
+class ForgedError(SerdeError):
+    """A value whose MAC is missing or wrong: forged, written without the secret, or another key's."""
 
 
 @dataclass(frozen=True)
@@ -46,59 +66,102 @@ class ChunkShape:
 
 
 def check_name(name: str) -> None:
+    """Refuse a `remote_serde` kvferry cannot write, naming the ones it can."""
     if name not in FORMATS:
         raise ValueError(f"remote_serde {name!r} is not available in kvferry: use naive (raw bytes) or zstd "
                          "(compressed)")
 
 
+def max_stored(nbytes: int) -> int:
+    """The most payload bytes any format stores for an `nbytes` chunk (zstd's worst case,
+    ZSTD_compressBound, is below this), so larger values are refused unread."""
+    return nbytes + (nbytes >> 7) + 1024
+
+
 class Serde:
+    """Encodes this worker's chunks in its `remote_serde`; decodes chunks of any format."""
+
     def __init__(self, name: str, shape: ChunkShape) -> None:
         check_name(name)
         self.name, self.fmt, self.shape = name, FORMATS[name], shape
         self._dtype = _DTYPES.index(shape.dtype) if shape.dtype in _DTYPES else 255
+        self._cctx = self._dctx = None
         if name == "zstd":
             import zstandard
 
-            self._cctx, self._dctx = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+            self._cctx = zstandard.ZstdCompressor(level=1)
 
-    def encode(self, data: torch.Tensor, tokens: int) -> tuple[bytes, memoryview | bytes]:
-        """(header, payload) for a flat uint8 chunk holding `tokens` tokens."""
+    def encode(self, data: torch.Tensor, tokens: int, mac: ChunkMAC | None = None,
+               key: bytes = b"") -> tuple[bytes, memoryview | bytes]:
+        """(header, payload) for a flat uint8 chunk holding `tokens` tokens; with `mac`, tagged
+        for the store key `key`."""
         raw = memoryview(data.numpy()).cast("B")
         payload = raw if self.fmt == 0 else self._cctx.compress(raw)
         s = self.shape
-        head = _HEADER.pack(MAGIC, VERSION, self.fmt, self._dtype, 4, s.num_layers, tokens, s.num_kv_heads,
-                            s.head_size, len(raw), len(payload), xxhash.xxh3_64_intdigest(raw), s.layout_digest)
+        fields = (MAGIC, VERSION, self.fmt, self._dtype, _TAGGED if mac else 0, s.num_layers, tokens, s.num_kv_heads,
+                  s.head_size, len(raw), len(payload), xxhash.xxh3_64_intdigest(raw), s.layout_digest)
+        head = _HEADER.pack(*fields, _NO_TAG)
+        if mac is not None:
+            head = head[:-TAG_BYTES] + mac.tag(key, head[:-TAG_BYTES], payload)
         return head, payload
 
-    def decode(self, head: bytes | memoryview, payload: bytes | memoryview, tokens: int, nbytes: int) -> torch.Tensor:
-        """The raw chunk (`nbytes` bytes of `tokens` tokens) or SerdeError."""
-        if len(head) < HEADER_BYTES:
+    def decode(self, head: bytes | memoryview, payload: bytes | memoryview, tokens: int, nbytes: int,
+               mac: ChunkMAC | None = None, key: bytes = b"") -> torch.Tensor:
+        """The raw chunk (`nbytes` bytes of `tokens` tokens) or SerdeError; with `mac`, only a
+        value tagged for the store key `key` (else ForgedError)."""
+        if len(head) != HEADER_BYTES:
             raise SerdeError(f"header of {len(head)} bytes, expected {HEADER_BYTES}")
-        magic, version, fmt, dtype, ndim, *rest = _HEADER.unpack(bytes(head[:HEADER_BYTES]))
-        shape, (raw_len, stored_len, checksum, digest) = tuple(rest[:4]), rest[4:]
+        head = bytes(head)
+        magic, version, fmt, dtype, flags, *rest = _HEADER.unpack(head)
+        shape, (raw_len, stored_len, checksum, digest, tag) = tuple(rest[:4]), rest[4:]
         s = self.shape
-        if magic != MAGIC or version != VERSION:
-            raise SerdeError(f"not a kvferry chunk (magic {magic!r}, version {version})")
+        if magic != MAGIC:
+            raise SerdeError(f"not a kvferry chunk (magic {magic!r})")
+        if version != VERSION:
+            raise SerdeError(f"written by {'an older' if version < VERSION else 'a newer'} kvferry (chunk format "
+                             f"v{version}, this reader v{VERSION})")
         if fmt not in FORMATS.values():
-            raise SerdeError(f"unknown format {fmt}")
-        if dtype != self._dtype or ndim != 4 or shape != (s.num_layers, tokens, s.num_kv_heads, s.head_size):
-            raise SerdeError(f"shape {shape} dtype #{dtype}, expected {(s.num_layers, tokens, s.num_kv_heads, s.head_size)}"
-                             f" dtype #{self._dtype}")
+            raise SerdeError(f"unknown remote_serde format #{fmt}")
+        want = (s.num_layers, tokens, s.num_kv_heads, s.head_size)
+        if dtype != self._dtype or shape != want:
+            raise SerdeError(f"shape {shape} dtype #{dtype}, expected {want} dtype #{self._dtype}")
         if digest != s.layout_digest:
             raise SerdeError("written by a worker with another KV layout")
-        if raw_len != nbytes or len(payload) != stored_len:
-            raise SerdeError(f"{len(payload)} of {stored_len} stored bytes, {raw_len} raw bytes (expected {nbytes})")
+        stored = len(payload) if isinstance(payload, bytes) else memoryview(payload).nbytes
+        if raw_len != nbytes or stored != stored_len or stored_len > max_stored(nbytes) or \
+                (fmt == FORMATS["naive"] and stored_len != nbytes):
+            raise SerdeError(f"{stored} of {stored_len} stored bytes, {raw_len} raw bytes (expected {nbytes})")
+        if mac is not None:
+            if not flags & _TAGGED:
+                raise ForgedError("no MAC: written without the cluster secret (or by a forger)")
+            if not mac.check(tag, key, head[:-TAG_BYTES], payload):
+                raise ForgedError("MAC mismatch: forged, damaged, or another key's value")
         if fmt == FORMATS["zstd"]:
-            import zstandard
-
-            try:
-                payload = self._dctx.decompress(payload, max_output_size=raw_len)
-            except zstandard.ZstdError as e:
-                raise SerdeError(f"zstd: {e}") from None
-            if len(payload) != raw_len:
-                raise SerdeError(f"decompressed to {len(payload)} bytes, expected {raw_len}")
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            payload = self._decompress(payload, nbytes)
+        # A good MAC already vouches for these bytes (decompression is deterministic).
+        if mac is None and xxhash.xxh3_64_intdigest(payload) != checksum:
             raise SerdeError("checksum mismatch")
         with warnings.catch_warnings():  # read-only bytes from the client: only ever read from
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(payload, dtype=torch.uint8)
+
+    def _decompress(self, payload: bytes | memoryview, nbytes: int) -> bytes:
+        """`nbytes` bytes out of a zstd frame, never allocating more (a frame's own content size
+        would otherwise size the output: a bomb of a few KiB could ask for GiBs)."""
+        try:
+            import zstandard
+        except ImportError:
+            raise SerdeError("a zstd value, and the zstandard package is not installed: pip install "
+                             "zstandard") from None
+        if self._dctx is None:
+            self._dctx = zstandard.ZstdDecompressor()
+        try:
+            size = zstandard.frame_content_size(payload)
+            if size not in (nbytes, -1):
+                raise SerdeError(f"zstd frame of {size} bytes, expected {nbytes}")
+            out = self._dctx.decompress(payload, max_output_size=nbytes)
+        except zstandard.ZstdError as e:
+            raise SerdeError(f"zstd: {e}") from None
+        if len(out) != nbytes:
+            raise SerdeError(f"decompressed to {len(out)} bytes, expected {nbytes}")
+        return out

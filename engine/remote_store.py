@@ -25,13 +25,14 @@ from collections.abc import Sequence
 import torch
 
 from kvferry.common.backoff import Backoff
+from kvferry.common.chunk_mac import for_secret
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_server import LMClient, LMError
 from kvferry.engine.redis_backend import REDIS_SCHEMES, RedisSettings, open_redis, parse_redis_url
 from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
-from kvferry.engine.remote_serde import HEADER_BYTES, Serde, SerdeError
+from kvferry.engine.remote_serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
 
 logger = get_logger(__name__)
 
@@ -46,8 +47,8 @@ class LMBackend(Mapped):
     def put_many(self, items: Sequence[Item]) -> None:
         self._do(self.client.put_many, [(key, (head, payload)) for key, head, payload in items])
 
-    def get(self, key: bytes) -> tuple[memoryview, memoryview] | None:
-        blob = self._do(self.client.get, key)
+    def get(self, key: bytes, max_bytes: int) -> tuple[memoryview, memoryview] | None:
+        blob = self._do(self.client.get, key, max_bytes)  # a larger reply is refused unread (LMError)
         return None if blob is None else (blob[:HEADER_BYTES], blob[HEADER_BYTES:])
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -89,7 +90,14 @@ def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None,
 
 
 class RemoteTier:
-    """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof."""
+    """One process's use of the remote store: lookups, gets, and queued puts, all failure-proof.
+
+    Whatever the store answers, the caller sees a hit or a miss: a failed call, or a lookup
+    answered for another number of keys, is ``remote_errors`` (and a back-off); a value that is not
+    this reader's chunk (damaged, oversize, foreign format or layout) is ``remote_corrupt``; with
+    the cluster secret, one whose MAC is missing or wrong (forged, or another key's or rank's) is
+    ``remote_forged``. Each rejection is a rate-limited warning, and a get never reads more than
+    the expected chunk's size from the store."""
 
     # Small chunks share a round trip; large ones go alone (Redis copies a large value that is not
     # first in its input buffer, so pipelining them costs more than the round trips it saves).
@@ -104,7 +112,9 @@ class RemoteTier:
         self.secret = secret  # the cluster secret (zsock.trust_of(cfg).secret): lm:// connections prove it
         self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
         self.max_queued_bytes = max_queued_bytes
-        self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_put_dropped": 0,
+        # With the secret, chunks are tagged and checked with a keyed MAC (remote_serde.py).
+        self.mac = for_secret(secret)
+        self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_forged": 0, "remote_put_dropped": 0,
                          "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}
         self._backoff = Backoff(f"remote store {self.url}", logger)
         self._warn = RateLimitedLog(logger)
@@ -120,7 +130,23 @@ class RemoteTier:
     def _failed(self, what: str, e: Exception) -> None:
         with self._lock:
             self.counters["remote_errors"] += 1
-        self._backoff.failed(what, e, "treating it as empty")
+        if not isinstance(e, RemoteError) and self._backend is not None:
+            # Not the client's own error: its connection may be mid-reply, so start a new one.
+            backend, self._backend = self._backend, None
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001, S110 - it is dropped either way
+                pass
+        self._backoff.failed(what, e if isinstance(e, RemoteError) else f"{type(e).__name__}: {e}",
+                             "treating it as empty")
+
+    def _rejected(self, key: bytes, e: Exception) -> None:
+        forged = isinstance(e, ForgedError)
+        with self._lock:
+            self.counters["remote_forged" if forged else "remote_corrupt"] += 1
+        why = e if isinstance(e, SerdeError) else f"{type(e).__name__}: {e}"
+        self._warn.warning("remote store %s: chunk %s rejected (a miss, recomputed): %s", self.url,
+                           key.hex()[:12], why)
 
     def _conn(self) -> Backend:
         if self._backend is None:
@@ -129,36 +155,40 @@ class RemoteTier:
 
     # ---- calls ----
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of `keys` the store holds; all False when it is down or slow."""
+        """Which of `keys` the store holds: one answer per key, all False when the store is down,
+        slow, or answers for another number of keys."""
         if not keys or not self._backoff.up():
             return [False] * len(keys)
         try:
             got = self._conn().exists([k + self.suffix for k in keys])
-        except RemoteError as e:
+            if len(got) != len(keys):
+                raise RemoteError(f"answered {len(got)} lookups for {len(keys)} keys")
+            got = [v is True for v in got]
+        except Exception as e:  # noqa: BLE001 - any failure of the store is a miss, never the scheduler's
             self._failed("lookup", e)
             return [False] * len(keys)
         self._backoff.ok()
         return got
 
     def get(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
-        """The chunk, or None (missing, damaged, store down or slow)."""
+        """The chunk, or None (missing, damaged, forged, store down or slow); reads no more than
+        an `nbytes` chunk can take."""
         assert self.serde is not None
         if not self._backoff.up():
             return None
+        stored_key = key + self.suffix
         try:
-            got = self._conn().get(key + self.suffix)
-        except RemoteError as e:
+            got = self._conn().get(stored_key, HEADER_BYTES + max_stored(nbytes))
+        except Exception as e:  # noqa: BLE001 - any failure of the store is a miss, never the worker's
             self._failed("get", e)
             return None
         self._backoff.ok()
         if got is None:
             return None
         try:
-            data = self.serde.decode(got[0], got[1], tokens, nbytes)
-        except SerdeError as e:
-            with self._lock:
-                self.counters["remote_corrupt"] += 1
-            self._warn.warning("remote store %s: chunk %s rejected: %s", self.url, key.hex()[:12], e)
+            data = self.serde.decode(got[0], got[1], tokens, nbytes, self.mac, stored_key)
+        except Exception as e:  # noqa: BLE001 - whatever the bytes are, they are a miss
+            self._rejected(key, e)
             return None
         with self._lock:
             self.counters["remote_get_bytes"] += len(got[1])
@@ -212,7 +242,8 @@ class RemoteTier:
                     with self._lock:
                         self.counters["remote_put_dropped"] += len(batch)
                     continue
-                items = [(key + self.suffix, *self.serde.encode(data, tokens)) for key, data, tokens in batch]
+                items = [(key + self.suffix, *self.serde.encode(data, tokens, self.mac, key + self.suffix))
+                         for key, data, tokens in batch]
                 if backend is None:
                     backend = open_backend(self._url, self.timeout, self.secret, self.redis)
                 backend.put_many(items)
