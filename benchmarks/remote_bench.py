@@ -1,14 +1,22 @@
-"""Remote tier put/get throughput, kvferry vs the raw redis-py client, in one run.
+"""Remote tier put/get throughput, kvferry vs the raw redis-py client, with and without the
+cluster secret's chunk MAC, in one run.
 
     python benchmarks/remote_bench.py --json [--chunk-mib 1,2,4,8,16,32] [--mib-per-point 256] [--serde naive]
 
-Starts a redis-server and a kvferry-server (lm://) on free ports. For each chunk size, rounds
-alternate between: raw redis-py SET/GET of the chunk's bytes; kvferry's remote tier on Redis
-(serde header + checksum, MSET/MGET of header and payload, the chunk decoded back into a tensor);
-kvferry's remote tier on lm://. Puts are timed until the tier's put thread has finished them
-(flush). Reports GB/s (1e9 bytes/s) per backend and size:
-``{"rows": [{"backend", "chunk_bytes", "put_gbps", "get_gbps", "raw_put_gbps", "raw_get_gbps"}]}``
-with the raw client's numbers from the same run. Targets: redis put/get >= 0.8 x raw, lm >= redis.
+Starts a redis-server and two kvferry-servers (lm://, one with a cluster secret) on free ports.
+For each chunk size, rounds alternate between: raw redis-py SET/GET of the chunk's bytes;
+kvferry's remote tier on Redis (serde header + checksum, MSET of header and payload, GETRANGE
+bounded by the chunk size, the chunk decoded back into a tensor); kvferry's remote tier on
+lm://; and both again with the cluster secret (``+mac``: every chunk tagged with keyed BLAKE3 on
+put and checked on get). Puts are timed until the tier's put thread has finished them (flush),
+the tiers' order rotating each round; gets (and the in-memory decodes) are interleaved call by
+call across backends, so the shared machine's noise falls on all of them alike.
+Reports GB/s (1e9 bytes/s) per backend and size:
+``{"rows": [{"backend", "mac", "chunk_bytes", "put_gbps", "get_gbps", "raw_put_gbps", "raw_get_gbps"}],
+"mac_cost": [{"backend", "chunk_bytes", "get_ratio", "put_ratio", "decode_ratio"}]}``, where a
+ratio is with-MAC over without-MAC throughput from the same run (``decode_ratio``: the serde's
+decode alone, in memory, so the store's noise is out of it). Targets: redis put/get >= 0.8 x
+raw, lm >= redis, MAC get ratio >= 0.9 at 4 MiB.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 import torch
 
+from kvferry.common import secret
 from kvferry.engine.remote_serde import ChunkShape, Serde
 from kvferry.engine.remote_store import RemoteTier
 from kvferry.launcher.stores import start_lm_server, start_redis
@@ -41,32 +51,54 @@ def timed(fn, n: int) -> float:  # noqa: ANN001
 
 
 def point(rds: redis.Redis, tiers: dict[str, RemoteTier], size: int, count: int, rounds: int) -> dict[str, float]:
+    """GB/s per operation: puts timed per tier until flushed (the order rotating each round);
+    gets and in-memory decodes interleaved call by call across tiers, so a noisy neighbour
+    slows every tier alike."""
     tokens = size // TOKEN_BYTES
     chunks = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(min(count, 4))]
     raw = [bytes(c.numpy()) for c in chunks]
     times: dict[str, list[float]] = {}
+    mac = next(t for name, t in tiers.items() if name.endswith("+mac")).mac
+    serde = next(iter(tiers.values())).serde
+    encoded = [(serde.encode(c, tokens), serde.encode(c, tokens, mac, b"k%d" % i)) for i, c in enumerate(chunks)]
 
-    def add(name: str, seconds: float) -> None:
-        times.setdefault(name, []).append(seconds)
+    def decode(i: int, tagged: bool) -> None:
+        head, payload = encoded[i % len(encoded)][tagged]
+        serde.decode(head, payload, tokens, size, mac if tagged else None, b"k%d" % (i % len(encoded)))
 
     for r in range(rounds):
-        pre = f"raw{size}-{r}-"
-        add("raw_put", timed(lambda i, pre=pre: rds.set(f"{pre}{i}", raw[i % len(raw)]), count))
-        add("raw_get", timed(lambda i, pre=pre: rds.get(f"{pre}{i}"), count))
-        for name, t in tiers.items():
+        names = ["raw", *tiers]
+        names = names[r % len(names):] + names[:r % len(names)]
+        for name in names:
             pre = f"{name}{size}-{r}-"
+            if name == "raw":
+                times.setdefault("raw_put", []).append(
+                    timed(lambda i, pre=pre: rds.set(f"{pre}{i}", raw[i % len(raw)]), count))
+                continue
+            t = tiers[name]
 
             def put(i: int, t: RemoteTier = t, pre: str = pre) -> None:
                 assert t.put(f"{pre}{i}".encode(), chunks[i % len(chunks)], tokens)
             t0 = time.perf_counter()
             timed(put, count)
             assert t.flush(120), f"{name}: puts did not finish"
-            add(f"{name}_put", time.perf_counter() - t0)
-
-            def get(i: int, t: RemoteTier = t, pre: str = pre) -> None:
+            times.setdefault(f"{name}_put", []).append(time.perf_counter() - t0)
+        gets: dict[str, Callable[[int], object]] = {
+            "raw_get": lambda i, pre=f"raw{size}-{r}-": rds.get(f"{pre}{i}"),
+            "decode": lambda i: decode(i, False), "decode+mac": lambda i: decode(i, True)}
+        for name, t in tiers.items():
+            def get(i: int, t: RemoteTier = t, pre: str = f"{name}{size}-{r}-") -> None:
                 got = t.get(f"{pre}{i}".encode(), tokens, size)
                 assert got is not None and got.numel() == size, f"{pre}{i} missing"
-            add(f"{name}_get", timed(get, count))
+            gets[f"{name}_get"] = get
+        spent = dict.fromkeys(gets, 0.0)
+        for i in range(count):
+            for name in (list(gets) if i % 2 else reversed(gets)):
+                t0 = time.perf_counter()
+                gets[name](i)
+                spent[name] += time.perf_counter() - t0
+        for name, v in spent.items():
+            times.setdefault(name, []).append(v)
         rds.flushall()
     return {k: size * count / statistics.median(v) / 1e9 for k, v in times.items()}
 
@@ -81,30 +113,45 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(float(x) * (1 << 20)) for x in args.chunk_mib.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvferry-remote-bench-") as work:
-        procs = [start_redis(Path(work), maxmemory_mb=2048), start_lm_server(Path(work))]
+        path = Path(work) / "secret"
+        secret.write_file(str(path), secret.generate())
+        cluster = secret.from_file(str(path), "bench")
+        procs = [start_redis(Path(work), maxmemory_mb=4096), start_lm_server(Path(work)),
+                 start_lm_server(Path(work), secret_file=path)]
         try:
             rds = redis.Redis(port=procs[0].port, socket_timeout=60)
             serde = Serde(args.serde, SHAPE)
-            tiers = {name: RemoteTier(f"{name}://{p.url_hostport}", 60, serde, max_queued_bytes=4 << 30)
-                     for name, p in zip(("redis", "lm"), procs, strict=True)}
-            rows = []
+            urls = {"redis": f"redis://{procs[0].url_hostport}", "lm": f"lm://{procs[1].url_hostport}",
+                    "redis+mac": f"redis://{procs[0].url_hostport}", "lm+mac": f"lm://{procs[2].url_hostport}"}
+            tiers = {name: RemoteTier(url, 60, serde, max_queued_bytes=4 << 30,
+                                      secret=cluster if name.endswith("+mac") else None) for name, url in urls.items()}
+            rows, cost = [], []
             for size in sizes:
                 count = max(2, (args.mib_per_point << 20) // size)
                 g = point(rds, tiers, size, count, args.rounds)
-                for backend in tiers:
-                    rows.append({"backend": backend, "chunk_bytes": size, "put_gbps": round(g[f"{backend}_put"], 3),
-                                 "get_gbps": round(g[f"{backend}_get"], 3), "raw_put_gbps": round(g["raw_put"], 3),
-                                 "raw_get_gbps": round(g["raw_get"], 3)})
+                for name in tiers:
+                    backend, _, mac = name.partition("+")
+                    rows.append({"backend": backend, "mac": bool(mac), "chunk_bytes": size,
+                                 "put_gbps": round(g[f"{name}_put"], 3), "get_gbps": round(g[f"{name}_get"], 3),
+                                 "raw_put_gbps": round(g["raw_put"], 3), "raw_get_gbps": round(g["raw_get"], 3)})
+                for backend in ("redis", "lm"):
+                    cost.append({"backend": backend, "chunk_bytes": size,
+                                 "get_ratio": round(g[f"{backend}+mac_get"] / g[f"{backend}_get"], 3),
+                                 "put_ratio": round(g[f"{backend}+mac_put"] / g[f"{backend}_put"], 3),
+                                 "decode_ratio": round(g["decode+mac"] / g["decode"], 3),
+                                 "decode_gbps": round(g["decode"], 3), "decode_mac_gbps": round(g["decode+mac"], 3)})
                 if not args.json:
-                    print(rows[-2], rows[-1], file=sys.stderr)
+                    print(*rows[-len(tiers):], *cost[-2:], sep="\n", file=sys.stderr)
             for t in tiers.values():
                 t.close()
         finally:
             for p in procs:
                 p.stop()
-    red = [r for r in rows if r["backend"] == "redis"]
-    lm = [r for r in rows if r["backend"] == "lm"]
-    result = {"rows": rows, "serde": args.serde,
+    red = [r for r in rows if r["backend"] == "redis" and not r["mac"]]
+    lm = [r for r in rows if r["backend"] == "lm" and not r["mac"]]
+    at4 = [c["get_ratio"] for c in cost if c["chunk_bytes"] == 4 << 20]
+    result = {"rows": rows, "mac_cost": cost, "serde": args.serde,
+              "mac_get_ratio_4mib_min": min(at4) if at4 else None,
               "redis_vs_raw_min": round(min(min(r["put_gbps"] / r["raw_put_gbps"], r["get_gbps"] / r["raw_get_gbps"])
                                             for r in red), 3),
               "lm_vs_redis_min": round(min(min(a["put_gbps"] / b["put_gbps"], a["get_gbps"] / b["get_gbps"])
