@@ -140,7 +140,8 @@ def _tls_kwargs(u: RedisURL, s: RedisSettings) -> dict:
         if ca is None and not _system_cas(ctx):
             raise RemoteError(f"{u.shown}: rediss:// needs a CA to check the server's certificate and this host has "
                               f"no system CA bundle: set {TLS_KEYS}")
-    else:
+    elif u.shown not in _warned_unchecked:  # once per URL, not per connection
+        _warned_unchecked.add(u.shown)
         logger.warning("%s: ssl_cert_reqs=none: the server's certificate is not checked (anyone on the path can "
                        "pose as it); set remote_tls_ca_file instead", u.shown)
     cert, key = files["ssl_certfile"], files["ssl_keyfile"]
@@ -155,6 +156,9 @@ def _tls_kwargs(u: RedisURL, s: RedisSettings) -> dict:
     kw.update(ssl_ca_certs=ca, ssl_certfile=cert, ssl_keyfile=key, ssl_cert_reqs=reqs,
               ssl_check_hostname=reqs != "none" and _flag(u.query.get("ssl_check_hostname", "true")))
     return kw
+
+
+_warned_unchecked: set[str] = set()
 
 
 def _system_cas(ctx: ssl.SSLContext) -> bool:

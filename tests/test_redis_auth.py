@@ -270,6 +270,13 @@ def test_a_failed_tls_handshake_names_the_tls_settings(stores: Stores, kvf_logs,
         assert "remote_tls_ca_file" in line
 
 
+def test_a_url_that_turns_the_server_check_off_connects_and_is_warned_about(stores: Stores, kvf_logs) -> None:
+    c = stores.certs
+    round_trip(f"rediss://:{PW_URL}@{stores.tls.url_hostport}?ssl_cert_reqs=none&ssl_certfile={c.client_cert}"
+               f"&ssl_keyfile={c.client_key}")
+    assert "ssl_cert_reqs=none: the server's certificate is not checked" in kvf_logs.text
+
+
 def test_plain_redis_url_to_a_tls_port_hints_at_rediss(stores: Stores, kvf_logs) -> None:
     line = refused(f"redis://:{PW_URL}@{stores.tls.url_hostport}", None, kvf_logs)
     assert "use rediss://" in line
