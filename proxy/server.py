@@ -1070,13 +1070,13 @@ def _chat_tokens(msgs: list) -> int:
 
 
 def _batch(prompt: Any) -> list | None:
+    """The prompts of a completion request (one for a string or a list of token ids)."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if answers.is_ids(prompt):
             return [prompt]
-        if all(isinstance(p, str) for p in prompt) or all(
-                isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(isinstance(p, str) for p in prompt) or all(answers.is_ids(p) for p in prompt):
             return list(prompt)
     return None
 
