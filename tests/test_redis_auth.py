@@ -149,6 +149,14 @@ def test_config_keys_extra_config_and_password_file(tmp_path: Path, certs: Certs
     assert redis_settings.from_config(load_config({"remote_url": "lm://h:1"}, env={})) is None
 
 
+def test_the_config_repr_hides_every_redis_password() -> None:
+    cfg = load_config({"remote_url": f"redis-sentinel://:{PW_URL}@h:1,h:2", "remote_sentinel_password": "sentinel-pw",
+                       "extra_config": {"remote_password": "extra-pw"}}, env={})
+    shown = repr(cfg)
+    assert PW_URL not in shown and "sentinel-pw" not in shown and "extra-pw" not in shown
+    assert "redis-sentinel://:***@h:1,h:2" in shown and "<hidden>" in shown
+
+
 @pytest.mark.parametrize("keys,fix", [
     ({"remote_url": "redis://h:1", "remote_tls_ca_file": "/etc/hostname"}, "remote_tls_ca_file is set but "
      "remote_url is redis://: TLS needs rediss://"),

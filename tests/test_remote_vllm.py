@@ -1,7 +1,11 @@
 """Sharing KV between vLLM CPU instances through a remote store (seed 002, 4.2): a prompt served
-by instance 1 is a remote hit on instance 2, once through Redis and once through kvferry-server
-(lm://); a Redis master killed mid-stream is followed through Sentinel's failover; a
-kvferry-server killed mid-run turns into misses, and hits come back after its restart.
+by instance 1 is a remote hit on instance 2 through Redis as people run it (a password-protected
+server, one instance on its plain port as an ACL user, the other on its TLS port with a client
+certificate; Sentinels with their own password naming a password-protected master), and through
+kvferry-server (lm://); a Redis master killed mid-stream is followed through Sentinel's failover; a
+kvferry-server killed mid-run turns into misses, and hits come back after its restart; a
+corrupted chunk, and (with the cluster secret's MAC) another prompt's chunk served under this
+prompt's key, are counted misses and the prompt is recomputed to the same answer.
 
 Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
 to 1e-4 in every logprob. All five servers start together (start-up dominates on 2 cores).
@@ -18,16 +22,20 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvferry.common import secret
 from kvferry.common.hashing import chunk_keys
 from kvferry.engine.offload import offload_salt
-from kvferry.engine.remote_store import RemoteTier
+from kvferry.engine.redis_backend import RedisSettings
+from kvferry.engine.remote_store import PREFIX, RemoteTier
 from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.launcher.stores import Proc, start_lm_server, start_redis, start_sentinel
-from tests.pd_helpers import completion, source_tokens, tier_value, tokens_and_logprobs
+from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
+from tests.tls_certs import make_certs
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
 CHUNK = 256
 _seed = iter(range(1000, 10_000))
+PW, ALICE_PW, SENTINEL_PW = "redis-s3cret", "alice-s3cret", "sentinel-s3cret"  # every Redis here wants one
 
 
 def prompt(n: int = 1000) -> list[int]:
@@ -46,6 +54,12 @@ class Setup:
     servers: dict[str, OffloadServer]
     urls: dict[str, str]
     procs: list[Proc]  # every store process, stopped by the fixture (a restart appends to it)
+    settings: dict[str, RedisSettings]  # by URL: what a test-side RemoteTier needs beyond it
+
+    @staticmethod
+    def client(p: Proc) -> redis.Redis:
+        """A test's own connection to one of the Redis servers (all want the password)."""
+        return redis.Redis(port=p.port, password=PW, socket_timeout=5)
 
     def keys(self, p: list[int]) -> list[bytes]:
         salt = offload_salt(self.model.name, "float32", 8, 8, 64, 128, CHUNK, 1)
@@ -53,7 +67,7 @@ class Setup:
 
     def stored(self, url: str, p: list[int], timeout: float = 30.0) -> None:
         """Until the store holds every chunk of `p` (puts are asynchronous)."""
-        t, keys = RemoteTier(url, 1.0), self.keys(p)
+        t, keys = RemoteTier(url, 1.0, redis=self.settings.get(url)), self.keys(p)
         deadline = time.monotonic() + timeout
         while not all(t.exists(keys)):
             assert time.monotonic() < deadline, f"{url} never got the prompt's {len(keys)} chunks"
@@ -65,27 +79,47 @@ class Setup:
 def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory,
           redis_available) -> Iterator[Setup]:
     work = tmp_path_factory.mktemp("remote")
+    certs = make_certs(work / "certs")
+    for name, text in (("redis-password", PW), ("sentinel-password", SENTINEL_PW)):
+        secret.write_file(str(work / name), text)
     procs: list[Proc] = []
     servers: dict[str, OffloadServer] = {}
     try:
-        procs.append(rds := start_redis(work))
-        procs.append(master := start_redis(work))
-        procs.append(replica := start_redis(work, replicaof=master.port))
+        # requirepass, an ACL user, and a TLS port that wants client certificates.
+        procs.append(rds := start_redis(work, password=PW, users={"alice": ALICE_PW}, tls=certs.server()))
+        procs.append(master := start_redis(work, password=PW))
+        procs.append(replica := start_redis(work, replicaof=master.port, password=PW))
         for _ in range(3):  # one at a time: a failed start still stops the ones before it
-            procs.append(start_sentinel(work, master.port))
+            procs.append(start_sentinel(work, master.port, password=SENTINEL_PW, master_password=PW))
         sentinels = procs[3:]
         procs.append(lm := start_lm_server(work))
-        urls = {"redis": f"redis://{rds.url_hostport}", "lm": f"lm://{lm.url_hostport}",
-                "sentinel": "redis-sentinel://" + ",".join(s.url_hostport for s in sentinels)}
+        hosts = ",".join(s.url_hostport for s in sentinels)
+        urls = {"redis": f"redis://alice:{ALICE_PW}@{rds.url_hostport}", "lm": f"lm://{lm.url_hostport}",
+                "redis_tls": f"rediss://{rds.tls_hostport}", "sentinel": f"redis-sentinel://:{PW}@{hosts}",
+                "sentinel_named": f"redis-sentinel://{hosts}/mymaster"}
         local = {"local_cpu": True, "max_local_cpu_size": 0.2}
-        for name, cores, url, keys in [("redis1", "0", "redis", local), ("redis2", "1", "redis", local),
-                                       ("lm1", "0", "lm", local), ("lm2", "1", "lm", local),
-                                       ("sentinel", "1", "sentinel", {"local_cpu": False})]:
-            servers[name] = OffloadServer(str(tiny_model_path), log_dir, cores, work, server={"extra_args": FP32},
-                                          remote_url=urls[url], **keys).start()
+        tls = {"remote_password_file": str(work / "redis-password"), "remote_tls_ca_file": str(certs.ca),
+               "remote_tls_cert_file": str(certs.client_cert), "remote_tls_key_file": str(certs.client_key)}
+        secret.write_file(str(work / "secret"), secret.generate())  # the sentinel instances MAC their chunks
+        sentinel = {"local_cpu": False, "cluster_secret_file": str(work / "secret")}
+        for name, cores, url, keys, env in [
+                ("redis1", "0", "redis", local, {}), ("redis2", "1", "redis_tls", {**local, **tls}, {}),
+                ("lm1", "0", "lm", local, {}), ("lm2", "1", "lm", local, {}),
+                ("sentinel", "1", "sentinel", {**sentinel, "remote_sentinel_password_file": str(work / "sentinel-password")},
+                 {}),
+                # The same Sentinels, the master's password from the environment, theirs from extra_config.
+                ("sentinel2", "0", "sentinel_named", {**sentinel, "extra_config": {"remote_sentinel_password": SENTINEL_PW}},
+                 {"KVFERRY_REMOTE_PASSWORD": PW})]:
+            servers[name] = OffloadServer(str(tiny_model_path), log_dir, cores, work,
+                                          server={"extra_args": FP32, "env": env}, remote_url=urls[url], **keys).start()
         for s in servers.values():
             s.wait_ready()
-        yield Setup(tiny_model_path, rds, master, replica, sentinels, lm, servers, urls, procs)
+        with_sentinel = RedisSettings(sentinel_password=SENTINEL_PW)
+        settings = {urls["sentinel"]: with_sentinel, urls["sentinel_named"]: RedisSettings(
+            password=PW, sentinel_password=SENTINEL_PW), urls["redis_tls"]: RedisSettings(
+            password=PW, tls_ca_file=str(certs.ca), tls_cert_file=str(certs.client_cert),
+            tls_key_file=str(certs.client_key))}
+        yield Setup(tiny_model_path, rds, master, replica, sentinels, lm, servers, urls, procs, settings)
     finally:
         for s in servers.values():
             s.stop()
@@ -124,14 +158,100 @@ def share(s: Setup, first: str, second: str, url: str) -> None:
 
 
 @pytest.mark.vllm
-def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_redis(setup: Setup) -> None:
-    share(setup, "redis1", "redis2", setup.urls["redis"])
-    assert redis.Redis(port=setup.redis.port).dbsize() >= 2 * 3  # header and payload key per chunk
+def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_redis_with_a_password_then_tls(
+        setup: Setup) -> None:
+    share(setup, "redis1", "redis2", setup.urls["redis"])  # put as ACL user alice, read over TLS
+    assert setup.client(setup.redis).dbsize() >= 2 * 3  # header and payload key per chunk
+    assert PW not in log(setup.servers["redis2"]) and ALICE_PW not in log(setup.servers["redis1"])
+
+
+@pytest.mark.vllm
+def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_redis_tls_then_a_password(
+        setup: Setup) -> None:
+    share(setup, "redis2", "redis1", setup.urls["redis_tls"])  # put over TLS, read as ACL user alice
+
+
+@pytest.mark.vllm
+def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_sentinel_with_auth(setup: Setup) -> None:
+    share(setup, "sentinel", "sentinel2", setup.urls["sentinel"])
+    for name in ("sentinel", "sentinel2"):
+        assert PW not in log(setup.servers[name]) and SENTINEL_PW not in log(setup.servers[name])
 
 
 @pytest.mark.vllm
 def test_a_prompt_served_by_one_instance_is_a_remote_hit_on_another_via_lm(setup: Setup) -> None:
     share(setup, "lm1", "lm2", setup.urls["lm"])
+
+
+def counted(server: OffloadServer, name: str) -> float:
+    return sum(prom(server, name).values())
+
+
+def wait_counted(server: OffloadServer, name: str, above: float) -> None:
+    """Until the counter (exported with vLLM's stats, a little after the request) passes `above`."""
+    deadline = time.monotonic() + 10
+    while counted(server, name) <= above:
+        assert time.monotonic() < deadline, f"{name} never counted the rejected chunk"
+        time.sleep(0.2)
+
+
+def redis_master(s: Setup) -> redis.Redis:
+    """The Sentinel set's master now (the kill test may have promoted the replica)."""
+    for p in (s.master, s.replica):
+        try:
+            r = s.client(p)
+            if r.info("replication")["role"] == "master":
+                return r
+        except redis.ConnectionError:
+            continue
+    raise AssertionError("no Redis master")
+
+
+@pytest.mark.vllm
+def test_a_corrupted_remote_chunk_is_a_counted_miss_and_the_prompt_recomputed(setup: Setup) -> None:
+    s = setup
+    one, two = s.servers["redis1"], s.servers["redis2"]
+    p = prompt(1000)
+    want = tokens_and_logprobs(completion(one, p, 8))
+    s.stored(s.urls["redis"], p)
+    r = s.client(s.redis)
+    k = PREFIX + s.keys(p)[1] + b":d"
+    v = bytearray(r.get(k))
+    v[len(v) // 2] ^= 0xFF
+    r.set(k, bytes(v))
+    bad0, hits0 = counted(two, "kvferry:cache_remote_corrupt_total"), remote_hits(two)
+    got = tokens_and_logprobs(completion(two, p, 8))
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    wait_counted(two, "kvferry:cache_remote_corrupt_total", bad0)
+    assert remote_hits(two) == hits0  # nothing loaded: recomputed
+    assert "rejected (a miss, recomputed): checksum mismatch" in log(two)
+
+
+@pytest.mark.vllm
+def test_with_the_cluster_secret_another_prompts_chunk_under_this_key_is_a_counted_miss(setup: Setup) -> None:
+    """The store answers prompt q's keys with prompt p's chunks (valid, tagged, same shape): the MAC
+    binds the key, so they are refused and q is recomputed; q's own tagged chunks load."""
+    s, c = setup, setup.servers["sentinel"]  # cluster secret, no local tier: repeats come from the store
+    q, p = prompt(1000), prompt(1000)
+    want = tokens_and_logprobs(completion(c, q, 8))
+    s.stored(s.urls["sentinel"], q)
+    hits0 = remote_hits(c)
+    assert tokens_and_logprobs(completion(c, q, 8))[0] == want[0]
+    assert remote_hits(c) == hits0 + 1  # tagged chunks verify and load
+    tokens_and_logprobs(completion(c, p, 8))
+    s.stored(s.urls["sentinel"], p)
+    r = redis_master(s)
+    for kq, kp in zip(s.keys(q), s.keys(p), strict=True):
+        for part in (b":h", b":d"):
+            r.set(PREFIX + kq + part, r.get(PREFIX + kp + part))
+    forged0, hits0 = counted(c, "kvferry:cache_remote_forged_total"), remote_hits(c)
+    got = tokens_and_logprobs(completion(c, q, 8))
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
+    wait_counted(c, "kvferry:cache_remote_forged_total", forged0)
+    assert remote_hits(c) == hits0
+    assert "MAC mismatch" in log(c)
 
 
 @pytest.mark.vllm
@@ -140,7 +260,7 @@ def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(se
     p = prompt(600)
     want = tokens_and_logprobs(completion(c, p, 4))[0]
     s.stored(s.urls["sentinel"], p)
-    assert redis.Redis(port=s.master.port).wait(1, 5000) == 1  # replicated before the kill
+    assert s.client(s.master).wait(1, 5000) == 1  # replicated before the kill
     hits0 = remote_hits(c)
     for _ in range(2):
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
@@ -151,7 +271,7 @@ def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(se
     while True:  # a steady stream: every request must succeed, hit or computed
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
         answered += 1
-        promoted = redis.Redis(port=s.replica.port).info("replication")["role"] == "master"
+        promoted = s.client(s.replica).info("replication")["role"] == "master"
         if promoted and remote_hits(c) > before:
             break
         assert time.monotonic() < deadline, f"no remote hit within 90 s of the kill ({answered} requests answered)"
