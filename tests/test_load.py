@@ -1,7 +1,7 @@
 """Under load, on real vLLM CPU servers: `vllm bench serve` through the proxy with prompts long
 enough for chunked prefill (the prefiller's batch budget is 128 tokens, so every prompt is computed
-over several steps) at concurrency 8, and a decoder that runs 1 request at a time with a 1 s
-lease, so decode requests wait in its queue longer than the lease. No request may fail, and none
+over several steps) at concurrency 8, and a decoder that runs 1 request at a time with a 2.5 s
+lease, so decode requests wait in its queue longer than the lease (up to 8 x ~2.5 s of decoding). No request may fail, and none
 may recompute its prompt: a transfer whose request the decoder's scheduler holds is pinned."""
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def test_chunked_prefill_at_concurrency_8_fails_nothing_and_recomputes_nothing(
         tiny_model_path: Path, log_dir: Path, tmp_path: Path) -> None:
     p = Prefiller(str(tiny_model_path), log_dir, "0", tmp_path,
                   server={"extra_args": ["--max-num-batched-tokens", "128"]})
-    d = Decoder(str(tiny_model_path), log_dir, "1", tmp_path, pd_lease_seconds=1.0,
+    # The lease only has to cover the hop from the prefill answer to the decoder's scheduler (the
+    # pin): 1 s was seen to be too short for it on a 2-core machine busy with other work.
+    d = Decoder(str(tiny_model_path), log_dir, "1", tmp_path, pd_lease_seconds=2.5,
                 server={"extra_args": ["--max-num-seqs", "1"]})
     p.start()
     d.start()
