@@ -272,7 +272,10 @@ class RedisBackend(Mapped):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
-        return [v is not None for v in self._do(self.r.mget, [PREFIX + k + b":h" for k in keys])]
+        pipe = self.r.pipeline(transaction=False)  # one round trip; EXISTS answers 0/1, never a value
+        for k in keys:
+            pipe.exists(PREFIX + k + b":h")
+        return [bool(v) for v in self._do(pipe.execute)]
 
     def close(self) -> None:
         self.r.close()

@@ -122,6 +122,18 @@ def test_a_zstd_bomb_is_a_miss_without_its_size_allocated(content_size: bool) ->
     assert peak < 4 << 20, f"{peak} bytes allocated for a {NBYTES}-byte chunk"
 
 
+def test_a_lookup_reads_no_values_from_redis(rds: Proc) -> None:
+    """The scheduler's lookup asks EXISTS: a store holding a 64 MiB 'header' sends none of it."""
+    t = tier(rds)
+    key = b"bighead".ljust(16, b".")
+    r = redis.Redis(port=rds.port)
+    r.set(PREFIX + key + b":h", b"\0" * (64 << 20))
+    sent0 = r.info("stats")["total_net_output_bytes"]
+    assert t.exists([key, b"absent".ljust(16, b".")]) == [True, False]
+    assert r.info("stats")["total_net_output_bytes"] - sent0 < 1 << 20
+    t.close()
+
+
 def test_an_oversize_redis_value_is_a_miss_read_only_up_to_the_chunk_size(rds: Proc) -> None:
     """Redis sends at most the expected size (GETRANGE): a 64 MiB value under a chunk's key is
     neither transferred nor allocated."""
