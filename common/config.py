@@ -150,10 +150,33 @@ FIELD_TYPES: dict[str, Any] = {
 # kvferry's own switches (README "Configuration", environment table).
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR"}
 _PREFIXES = ("lmcache.", "kvferry.")
-_REMOTE_SCHEMES = ("redis", "rediss", "redis-sentinel", "lm", "mooncakestore", "infinistore")
-_SERDES = ("naive", "cachegen", "zstd")
-# Keys LMCache knows that kvferry accepts for drop-in use but does not act on.
-IGNORED_KEYS = ("numa_mode", "use_layerwise", "py_enable_gc", "lmcache_rpc_port", "use_experimental")
+# The one list of each: the remote tier (engine/remote_store.py, redis_settings.py) and the serde
+# (engine/remote_serde.py) import these. LMCache's other values load, so its seed files do, and the
+# engine refuses them at start with a line naming the fix.
+REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
+REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES)
+LMCACHE_ONLY_SCHEMES = ("mooncakestore", "infinistore")
+SERDES = ("naive", "zstd")
+LMCACHE_ONLY_SERDES = ("cachegen",)
+# Keys LMCache knows that kvferry accepts for drop-in use but does not act on, and why; each one a
+# config sets is logged once per process (load_config).
+IGNORED_KEYS: dict[str, str] = {
+    "cache_policy": "the CPU and disk tiers always evict least recently used first (LRU)",
+    "discard_partial_chunks": "use save_unfull_chunk (false: a prompt's last, partial chunk is not stored)",
+    "pre_caching_hash_algorithm": "chunk keys are always chained xxh3_128 salted by model and KV layout",
+    "enable_async_loading": "loads run in the connector's start_load_kv; there is no separate async mode",
+    "save_decode_cache": "kvferry stores prompt (prefill) KV only",
+    "nixl_buffer_size": "the PD transfer buffer's size is pd_buffer_size",
+    "nixl_buffer_device": "the pd_buffer sits on the KV cache's device (see pd_buffer_device)",
+    "pd_buffer_device": "the pd_buffer is allocated on the KV cache's device (the worker's GPU, or CPU on "
+                        "vLLM's CPU build); this key cannot move it",
+    "numa_mode": "kvferry does no NUMA placement; pin the process with numactl/taskset",
+    "use_layerwise": "KV moves a whole chunk at a time, not layer by layer",
+    "py_enable_gc": "kvferry leaves Python's garbage collector as it is",
+    "lmcache_rpc_port": "kvferry has no per-instance RPC port",
+    "use_experimental": "kvferry has one engine",
+}
+_logged_ignored: set[str] = set()
 
 ChunkFormat = Literal["block", "token"]
 
@@ -278,11 +301,17 @@ def load_config(
 
     config = msgspec.convert(values, KVFerryConfig)
     validate(config, sources)
-    for key in IGNORED_KEYS:
-        if key in sources:
-            logger.info("config key %s (%s) is accepted for LMCache compatibility; kvferry does not "
-                        "use it", key, sources[key])
+    log_ignored(sources)
     return config
+
+
+def log_ignored(sources: Mapping[str, str]) -> None:
+    """One line per ignored key that `sources` sets, each key once per process."""
+    for key, why in IGNORED_KEYS.items():
+        if key in sources and key not in _logged_ignored:
+            _logged_ignored.add(key)
+            logger.info("config key %s (%s): accepted for LMCache compatibility, ignored by kvferry: %s",
+                        key, sources[key], why)
 
 
 def _src(sources: Mapping[str, str], key: str) -> str:
@@ -308,10 +337,11 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         if not sep or not rest:
             raise err("remote_url", f"{redact_url(c.remote_url)!r} is not scheme://host:port (e.g. "
                       "redis://localhost:6379)")
-        if scheme not in _REMOTE_SCHEMES:
-            raise err("remote_url", f"scheme {scheme!r} is not one of {', '.join(_REMOTE_SCHEMES)}")
-    if c.remote_serde not in _SERDES:
-        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(_SERDES)}")
+        if scheme not in REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES:
+            raise err("remote_url", f"scheme {scheme!r} is not one of "
+                      f"{', '.join(REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES)}")
+    if c.remote_serde not in SERDES + LMCACHE_ONLY_SERDES:
+        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES + LMCACHE_ONLY_SERDES)}")
     for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
                 "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time", "lmcache_worker_heartbeat_timeout"):
         if getattr(c, key) <= 0:

@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import stat
 
-from kvferry.common.config import ConfigError, KVFerryConfig
+from kvferry.common.config import REDIS_SCHEMES, ConfigError, KVFerryConfig
 from kvferry.common.log import get_logger
 from kvferry.engine.redis_backend import (
-    REDIS_SCHEMES,
     RedisSettings,
     client_kwargs,
     parse_redis_url,

@@ -33,9 +33,11 @@ import torch
 import xxhash
 
 from kvferry.common.chunk_mac import TAG_BYTES, ChunkMAC
+from kvferry.common.config import SERDES
 
 MAGIC = b"KVFR"
 VERSION = 2  # 1: no MAC field (refused as "an older kvferry", a miss)
+# The header's format number of each serde in config.SERDES; numbers are on the wire, never reused.
 FORMATS = {"naive": 0, "zstd": 1}
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
            torch.int8]
@@ -67,7 +69,7 @@ class ChunkShape:
 
 def check_name(name: str) -> None:
     """Refuse a `remote_serde` kvferry cannot write, naming the ones it can."""
-    if name not in FORMATS:
+    if name not in SERDES:
         raise ValueError(f"remote_serde {name!r} is not available in kvferry: use naive (raw bytes) or zstd "
                          "(compressed)")
 

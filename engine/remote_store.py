@@ -26,11 +26,12 @@ import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.chunk_mac import for_secret
+from kvferry.common.config import REMOTE_SCHEMES as SCHEMES
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_server import LMClient, LMError
-from kvferry.engine.redis_backend import REDIS_SCHEMES, RedisSettings, open_redis, parse_redis_url
+from kvferry.engine.redis_backend import RedisSettings, open_redis, parse_redis_url
 from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote_serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
 
@@ -56,9 +57,6 @@ class LMBackend(Mapped):
 
     def close(self) -> None:
         self.client.close()
-
-
-SCHEMES = ("lm", *REDIS_SCHEMES)
 
 
 def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:

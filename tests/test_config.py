@@ -163,3 +163,75 @@ def test_port_lists_for_tensor_parallel() -> None:
     msg = one_line_error(extra={"enable_pd": True, "pd_role": "receiver", "pd_peer_host": "h",
                                 "pd_peer_init_port": [7300, 7301], "pd_peer_alloc_port": 7400}, env={})
     assert "pd_peer_alloc_port" in msg and "TP rank" in msg
+
+
+# Keys whose only accepted value is what kvferry always does (validated in config.py, read nowhere else).
+_CHECKED_NOT_READ = {"transfer_channel"}  # only 'nixl' is accepted, and the PD path is always NIXL
+_LIBRARY = ("buffer", "common", "connector", "controller", "engine", "kernels", "proxy", "receiver", "sender")
+
+
+def _library_reads(key: str) -> bool:
+    import re
+    root = Path(__file__).resolve().parent.parent
+    pattern = re.compile(rf"\b{key}\b")
+    return any(pattern.search(p.read_text(encoding="utf-8")) for d in _LIBRARY for p in (root / d).rglob("*.py")
+               if p != root / "common" / "config.py")
+
+
+def test_every_key_nothing_reads_is_in_the_ignored_list() -> None:
+    """A key the library never reads must be in IGNORED_KEYS (so it is logged), and only those."""
+    from kvferry.common.config import FIELD_TYPES, IGNORED_KEYS
+    unread = {k for k in FIELD_TYPES if not _library_reads(k)} - _CHECKED_NOT_READ
+    assert unread == set(IGNORED_KEYS)
+    for key in ("cache_policy", "discard_partial_chunks", "pre_caching_hash_algorithm", "enable_async_loading",
+                "save_decode_cache", "nixl_buffer_size", "nixl_buffer_device", "pd_buffer_device"):
+        assert key in IGNORED_KEYS
+
+
+def test_ignored_keys_are_logged_once_each_with_the_reason(monkeypatch: pytest.MonkeyPatch,
+                                                          kvf_logs: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kvferry.common import config
+    monkeypatch.setattr(config, "_logged_ignored", set())
+    kvf_logs.set_level(logging.INFO, logger="kvferry")
+    extra = {"cache_policy": "LFU", "discard_partial_chunks": True, "nixl_buffer_size": 1 << 20}
+    load_config(extra, env={"LMCACHE_SAVE_DECODE_CACHE": "true"})
+    load_config(extra, env={})  # a second load in the same process logs nothing again
+    lines = [r.getMessage() for r in kvf_logs.records if "ignored by kvferry" in r.getMessage()]
+    assert len(lines) == 4, lines
+    by_key = {line.split()[2]: line for line in lines}
+    assert "use save_unfull_chunk" in by_key["discard_partial_chunks"]
+    assert "pd_buffer_size" in by_key["nixl_buffer_size"] and "LRU" in by_key["cache_policy"]
+    assert "env LMCACHE_SAVE_DECODE_CACHE" in by_key["save_decode_cache"]
+    assert "kv_connector_extra_config" in by_key["cache_policy"]
+
+
+def test_unset_ignored_keys_log_nothing(monkeypatch: pytest.MonkeyPatch, kvf_logs: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kvferry.common import config
+    monkeypatch.setattr(config, "_logged_ignored", set())
+    kvf_logs.set_level(logging.INFO, logger="kvferry")
+    load_config({"chunk_size": 16}, env={})
+    assert "ignored by kvferry" not in kvf_logs.text
+
+
+def test_one_list_of_schemes_and_serdes() -> None:
+    """The config accepts exactly what the tiers open plus LMCache's values they refuse at start."""
+    from kvferry.common import config
+    from kvferry.engine import redis_backend, redis_settings, remote_serde, remote_store
+    assert remote_store.SCHEMES is config.REMOTE_SCHEMES
+    assert redis_settings.REDIS_SCHEMES is config.REDIS_SCHEMES
+    assert redis_backend.REDIS_SCHEMES == config.REDIS_SCHEMES  # its own copy until it imports config's
+    assert set(remote_serde.FORMATS) == set(config.SERDES)
+    for scheme in config.REMOTE_SCHEMES + config.LMCACHE_ONLY_SCHEMES:
+        load_config({"remote_url": f"{scheme}://h:1"}, env={})
+    for serde in config.SERDES + config.LMCACHE_ONLY_SERDES:
+        load_config({"remote_serde": serde}, env={})
+    for scheme in config.LMCACHE_ONLY_SCHEMES:
+        with pytest.raises(remote_store.RemoteError, match="use redis://"):
+            remote_store.parse_url(f"{scheme}://h:1")
+    for serde in config.LMCACHE_ONLY_SERDES:
+        with pytest.raises(ValueError, match="use naive"):
+            remote_serde.check_name(serde)
