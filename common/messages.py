@@ -108,8 +108,7 @@ class AllocRequest(Msg, tag="alloc_req"):
 class AllocResponse(Msg, tag="alloc_resp"):
     transfer_id: Id
     generation: NonNeg
-    pages: Indices  # page index for each chunk to send, in order; skipped chunks omitted
-    skip: Indices  # chunk indices the receiver already holds: do not send them
+    pages: Indices  # page index for each chunk to send, in order
     lease_seconds: Seconds
 
 

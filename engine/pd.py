@@ -130,9 +130,9 @@ class PDProducer:
             dt = time.monotonic() - out.started
             self.counters["pd_sent"] += 1
             self.counters["pd_sent_bytes"] += r.bytes
-            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks sent, %d skipped)",
+            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
-                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks, r.skipped_chunks)
+                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
 
     def close(self) -> None:
         self.sender.close()
@@ -260,9 +260,6 @@ class PDConsumer:
             if list(got.chunk_keys) != chunk_keys(e.token_ids[:sent], self.fp.chunk_size, self._salt):
                 raise TransferError(f"the prefiller's {sent} tokens do not match this request's prompt (chunk keys "
                                     "differ: a different prompt or tokenizer?)")
-            if got.skip:
-                raise TransferError(f"chunks {got.skip} were skipped as already held, but this decoder "
-                                    "has no tier to read them from")
             nchunks = -(-sent // self.fp.chunk_size)
             nbytes = scatter_chunks(self.kv, self.fmt, self.fp.chunk_size, [got.pages[i] for i in range(nchunks)],
                                     chunk_tokens(sent, self.fp.chunk_size), 0, e.block_ids, e.skip_tokens,

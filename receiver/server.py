@@ -84,7 +84,7 @@ class KVReceiver:
     """Serves one TP rank's pd_buffer to senders; hands arrived transfers to the engine."""
 
     def __init__(self, cfg: ReceiverConfig, buffer: PDBuffer, fingerprint: m.LayoutFingerprint, *,
-                 receiver_id: str | None = None, holds: Callable[[bytes], bool] | None = None) -> None:
+                 receiver_id: str | None = None) -> None:
         if fingerprint.page_bytes and fingerprint.page_bytes != buffer.page_bytes:
             raise ReceiverError(f"fingerprint says {fingerprint.page_bytes}-byte chunks, the pd_buffer "
                                 f"has {buffer.page_bytes}-byte pages")
@@ -94,7 +94,6 @@ class KVReceiver:
         # Changes on every start: a sender holding an older epoch must handshake again.
         self.epoch = random.SystemRandom().randrange(1, 1 << 62)
         self.receiver_id = receiver_id or f"{cfg.host}:{cfg.init_port}"
-        self._holds = holds
         self.table = TransferTable(buffer, cfg.lease_seconds, cfg.queue_seconds)
         self._allocating: set[str] = set()  # ids between an alloc's arrival and its table entry
         self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}")
@@ -108,8 +107,8 @@ class KVReceiver:
         self._stop_async: Callable[[], object] = lambda: None
         self._start_error: BaseException | None = None
         self.nixl_health = LoopHealth("receiver NIXL thread")
-        self.counters = {"handshakes": 0, "allocs": 0, "arrivals": 0, "bad_frames": 0, "skipped_chunks": 0,
-                         "alloc_errors": 0, "proxy_notifications": 0}
+        self.counters = {"handshakes": 0, "allocs": 0, "arrivals": 0, "bad_frames": 0, "alloc_errors": 0,
+                         "proxy_notifications": 0}
 
     # ---- lifecycle ----
     def start(self) -> KVReceiver:
@@ -252,40 +251,35 @@ class KVReceiver:
 
     async def _reserve(self, req: m.AllocRequest, ident: bytes, arrival: float) -> m.Msg:
         tid = req.transfer_id
-        skip = [i for i, k in enumerate(req.chunk_keys) if self._holds is not None and self._holds(k)]
-        need = len(req.chunk_keys) - len(skip)
-        res = None
-        if need:
-            try:
-                res = self.buffer.reserve(need, tid, self.cfg.lease_seconds, timeout=0)
-            except BufferTooSmall as e:
-                return m.ErrorReply(code="too_large", message=str(e)[:4000], transfer_id=tid)
-            except BufferFullTimeout as e:
-                if len(self._allocating) > self.cfg.max_waiting_allocs:
-                    return m.ErrorReply(code="buffer_full", transfer_id=tid, message=(
-                        f"{e}; {len(self._allocating) - 1} allocs are waiting already, the most this receiver "
-                        "queues")[:4000])
-                # Wait our turn (FIFO) off the loop; other requests go on meanwhile.
-                deadline = arrival + self.cfg.alloc_timeout
-                logger.info("transfer %s waits for %d pages (pd_alloc_timeout %.1fs)", tid, need,
-                            self.cfg.alloc_timeout)
-                try:
-                    res = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, lambda: self.buffer.reserve(need, tid, self.cfg.lease_seconds,
-                                                                timeout=max(0.001, deadline - time.monotonic())))
-                except PDBufferError as e:  # timed out, or the receiver is closing
-                    return m.ErrorReply(code="buffer_full", message=str(e)[:4000], transfer_id=tid)
+        need = len(req.chunk_keys)
         try:
-            self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), skip, req.num_tokens, res, ident))
+            res = self.buffer.reserve(need, tid, self.cfg.lease_seconds, timeout=0)
+        except BufferTooSmall as e:
+            return m.ErrorReply(code="too_large", message=str(e)[:4000], transfer_id=tid)
+        except BufferFullTimeout as e:
+            if len(self._allocating) > self.cfg.max_waiting_allocs:
+                return m.ErrorReply(code="buffer_full", transfer_id=tid, message=(
+                    f"{e}; {len(self._allocating) - 1} allocs are waiting already, the most this receiver "
+                    "queues")[:4000])
+            # Wait our turn (FIFO) off the loop; other requests go on meanwhile.
+            deadline = arrival + self.cfg.alloc_timeout
+            logger.info("transfer %s waits for %d pages (pd_alloc_timeout %.1fs)", tid, need,
+                        self.cfg.alloc_timeout)
+            try:
+                res = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, lambda: self.buffer.reserve(need, tid, self.cfg.lease_seconds,
+                                                            timeout=max(0.001, deadline - time.monotonic())))
+            except PDBufferError as e:  # timed out, or the receiver is closing
+                return m.ErrorReply(code="buffer_full", message=str(e)[:4000], transfer_id=tid)
+        try:
+            self.table.add(Incoming(tid, req.sender_id, list(req.chunk_keys), req.num_tokens, res, ident))
         except TransferError as e:  # aborted while it waited for pages: no WRITE can be under way yet
-            if res is not None:
-                self.buffer.release(res)
+            self.buffer.release(res)
             return m.ErrorReply(code="aborted", message=str(e)[:4000], transfer_id=tid)
         self._kick.set()  # poll fast from now on: UCX needs this side's progress to move the data
         self.counters["allocs"] += 1
-        self.counters["skipped_chunks"] += len(skip)
-        return m.AllocResponse(transfer_id=tid, generation=res.generation if res else 0,
-                               pages=list(res.pages) if res else [], skip=skip, lease_seconds=self.cfg.lease_seconds)
+        return m.AllocResponse(transfer_id=tid, generation=res.generation, pages=list(res.pages),
+                               lease_seconds=self.cfg.lease_seconds)
 
     # ---- NIXL arrivals ----
     def _nixl_main(self) -> None:

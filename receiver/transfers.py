@@ -51,29 +51,21 @@ class Incoming:
     transfer_id: str
     sender_id: str
     chunk_keys: list[bytes]
-    skip: list[int]  # chunk indices the receiver already held: not sent
     num_tokens: int
-    res: Reservation | None  # None when every chunk was skipped
+    res: Reservation
     conn: bytes = b""  # the connection that reserved it: only it may end the quarantine early
-    expires: float = float("inf")  # an entry without pages lives this long (monotonic time)
     arrived: bool = False
     arrived_at: float = 0.0  # time.monotonic() when the notification was processed
-
-    @property
-    def sent_indices(self) -> list[int]:
-        skipped = set(self.skip)
-        return [i for i in range(len(self.chunk_keys)) if i not in skipped]
 
 
 @dataclass
 class ReceivedTransfer:
-    """What the engine gets: the sent chunks' page views, in chunk order, and what was skipped."""
+    """What the engine gets: the chunks' page views, in chunk order."""
 
     transfer_id: str
     chunk_keys: list[bytes]
     num_tokens: int
-    skip: list[int]
-    pages: dict[int, object]  # chunk index -> uint8 view of its page (sent chunks only)
+    pages: dict[int, object]  # chunk index -> uint8 view of its page
     arrived_at: float = 0.0
 
 
@@ -123,12 +115,8 @@ class TransferTable:
             if why is not None:
                 self.counters["refused_ids"] += 1
                 raise TransferError(why)
-            if inc.res is None:
-                inc.expires = time.monotonic() + self.lease_seconds
             self._live[inc.transfer_id] = inc
             self._expecting += 1
-            if inc.res is None:  # nothing to send: complete at once
-                self._arrive_locked(inc)
             self._cond.notify_all()
 
     def expecting(self) -> int:
@@ -141,7 +129,7 @@ class TransferTable:
             inc = self._live.get(transfer_id)
             if inc is None:
                 q = self._quarantine.get(transfer_id)
-                if q is not None and q.res is not None and q.res.generation == generation:
+                if q is not None and q.res.generation == generation:
                     # The aborted transfer's WRITE has landed: nothing more can, the pages are free.
                     del self._quarantine[transfer_id]
                     self.buffer.release(q.res)
@@ -149,7 +137,7 @@ class TransferTable:
                     logger.info("transfer %s: the write of an aborted transfer landed; its pages are free again",
                                 transfer_id)
                     return None
-            if inc is None or inc.res is None or inc.res.generation != generation or inc.arrived:
+            if inc is None or inc.res.generation != generation or inc.arrived:
                 why = (self._ended.get(transfer_id, "unknown transfer") if inc is None
                        else "duplicate or stale generation")
                 logger.warning("notification for transfer %s (generation %d) ignored: %s",
@@ -189,8 +177,7 @@ class TransferTable:
 
     def _end_locked(self, inc: Incoming, why: str) -> None:
         self._forget_locked(inc, why)
-        if inc.res is not None:
-            self.buffer.release(inc.res)
+        self.buffer.release(inc.res)
 
     def abort(self, transfer_id: str, generation: int, reason: str, conn: bytes = b"", final: bool = False) -> bool:
         """Drop a transfer nobody will read. Arrived data is freed at once; pages a WRITE may still
@@ -211,10 +198,10 @@ class TransferTable:
                     self._remember_locked(transfer_id, why + " before its alloc")
                     logger.info("transfer %s aborted before its alloc: %s", transfer_id, reason or "no reason")
                 return False
-            if generation and inc.res is not None and inc.res.generation != generation:
+            if generation and inc.res.generation != generation:
                 return False
             logger.info("transfer %s aborted: %s", transfer_id, reason or "no reason given")
-            if inc.arrived or inc.res is None or (final and conn and conn == inc.conn):
+            if inc.arrived or (final and conn and conn == inc.conn):
                 self._end_locked(inc, why)
             else:
                 self._forget_locked(inc, why)
@@ -234,7 +221,7 @@ class TransferTable:
                 self._pins.popitem(last=False)
             self.counters["pinned"] += 1
             inc = self._live.get(transfer_id)
-            if inc is not None and inc.arrived and inc.res is not None:
+            if inc is not None and inc.arrived:
                 self.buffer.extend(inc.res, self.queue_seconds)
 
     def unpin(self, transfer_id: str, why: str) -> None:
@@ -246,10 +233,8 @@ class TransferTable:
     def sweep(self) -> int:
         """Forget transfers whose lease expired (the buffer already took their pages back)."""
         self.buffer.reap()
-        now = time.monotonic()
         with self._cond:
-            dead = [i for i in self._live.values()
-                    if (i.res is not None and not self.buffer.is_live(i.res)) or (i.res is None and i.expires <= now)]
+            dead = [i for i in self._live.values() if not self.buffer.is_live(i.res)]
             for inc in dead:
                 logger.warning("transfer %s from %s: lease expired %s; its pages are free again",
                                inc.transfer_id, inc.sender_id,
@@ -308,18 +293,15 @@ class TransferTable:
                 raise TransferGone(f"transfer {transfer_id}: {self._ended.get(transfer_id, 'unknown')}")
             # Claimed: nobody else may read it, whatever happens next.
             self._forget_locked(inc, "already read")
-        views: list = []
         try:
-            if inc.res is not None:
-                try:
-                    views = self.buffer.begin_read(inc.res)
-                except PDBufferError as e:
-                    raise TransferGone(f"transfer {transfer_id}: {e}") from None
-            yield ReceivedTransfer(transfer_id, inc.chunk_keys, inc.num_tokens, inc.skip,
-                                   dict(zip(inc.sent_indices, views, strict=True)), inc.arrived_at)
+            try:
+                views = self.buffer.begin_read(inc.res)
+            except PDBufferError as e:
+                raise TransferGone(f"transfer {transfer_id}: {e}") from None
+            yield ReceivedTransfer(transfer_id, inc.chunk_keys, inc.num_tokens, dict(enumerate(views)),
+                                   inc.arrived_at)
         finally:
-            if inc.res is not None:
-                self.buffer.release(inc.res)
+            self.buffer.release(inc.res)
 
     def sizes(self) -> dict[str, int]:
         """How much the table holds (for tests and stats: every one of these is bounded)."""

@@ -102,7 +102,6 @@ def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> Sende
 class SendResult:
     transfer_id: str
     sent_chunks: int
-    skipped_chunks: int
     bytes: int
     seconds: float
     handshook: bool = False
@@ -128,7 +127,7 @@ class KVSender:
             error=HandshakeFailed, fingerprint_error=FingerprintMismatch)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
-        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0, "skipped_chunks": 0}
+        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0}
 
     # ---- memory ----
     def register(self, tensor) -> None:  # torch.Tensor
@@ -254,7 +253,6 @@ class KVSender:
             raise
         self.counters["transfers"] += 1
         self.counters["bytes"] += res.bytes
-        self.counters["skipped_chunks"] += res.skipped_chunks
         return res
 
     async def _send_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -288,8 +286,7 @@ class KVSender:
                     raise _Restarted(reply.message)
                 raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
             deadline = sent_at + reply.lease_seconds * (1 - LEASE_MARGIN)
-            skipped = set(reply.skip)
-            todo = [c for i, c in enumerate(chunks) if i not in skipped]
+            todo = list(chunks)  # one page per chunk, in order
             if len(todo) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
                     len(set(reply.pages)) != len(reply.pages):
                 await self._abort(peer, tid, reply.generation, "bad page list", final=True)
@@ -297,7 +294,7 @@ class KVSender:
             nbytes = sum(n for _, n in todo)
             if todo:
                 await self._write(peer, tid, reply.generation, todo, list(reply.pages), deadline)
-            return SendResult(tid, len(todo), len(skipped), nbytes, time.monotonic() - t0, handshook)
+            return SendResult(tid, len(todo), nbytes, time.monotonic() - t0, handshook)
         finally:
             peer.busy -= 1
 

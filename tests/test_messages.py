@@ -20,7 +20,7 @@ SAMPLES = [
     m.Welcome(peer_id="d0", epoch=7, agent_name="b", agent_metadata=b"x", fingerprint=FP,
               region=m.Region(addr=1 << 40, page_bytes=4 << 20, num_pages=256)),
     m.AllocRequest(transfer_id="t1", sender_id="p0", epoch=7, chunk_keys=[b"k" * 16] * 3, num_tokens=700),
-    m.AllocResponse(transfer_id="t1", generation=3, pages=[4, 5], skip=[0], lease_seconds=30.0),
+    m.AllocResponse(transfer_id="t1", generation=3, pages=[4, 5], lease_seconds=30.0),
     m.ErrorReply(code="buffer_full", message="raise pd_buffer_size", transfer_id="t1"),
     m.ArrivalNotice(transfer_id="t1", generation=3),
     m.AbortTransfer(transfer_id="t1", reason="client gone", final=True),

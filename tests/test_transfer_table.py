@@ -21,7 +21,7 @@ def table() -> tuple[TransferTable, PDBuffer, FakeClock]:
 
 def incoming(buf: PDBuffer, tid: str, n: int = 2, conn: bytes = b"c1") -> Incoming:
     res = buf.reserve(n, tid, LEASE)
-    return Incoming(tid, "s", [bytes([i + 1]) * 8 for i in range(n)], [], n * 16, res, conn)
+    return Incoming(tid, "s", [bytes([i + 1]) * 8 for i in range(n)], n * 16, res, conn)
 
 
 def test_a_pinned_transfer_outlives_its_lease_once_arrived_but_not_while_being_written(table) -> None:

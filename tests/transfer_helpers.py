@@ -34,11 +34,10 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
     from kvferry.receiver.transfers import TransferError
 
     torch.set_num_threads(1)
-    held: set[bytes] = set(opts.pop("holds", []))
     fp = fingerprint(**opts.pop("fingerprint", {}))
     buf = PDBuffer(pages * PAGE, "cpu", PAGE)
     cfg = ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
-    with KVReceiver(cfg, buf, fp, holds=held.__contains__) as r:
+    with KVReceiver(cfg, buf, fp) as r:
         conn.send(("ready", r.epoch, os.getpid()))
         while True:
             cmd, *args = conn.recv()
@@ -50,16 +49,13 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
                 try:
                     with r.claim(tid, timeout) as got:
                         data = {i: bytes(v.numpy()) for i, v in got.pages.items()}
-                        conn.send(("ok", got.skip, data))
+                        conn.send(("ok", got.num_tokens, data))
                 except TransferError as e:
                     conn.send(("err", type(e).__name__, str(e)))
             elif cmd == "state":
                 s = buf.stats()
                 conn.send(("state", buf.fully_free(), s.pages_free, dict(r.counters), s.leases_expired,
                            r.table.sizes()))
-            elif cmd == "hold":
-                held.update(args[0])
-                conn.send(("ok",))
 
 
 @dataclass
