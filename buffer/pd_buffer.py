@@ -3,20 +3,20 @@
 A reservation is all-or-nothing, carries a generation number and a lease deadline, and moves
 RESERVED -> COMMITTED (its data arrived) -> READING (being copied out) -> released. A RESERVED or
 COMMITTED reservation whose lease passes is expired: its pages return to the free list and its
-handle can never be read again. READING pins the pages (no expiry mid-copy); read with the
-``reading()`` context manager, which releases them on every exit path. Waiters for pages are served strictly first-in first-out, so a large request cannot be
-starved by small ones, and a request larger than the whole buffer fails at once.
+handle can never be read again. READING pins the pages (no expiry mid-copy) until release(),
+which a reader calls on every exit path. Waiters for pages are served strictly first-in
+first-out, so a large request cannot be starved by small ones, and a request larger than the
+whole buffer fails at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,16 +299,6 @@ class PDBuffer:
             self._stats.bytes_read += len(res.pages) * self.page_bytes
         return [self.page(p) for p in res.pages]
 
-    @contextlib.contextmanager
-    def reading(self, res: Reservation) -> Iterator[list]:
-        """begin_read + release on exit, whatever happens: a READING reservation never expires,
-        so a reader that skipped release() on an error path would leak its pages."""
-        views = self.begin_read(res)
-        try:
-            yield views
-        finally:
-            self.release(res)
-
     def release(self, res: Reservation) -> bool:
         """Return the pages; False if they were already gone (released or expired)."""
         with self._lock:
@@ -327,11 +317,6 @@ class PDBuffer:
         with self._lock:
             rec = self._records.get(res.rid)
             return rec is not None and rec.res.generation == res.generation
-
-    def state(self, res: Reservation) -> State | None:
-        with self._lock:
-            rec = self._records.get(res.rid)
-            return rec.state if rec is not None and rec.res.generation == res.generation else None
 
     # ---- accounting ----
     @property

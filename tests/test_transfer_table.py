@@ -56,6 +56,19 @@ def test_a_pinned_transfer_outlives_its_lease_once_arrived_but_not_while_being_w
     assert buf.fully_free()
 
 
+def test_a_claim_releases_its_pages_even_when_the_reader_fails(table) -> None:
+    t, buf, clock = table
+    a = incoming(buf, "t", 4)
+    t.add(a)
+    t.arrived("t", a.res.generation)
+    with pytest.raises(RuntimeError, match="scatter failed"), t.claim("t", 0) as got:
+        clock.t += LEASE * 2  # a transfer being read does not expire mid-copy
+        buf.reap()
+        assert len(got.pages) == 4 and buf.is_live(a.res)
+        raise RuntimeError("scatter failed")
+    assert buf.fully_free() and not buf.is_live(a.res)
+
+
 def test_unpin_of_an_unread_transfer_frees_it_and_a_written_one_waits_for_its_notice(table) -> None:
     t, buf, clock = table
     a = incoming(buf, "arrived")
