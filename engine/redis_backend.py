@@ -29,7 +29,6 @@ from kvferry.engine.remote_base import PREFIX, Item, Mapped, RemoteError, hostpo
 
 logger = get_logger(__name__)
 
-REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
 # redis-py's URL query names for TLS and the config keys they stand for.
 TLS_QUERY = {"ssl_ca_certs": "remote_tls_ca_file", "ssl_certfile": "remote_tls_cert_file",
              "ssl_keyfile": "remote_tls_key_file"}
