@@ -14,12 +14,13 @@ import threading
 import time
 from typing import Any
 
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
 
-class NixlUnavailable(RuntimeError):
+class NixlUnavailable(UnavailableError, RuntimeError):
     """nixl is not installed or has no UCX plugin."""
 
 

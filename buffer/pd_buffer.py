@@ -20,13 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 
 logger = get_logger(__name__)
 
 
-class PDBufferError(RuntimeError):
+class PDBufferError(UnavailableError, RuntimeError):
     """Base of pd_buffer errors; messages name pd_buffer_size or the key to change."""
 
 

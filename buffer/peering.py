@@ -30,6 +30,7 @@ import zmq.asyncio
 from kvferry.buffer.nixl_agent import NixlThread
 from kvferry.common import messages as m
 from kvferry.common import zsock
+from kvferry.common.errors import BadDataError, UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
 
 logger = get_logger(__name__)
@@ -38,7 +39,7 @@ MAX_PEERS = 256
 MIN_GBPS = 0.2  # P2P: a lease, and a READ's deadline, grow by its bytes at this rate
 
 
-class PeerError(RuntimeError):
+class PeerError(UnavailableError, RuntimeError):
     """A peer could not be reached or refused; the message names the peer and the fix."""
 
 
@@ -46,7 +47,7 @@ class FingerprintError(PeerError):
     """The peer keeps its KV in another layout: its bytes would be garbage here."""
 
 
-class BadPeerData(PeerError):
+class BadPeerData(PeerError, BadDataError):
     """A peer's answer failed a check before any NIXL call used it (names, metadata, addresses,
     sizes) or its bytes failed one after (a MAC): a counted miss, never trusted."""
 

@@ -23,6 +23,7 @@ import msgspec
 import yaml
 
 from kvferry.common import secret
+from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import get_logger
 from kvferry.common.redact import redact_url
 
@@ -31,7 +32,7 @@ logger = get_logger(__name__)
 Ports = Union[int, list[int], None]
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """A configuration problem; the message is one line that names the key and the fix."""
 
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from kvferry.common.errors import BadDataError
+
 # 2: one Hello/Welcome handshake for PD and P2P, AbortTransfer.final, lm:// server greeting.
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 4 << 20
@@ -30,7 +32,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 
 
-class MessageError(ValueError):
+class MessageError(BadDataError, ValueError):
     """A frame that is not a valid kvferry message; `kind` says why."""
 
     def __init__(self, kind: str, detail: str) -> None:

@@ -21,6 +21,7 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 
+from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -30,7 +31,7 @@ MAX_CHARS = 4096
 _SALT = b"kvferry-cluster-secret-v1"
 
 
-class SecretError(ValueError):
+class SecretError(ConfigurationError, ValueError):
     """A cluster secret that cannot be used; the message names the key and the fix."""
 
 

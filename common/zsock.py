@@ -22,6 +22,7 @@ from zmq.utils import z85
 
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.errors import ConfigurationError, UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
@@ -32,7 +33,7 @@ logger = get_logger(__name__)
 MAX_BYTES = 4 * m.MAX_FRAME_BYTES
 
 
-class ExposureError(RuntimeError):
+class ExposureError(ConfigurationError, RuntimeError):
     """A port would listen beyond loopback without a cluster secret while one is required."""
 
 
@@ -131,7 +132,7 @@ def connect(ctx: zmq.Context, kind: int, trust: Trust, url: str, max_bytes: int 
     return s
 
 
-class BindError(RuntimeError):
+class BindError(UnavailableError, RuntimeError):
     """A port could not be bound; the message names its key."""
 
 

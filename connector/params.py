@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.common.errors import BadDataError
 
-class ParamsError(ValueError):
+
+class ParamsError(BadDataError, ValueError):
     """kv_transfer_params that cannot be acted on; the message names the field."""
 
 

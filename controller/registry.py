@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvferry.common import messages as m
+from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.log import RateLimitedLog, get_logger
 
@@ -37,7 +38,7 @@ MAX_CHUNKS = 1 << 23  # all workers together: ~1.2 GB of index at most
 MAX_CHUNK_SIZE = 1 << 20  # tokens
 
 
-class RegistryError(ValueError):
+class RegistryError(BadDataError, ValueError):
     """A request the controller cannot carry out; the message names the fix."""
 
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from kvferry.common import messages as m
+from kvferry.common.errors import UnavailableError
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.lm_protocol import (
     CLIENT_PURPOSE,
@@ -24,7 +25,7 @@ from kvferry.engine.lm_protocol import (
 Call = tuple[m.Msg, Sequence[bytes | memoryview], int]  # a request, its payload, the largest reply payload wanted
 
 
-class LMError(RuntimeError):
+class LMError(UnavailableError, RuntimeError):
     """The lm:// server could not be reached, timed out, refused the request, or sent a reply we cannot trust."""
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvferry.common.errors import UnavailableError
+
 PREFIX = b"kvferry:"
 
 
-class RemoteError(RuntimeError):
+class RemoteError(UnavailableError, RuntimeError):
     """The remote store failed, timed out or is misconfigured."""
 
 

@@ -34,6 +34,7 @@ import xxhash
 
 from kvferry.common.chunk_mac import TAG_BYTES, ChunkMAC
 from kvferry.common.config import SERDES
+from kvferry.common.errors import BadDataError
 
 MAGIC = b"KVFR"
 VERSION = 2  # 1: no MAC field (refused as "an older kvferry", a miss)
@@ -48,7 +49,7 @@ _TAGGED = 1  # flags: the tag field holds a MAC (else zeros)
 _NO_TAG = bytes(TAG_BYTES)
 
 
-class SerdeError(ValueError):
+class SerdeError(BadDataError, ValueError):
     """A stored value that cannot be this reader's chunk (damaged, foreign or truncated)."""
 
 

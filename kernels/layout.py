@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.common.errors import ConfigurationError
+
 LAYOUTS = ("cpu", "flash_nhd", "flash_hnd")
 FORMATS = ("block", "token")
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigurationError, ValueError):
     """A KV cache tensor kvferry cannot describe; the message names the shape it saw."""
 
 

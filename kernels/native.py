@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import get_logger
 from kvferry.common.paths import cache_root
 
@@ -44,7 +45,7 @@ def cache_dir() -> Path:
     return cache_root() / "native"
 
 
-class UntrustedLibrary(OSError):
+class UntrustedLibrary(ConfigurationError, OSError):
     """A cached library (or its folder) that another user could have written."""
 
 

@@ -15,11 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvferry.common.errors import UnavailableError
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import die_with_parent, log_tail
 
 
-class StoreStartError(RuntimeError):
+class StoreStartError(UnavailableError, RuntimeError):
     pass
 
 

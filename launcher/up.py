@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
+from kvferry.common.errors import ConfigurationError
 from kvferry.common.netutil import port_is_free
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import (
@@ -38,7 +39,7 @@ from kvferry.launcher.vllm_proc import (
 STOP_SECONDS = 15.0
 
 
-class UpError(RuntimeError):
+class UpError(ConfigurationError, RuntimeError):
     """Cannot start the cluster; the message says why and what to do."""
 
 

@@ -13,6 +13,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvferry.common.errors import UnavailableError
+
 
 def die_with_parent() -> None:
     """In a child before exec: SIGTERM it when its parent dies (Linux), so a crashed launcher
@@ -44,7 +46,7 @@ def stop_group(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
-class VLLMStartError(RuntimeError):
+class VLLMStartError(UnavailableError, RuntimeError):
     """vLLM exited or did not become healthy in time; the message carries its log tail."""
 
 

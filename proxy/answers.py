@@ -6,8 +6,10 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from kvferry.common.errors import BadDataError
 
-class BadAnswer(ValueError):
+
+class BadAnswer(BadDataError, ValueError):
     """An engine's answer lacks a field the proxy needs, or has it with the wrong type; the
     message names the field."""
 

@@ -10,8 +10,10 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvferry.common.errors import ConfigurationError
 
-class OptionError(ValueError):
+
+class OptionError(ConfigurationError, ValueError):
     """A bad flag or config entry; the message names it."""
 
 

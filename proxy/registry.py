@@ -7,6 +7,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+from kvferry.common.errors import UnavailableError
 from kvferry.proxy.options import InstanceSpec
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
@@ -65,7 +66,7 @@ class Instance:
         return d
 
 
-class NoInstance(RuntimeError):
+class NoInstance(UnavailableError, RuntimeError):
     """No healthy instance of a role."""
 
 

@@ -38,6 +38,7 @@ from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise_thread
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
@@ -76,7 +77,7 @@ def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
                           proxy_port=cfg.pd_proxy_port, queue_seconds=cfg.pd_queue_seconds, trust=zsock.trust_of(cfg))
 
 
-class ReceiverError(RuntimeError):
+class ReceiverError(UnavailableError, RuntimeError):
     """The receiver cannot start (port taken, NIXL missing); the message names the fix."""
 
 

@@ -29,12 +29,13 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, ReservationGone
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
 
-class TransferError(RuntimeError):
+class TransferError(UnavailableError, RuntimeError):
     """A transfer cannot be handed over; the message says why and which key bounds it."""
 
 
