@@ -189,14 +189,13 @@ class DiskTier:
             return "not a regular file", None
         if st.st_size != HEADER_BYTES + nbytes:
             return f"{st.st_size} bytes, expected {HEADER_BYTES + nbytes} (truncated or oversize)", None
-        with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-            head = f.read(HEADER_BYTES)
-            why = self._check_header(head, key, nbytes)
-            if why is not None:
-                return why, None
-            data = torch.empty(nbytes, dtype=torch.uint8)
-            view = memoryview(data.numpy())
-            got = f.readinto(view)
+        head = os.read(fd, HEADER_BYTES)  # straight from the fd: no dup, no file object per chunk
+        why = self._check_header(head, key, nbytes)
+        if why is not None:
+            return why, None
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview(data.numpy())
+        got = os.readv(fd, [view])
         if got != nbytes:
             return f"short read: {got} of {nbytes} bytes", None
         if xxhash.xxh3_64_intdigest(view) != _HEADER.unpack(head)[4]:
