@@ -259,9 +259,13 @@ class LyingLM:
             c.close()
 
     def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
+        # shutdown first: close() alone does not wake the threads blocked in accept() / recv().
+        for s in (self.sock, *self.conns):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected, or the peer already went
+            s.close()
 
 
 @pytest.mark.parametrize("extra", [1, -1])
