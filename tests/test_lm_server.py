@@ -476,23 +476,38 @@ class LyingServer:
         self.lsock = socket.create_server(("127.0.0.1", 0))
         self.port = self.lsock.getsockname()[1]
         self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.lock, self.closed = threading.Lock(), False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         try:
             conn, _ = self.lsock.accept()
-            self.conns.append(conn)
+            with self.lock:
+                if self.closed:  # close() came first and could not shut this one down
+                    conn.close()
+                    return
+                self.conns.append(conn)
             conn.sendall(frame(m.ServerHello(auth=False)))
             while head := conn.recv(4, socket.MSG_WAITALL):
                 conn.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
                 conn.sendall(frame(self.reply))  # and never the payload it announced
         except OSError:
-            pass  # closed by the test
+            pass  # shut down by the test
 
     def close(self) -> None:
-        self.lsock.close()
-        for c in self.conns:
-            c.close()
+        """Stop the thread, wherever it waits: shutdown() wakes a blocked accept() or recv(); close() alone does not."""
+        with self.lock:
+            self.closed = True
+            socks = [self.lsock, *self.conns]
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected (the listener, or a peer already gone)
+            s.close()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the fake server's thread was left behind"
 
 
 @pytest.mark.parametrize("max_bytes", [4096, None])
