@@ -50,8 +50,8 @@ def _option(cfg: KVFerryConfig, key: str) -> tuple[str | None, str]:
 def _read_password(path: str, source: str) -> str:
     """A password file's first line; one others may read is used, with a warning naming chmod."""
     try:
-        st = os.stat(path)
         with open(path, encoding="utf-8") as f:
+            st = os.fstat(f.fileno())  # the mode of the file read, not of whatever the path named before
             text = f.read(MAX_PASSWORD_CHARS + 1)
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
