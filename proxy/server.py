@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 import aiohttp
@@ -543,8 +543,8 @@ class Proxy:
             if body.get("stream"):
                 raise ProxyError(400, "a batch of prompts with stream=true is not supported: send one request "
                                       "per prompt, or stream=false", "unsupported_batch_stream", param="prompt")
-            outs = await asyncio.gather(*(self._completion_one(request, _sample(body, n, i, prompt=p), max_tokens, t0)
-                                          for p in batch for i in range(n)))
+            outs = await _all(self._completion_one(request, _sample(body, n, i, prompt=p), max_tokens, t0)
+                              for p in batch for i in range(n))
             return json_response(_merge_samples(outs, n))
         body = dict(body, prompt=batch[0])
         if body.get("stream"):
@@ -773,8 +773,7 @@ class Proxy:
         max_tokens = self._max_tokens(body, max_key)
         n = body.get("n") or 1
         if n > 1:  # stream=true was refused in _body
-            outs = await asyncio.gather(*(self._chat_one(request, _sample(body, n, i), max_key, max_tokens)
-                                          for i in range(n)))
+            outs = await _all(self._chat_one(request, _sample(body, n, i), max_key, max_tokens) for i in range(n))
             self.metrics.total.observe(time.perf_counter() - t0)
             return json_response(_merge_samples(outs, n))
         if not body.get("stream"):
@@ -1104,6 +1103,20 @@ def _shift_offsets(c: dict, shift: int) -> int:
     if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
         lp["text_offset"] = [o + shift for o in lp["text_offset"]]
     return shift
+
+
+async def _all(legs: Iterable[Awaitable[dict]]) -> list[dict]:
+    """Every leg's answer, run at once; when one fails, the others are cancelled (each aborts its
+    transfer) before the error goes on: asyncio.gather alone would leave them running, holding
+    upstream connections and decoder pages past the request and outside --max-in-flight."""
+    tasks = [asyncio.ensure_future(leg) for leg in legs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _sample(body: dict, n: int, i: int, **kw: Any) -> dict:

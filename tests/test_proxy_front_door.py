@@ -5,8 +5,11 @@ internal ports."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -32,6 +35,15 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
     return err
 
 
+@contextlib.contextmanager
+def _two_streams(url: str, body: dict) -> Iterator[list[httpx.Response]]:
+    """Two streamed /v1/completions requests open at once, each on its own connection."""
+    with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
+        with c1.stream("POST", url + "/v1/completions", json=body) as r1, \
+                c2.stream("POST", url + "/v1/completions", json=body) as r2:
+            yield [r1, r2]
+
+
 # ---- limits ----
 
 def test_body_size_and_batch_limits_are_json_errors() -> None:
@@ -55,30 +67,38 @@ def test_body_size_and_batch_limits_are_json_errors() -> None:
 def test_a_full_proxy_answers_503_with_retry_after_and_recovers() -> None:
     p0, d0 = stubs(0, 0.05)
     px = proxy([p0], [d0], "--max-in-flight", "2")
-    body = {"model": "stub", "prompt": "hold", "max_tokens": 30, "stream": True}
-    with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
-        with c1.stream("POST", px.url + "/v1/completions", json=body) as r1, \
-                c2.stream("POST", px.url + "/v1/completions", json=body) as r2:
-            its = [r.iter_lines() for r in (r1, r2)]  # kept: a dropped iterator closes its stream
-            assert all(next(it).startswith("data: ") for it in its)  # both are in flight now
-            r = post(px.url, "/v1/completions", {"model": "stub", "prompt": "third", "max_tokens": 2})
-            err = _openai_error(r, 503)
-            assert r.headers["retry-after"] == "1" and "--max-in-flight" in err["message"]
-            assert httpx.get(px.url + "/health").status_code == 200  # not gated
-            for it in its:
-                assert [x for x in it if x][-1] == "data: [DONE]"
+    with _two_streams(px.url, {"model": "stub", "prompt": "hold", "max_tokens": 30, "stream": True}) as rs:
+        its = [r.iter_lines() for r in rs]  # kept: a dropped iterator closes its stream
+        assert all(next(it).startswith("data: ") for it in its)  # both are in flight now
+        r = post(px.url, "/v1/completions", {"model": "stub", "prompt": "third", "max_tokens": 2})
+        err = _openai_error(r, 503)
+        assert r.headers["retry-after"] == "1" and "--max-in-flight" in err["message"]
+        assert httpx.get(px.url + "/health").status_code == 200  # not gated
+        for it in its:
+            assert [x for x in it if x][-1] == "data: [DONE]"
     assert post(px.url, "/v1/completions", {"model": "stub", "prompt": "after", "max_tokens": 2}).status_code == 200
     assert 'kvferry_proxy_errors_total{instance="proxy",kind="overloaded"} 1.0' in httpx.get(px.url + "/metrics").text
+
+
+def test_a_failed_sample_cancels_the_others() -> None:
+    # Two prompts fan out; the decoder fails the first decode leg it sees (400, not retried) and
+    # takes 40 x 0.1 s over the other: the client hears the 400 and the other leg ends with it,
+    # not after, outside --max-in-flight.
+    p0, d0 = stubs(0, 0.1)
+    px = proxy([p0], [d0])
+    httpx.post(d0.url + "/stub/fail", json={"status": 400, "count": 1})
+    t0 = time.monotonic()
+    r = post(px.url, "/v1/completions", {"model": "stub", "prompt": ["a", "b"], "max_tokens": 41})
+    assert r.status_code == 400 and time.monotonic() - t0 < 3, r.text
+    dec = [i for i in httpx.get(px.url + "/health").json()["instances"] if i["role"] == "decoder"]
+    assert dec[0]["in_flight"] == 0, dec
 
 
 def test_upstream_connections_are_pooled_per_instance() -> None:
     p0, d0 = stubs(0, 0.02)
     px = proxy([p0], [d0], "--upstream-connections", "1")
-    body = {"model": "stub", "prompt": "pool", "max_tokens": 10, "stream": True}
-    with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
-        with c1.stream("POST", px.url + "/v1/completions", json=body) as r1, \
-                c2.stream("POST", px.url + "/v1/completions", json=body) as r2:
-            texts = [list(r.iter_lines()) for r in (r1, r2)]
+    with _two_streams(px.url, {"model": "stub", "prompt": "pool", "max_tokens": 10, "stream": True}) as rs:
+        texts = [list(r.iter_lines()) for r in rs]
     assert all(t[-2] == "data: [DONE]" for t in texts)  # the second waited for the connection
     assert log(d0)["max_active"] == 1 and len(log(d0)["requests"]) == 2
 
