@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvferry.common import messages as m
 from kvferry.common.errors import UnavailableError
@@ -64,18 +65,35 @@ class LMClient:
         poller.register(self._sock, select.POLLIN)
         return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR
 
-    def _frame(self, deadline: float, limit: int = MAX_HEADER) -> m.Msg:
+    def _frame(self, deadline: float, limit: int = MAX_HEADER, expect: type | tuple[type, ...] | None = None) -> m.Msg:
+        """The next header frame, at most `limit` bytes, received by `deadline`."""
         self._sock.settimeout(max(0.01, deadline - time.monotonic()))
         n = int.from_bytes(self._exact(LEN_BYTES), "big")
         if n > limit:
             raise m.MessageError("too_large", f"reply header of {n} bytes")
-        return m.decode(bytes(self._exact(n)))
+        return m.decode(bytes(self._exact(n)), expect=expect)
+
+    @contextlib.contextmanager
+    def _or_drop(self, what: str) -> Iterator[None]:
+        """Any failure inside loses the stream: drop the connection, and raise it as an LMError."""
+        try:
+            yield
+        except LMError:
+            self.close()
+            raise
+        except (OSError, m.MessageError) as e:
+            self.close()
+            raise LMError(f"{self.where}: {what}{type(e).__name__}: {e}") from None
 
     def _handshake(self, deadline: float) -> None:
         """The server's greeting and, when it asks, the cluster-secret proof both ways."""
         where = self.where
-        try:
-            hello = self._frame(deadline, MAX_AUTH_HEADER)
+        with self._or_drop("handshake failed: "):
+            try:
+                hello = self._frame(deadline, MAX_AUTH_HEADER)
+            except TimeoutError:
+                raise LMError(f"{where}: no greeting within {self.timeout:g}s: is it a kvferry-server of this "
+                              "version, and not overloaded?") from None
             if isinstance(hello, m.ErrorReply):  # e.g. busy: over its --max-connections
                 raise LMError(f"{where} refused the connection: {hello.code}: {hello.message}")
             if not isinstance(hello, m.ServerHello):
@@ -101,16 +119,6 @@ class LMClient:
             if not isinstance(ok, m.AuthOk) or not self.secret.verify(SERVER_PURPOSE, ok.mac, mine, hello.nonce):
                 raise LMError(f"{where} could not prove the cluster secret: it holds another one (or is not the "
                               "server you meant); give both sides the same secret")
-        except TimeoutError:
-            self.close()
-            raise LMError(f"{where}: no greeting within {self.timeout:g}s: is it a kvferry-server of this "
-                          "version, and not overloaded?") from None
-        except (OSError, m.MessageError) as e:
-            self.close()
-            raise LMError(f"{where}: handshake failed: {type(e).__name__}: {e}") from None
-        except LMError:
-            self.close()
-            raise
 
     def _exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -127,31 +135,21 @@ class LMClient:
         deadline = time.monotonic() + self.timeout
         out: list[tuple[m.Msg, memoryview | None]] = []
         s = self._conn(deadline)
-        try:
+        with self._or_drop(""):
             s.settimeout(max(0.01, deadline - time.monotonic()))
             for msg, payload, _ in calls:
                 s.sendall(frame(msg))
                 for part in payload:  # sent as they are: no joined copy of a large chunk
                     s.sendall(part)
             for _, _, limit in calls:
-                s.settimeout(max(0.01, deadline - time.monotonic()))
-                n = int.from_bytes(self._exact(LEN_BYTES), "big")
-                if n > MAX_HEADER:
-                    raise m.MessageError("too_large", f"reply header of {n} bytes")
-                reply = m.decode(bytes(self._exact(n)), expect=(m.RemoteReply, m.ErrorReply))
+                reply = self._frame(deadline, expect=(m.RemoteReply, m.ErrorReply))
                 found = isinstance(reply, m.RemoteReply) and reply.found
                 if found and reply.nbytes > limit:
-                    # Its payload is never read, so the stream is lost: the finally below drops the connection.
+                    # Its payload is never read, so the stream is lost: _or_drop drops the connection.
                     raise LMError(f"{self.where} answered with a {reply.nbytes}-byte chunk where at most {limit} "
                                   "bytes were expected: another model or chunk layout wrote that key, or the "
                                   "server is not a kvferry-server; treated as a miss")
                 out.append((reply, memoryview(self._exact(reply.nbytes)) if found else None))
-        except (OSError, m.MessageError) as e:
-            self.close()
-            raise LMError(f"{self.where}: {type(e).__name__}: {e}") from None
-        except LMError:
-            self.close()
-            raise
         for reply, _ in out:
             if isinstance(reply, m.ErrorReply):
                 raise LMError(f"{self.where} refused: {reply.code}: {reply.message}")
