@@ -36,7 +36,20 @@ def _completion(client, stream: bool, **kw) -> dict:
     if not stream:
         out = client.completions.create(**kw).model_dump()
         return {"choices": [_choice(c) for c in out["choices"]], "usage": _usage(out["usage"])}
-    chunks = list(client.completions.create(stream=True, **kw))
+
+    def add(d: dict, ch) -> None:
+        d["text"] += ch.text
+        if ch.logprobs is not None:
+            lp = d["logprobs"] = d["logprobs"] or {"tokens": [], "text_offset": []}
+            lp["tokens"] += ch.logprobs.tokens
+            lp["text_offset"] += ch.logprobs.text_offset
+    return _fold(client.completions.create(stream=True, **kw), "text", add)
+
+
+def _fold(chunks, text: str, add) -> dict:
+    """Streamed chunks folded per choice: `add(d, choice)` joins a chunk's `text` field and
+    logprobs into d; finish_reason and the final usage are taken here, and the ids checked."""
+    chunks = list(chunks)
     assert len({c.id for c in chunks}) == 1
     by: dict[int, dict] = {}
     usage = None
@@ -44,13 +57,9 @@ def _completion(client, stream: bool, **kw) -> dict:
         if c.usage is not None:
             usage = _usage(c.usage.model_dump())
         for ch in c.choices:
-            d = by.setdefault(ch.index, {"index": ch.index, "text": "", "finish_reason": None, "logprobs": None})
-            d["text"] += ch.text
+            d = by.setdefault(ch.index, {"index": ch.index, text: "", "finish_reason": None, "logprobs": None})
+            add(d, ch)
             d["finish_reason"] = ch.finish_reason or d["finish_reason"]
-            if ch.logprobs is not None:
-                lp = d["logprobs"] = d["logprobs"] or {"tokens": [], "text_offset": []}
-                lp["tokens"] += ch.logprobs.tokens
-                lp["text_offset"] += ch.logprobs.text_offset
     return {"choices": [by[i] for i in sorted(by)], "usage": usage}
 
 
@@ -73,20 +82,12 @@ def _chat(client, stream: bool, **kw) -> dict:
                              "logprobs": None if not c.get("logprobs") else
                              [t["token"] for t in c["logprobs"]["content"]]} for c in out["choices"]],
                 "usage": _usage(out["usage"])}
-    chunks = list(client.chat.completions.create(stream=True, **kw))
-    assert len({c.id for c in chunks}) == 1
-    by: dict[int, dict] = {}
-    usage = None
-    for c in chunks:
-        if c.usage is not None:
-            usage = _usage(c.usage.model_dump())
-        for ch in c.choices:
-            d = by.setdefault(ch.index, {"index": ch.index, "content": "", "finish_reason": None, "logprobs": None})
-            d["content"] += ch.delta.content or ""
-            d["finish_reason"] = ch.finish_reason or d["finish_reason"]
-            if ch.logprobs is not None and ch.logprobs.content:
-                d["logprobs"] = (d["logprobs"] or []) + [t.token for t in ch.logprobs.content]
-    return {"choices": [by[i] for i in sorted(by)], "usage": usage}
+
+    def add(d: dict, ch) -> None:
+        d["content"] += ch.delta.content or ""
+        if ch.logprobs is not None and ch.logprobs.content:
+            d["logprobs"] = (d["logprobs"] or []) + [t.token for t in ch.logprobs.content]
+    return _fold(client.chat.completions.create(stream=True, **kw), "content", add)
 
 
 COMPLETIONS = {
