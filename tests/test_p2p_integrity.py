@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from kvferry.common import messages as m
-from kvferry.common.config import KVFerryConfig, load_config
-from kvferry.common.netutil import free_port
-from kvferry.engine.cpu_tier import CPUTier
+from kvferry.common.config import load_config
 from kvferry.engine.p2p import P2PWorker
 from kvferry.engine.standalone import StandaloneEngine, parse_shape_spec
 from tests.polling import until
-from tests.transfer_helpers import fingerprint
+from tests.transfer_helpers import p2p_worker, peer_addr
 
 SLOT = 1 << 20  # one full chunk: 64 tokens of 2 blocks (512 KiB each) in the test layout
 SLOTS = 4
@@ -33,13 +31,7 @@ SECRET = "p2p-integrity-cluster-secret-0123"
 
 
 def make_worker(name: str, secret: str | None) -> P2PWorker:
-    cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
-                        p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
-                        lmcache_instance_id=name, controller_pull_url=f"127.0.0.1:{free_port()}",
-                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=3.0,
-                        cluster_secret=secret)
-    cpu = CPUTier(capacity=SLOTS * SLOT, slot_bytes=SLOT)
-    return P2PWorker(cfg, cpu, 0, 1, b"salt", fingerprint(SLOT), f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
+    return p2p_worker(name, secret, slot=SLOT, slots=SLOTS, timeout=3.0)
 
 
 def _lie(mode: str, r: m.PeerChunks) -> m.PeerChunks:
@@ -227,8 +219,7 @@ def test_without_a_secret_chunks_carry_no_tags() -> None:
         t = a.cpu.alloc(SLOT)
         t.fill_(9)
         a.cpu.put(b"k0", t)
-        addr = m.PeerAddr(host="127.0.0.1", init_port=a.info.p2p_init_port, lookup_port=a.info.p2p_lookup_port)
-        peer, reply = b._call(b.reader.lease(addr, [b"k0"], time.monotonic() + 5, [SLOT], "plain-holder"), 10)
+        peer, reply = b._call(b.reader.lease(peer_addr(a), [b"k0"], time.monotonic() + 5, [SLOT], "plain-holder"), 10)
         assert reply.tags == [] and a.mac is None and b.mac is None
         out = b._call(b.reader.read(peer, reply, [b"k0"], time.monotonic() + 5), 10)
         assert bool((out[0] == 9).all())

@@ -12,26 +12,16 @@ import time
 import pytest
 
 from kvferry.common import messages as m
-from kvferry.common.config import KVFerryConfig
-from kvferry.common.netutil import free_port
-from kvferry.engine.cpu_tier import CPUTier
 from kvferry.engine.p2p import P2PError, P2PWorker
 from tests.polling import until
-from tests.transfer_helpers import fingerprint
+from tests.transfer_helpers import p2p_worker, peer_addr
 
 SLOT = 1 << 20
 SLOTS = 4
 
 
 def worker(name: str, secret: str | None = None, **fp) -> P2PWorker:
-    cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
-                        p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
-                        lmcache_instance_id=name, controller_pull_url=f"127.0.0.1:{free_port()}",
-                        controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=5.0,
-                        cluster_secret=secret)
-    cpu = CPUTier(capacity=SLOTS * SLOT, slot_bytes=SLOT)
-    return P2PWorker(cfg, cpu, 0, 1, b"salt", fingerprint(SLOT, **fp),
-                     f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
+    return p2p_worker(name, secret, slot=SLOT, slots=SLOTS, **fp)
 
 
 @pytest.fixture
@@ -41,10 +31,6 @@ def pair():
     for w in (reader, holder):
         w.close()
         w.cpu.close()
-
-
-def addr(w: P2PWorker) -> m.PeerAddr:
-    return m.PeerAddr(host="127.0.0.1", init_port=w.info.p2p_init_port, lookup_port=w.info.p2p_lookup_port)
 
 
 def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> None:
@@ -57,7 +43,7 @@ def test_a_chunk_evicted_under_a_lease_keeps_its_bytes_until_released(pair) -> N
     del t
 
     deadline = time.monotonic() + 10
-    peer, reply = reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10)
+    peer, reply = reader._call(reader.reader.lease(peer_addr(holder), [b"k0"], deadline), 10)
     assert list(reply.addrs) == [leased_at] and len(reply.metadata) == 1  # the arena's registration
     until(lambda: holder.cpu.arena._quiet == 1, what="the holder's touch-ahead to pause during a lease")
 
@@ -93,7 +79,7 @@ def test_the_arena_metadata_goes_to_a_peer_once(pair) -> None:
     deadline = time.monotonic() + 10
     got = []
     for key in (b"\x00", b"\x01"):
-        peer, reply = reader._call(reader.reader.lease(addr(holder), [key], deadline), 10)
+        peer, reply = reader._call(reader.reader.lease(peer_addr(holder), [key], deadline), 10)
         got.append(len(reply.metadata))
         out = reader._call(reader.reader.read(peer, reply, [key], deadline), 10)
         assert int(out[0][0]) == key[0] + 1 and int(out[0][-1]) == key[0] + 1
@@ -131,7 +117,7 @@ def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(wo
     for name, secret in (("plain", None), ("wrong", OTHER)):
         intruder = workers(name, secret=secret)
         with pytest.raises(P2PError, match="did not answer the handshake"):
-            intruder._call(intruder.reader.lease(addr(holder), [b"k0"], deadline()), 10)
+            intruder._call(intruder.reader.lease(peer_addr(holder), [b"k0"], deadline()), 10)
         assert not holder.lender._seen, "the holder answered someone without the secret"
     # The controller's command port too: nothing without the secret, an answer with it.
     import zmq
@@ -151,7 +137,7 @@ def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(wo
     finally:
         ctx.destroy(linger=0)
     friend = workers("friend", secret=SECRET)
-    peer, reply = friend._call(friend.reader.lease(addr(holder), [b"k0"], deadline() + 5), 10)
+    peer, reply = friend._call(friend.reader.lease(peer_addr(holder), [b"k0"], deadline() + 5), 10)
     out = friend._call(friend.reader.read(peer, reply, [b"k0"], deadline() + 5), 10)
     assert int(out[0][0]) == 7 and int(out[0][-1]) == 7
 
@@ -159,7 +145,7 @@ def test_a_peer_without_the_cluster_secret_gets_no_metadata_and_reads_nothing(wo
 def test_another_kv_layout_is_refused_naming_both_sides(workers) -> None:
     holder, reader = workers("holder"), workers("reader", num_kv_heads=4)
     with pytest.raises(P2PError) as e:
-        reader._call(reader.reader.lease(addr(holder), [b"k0"], time.monotonic() + 5), 10)
+        reader._call(reader.reader.lease(peer_addr(holder), [b"k0"], time.monotonic() + 5), 10)
     text = str(e.value)
     assert "num_kv_heads" in text and "reader:" in text and "holder:" in text
 
@@ -171,15 +157,15 @@ def test_leases_per_peer_and_the_peers_remembered_are_bounded(workers, monkeypat
     holder, reader = workers("holder"), workers("reader")
     put(holder, b"k0", 1)
     deadline = time.monotonic() + 10
-    held = [reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10) for _ in range(3)]
+    held = [reader._call(reader.reader.lease(peer_addr(holder), [b"k0"], deadline), 10) for _ in range(3)]
     with pytest.raises(P2PError, match="leases of yours are open"):
-        reader._call(reader.reader.lease(addr(holder), [b"k0"], deadline), 10)
+        reader._call(reader.reader.lease(peer_addr(holder), [b"k0"], deadline), 10)
     assert holder.lender.sizes()["leases"] == 3 and holder.lender.counters["p2p_refused_leases"] == 1
     for peer, reply in held:
         reader._call(reader.reader.release(peer, reply.lease_id), 10)
     until(lambda: holder.lender.sizes()["leases"] == 0, timeout=3, what="the releases (not the leases' expiry, at 10 s)")
     for name in ("r2", "r3", "r4"):
         w = workers(name)
-        p, r = w._call(w.reader.lease(addr(holder), [b"k0"], time.monotonic() + 10), 10)
+        p, r = w._call(w.reader.lease(peer_addr(holder), [b"k0"], time.monotonic() + 10), 10)
         w._call(w.reader.release(p, r.lease_id), 10)
     assert holder.lender.sizes()["seen_peers"] == 2
