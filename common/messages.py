@@ -14,7 +14,10 @@ import msgspec
 from kvferry.common.errors import BadDataError
 
 # 2: one Hello/Welcome handshake for PD and P2P, AbortTransfer.final, lm:// server greeting.
-PROTOCOL_VERSION = 2
+# 3: AllocResponse without `skip`; PeerChunks' `spans` (one per metadata entry) and `tags`, which
+#    a reader checks: a mixed cluster fails with "peer speaks protocol 2" instead of "malformed"
+#    frames or leases rejected as hostile.
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 4 << 20
 
 # Length limits: generous for real use, small enough that a hostile frame cannot balloon memory.
