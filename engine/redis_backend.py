@@ -139,10 +139,15 @@ def _tls_kwargs(u: RedisURL, s: RedisSettings) -> dict:
         if ca is None and not _system_cas(ctx):
             raise RemoteError(f"{u.shown}: rediss:// needs a CA to check the server's certificate and this host has "
                               f"no system CA bundle: set {TLS_KEYS}")
-    elif u.shown not in _warned_unchecked:  # once per URL, not per connection
-        _warned_unchecked.add(u.shown)
+    elif (u.shown, "reqs") not in _warned_unchecked:  # once per URL, not per connection
+        _warned_unchecked.add((u.shown, "reqs"))
         logger.warning("%s: ssl_cert_reqs=none: the server's certificate is not checked (anyone on the path can "
                        "pose as it); set remote_tls_ca_file instead", u.shown)
+    check_hostname = reqs != "none" and _flag(u.query.get("ssl_check_hostname", "true"))
+    if reqs != "none" and not check_hostname and (u.shown, "hostname") not in _warned_unchecked:
+        _warned_unchecked.add((u.shown, "hostname"))
+        logger.warning("%s: ssl_check_hostname=false: any certificate the CA signed is taken as this server's; "
+                       "connect by a name the server's certificate holds instead", u.shown)
     cert, key = files["ssl_certfile"], files["ssl_keyfile"]
     if key and not cert:
         raise RemoteError("remote_tls_key_file is set without remote_tls_cert_file: set both (or neither)")
@@ -153,11 +158,11 @@ def _tls_kwargs(u: RedisURL, s: RedisSettings) -> dict:
             raise RemoteError(f"remote_tls_cert_file {cert!r} / remote_tls_key_file {key!r} are not a client "
                               f"certificate and its private key ({e}): fix {CLIENT_CERT_KEYS}") from None
     kw.update(ssl_ca_certs=ca, ssl_certfile=cert, ssl_keyfile=key, ssl_cert_reqs=reqs,
-              ssl_check_hostname=reqs != "none" and _flag(u.query.get("ssl_check_hostname", "true")))
+              ssl_check_hostname=check_hostname)
     return kw
 
 
-_warned_unchecked: set[str] = set()
+_warned_unchecked: set[tuple[str, str]] = set()
 
 
 def _system_cas(ctx: ssl.SSLContext) -> bool:

@@ -18,7 +18,7 @@ from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.redact import redact_url
 from kvferry.engine import redis_settings
-from kvferry.engine.redis_backend import RedisSettings, parse_redis_url
+from kvferry.engine.redis_backend import RedisSettings, client_kwargs, parse_redis_url
 from kvferry.engine.remote_serde import ChunkShape, Serde
 from kvferry.engine.remote_store import RemoteError, RemoteTier, parse_url
 from kvferry.launcher.stores import Proc, start_redis, start_sentinel
@@ -184,6 +184,20 @@ def test_rediss_without_a_usable_ca_is_a_clear_error(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="no system CA bundle: set remote_tls_ca_file"):
         redis_settings.from_config(load_config({"remote_url": "rediss://127.0.0.1:1"}, env={}))
+
+
+@pytest.mark.parametrize("query,warned", [("ssl_check_hostname=false", "ssl_check_hostname=false"),
+                                           ("ssl_cert_reqs=none", "ssl_cert_reqs=none"), ("", None)])
+def test_each_relaxed_tls_check_is_a_warning_once(certs: Certs, kvf_logs: pytest.LogCaptureFixture, query: str,
+                                                 warned: str | None) -> None:
+    """docs/redis.md: each option that relaxes the server check is logged as a warning (once per URL)."""
+    u = parse_redis_url(f"rediss://127.0.0.1:6380?{query}")
+    settings = RedisSettings(tls_ca_file=str(certs.ca))
+    for _ in range(2):
+        kw = client_kwargs(u, settings, 1.0)
+    assert kw["ssl_check_hostname"] is (warned is None)
+    lines = [r.getMessage() for r in kvf_logs.records if r.levelname == "WARNING"]
+    assert len(lines) == (warned is not None) and all(warned in line for line in lines), lines
 
 
 # ---- a password ----
