@@ -67,11 +67,19 @@ class LMClient:
 
     def _frame(self, deadline: float, limit: int = MAX_HEADER, expect: type | tuple[type, ...] | None = None) -> m.Msg:
         """The next header frame, at most `limit` bytes, received by `deadline`."""
-        self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-        n = int.from_bytes(self._exact(LEN_BYTES), "big")
+        n = int.from_bytes(self._exact(LEN_BYTES, deadline), "big")
         if n > limit:
             raise m.MessageError("too_large", f"reply header of {n} bytes")
-        return m.decode(bytes(self._exact(n)), expect=expect)
+        return m.decode(bytes(self._exact(n, deadline)), expect=expect)
+
+    def _until(self, deadline: float) -> socket.socket:
+        """The socket, its timeout what is left before `deadline`: set before every send and receive,
+        since a socket timeout bounds one call, and a peer trickling bytes would otherwise stretch ours."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        self._sock.settimeout(left)
+        return self._sock
 
     @contextlib.contextmanager
     def _or_drop(self, what: str) -> Iterator[None]:
@@ -111,8 +119,8 @@ class LMClient:
             if len(hello.nonce) < 16:
                 raise LMError(f"{where} sent a challenge of {len(hello.nonce)} bytes: not a kvferry-server")
             mine = os.urandom(NONCE_BYTES)
-            self._sock.sendall(frame(m.AuthAnswer(nonce=mine, mac=self.secret.mac(CLIENT_PURPOSE, hello.nonce,
-                                                                                  mine))))
+            mac = self.secret.mac(CLIENT_PURPOSE, hello.nonce, mine)
+            self._until(deadline).sendall(frame(m.AuthAnswer(nonce=mine, mac=mac)))
             ok = self._frame(deadline)
             if isinstance(ok, m.ErrorReply):
                 raise LMError(f"{where} refused: {ok.code}: {ok.message}")
@@ -120,11 +128,11 @@ class LMClient:
                 raise LMError(f"{where} could not prove the cluster secret: it holds another one (or is not the "
                               "server you meant); give both sides the same secret")
 
-    def _exact(self, n: int) -> bytearray:
+    def _exact(self, n: int, deadline: float) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
-            k = self._sock.recv_into(view[got:])
+            k = self._until(deadline).recv_into(view[got:])
             if not k:
                 raise ConnectionError("server closed the connection")
             got += k
@@ -134,13 +142,12 @@ class LMClient:
         """Send every request, then read every reply (one round trip); bounded by `timeout`."""
         deadline = time.monotonic() + self.timeout
         out: list[tuple[m.Msg, memoryview | None]] = []
-        s = self._conn(deadline)
+        self._conn(deadline)
         with self._or_drop(""):
-            s.settimeout(max(0.01, deadline - time.monotonic()))
             for msg, payload, _ in calls:
-                s.sendall(frame(msg))
+                self._until(deadline).sendall(frame(msg))
                 for part in payload:  # sent as they are: no joined copy of a large chunk
-                    s.sendall(part)
+                    self._until(deadline).sendall(part)
             for _, _, limit in calls:
                 reply = self._frame(deadline, expect=(m.RemoteReply, m.ErrorReply))
                 found = isinstance(reply, m.RemoteReply) and reply.found
@@ -149,7 +156,7 @@ class LMClient:
                     raise LMError(f"{self.where} answered with a {reply.nbytes}-byte chunk where at most {limit} "
                                   "bytes were expected: another model or chunk layout wrote that key, or the "
                                   "server is not a kvferry-server; treated as a miss")
-                out.append((reply, memoryview(self._exact(reply.nbytes)) if found else None))
+                out.append((reply, memoryview(self._exact(reply.nbytes, deadline)) if found else None))
         for reply, _ in out:
             if isinstance(reply, m.ErrorReply):
                 raise LMError(f"{self.where} refused: {reply.code}: {reply.message}")

@@ -531,3 +531,32 @@ def test_an_exists_answer_of_another_length_is_an_error() -> None:
             LMClient("127.0.0.1", fake.port).exists([b"a", b"b"])
     finally:
         fake.close()
+
+
+def test_a_trickled_reply_cannot_stretch_a_call_past_its_timeout() -> None:
+    lsock = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def trickle() -> None:  # a byte of the reply every 0.2 s: each recv() is quick, the whole is not
+        conn, _ = lsock.accept()
+        with conn:
+            conn.sendall(frame(m.ServerHello(auth=False)))
+            conn.recv(1 << 16)
+            for b in frame(m.RemoteReply(found_keys=[False] * 100)):
+                if done.wait(0.2):
+                    return
+                conn.sendall(bytes([b]))
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        c = LMClient("127.0.0.1", lsock.getsockname()[1], timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(LMError, match="TimeoutError"):
+            c.exists([b"k"] * 100)
+        assert time.monotonic() - t0 < 2, "bounded by the call's timeout, not by each recv"
+    finally:
+        done.set()
+        t.join(timeout=10)
+        lsock.close()
+        assert not t.is_alive()
