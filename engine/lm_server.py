@@ -397,7 +397,7 @@ class LMServer:
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(
                 conn, frame(m.ErrorReply(code=code, message=message[:4000]))), 1.0)
-        except (ConnectionError, TimeoutError):
+        except OSError:  # gone, reset, or not reading (TimeoutError): the connection closes all the same
             pass
 
     async def _next_byte(self, conn: socket.socket, head: bytearray) -> bool:
