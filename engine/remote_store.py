@@ -125,18 +125,21 @@ class RemoteTier:
         self._idle.set()
 
     # ---- failure handling ----
-    def _failed(self, what: str, e: Exception) -> None:
+    def _failed(self, what: str, e: Exception, backend: Backend | None) -> Backend | None:
+        """Count and back off after `e`; returns the connection that failed (`backend`, the
+        caller's own: the put thread has one, gets and lookups another) to keep using, or None
+        (closed) when `e` is not the client's own error, as the connection may be mid-reply."""
         with self._lock:
             self.counters["remote_errors"] += 1
-        if not isinstance(e, RemoteError) and self._backend is not None:
-            # Not the client's own error: its connection may be mid-reply, so start a new one.
-            backend, self._backend = self._backend, None
+        if not isinstance(e, RemoteError) and backend is not None:
             try:
                 backend.close()
             except Exception:  # noqa: BLE001, S110 - it is dropped either way
                 pass
+            backend = None
         self._backoff.failed(what, e if isinstance(e, RemoteError) else f"{type(e).__name__}: {e}",
                              "treating it as empty")
+        return backend
 
     def _rejected(self, key: bytes, e: Exception) -> None:
         forged = isinstance(e, ForgedError)
@@ -163,7 +166,7 @@ class RemoteTier:
                 raise RemoteError(f"answered {len(got)} lookups for {len(keys)} keys")
             got = [v is True for v in got]
         except Exception as e:  # noqa: BLE001 - any failure of the store is a miss, never the scheduler's
-            self._failed("lookup", e)
+            self._backend = self._failed("lookup", e, self._backend)
             return [False] * len(keys)
         self._backoff.ok()
         return got
@@ -178,7 +181,7 @@ class RemoteTier:
         try:
             got = self._conn().get(stored_key, HEADER_BYTES + max_stored(nbytes))
         except Exception as e:  # noqa: BLE001 - any failure of the store is a miss, never the worker's
-            self._failed("get", e)
+            self._backend = self._failed("get", e, self._backend)
             return None
         self._backoff.ok()
         if got is None:
@@ -250,7 +253,7 @@ class RemoteTier:
                     self.counters["stored_chunks|remote"] += len(items)
                     self.counters["stored_bytes|remote"] += sum(len(h) + len(p) for _, h, p in items)
             except Exception as e:  # noqa: BLE001 - the put thread must outlive any one batch
-                self._failed("put", e)
+                backend = self._failed("put", e, backend)
             finally:
                 with self._lock:
                     self._queued -= nbytes

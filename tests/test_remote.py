@@ -211,6 +211,40 @@ def test_a_silent_store_is_a_miss_within_the_timeout() -> None:
         lsock.close()
 
 
+def test_a_failed_put_drops_the_put_threads_connection_not_the_getters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is not the client's own leaves a connection possibly mid-reply: the one that
+    failed is closed and reopened, and the other thread's (in use, maybe at that moment) is kept."""
+    from kvferry.engine import remote_store
+
+    opened: list[FakeBackend] = []
+
+    class FakeBackend:
+        def __init__(self) -> None:
+            self.closed = False
+            opened.append(self)
+
+        def put_many(self, items: list) -> None:
+            raise ValueError("a reply cut off half-way")
+
+        def get(self, key: bytes, max_bytes: int) -> None:
+            return None
+
+        def exists(self, keys: list) -> list[bool]:
+            return [False] * len(keys)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(remote_store, "open_backend", lambda *a, **kw: FakeBackend())
+    t = RemoteTier("redis://127.0.0.1:1", 1.0, Serde("naive", SHAPE))
+    assert t.exists([b"A" * 16]) == [False]  # the getters' connection
+    assert t.put(b"B" * 16, chunk(7), TOKENS) and t.flush(10)
+    assert t.stats()["remote_errors"] == 1
+    getter, putter = opened
+    assert putter.closed and not getter.closed
+    t.close()
+
+
 def test_puts_beyond_the_queue_limit_are_dropped_not_waited_for(tmp_path: Path) -> None:
     p = start_lm_server(tmp_path)
     try:
