@@ -59,11 +59,10 @@ class Gate:
     """Counts client requests in flight; `enter` is False once `limit` are."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.count, self.refused = limit, 0, 0
+        self.limit, self.count = limit, 0
 
     def enter(self) -> bool:
-        if self.count >= self.limit:
-            self.refused += 1
+        if self.count >= self.limit:  # refusals are counted by the caller's metrics
             return False
         self.count += 1
         return True
