@@ -49,9 +49,6 @@ from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.byte_budget import ByteBudget
-
-# LMClient and LMError live in engine/lm_client.py; they are importable from here too (remote_store, tests).
-from kvferry.engine.lm_client import LMClient, LMError
 from kvferry.engine.lm_protocol import (
     CLIENT_PURPOSE,
     LEN_BYTES,
@@ -62,7 +59,7 @@ from kvferry.engine.lm_protocol import (
     frame,
 )
 
-__all__ = ["ChunkLRU", "LMClient", "LMError", "LMServer", "frame", "main"]
+__all__ = ["ChunkLRU", "LMServer", "main"]
 
 logger = get_logger(__name__)
 

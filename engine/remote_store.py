@@ -30,7 +30,7 @@ from kvferry.common.config import REMOTE_SCHEMES as SCHEMES
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
-from kvferry.engine.lm_server import LMClient, LMError
+from kvferry.engine.lm_client import LMClient, LMError
 from kvferry.engine.redis_backend import RedisSettings, open_redis, parse_redis_url
 from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote_serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored

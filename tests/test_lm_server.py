@@ -23,7 +23,8 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.lm_server import LMClient, LMError, frame
+from kvferry.engine.lm_client import LMClient, LMError
+from kvferry.engine.lm_protocol import frame
 from kvferry.launcher.stores import Proc, start_lm_server
 
 KIB = 1 << 10
