@@ -47,22 +47,25 @@ from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 from kvferry.common.log import get_logger
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.stats import KVFerryPromMetrics, KVFerryStats, deltas
-from kvferry.engine.chunking import loaded_blocks
-from kvferry.engine.offload import (
+from kvferry.engine.api import (
     CacheEvict,
     CacheLoad,
     CacheStore,
     OffloadPlanner,
     OffloadWorker,
+    P2PWorker,
+    PagedKV,
+    PDConsumer,
+    PDProducer,
+    ReceiverAddr,
+    RemoteError,
+    detect_layout,
+    fingerprint,
     layout_digest,
+    loaded_blocks,
+    notice_addr,
     offload_salt,
 )
-from kvferry.engine.p2p import P2PWorker, notice_addr
-from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
-from kvferry.engine.remote_store import RemoteError
-from kvferry.kernels.layout import detect_layout
-from kvferry.kernels.paged_copy import PagedKV
-from kvferry.sender.client import ReceiverAddr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ ALLOWED = {
     "sender": {"buffer", "kernels", "common"},
     "receiver": {"buffer", "kernels", "common"},
     "engine": {"buffer", "kernels", "sender", "receiver", "common"},
-    "connector": {"engine", "buffer", "kernels", "sender", "receiver", "common"},
+    "connector": {"engine", "common"},
     "proxy": {"common"},
     "controller": {"common"},
     "launcher": {"common", "proxy", "controller", "engine", "buffer", "kernels", "sender", "receiver",

@@ -1,0 +1,27 @@
+"""What the vLLM connector uses of kvferry: one import surface, so the connector sees only `engine`.
+
+The engine's internal modules may move; this list is the contract the connector is written against.
+"""
+
+from kvferry.engine.chunking import loaded_blocks
+from kvferry.engine.offload import (
+    CacheEvict,
+    CacheLoad,
+    CacheStore,
+    OffloadPlanner,
+    OffloadWorker,
+    layout_digest,
+    offload_salt,
+)
+from kvferry.engine.p2p import P2PWorker, notice_addr
+from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
+from kvferry.engine.remote_store import RemoteError
+from kvferry.kernels.layout import detect_layout
+from kvferry.kernels.paged_copy import PagedKV
+from kvferry.sender.client import ReceiverAddr
+
+__all__ = [
+    "CacheEvict", "CacheLoad", "CacheStore", "OffloadPlanner", "OffloadWorker", "P2PWorker", "PDConsumer",
+    "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "detect_layout", "fingerprint", "layout_digest",
+    "loaded_blocks", "notice_addr", "offload_salt",
+]
