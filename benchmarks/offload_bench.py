@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from kvferry.common.hashing import chunk_keys
-from kvferry.engine.disk_tier import rank_root
-from kvferry.engine.offload import offload_salt
+from kvferry.engine.offload.planner import offload_salt
+from kvferry.engine.tiers.disk import rank_root
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import OffloadServer
 

@@ -34,8 +34,8 @@ import redis
 import torch
 
 from kvferry.common import secret
-from kvferry.engine.remote_serde import ChunkShape, Serde
-from kvferry.engine.remote_store import RemoteTier
+from kvferry.engine.remote.serde import ChunkShape, Serde
+from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.launcher.stores import start_lm_server, start_redis
 
 # Llama-3-8B's KV per token: 32 layers x K,V x 8 heads x 128 x bf16 = 128 KiB.

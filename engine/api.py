@@ -4,7 +4,7 @@ The engine's internal modules may move; this list is the contract the connector 
 """
 
 from kvferry.engine.chunking import loaded_blocks
-from kvferry.engine.offload import (
+from kvferry.engine.offload.planner import (
     CacheEvict,
     CacheLoad,
     CacheStore,
@@ -15,7 +15,7 @@ from kvferry.engine.offload import (
 )
 from kvferry.engine.p2p import P2PWorker, notice_addr
 from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
-from kvferry.engine.remote_store import RemoteError
+from kvferry.engine.tiers.remote import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.client import ReceiverAddr

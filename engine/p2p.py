@@ -47,7 +47,7 @@ from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.common.units import fmt_bytes
-from kvferry.engine.cpu_tier import CPUTier
+from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.receiver.peer_reader import BadPeerAnswer, FetchError, PeerReader
 from kvferry.sender.lender import ChunkLender
 

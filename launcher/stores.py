@@ -167,7 +167,7 @@ def start_lm_server(work: Path, port: int | None = None, *extra: str, secret_fil
     """kvferry-server (the lm:// store); with `secret_file`, clients must prove the cluster secret."""
     port = port or free_port()
     secret = ["--cluster-secret-file", str(secret_file)] if secret_file else []
-    return Proc(f"kvferry-server :{port}", [sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", str(port),
+    return Proc(f"kvferry-server :{port}", [sys.executable, "-m", "kvferry.launcher.lm_server", "127.0.0.1", str(port),
                                             "cpu", *secret, *extra], port, work / f"lm-server-{port}.log")
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvferry.engine.disk_tier import HEADER_BYTES as DISK_HEADER
-from kvferry.engine.disk_tier import DiskTier, scan
+from kvferry.engine.tiers.disk import HEADER_BYTES as DISK_HEADER
+from kvferry.engine.tiers.disk import DiskTier, scan
 
 
 def chunk(seed: int, n: int = 1000) -> torch.Tensor:

@@ -12,7 +12,7 @@ from kvferry.common.errors import BadDataError, ConfigurationError, KVFerryError
 FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "launcher", "proxy", "receiver",
            "sender")
 # Control-flow signals internal to one module, never raised to a caller.
-INTERNAL = {"kvferry.engine.lm_server.Unauthorized", "kvferry.engine.lm_server.Closing",
+INTERNAL = {"kvferry.launcher.lm_server.Unauthorized", "kvferry.launcher.lm_server.Closing",
             "kvferry.proxy.limits.TooLarge", "kvferry.proxy.server.ProxyError",
             "kvferry.sender.client._Restarted"}
 
@@ -21,7 +21,7 @@ def kvferry_exceptions() -> list[type]:
     found = []
     for folder in FOLDERS:
         pkg = importlib.import_module(f"kvferry.{folder}")
-        for info in pkgutil.iter_modules(pkg.__path__, f"kvferry.{folder}."):
+        for info in pkgutil.walk_packages(pkg.__path__, f"kvferry.{folder}."):  # subpackages too
             if info.name.endswith("__main__"):
                 continue
             mod = importlib.import_module(info.name)
@@ -46,7 +46,7 @@ def test_every_error_has_the_one_root_and_a_kind() -> None:
 def test_builtin_bases_still_catch_them() -> None:
     from kvferry.buffer.pd_buffer import ReservationGone
     from kvferry.common.config import ConfigError
-    from kvferry.engine.remote_serde import ForgedError
+    from kvferry.engine.remote.serde import ForgedError
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, ConfigurationError)
     assert issubclass(ReservationGone, RuntimeError) and issubclass(ReservationGone, UnavailableError)
     assert issubclass(ForgedError, ValueError) and issubclass(ForgedError, BadDataError)

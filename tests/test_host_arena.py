@@ -6,8 +6,8 @@ import gc
 
 import torch
 
-from kvferry.engine.cpu_tier import CPUTier
-from kvferry.engine.host_arena import HostArena
+from kvferry.engine.tiers.cpu import CPUTier
+from kvferry.engine.tiers.host_arena import HostArena
 from tests.polling import until
 
 SLOT = 64 << 10

@@ -23,8 +23,8 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.lm_client import LMClient, LMError
-from kvferry.engine.lm_protocol import frame
+from kvferry.engine.remote.lm_client import LMClient, LMError
+from kvferry.engine.remote.lm_protocol import frame
 from kvferry.launcher.stores import Proc, start_lm_server
 
 KIB = 1 << 10
@@ -172,7 +172,7 @@ def test_a_dead_server_is_a_bounded_error_and_a_restart_is_picked_up(tmp_path: P
 
 def test_bad_arguments_exit_2() -> None:
     for args in (["127.0.0.1", "5", "gpu"], ["127.0.0.1", "70000"], ["127.0.0.1", "5", "--max-bytes", "0"]):
-        r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", *args], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "kvferry.launcher.lm_server", *args], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2, (args, r.stderr)
 
@@ -252,7 +252,7 @@ def test_a_client_with_a_secret_refuses_a_server_without_one(server) -> None:
 
 def test_an_exposed_server_needs_a_secret_when_told_to() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_CLUSTER_SECRET")}
-    r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", "0.0.0.0", "5", "--require-cluster-secret"],
+    r = subprocess.run([sys.executable, "-m", "kvferry.launcher.lm_server", "0.0.0.0", "5", "--require-cluster-secret"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "--cluster-secret-file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -464,7 +464,7 @@ def test_a_client_that_does_not_read_its_replies_is_cut_off(tmp_path: Path) -> N
 
 
 def test_a_max_frame_above_the_inflight_budget_is_a_start_error() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvferry.engine.lm_server", "127.0.0.1", "5", "--max-frame", "512",
+    r = subprocess.run([sys.executable, "-m", "kvferry.launcher.lm_server", "127.0.0.1", "5", "--max-frame", "512",
                         "--max-inflight-bytes", "0.25"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "raise --max-inflight-bytes" in r.stderr
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvferry.common.config import ConfigError, load_config
-from kvferry.engine.disk_tier import HEADER_BYTES, DiskTier, scan
-from kvferry.engine.index import TierIndex
-from kvferry.engine.standalone import StandaloneEngine, parse_shape_spec
+from kvferry.engine.offload.index import TierIndex
+from kvferry.engine.tiers.disk import HEADER_BYTES, DiskTier, scan
+from kvferry.launcher.standalone import StandaloneEngine, parse_shape_spec
 
 SHAPE = parse_shape_spec("(2,2,1024,2,16):float16:2")  # 4 layers, 1024 tokens; 256-token chunk = 64 KiB
 CHUNK_BYTES = 4 * 2 * 256 * 2 * 16 * 2
@@ -244,7 +244,7 @@ def test_bad_setups_get_one_line_errors(tmp_path: Path) -> None:
 
 def test_standalone_cli_round_trip_with_the_readme_example(tmp_path: Path) -> None:
     cfg = Path(__file__).resolve().parent.parent / "examples" / "offload" / "kvferry-offload-config.yaml"
-    cmd = [sys.executable, "-m", "kvferry.engine.standalone", "--config", str(cfg), "--device", "cpu",
+    cmd = [sys.executable, "-m", "kvferry.launcher.standalone", "--config", str(cfg), "--device", "cpu",
            "--model_name", "my_model", "--kvcache_shape_spec", "(2,2,256,4,16):float16:2"]
     env = {**os.environ, "KVFERRY_LOCAL_DISK": f"file://{tmp_path}/kv/"}  # env overrides the file's folder
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

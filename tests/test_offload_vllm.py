@@ -19,8 +19,8 @@ import pytest
 
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
-from kvferry.engine.disk_tier import HEADER_BYTES, scan
-from kvferry.engine.offload import GB, offload_salt
+from kvferry.engine.offload.planner import GB, offload_salt
+from kvferry.engine.tiers.disk import HEADER_BYTES, scan
 from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs

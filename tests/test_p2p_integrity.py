@@ -20,7 +20,7 @@ import torch
 from kvferry.common import messages as m
 from kvferry.common.config import load_config
 from kvferry.engine.p2p import P2PWorker
-from kvferry.engine.standalone import StandaloneEngine, parse_shape_spec
+from kvferry.launcher.standalone import StandaloneEngine, parse_shape_spec
 from tests.polling import until
 from tests.transfer_helpers import p2p_worker, peer_addr
 

@@ -16,8 +16,8 @@ import torch
 
 from kvferry.common import secret
 from kvferry.common.netutil import free_port
-from kvferry.engine.remote_serde import HEADER_BYTES, ChunkShape, Serde, SerdeError
-from kvferry.engine.remote_store import PREFIX, RemoteError, RemoteTier, parse_url
+from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, Serde, SerdeError
+from kvferry.engine.tiers.remote import PREFIX, RemoteError, RemoteTier, parse_url
 from kvferry.launcher.stores import start_lm_server, start_redis, start_sentinel
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)
@@ -214,7 +214,7 @@ def test_a_silent_store_is_a_miss_within_the_timeout() -> None:
 def test_a_failed_put_drops_the_put_threads_connection_not_the_getters(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error that is not the client's own leaves a connection possibly mid-reply: the one that
     failed is closed and reopened, and the other thread's (in use, maybe at that moment) is kept."""
-    from kvferry.engine import remote_store
+    from kvferry.engine.tiers import remote as remote_store
 
     opened: list[FakeBackend] = []
 
@@ -299,7 +299,7 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
 def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, fix: str) -> None:
     """The connector turns these into vLLM's one-line start-up ConfigError."""
     from kvferry.common.config import load_config
-    from kvferry.engine.offload import OffloadPlanner
+    from kvferry.engine.offload.planner import OffloadPlanner
 
     cfg = load_config({"local_cpu": True, **keys}, env={})
     with pytest.raises((ValueError, RemoteError), match=fix):
@@ -309,7 +309,7 @@ def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, f
 def test_a_chunk_the_store_lost_after_the_lookup_is_not_matched_again(tmp_path: Path) -> None:
     """The worker reports a remote chunk it could not get; the request's cached lookup forgets it."""
     from kvferry.common.config import load_config
-    from kvferry.engine.offload import OffloadPlanner
+    from kvferry.engine.offload.planner import OffloadPlanner
 
     p = start_lm_server(tmp_path)
     try:

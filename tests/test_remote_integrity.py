@@ -21,8 +21,8 @@ import zstandard
 
 from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.remote_serde import HEADER_BYTES, ChunkShape, ForgedError, Serde, SerdeError
-from kvferry.engine.remote_store import PREFIX, LMClient, RemoteTier
+from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, ForgedError, Serde, SerdeError
+from kvferry.engine.tiers.remote import PREFIX, LMClient, RemoteTier
 from kvferry.launcher.stores import Proc, start_lm_server, start_redis
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)
@@ -271,7 +271,7 @@ class LyingLM:
 @pytest.mark.parametrize("extra", [1, -1])
 def test_lying_found_keys_are_all_misses_counted_and_the_scheduler_goes_on(extra: int) -> None:
     from kvferry.common.config import load_config
-    from kvferry.engine.offload import OffloadPlanner
+    from kvferry.engine.offload.planner import OffloadPlanner
 
     liar = LyingLM(extra)
     try:

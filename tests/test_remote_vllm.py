@@ -24,9 +24,9 @@ import redis
 
 from kvferry.common import secret
 from kvferry.common.hashing import chunk_keys
-from kvferry.engine.offload import offload_salt
-from kvferry.engine.redis_backend import RedisSettings
-from kvferry.engine.remote_store import PREFIX, RemoteTier
+from kvferry.engine.offload.planner import offload_salt
+from kvferry.engine.remote.redis_backend import RedisSettings
+from kvferry.engine.tiers.remote import PREFIX, RemoteTier
 from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.launcher.stores import Proc, start_lm_server, start_redis, start_sentinel
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs

@@ -30,8 +30,8 @@ def p2p_worker(name: str, secret: str | None = None, *, slot: int, slots: int, t
     """A P2PWorker on free loopback ports, its CPU tier `slots` slots of `slot` bytes (tests close
     both: ``w.close(); w.cpu.close()``)."""
     from kvferry.common.config import KVFerryConfig
-    from kvferry.engine.cpu_tier import CPUTier
     from kvferry.engine.p2p import P2PWorker
+    from kvferry.engine.tiers.cpu import CPUTier
     cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
                         p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
                         lmcache_instance_id=name, controller_pull_url=f"127.0.0.1:{free_port()}",

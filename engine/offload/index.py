@@ -2,7 +2,7 @@
 
 The connector's scheduler side owns one :class:`ChunkIndex` and decides every admission and
 eviction; the worker side only carries them out, in the same order, on the data (see
-``engine/offload.py``). Both sides therefore agree on what each tier holds without a lookup
+``engine/offload/``). Both sides therefore agree on what each tier holds without a lookup
 round trip per request.
 """
 

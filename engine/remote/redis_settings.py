@@ -10,12 +10,12 @@ import stat
 
 from kvferry.common.config import REDIS_SCHEMES, ConfigError, KVFerryConfig
 from kvferry.common.log import get_logger
-from kvferry.engine.redis_backend import (
+from kvferry.engine.remote.base import RemoteError
+from kvferry.engine.remote.redis_backend import (
     RedisSettings,
     client_kwargs,
     parse_redis_url,
 )
-from kvferry.engine.remote_base import RemoteError
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """What every remote-store backend shares (error, item shape, key prefix, error mapping), in a module
-of its own so remote_store.py and redis_backend.py can both import it without a cycle."""
+of its own so tiers/remote.py and redis_backend.py can both import it without a cycle."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvferry.common.units import fmt_bytes
-from kvferry.engine.host_arena import HostArena
+from kvferry.engine.tiers.host_arena import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ Listener = Callable[[str, bytes, torch.Tensor], None]
 
 
 class CPUTier:
-    """Chunks by key. What stays and what goes is the index's decision (engine/index.py).
+    """Chunks by key. What stays and what goes is the index's decision (engine/offload/index.py).
 
     Thread-safe: the P2P side serves, adopts and drops chunks from its own thread."""
 

@@ -1,6 +1,6 @@
 """Redis backends of the remote tier: one bounded connection to a Redis server or to the master
 a Sentinel set names, with passwords and TLS as people run Redis (docs/redis.md); kept apart from
-remote_store.py so Redis auth and TLS evolve on their own.
+tiers/remote.py so Redis auth and TLS evolve on their own.
 
 URL forms (credentials percent-encoded where they hold ``:@/?#%``):
 
@@ -25,7 +25,7 @@ from urllib.parse import parse_qsl, unquote
 
 from kvferry.common.log import get_logger
 from kvferry.common.redact import redact_url, userinfo_split
-from kvferry.engine.remote_base import PREFIX, Item, Mapped, RemoteError, hostports
+from kvferry.engine.remote.base import PREFIX, Item, Mapped, RemoteError, hostports
 
 logger = get_logger(__name__)
 
@@ -88,7 +88,7 @@ def parse_redis_url(url: str) -> RedisURL:
 
 @dataclass(frozen=True)
 class RedisSettings:
-    """Credentials and TLS files for Redis, from config keys (engine/redis_settings.py reads them);
+    """Credentials and TLS files for Redis, from config keys (engine/remote/redis_settings.py reads them);
     its repr shows no password. `password_from` names the key a password came from, for errors."""
 
     username: str | None = None

@@ -7,7 +7,7 @@
   Stores copy the chunks to host memory in the step (a memcpy); disk writes happen behind it.
 
 Neither knows vLLM: the connector maps requests and blocks onto these calls, and the standalone
-engine (engine/standalone.py) uses the same tiers without vLLM.
+engine (launcher/standalone.py) uses the same tiers without vLLM.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
-from kvferry.engine import disk_tier, redis_settings, remote_serde
 from kvferry.engine.chunking import chunk_tokens, loaded_blocks, scatter_chunks
-from kvferry.engine.cpu_tier import CPUTier
-from kvferry.engine.index import ChunkIndex, TierIndex
+from kvferry.engine.offload.index import ChunkIndex, TierIndex
 from kvferry.engine.p2p import ControllerLookup, P2PWorker, PlannerNotices
-from kvferry.engine.remote_serde import ChunkShape, Serde
-from kvferry.engine.remote_store import RemoteTier, parse_url
+from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote import serde as remote_serde
+from kvferry.engine.remote.serde import ChunkShape, Serde
+from kvferry.engine.tiers import disk as disk_tier
+from kvferry.engine.tiers.cpu import CPUTier
+from kvferry.engine.tiers.remote import RemoteTier, parse_url
 from kvferry.kernels.paged_copy import PagedKV
 
 logger = get_logger(__name__)

@@ -1,6 +1,6 @@
 """The KV engine without vLLM (seed 002, 3.5): for tests, CPU-only setups and custom integrations.
 
-    python -m kvferry.engine.standalone --config FILE [--device cpu] [--model_name NAME]
+    python -m kvferry.launcher.standalone --config FILE [--device cpu] [--model_name NAME]
         [--kvcache_shape_spec '(2,2,256,4,16):float16:2'] [--num-tokens N]
 
 builds the engine from a kvferry/LMCache config file (the offload tiers: ``local_cpu``,
@@ -37,7 +37,12 @@ import torch
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 from kvferry.common.log import get_logger
-from kvferry.engine.offload import OffloadPlanner, OffloadWorker, layout_digest, offload_salt
+from kvferry.engine.offload.planner import (
+    OffloadPlanner,
+    OffloadWorker,
+    layout_digest,
+    offload_salt,
+)
 from kvferry.kernels.layout import KVLayout
 from kvferry.kernels.paged_copy import PagedKV
 
@@ -188,7 +193,7 @@ def _self_check(eng: StandaloneEngine, num_tokens: int, seed: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvferry.engine.standalone",
+    ap = argparse.ArgumentParser(prog="python -m kvferry.launcher.standalone",
                                  description="Run kvferry's KV engine without vLLM: store, look up and retrieve "
                                              "random KV through the configured tiers, check every byte.")
     ap.add_argument("--config", help="kvferry/LMCache YAML config (default: KVFERRY_CONFIG_FILE / "

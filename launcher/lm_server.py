@@ -48,8 +48,8 @@ from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
-from kvferry.engine.byte_budget import ByteBudget
-from kvferry.engine.lm_protocol import (
+from kvferry.engine.remote.byte_budget import ByteBudget
+from kvferry.engine.remote.lm_protocol import (
     CLIENT_PURPOSE,
     LEN_BYTES,
     MAX_AUTH_HEADER,

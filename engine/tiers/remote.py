@@ -8,7 +8,7 @@ Backends (one connection each, blocking, every call bounded by a timeout):
 - ``redis-sentinel://h1:p1,h2:p2,...[/service]``: the Sentinels name the current master (asked
   again after every connection failure, so a failover is followed). The service is the URL's
   path, else ``$REDIS_SERVICE_NAME``, else the one master the Sentinels monitor.
-- ``lm://host:port``: kvferry-server (engine/lm_server.py); the value is header + payload.
+- ``lm://host:port``: kvferry-server (launcher/lm_server.py); the value is header + payload.
 
 :class:`RemoteTier` turns every failure into a miss: a call that fails or times out is counted,
 warned about at most every 10 s, and the store is skipped for a back-off (1 s, doubling to 30 s)
@@ -30,10 +30,10 @@ from kvferry.common.config import REMOTE_SCHEMES as SCHEMES
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
-from kvferry.engine.lm_client import LMClient, LMError
-from kvferry.engine.redis_backend import RedisSettings, open_redis, parse_redis_url
-from kvferry.engine.remote_base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
-from kvferry.engine.remote_serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
+from kvferry.engine.remote.base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
+from kvferry.engine.remote.lm_client import LMClient, LMError
+from kvferry.engine.remote.redis_backend import RedisSettings, open_redis, parse_redis_url
+from kvferry.engine.remote.serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
 
 logger = get_logger(__name__)
 
@@ -110,7 +110,7 @@ class RemoteTier:
         self.secret = secret  # the cluster secret (zsock.trust_of(cfg).secret): lm:// connections prove it
         self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
         self.max_queued_bytes = max_queued_bytes
-        # With the secret, chunks are tagged and checked with a keyed MAC (remote_serde.py).
+        # With the secret, chunks are tagged and checked with a keyed MAC (engine/remote/serde.py).
         self.mac = for_secret(secret)
         self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_forged": 0, "remote_put_dropped": 0,
                          "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}

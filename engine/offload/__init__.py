@@ -1,0 +1,1 @@
+"""Offload to CPU, disk, peers and remote stores: the scheduler-side planner and the per-rank worker."""
