@@ -15,14 +15,17 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvferry.common.errors import BadDataError
+
 RETRY_AFTER_S = 1  # what a 503 for a full proxy asks clients to wait
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
-class TooLarge(Exception):
-    """The body passed --max-body-bytes."""
+class TooLarge(BadDataError):
+    """The body passed --max-body-bytes (not a ValueError: the JSON parser's handler must not
+    answer it as bad JSON)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body larger than {limit} bytes (--max-body-bytes)")
