@@ -13,7 +13,7 @@ FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "
            "sender")
 # Control-flow signals internal to one module, never raised to a caller.
 INTERNAL = {"kvferry.launcher.lm_server.Unauthorized", "kvferry.launcher.lm_server.Closing",
-            "kvferry.proxy.server.ProxyError",
+            "kvferry.proxy.errors.ProxyError",
             "kvferry.sender.client._Restarted"}
 
 

@@ -462,7 +462,7 @@ def test_admin_key_options(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
-    from kvferry.proxy.server import Proxy
+    from kvferry.proxy.app import Proxy
     monkeypatch.delenv("KVFERRY_ADMIN_KEY", raising=False)
     monkeypatch.delenv("KVFERRY_CLUSTER_SECRET", raising=False)
     monkeypatch.delenv("KVFERRY_CLUSTER_SECRET_FILE", raising=False)
@@ -477,7 +477,7 @@ def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
                              ([*base, "--host", "0.0.0.0", "--admin-key", "k"], False),
                              ([*base, "--host", "0.0.0.0"], True)):
             records.clear()
-            Proxy(parse(argv))._zmq.destroy()
+            Proxy(parse(argv)).transfers.close()
             hits = [r.getMessage() for r in records if "--admin-key" in r.getMessage()]
             assert bool(hits) == warned, (argv, hits)
             assert all(h.startswith("SECURITY") for h in hits)
@@ -489,8 +489,8 @@ def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
     # Without --proxy-host the notification socket binds loopback, not every interface.
     px = Proxy(parse([*base, "--proxy-port", str(free_port()), "--require-cluster-secret"]))
     assert px.notify_host == "127.0.0.1"
-    px._zmq.destroy()
-    Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500", "--require-cluster-secret"]))._zmq.destroy()
+    px.transfers.close()
+    Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500", "--require-cluster-secret"])).transfers.close()
     # The one-line start-up error, exit code 2.
     r = subprocess.run([sys.executable, "-m", "kvferry.proxy", *base, "--host", "0.0.0.0", "--port", str(free_port()),
                         "--require-cluster-secret"], capture_output=True, text=True, timeout=60,

@@ -1,0 +1,95 @@
+"""The proxy's own pages: /health, /metrics, and the admin API (/admin/instances: list, add,
+drain, undrain, remove) behind the admin key."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvferry.common import secret as cluster_secret
+from kvferry.common.log import get_logger
+from kvferry.common.supervise import LoopHealth
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError, json_response
+from kvferry.proxy.options import InstanceSpec, OptionError, decoder_from, parse_url
+from kvferry.proxy.registry import Instance
+
+logger = get_logger(__name__)
+
+
+class Admin:
+    def __init__(self, ctx: Context, loops: dict[str, LoopHealth]) -> None:
+        self.ctx, self.loops = ctx, loops
+
+    def routes(self, app: web.Application) -> None:
+        """/health and /metrics always; /admin/* unless --no-admin."""
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        if self.ctx.opts.admin:
+            app.router.add_get("/admin/instances", self.list)
+            app.router.add_post("/admin/instances", self.add)
+            app.router.add_post("/admin/instances/{iid}/drain", self.drain)
+            app.router.add_post("/admin/instances/{iid}/undrain", self.undrain)
+            app.router.add_delete("/admin/instances/{iid}", self.remove)
+
+    def trusted(self, request: web.Request) -> bool:
+        """May this caller see internal ports (receiver init/alloc ports, ZMQ errors naming
+        addresses)? Only with the admin key, and only when one is set."""
+        key = self.ctx.opts.admin_key
+        return bool(key) and cluster_secret.authorized(request.headers.get("Authorization"), key)
+
+    async def health(self, request: web.Request) -> web.Response:
+        registry = self.ctx.router.registry
+        ok = registry.ready()
+        full = self.trusted(request)
+        background = {k: h.describe() for k, h in self.loops.items()}
+        if not full:
+            for d in background.values():
+                if d.get("last_error"):
+                    d["last_error"] = "see the proxy's log"
+        return json_response({"status": "ok" if ok else "unavailable",
+                              "instances": [i.describe(ports=full) for i in registry.instances.values()],
+                              "background": background}, 200 if ok else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.ctx.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def list(self, request: web.Request) -> web.Response:
+        return json_response({"instances": [i.describe() for i in self.ctx.router.registry.instances.values()]})
+
+    async def add(self, request: web.Request) -> web.Response:
+        body = await self.ctx.bodies.read(request)
+        role, url = body.get("role"), body.get("url")
+        try:
+            if role == "prefiller":
+                spec = InstanceSpec("prefiller", parse_url("url", str(url)))
+            elif role == "decoder":
+                raw = f"{url},{body.get('init_port')},{body.get('alloc_port')}"
+                spec = decoder_from("url", raw)
+            else:
+                raise OptionError(f"role must be 'prefiller' or 'decoder', got {role!r}")
+            inst = self.ctx.router.register(spec)
+        except (OptionError, ValueError) as e:
+            raise ProxyError(400, str(e), "bad_instance") from None
+        logger.info("admin: added %s %s as %s", role, inst.url, inst.id)
+        return json_response(inst.describe(), 201)
+
+    def _inst(self, request: web.Request) -> Instance:
+        inst = self.ctx.router.registry.instances.get(request.match_info["iid"])
+        if inst is None:
+            raise ProxyError(404, f"no instance {request.match_info['iid']!r}", "not_found")
+        return inst
+
+    async def drain(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        inst.draining = True
+        return json_response(inst.describe())
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        inst.draining = False
+        return json_response(inst.describe())
+
+    async def remove(self, request: web.Request) -> web.Response:
+        inst = self._inst(request)
+        self.ctx.router.remove(inst)
+        return json_response(inst.describe())

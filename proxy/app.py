@@ -1,0 +1,162 @@
+"""The proxy's aiohttp application: its parts wired together, the front-door middleware (keys,
+--max-in-flight, errors as OpenAI JSON), /v1/models, and the supervised background loops."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from kvferry.common import secret as cluster_secret
+from kvferry.common import zsock
+from kvferry.common.log import get_logger
+from kvferry.common.supervise import LoopHealth, supervise
+from kvferry.proxy import limits
+from kvferry.proxy.admin import Admin
+from kvferry.proxy.body import BodyReader
+from kvferry.proxy.chat import Chat
+from kvferry.proxy.completions import Completions
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError, error_body, json_response
+from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.options import OptionError, ProxyOptions
+from kvferry.proxy.routing import Router
+from kvferry.proxy.transfers import Transfers, notify_host
+from kvferry.proxy.upstream import UpstreamClient
+
+logger = get_logger(__name__)
+
+
+class Proxy:
+    def __init__(self, opts: ProxyOptions) -> None:
+        self.opts = opts
+        self.metrics = ProxyMetrics()
+        self.client = UpstreamClient(opts)
+        self.router = Router(opts, self.metrics, self.client)
+        for spec in [*opts.prefillers, *opts.decoders]:
+            try:
+                self.router.register(spec)
+            except ValueError as e:
+                raise OptionError(f"--{spec.role}: {e}") from None
+        # Checked in constant time (common/secret.authorized); /admin/* falls back to the API key.
+        self._admin_auth = opts.admin_key or opts.api_key
+        try:
+            self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
+        except cluster_secret.SecretError as e:
+            raise OptionError(str(e)) from None
+        self._check_exposure()
+        self.transfers = Transfers(opts, self.trust, self.metrics)
+        self._tasks: list[asyncio.Task] = []
+        self.loops = {"health_checks": LoopHealth("proxy health checks")}
+        if opts.proxy_port:
+            self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
+        self.gate = limits.Gate(opts.max_in_flight)
+        ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts))
+        self.completions, self.chat = Completions(ctx), Chat(ctx)
+        self.admin = Admin(ctx, self.loops)
+
+    @property
+    def notify_host(self) -> str:
+        return notify_host(self.opts)
+
+    def _check_exposure(self) -> None:
+        """Unprotected surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
+        o = self.opts
+        try:
+            zsock.warn_exposed(o.host, "the admin API (/admin/*, --admin-key)", not o.admin or bool(o.admin_key),
+                               o.require_cluster_secret, "an admin key", "anyone who reaches it can add, drain and "
+                               "remove instances, and so choose where prompts and their KV go",
+                               "Set --admin-key (or --no-admin)")
+            if o.proxy_port:
+                zsock.check_exposure(self.notify_host, "--proxy-port", self.trust,
+                                     fix="Set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
+        except zsock.ExposureError as e:
+            raise OptionError(str(e)) from None
+
+    def app(self) -> web.Application:
+        # The body reader reads within --max-body-bytes itself; client_max_size backs up any other reader.
+        app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
+        app.router.add_post("/v1/completions", self.completions.handle)
+        app.router.add_post("/v1/chat/completions", self.chat.handle)
+        app.router.add_get("/v1/models", self.models)
+        self.admin.routes(app)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        if self.opts.proxy_port:
+            self.transfers.bind()  # now, so a port in use is a start-up error, not a loop's
+        self.client.start()
+        self._tasks.append(asyncio.ensure_future(supervise(self.loops["health_checks"], self._health_loop)))
+        if self.opts.proxy_port:
+            self._tasks.append(asyncio.ensure_future(supervise(self.loops["notifications"], self._notifications)))
+
+    async def _stop(self, app: web.Application) -> None:
+        tasks = [*self._tasks, *self.router.probes()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.client.close()
+        self.transfers.close()
+
+    # ---- background (each under supervise(): a loop that raises is logged and started again) ----
+    async def _health_loop(self) -> None:
+        health = self.loops["health_checks"]
+        while True:
+            await self.router.check_all()
+            health.recovered()
+            await asyncio.sleep(self.opts.health_interval)
+
+    async def _notifications(self) -> None:
+        await self.transfers.notifications(self.loops["notifications"])
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """API key (admin key on /admin/*), and no traceback ever reaches a client."""
+        path = request.path
+        endpoint = path if path.startswith("/v1/") else "other"
+        admin = path == "/admin" or path.startswith("/admin/")
+        want = self._admin_auth if admin else None if path in ("/health", "/metrics") else self.opts.api_key
+        if want and not cluster_secret.authorized(request.headers.get("Authorization"), want):
+            self.metrics.requests.labels(endpoint, "401").inc()
+            what = "admin key" if admin and self.opts.admin_key else "API key"
+            return json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
+                                            "unauthorized"), 401)
+        gated = endpoint != "other"
+        if gated and not self.gate.enter():
+            self.metrics.requests.labels(endpoint, "503").inc()
+            self.metrics.errors.labels("overloaded", "proxy").inc()
+            return json_response(error_body(503, f"the proxy is handling {self.gate.limit} requests "
+                                                 "(--max-in-flight); retry shortly", "overloaded"), 503,
+                                 {"Retry-After": str(limits.RETRY_AFTER_S)})
+        try:
+            resp = await handler(request)
+        except ProxyError as e:
+            resp = e.response()
+        except (limits.TooLarge, web.HTTPRequestEntityTooLarge):
+            resp = json_response(error_body(413, f"request body larger than {self.opts.max_body_bytes} bytes "
+                                                 "(--max-body-bytes)", "body_too_large"), 413)
+        except web.HTTPException:
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels(endpoint, "499").inc()
+            raise
+        except Exception as e:  # noqa: BLE001 - the client gets a JSON error, the log the traceback
+            logger.exception("proxy error on %s", request.path)
+            resp = json_response(error_body(500, f"internal proxy error: {type(e).__name__}", "internal"), 500)
+        finally:
+            if gated:
+                self.gate.leave()
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The first usable instance's /v1/models, decoders first."""
+        for role in ("decoder", "prefiller"):
+            for inst in self.router.registry.of(role):
+                if inst.usable:
+                    with self.router.upstream(inst, leg="models") as up:
+                        status, body = await up.get("/v1/models")
+                    return web.Response(body=body, status=status, content_type="application/json")
+        raise ProxyError(503, "no healthy instance to list models from", "no_instance")

@@ -1,0 +1,106 @@
+"""POST /v1/chat/completions.
+
+Both legs are chat requests (tools, reasoning, response_format behave as on one vLLM): the decode
+leg repeats the conversation, loads all of the prompt's KV but its last token, and regenerates
+the first token. Only when that token is sure to be the prefiller's (greedy, or a seed the client
+sent) does the client get the prefiller's token at once and the proxy drop the decoder's repeat;
+otherwise the client gets the decoder's whole answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from kvferry.proxy import body as bodies
+from kvferry.proxy import streaming
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError, json_response
+from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
+from kvferry.proxy.merge import merge_samples
+from kvferry.proxy.prefill import prefill
+from kvferry.proxy.registry import Instance
+
+PATH = "/v1/chat/completions"
+FINISHED = ("stop", "tool_calls")  # a first token with one of these ends the answer: no decode leg
+
+
+class Chat:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        ctx = self.ctx
+        body = await ctx.bodies.read(request)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ProxyError(400, "'messages' must be a non-empty list", "bad_messages", param="messages")
+        max_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = bodies.max_tokens(body, max_key)
+        n = body.get("n") or 1
+        if n > 1:  # stream=true was refused by the body reader
+            outs = await fan_out(self.one(request, sample(body, n, i), max_key, max_tokens) for i in range(n))
+            ctx.metrics.total.observe(time.perf_counter() - t0)
+            return json_response(merge_samples(outs, n))
+        if not body.get("stream"):
+            out = await self.one(request, body, max_key, max_tokens)
+            ctx.metrics.total.observe(time.perf_counter() - t0)
+            return json_response(out)
+        ntok = bodies.chat_tokens(msgs)
+        d = ctx.router.pick(request, "decoder")
+        if max_tokens == 1:
+            p = ctx.router.pick(request, "prefiller")
+            with ctx.router.upstream(p, ntok, "single") as up:
+                return await streaming.relay_chat(ctx, request, up, PATH, body, t0)
+        first, tid = await self._prefill(request, body, max_key, d, ntok)
+        choice = first["choices"][0]
+        if choice.get("finish_reason") in FINISHED:
+            ctx.transfers.abort(d, tid, "the first token ended the request")
+            return await streaming.chat_as_stream(ctx, request, first, body, t0)
+        try:
+            with ctx.router.upstream(d) as up:
+                msg = choice["message"]
+                # The decoder regenerates the first token: stream the prefiller's at once only
+                # when the decoder is sure to pick the same one; else stream the decoder's own.
+                fast = msg.get("content") if (same_first_token(body) and msg.get("content")
+                                              and not msg.get("tool_calls")
+                                              and not msg.get("reasoning_content")) else None
+                r = await streaming.relay_chat(ctx, request, up, PATH, chat_decode_leg(body, tid), t0,
+                                               first_text=fast, first=first)
+                d.served += 1
+                return r
+        except BaseException:
+            ctx.transfers.abort(d, tid, "decode leg failed")
+            raise
+
+    async def _prefill(self, request: web.Request, body: dict, max_key: str, d: Instance, ntok: int
+                       ) -> tuple[dict, str]:
+        first, tid, _ = await prefill(self.ctx, request, PATH, chat_prefill_leg(body, max_key), d, ntok, "chat")
+        return first, tid
+
+    async def one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
+        """One non-streamed chat answer: the prefiller's, when its first token ends it; else the
+        decoder's, which repeats the conversation with the prompt's KV and regenerates that token."""
+        ctx = self.ctx
+        ntok = bodies.chat_tokens(body["messages"])
+        d = ctx.router.pick(request, "decoder")
+        if max_tokens == 1:
+            p = ctx.router.pick(request, "prefiller")
+            with ctx.router.upstream(p, ntok, "single") as up:
+                return await up.json(PATH, body, "chat")
+        first, tid = await self._prefill(request, body, max_key, d, ntok)
+        if first["choices"][0].get("finish_reason") in FINISHED:
+            ctx.transfers.abort(d, tid, "the first token ended the request")
+            first.pop("kv_transfer_params", None)
+            return first
+        try:
+            with ctx.router.upstream(d) as up:
+                out = await up.json(PATH, chat_decode_leg(body, tid), "chat")
+            d.served += 1
+        except BaseException:
+            ctx.transfers.abort(d, tid, "decode leg failed")
+            raise
+        out.pop("kv_transfer_params", None)
+        return out

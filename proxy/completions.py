@@ -1,0 +1,154 @@
+"""POST /v1/completions: one prompt, a batch of prompts, or n samples; streamed or not.
+
+The decode leg gets the prompt's token ids (returned by the prefiller, no /tokenize round trip)
+plus the first token, and max_tokens - 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.proxy import answers, streaming
+from kvferry.proxy import body as bodies
+from kvferry.proxy.answers import BadAnswer
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError, json_response
+from kvferry.proxy.legs import (
+    Prefilled,
+    completion_decode_leg,
+    completion_prefill_leg,
+    fan_out,
+    prompt_ids,
+    sample,
+)
+from kvferry.proxy.merge import merge_completion, merge_samples
+from kvferry.proxy.prefill import prefill
+
+logger = get_logger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+
+
+class Completions:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._no_ids = RateLimitedLog(logger, 60.0)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        ctx = self.ctx
+        body = await ctx.bodies.read(request)
+        batch = bodies.prompts(body.get("prompt"))
+        if batch is None:
+            raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of either",
+                             "bad_prompt", param="prompt")
+        if len(batch) > ctx.opts.max_batch_prompts:
+            raise ProxyError(400, f"{len(batch)} prompts in one request; this proxy takes at most "
+                                  f"{ctx.opts.max_batch_prompts} (--max-batch-prompts): split the batch",
+                             "too_many_prompts", param="prompt")
+        max_tokens = bodies.max_tokens(body, "max_tokens")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        n = body.get("n") or 1
+        if len(batch) > 1 or n > 1:
+            if body.get("stream"):
+                raise ProxyError(400, "a batch of prompts with stream=true is not supported: send one request "
+                                      "per prompt, or stream=false", "unsupported_batch_stream", param="prompt")
+            outs = await fan_out(self.one(request, sample(body, n, i, prompt=p), max_tokens, t0)
+                                 for p in batch for i in range(n))
+            return json_response(merge_samples(outs, n))
+        body = dict(body, prompt=batch[0])
+        if body.get("stream"):
+            return await self.stream(request, body, max_tokens, t0)
+        return json_response(await self.one(request, body, max_tokens, t0))
+
+    async def first(self, request: web.Request, body: dict, max_tokens: int) -> Prefilled:
+        """The prefill leg (or, for max_tokens <= 1, the whole request on a prefiller)."""
+        ctx = self.ctx
+        d = ctx.router.pick(request, "decoder")
+        prompt = body["prompt"]
+        ntok = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
+        if max_tokens <= 1:  # no decode leg: a plain request to a prefiller, no KV sent anywhere
+            p = ctx.router.pick(request, "prefiller")
+            leg = dict(body, stream=False)
+            if body.get("stream"):  # the client's stream is the proxy's to write
+                leg.pop("stream_options", None)
+            with ctx.router.upstream(p, ntok, "single") as up:
+                return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
+        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body), d, ntok,
+                                      "completion")
+        choice = first["choices"][0]
+        if choice.get("finish_reason") == "stop":
+            ctx.transfers.abort(d, tid, "the first token ended the request")
+            return Prefilled(first, tid, d, p, "done")
+        if answers.is_ids(choice.get("token_ids")) and answers.is_ids(prompt_ids(first)):
+            return Prefilled(first, tid, d, p, "ids")
+        ctx.metrics.errors.labels("no_token_ids", p.id).inc()
+        self._no_ids.warning("%s %s answered without token ids (choices[0].token_ids, prompt_token_ids: it "
+                             "ignores return_token_ids); its decoders regenerate the first token", p.role, p.url)
+        return Prefilled(first, tid, d, p, "regen")
+
+    async def echo(self, body: dict, pre: Prefilled) -> str:
+        """The prompt text vLLM puts before the completion for `echo` (none with return_token_ids,
+        as vLLM does); the prefill leg cannot echo it, as it asks for token ids."""
+        if not body.get("echo") or body.get("return_token_ids"):
+            return ""
+        prompt = body["prompt"]
+        if isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None:
+            return prompt
+        ids = prompt_ids(pre.first)
+        if not answers.is_ids(ids):
+            ids = prompt if answers.is_ids(prompt) else None
+        p = pre.prefiller
+        if ids is None:
+            raise ProxyError(502, f"echo: {p.role} {p.url} returned no prompt_token_ids to echo", "bad_answer")
+        with self.ctx.router.upstream(p, leg="detokenize") as up:
+            out = await up.json("/detokenize", {"model": body.get("model"), "tokens": ids})
+        if not isinstance(out, dict) or not isinstance(out.get("prompt"), str):
+            raise up.bad("/detokenize without a 'prompt' string")
+        return out["prompt"]
+
+    async def one(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> dict:
+        """One prompt, one sample, not streamed."""
+        ctx = self.ctx
+        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
+        pre = await self.first(request, leg_body, max_tokens)
+        first, d = pre.first, pre.decoder
+        echo = "" if max_tokens <= 1 else await self.echo(body, pre)
+        if pre.mode == "done":
+            out = first
+        else:
+            try:
+                with ctx.router.upstream(d) as up:
+                    t1 = time.perf_counter()
+                    rest = await up.json("/v1/completions", completion_decode_leg(
+                        body, first if pre.mode == "ids" else None, pre.tid, max_tokens, False), "completion")
+                    ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
+                d.served += 1
+            except BaseException:
+                ctx.transfers.abort(d, pre.tid, "decode leg failed")
+                raise
+            try:
+                out = merge_completion(first, rest) if pre.mode == "ids" else rest
+            except BadAnswer as e:
+                raise up.bad(str(e)) from None
+            echo = "" if pre.mode == "regen" else echo  # the decoder echoed it itself
+        if echo:
+            out["choices"][0]["text"] = echo + (out["choices"][0].get("text") or "")
+        if not body.get("return_token_ids"):
+            for c in out["choices"]:
+                c.pop("token_ids", None)
+                c.pop("prompt_token_ids", None)
+            out.pop("prompt_token_ids", None)
+        out.pop("kv_transfer_params", None)
+        ctx.metrics.total.observe(time.perf_counter() - t0)
+        return out
+
+    async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> web.StreamResponse:
+        """One prompt, streamed: the prefiller's first token at once, then the decoder's stream."""
+        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
+        pre = await self.first(request, leg_body, max_tokens)
+        echo = await self.echo(body, pre) if pre.mode == "ids" else ""
+        return await streaming.completion(self.ctx, request, body, pre, echo, max_tokens, t0)

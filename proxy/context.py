@@ -1,0 +1,21 @@
+"""What the endpoint handlers share: options, metrics, the router, the transfer bookkeeping and
+the body reader (built once by app.Proxy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.proxy.body import BodyReader
+from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.routing import Router
+from kvferry.proxy.transfers import Transfers
+
+
+@dataclass(frozen=True)
+class Context:
+    opts: ProxyOptions
+    metrics: ProxyMetrics
+    router: Router
+    transfers: Transfers
+    bodies: BodyReader

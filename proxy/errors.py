@@ -1,0 +1,37 @@
+"""Errors the proxy answers to a client, in OpenAI's JSON shape (as vLLM writes it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from kvferry.common.errors import KVFerryError
+from kvferry.proxy import limits
+
+
+class ProxyError(KVFerryError):
+    """An error answered to the client as an OpenAI-style JSON body; its HTTP status says whose
+    fault it is (4xx the request's, 5xx an instance's or the proxy's)."""
+
+    def __init__(self, status: int, message: str, kind: str = "proxy_error", body: bytes | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.body = status, message, kind, body
+        self.param, self.headers = param, headers
+
+    def response(self) -> web.Response:
+        if self.body is not None:  # an upstream 4xx, passed through as the engine wrote it
+            return web.Response(status=self.status, body=self.body, content_type="application/json")
+        return json_response(error_body(self.status, self.message, self.kind, self.param), self.status,
+                             self.headers)
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error shape (as vLLM writes it): {"error": {message, type, param, code}}."""
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": etype, "param": param, "code": kind}}
+
+
+def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=limits.dumps(obj), status=status, content_type="application/json", headers=headers)

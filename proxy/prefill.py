@@ -1,0 +1,49 @@
+"""The prefill leg: the prompt on a prefiller, its KV sent to the chosen decoder under a fresh
+transfer id; retried once on another prefiller when it fails before anything reached the client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from aiohttp import web
+
+from kvferry.common.log import get_logger
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.legs import prefill_leg
+from kvferry.proxy.registry import Instance
+
+logger = get_logger(__name__)
+
+
+async def prefill(ctx: Context, request: web.Request, path: str, body: dict, decoder: Instance,
+                  prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
+    """(the prefiller's answer, the transfer id, the prefiller). A transfer that will not be read
+    (the leg failed, the client left) is aborted on the decoder at once."""
+    p = ctx.router.pick(request, "prefiller")
+    for attempt in (0, 1):
+        tid = f"kvf-{uuid.uuid4().hex}"
+        leg = prefill_leg(body, tid, decoder)
+        t0 = time.perf_counter()
+        try:
+            with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
+                out = await up.json(path, leg, kind)
+            p.served += 1
+            ctx.metrics.prefill.observe(time.perf_counter() - t0)
+            ctx.transfers.prefilled(tid)
+            return out, tid, p
+        except asyncio.CancelledError:  # the client left: nobody will read this transfer
+            ctx.transfers.abort(decoder, tid, "client disconnected")
+            raise
+        except ProxyError as e:
+            ctx.transfers.abort(decoder, tid, f"prefill failed: {e.message}"[:200])
+            if attempt or e.status < 500:
+                raise
+            try:
+                p = ctx.router.pick(request, "prefiller", exclude=p)
+            except ProxyError:
+                raise e from None  # nobody to retry on: the client hears what went wrong
+            logger.info("retrying the prefill leg on %s %s", p.id, p.url)
+    raise AssertionError("unreachable")

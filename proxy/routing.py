@@ -1,0 +1,127 @@
+"""Which instance serves a leg: picks (policy, affinity, retry elsewhere), per-instance load
+gauges, and health: the periodic /health loop, and an immediate probe after a failed request
+that ejects a dead instance (the loop re-admits it)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Gauge
+
+from kvferry.common.log import get_logger
+from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.options import InstanceSpec, ProxyOptions
+from kvferry.proxy.registry import Instance, NoInstance, Registry
+from kvferry.proxy.upstream import Upstream, UpstreamClient
+
+logger = get_logger(__name__)
+
+PROBE_TIMEOUT_S = 2.0  # a /health answer slower than this counts as a failed check
+
+
+class Router:
+    def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics, client: UpstreamClient) -> None:
+        self.opts, self.metrics, self.client = opts, metrics, client
+        self.registry = Registry(policy=opts.policy)
+        self._gauges: dict[str, Gauge] = {}
+        self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
+
+    def register(self, spec: InstanceSpec) -> Instance:
+        inst = self.registry.add(spec)
+        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
+        return inst
+
+    def remove(self, inst: Instance) -> None:
+        self.registry.remove(inst.id)
+        self.metrics.healthy.remove(inst.id, inst.role, inst.url)
+
+    def in_flight(self, inst: Instance) -> Gauge:
+        """The instance's in-flight gauge, labelled once: labels() costs a lookup per call."""
+        g = self._gauges.get(inst.id)
+        if g is None:
+            g = self._gauges[inst.id] = self.metrics.in_flight.labels(inst.id, inst.role)
+        return g
+
+    def upstream(self, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> Upstream:
+        return Upstream(self, inst, prompt_tokens, leg)
+
+    def pick(self, request: web.Request, role: str, exclude: Instance | None = None) -> Instance:
+        """An instance of `role` for this request (by the client's affinity header when set), not
+        `exclude`; a 503 when there is none."""
+        key = request.headers.get(self.opts.affinity_header) if self.opts.affinity_header else None
+        try:
+            inst = self.registry.pick(role, key)
+            if exclude is not None and inst is exclude:
+                others = [i for i in self.registry.of(role) if i.usable and i is not exclude]
+                if not others:
+                    raise NoInstance(f"no other healthy {role} to retry on")
+                inst = random.choice(others)
+            return inst
+        except NoInstance as e:
+            raise ProxyError(503, str(e), "no_instance") from None
+
+    # ---- failures and health ----
+    def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None:
+        """One upstream failure (not a 4xx: that is the client's): a log line, the error counter,
+        and an immediate /health probe that ejects the instance if it is dead."""
+        inst.errors += 1
+        self.metrics.errors.labels(kind, inst.id).inc()
+        logger.warning("%s %s (%s) failed on the %s leg: %s: %s", inst.role, inst.url, inst.id, leg, kind,
+                       " ".join(cause.split()))
+        self._probe_soon(inst)
+
+    def _probe_soon(self, inst: Instance) -> None:
+        if inst.id in self._probes or not self.client.is_open:
+            return
+        task = asyncio.ensure_future(self._probe(inst))
+        self._probes[inst.id] = task
+        task.add_done_callback(lambda _t, iid=inst.id: self._probes.pop(iid, None))
+
+    async def _probe(self, inst: Instance) -> None:
+        good, why = await self.check(inst, PROBE_TIMEOUT_S)
+        if good or self.registry.instances.get(inst.id) is not inst:
+            return
+        was = inst.healthy
+        inst.eject()
+        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
+        if was:
+            logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
+                           inst.role, inst.url, inst.id, why, self.opts.health_interval)
+
+    async def check(self, inst: Instance, seconds: float) -> tuple[bool, str]:
+        """GET /health: vLLM answers 200 while its EngineCore lives and 503 once it is dead (then
+        its API server exits, and the port refuses connections)."""
+        timeout = aiohttp.ClientTimeout(total=seconds)
+        try:
+            async with self.client.session.get(f"{inst.url}/health", timeout=timeout,
+                                               headers=self.client.headers) as r:
+                return r.status == 200, f"/health answered {r.status}"
+        except TimeoutError:
+            return False, f"/health did not answer within {timeout.total:g}s"
+        except aiohttp.ClientError as e:
+            return False, f"/health failed ({type(e).__name__}: {e})"
+
+    async def check_all(self) -> None:
+        """One round of health checks over every instance; a change of state is logged."""
+        insts = list(self.registry.instances.values())
+        # Bounded by the interval, so rounds never overlap.
+        seconds = min(PROBE_TIMEOUT_S, self.opts.health_interval)
+        results = await asyncio.gather(*(self.check(i, seconds) for i in insts))
+        for inst, (good, why) in zip(insts, results, strict=True):
+            if self.registry.instances.get(inst.id) is not inst:
+                continue  # removed while it was checked
+            was = inst.healthy
+            inst.ok() if good else inst.failed()
+            if was != inst.healthy:
+                if inst.healthy:
+                    logger.warning("%s %s (%s) is back", inst.role, inst.url, inst.id)
+                else:
+                    logger.warning("%s %s (%s) is unhealthy: %s; ejected", inst.role, inst.url, inst.id, why)
+            self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+
+    def probes(self) -> list[asyncio.Task]:
+        return list(self._probes.values())

@@ -1,0 +1,211 @@
+"""Server-sent events to the client: a completion's first token then the decoder's stream under
+the proxy's id, offsets and usage; a chat leg relayed (the prefiller's first token at once when
+the decoder is sure to repeat it); a finished chat answer written as a stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from kvferry.common.log import get_logger
+from kvferry.proxy import answers, limits
+from kvferry.proxy.context import Context
+from kvferry.proxy.errors import ProxyError, error_body
+from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
+from kvferry.proxy.merge import offset_after, shift_offsets
+from kvferry.proxy.upstream import Upstream
+
+logger = get_logger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + limits.dumps(obj) + b"\n\n"
+
+
+async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefilled, echo: str, max_tokens: int,
+                     t0: float) -> web.StreamResponse:
+    """A completion stream after its prefill leg: the first token, then the decoder's chunks."""
+    metrics = ctx.metrics
+    first, tid, d, mode = pre.first, pre.tid, pre.decoder, pre.mode
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    want_ids = bool(body.get("return_token_ids"))
+    choice = first["choices"][0]
+    rid = first.get("id") or f"cmpl-{uuid.uuid4().hex}"
+    created, model = first.get("created") or int(time.time()), first.get("model")
+    usage = answers.usage(first)
+    prompt_tokens = usage.get("prompt_tokens") or len(prompt_ids(first) or [])
+    completion_tokens = usage.get("completion_tokens", 1) if mode != "regen" else 0
+    done = mode == "done"
+    # Plain vLLM's text offsets run on across chunks: the decoder's start at 0 again.
+    lp = choice.get("logprobs") if mode == "ids" and body.get("logprobs") is not None else None
+    shift = offset_after(lp)
+    up = ctx.router.upstream(d)
+    finished = done
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    with up:
+        try:
+            # The first token goes out before the decode leg starts: sending both at once
+            # measured slower here (an extra task and two writers on one loop).
+            await resp.prepare(request)
+            if mode != "regen":
+                c0 = {"index": 0, "text": echo + (choice.get("text") or ""), "logprobs": choice.get("logprobs"),
+                      "finish_reason": choice.get("finish_reason") if done else None,
+                      "stop_reason": choice.get("stop_reason") if done else None}
+                if want_ids:
+                    c0["token_ids"] = choice.get("token_ids")
+                    c0["prompt_token_ids"] = prompt_ids(first)
+                await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [c0]}))
+                metrics.ttft.observe(time.perf_counter() - t0)
+            if not done:
+                leg = completion_decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
+                if mode == "regen":
+                    leg["stream_options"] = {"include_usage": True}
+                t1 = last = time.perf_counter()
+                swap = None
+                async for batch in up.events("/v1/completions", leg):
+                    out = []
+                    for data in batch:
+                        if swap is None:
+                            chunk = up.chunk(data)
+                            swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                    f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
+                            metrics.decoder_first.observe(time.perf_counter() - t1)
+                            if mode == "regen":
+                                metrics.ttft.observe(time.perf_counter() - t0)
+                        if b'"usage"' in data:
+                            u = up.chunk(data)
+                            if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
+                                completion_tokens += u["usage"].get("completion_tokens") or 0
+                                if mode == "regen":
+                                    prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
+                                continue
+                        if (swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data)
+                                and not shift):
+                            # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
+                            data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                        else:
+                            chunk = up.chunk(data)
+                            chunk["id"], chunk["created"] = rid, created
+                            for c in chunk.get("choices", []):
+                                if not want_ids:
+                                    c.pop("token_ids", None)
+                                    c.pop("prompt_token_ids", None)
+                                if shift:
+                                    shift = shift_offsets(c, shift)
+                            data = limits.dumps(chunk)
+                        out.append(b"data: " + data + b"\n\n")
+                    if out:
+                        await resp.write(b"".join(out))
+                    now = time.perf_counter()
+                    metrics.itl.observe(now - last)
+                    last = now
+                finished = True
+                d.served += 1
+        except ProxyError as e:
+            # Headers are out: tell the client in the stream, OpenAI-style, then end it.
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
+        finally:
+            if not finished:
+                ctx.transfers.abort(d, tid, "decode leg did not finish")
+    tail = b""
+    if include_usage:
+        tail = sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                             "completion_tokens": completion_tokens,
+                                             "total_tokens": prompt_tokens + completion_tokens}})
+    await resp.write_eof(tail + b"data: [DONE]\n\n")
+    metrics.total.observe(time.perf_counter() - t0)
+    return resp
+
+
+async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
+                     first_text: str | None = None, first: dict | None = None) -> web.StreamResponse:
+    """Stream a chat leg to the client; with `first_text`, send the prefiller's first token at
+    once and drop the decoder's repeat of it."""
+    metrics = ctx.metrics
+    events = up.events(path, body)
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    started = False
+    rid = created = model = None
+    skip = first_text or ""
+    if first_text is not None and first is not None:
+        rid, created, model = first.get("id"), first.get("created"), first.get("model")
+        await resp.prepare(request)
+        started = True
+        await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": first_text},
+                                           "logprobs": None, "finish_reason": None}]}))
+        metrics.ttft.observe(time.perf_counter() - t0)
+    # Without the prefiller's first token, nothing is rewritten (id, created and model come
+    # from the stream itself): each chunk goes out as the engine wrote it, as a completion
+    # stream's do; parsing and re-encoding each one would cost CPU on every token.
+    raw = rid is None and not skip
+    try:
+        async for batch in events:
+            out = []
+            for data in batch:
+                if raw:
+                    out.append(b"data: " + data + b"\n\n")
+                    continue
+                chunk = up.chunk(data)
+                if rid is None:
+                    rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+                chunk["id"], chunk["created"], chunk["model"] = rid, created, model
+                if skip and chunk.get("choices"):
+                    delta = chunk["choices"][0].get("delta") or {}
+                    delta.pop("role", None)
+                    text = delta.get("content")
+                    if text:
+                        n = min(len(skip), len(text))
+                        if text[:n] != skip[:n]:
+                            logger.warning("decoder's first token differs from the prefiller's; streaming on")
+                            skip = ""
+                        else:
+                            delta["content"], skip = text[n:], skip[n:]
+                    if not delta.get("content") and not chunk["choices"][0].get("finish_reason") and \
+                            not any(k for k in delta if k != "content"):
+                        continue
+                out.append(sse(chunk))
+            if not out:
+                continue
+            if not started:
+                await resp.prepare(request)
+                started = True
+                metrics.ttft.observe(time.perf_counter() - t0)
+            await resp.write(b"".join(out))
+    except ProxyError as e:
+        if not started:
+            raise
+        await resp.write(sse(error_body(e.status, e.message, e.kind)))
+    if not started:
+        await resp.prepare(request)
+    await resp.write_eof(b"data: [DONE]\n\n")
+    metrics.total.observe(time.perf_counter() - t0)
+    return resp
+
+
+async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: dict, t0: float
+                         ) -> web.StreamResponse:
+    """A chat answer the prefiller already finished, written as the stream the client asked for."""
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    choice = out["choices"][0]
+    msg = choice.get("message") or {}
+    head = {"id": out.get("id"), "object": "chat.completion.chunk", "created": out.get("created"),
+            "model": out.get("model")}
+    delta = {k: v for k, v in msg.items() if v not in (None, [], "") and k != "role"}
+    await resp.write(sse(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", **delta},
+                                              "logprobs": choice.get("logprobs"),
+                                              "finish_reason": choice.get("finish_reason")}])))
+    ctx.metrics.ttft.observe(time.perf_counter() - t0)
+    if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
+        await resp.write(sse(dict(head, choices=[], usage=out["usage"])))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

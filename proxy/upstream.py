@@ -1,0 +1,184 @@
+"""Requests to the engines: the one aiohttp session, and `Upstream`, one leg to one instance,
+which maps every failure to a client error and reports it to the router."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from kvferry.proxy import answers, limits
+from kvferry.proxy.answers import BadAnswer
+from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.registry import Instance
+
+if TYPE_CHECKING:
+    from kvferry.proxy.routing import Router
+
+
+class UpstreamClient:
+    """The session every leg and health check uses (open between the app's start and cleanup),
+    and the headers every upstream request carries."""
+
+    def __init__(self, opts: ProxyOptions) -> None:
+        self.opts = opts
+        self.session: aiohttp.ClientSession | None = None
+        self.headers = {"Content-Type": "application/json"}
+        if opts.upstream_api_key:
+            self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.session is not None and not self.session.closed
+
+    def start(self) -> None:
+        o = self.opts
+        # sock_connect bounds the TCP connect; connect (waiting for a pooled connection included)
+        # is bounded by the read timeout, so a busy pool queues requests rather than failing them.
+        timeout = aiohttp.ClientTimeout(total=None, connect=max(o.read_timeout, o.connect_timeout),
+                                        sock_connect=o.connect_timeout, sock_read=o.read_timeout)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=0, limit_per_host=o.upstream_connections, ttl_dns_cache=300, enable_cleanup_closed=True),
+            auto_decompress=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class Upstream:
+    """One leg to one instance: counts its load, maps failures to client errors; every failure
+    is logged, counted and makes the router probe the instance (Router.upstream_failed)."""
+
+    def __init__(self, router: Router, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> None:
+        self.router, self.inst, self.tokens, self.leg = router, inst, prompt_tokens, leg
+        self.client = router.client
+
+    def __enter__(self) -> Upstream:
+        self.inst.active += 1
+        self.inst.queued_tokens += self.tokens
+        self.router.in_flight(self.inst).inc()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inst.active -= 1
+        self.inst.queued_tokens -= self.tokens
+        self.router.in_flight(self.inst).dec()
+
+    def fail(self, kind: str, status: int, message: str) -> ProxyError:
+        self.router.upstream_failed(self.inst, self.leg, kind, message)
+        return ProxyError(status, message, kind)
+
+    async def open(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POST and return the response once its status is 2xx; errors become ProxyError."""
+        c = self.client
+        try:
+            resp = await c.session.post(f"{self.inst.url}{path}", data=limits.dumps(body), headers=c.headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url}: no connection within "
+                                            f"{c.opts.connect_timeout:g}s (--connect-timeout), or no free one of "
+                                            f"its {c.opts.upstream_connections} (--upstream-connections)") from None
+        except aiohttp.ClientError as e:
+            raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url}: {type(e).__name__}: {e}"
+                            ) from None
+        if resp.status >= 400:
+            raw = await resp.read()
+            resp.release()
+            if resp.status < 500:
+                raise ProxyError(resp.status, raw.decode(errors="replace")[:500], "upstream_4xx", body=raw)
+            raise self.fail("upstream_5xx", 502, f"{self.inst.role} {self.inst.url} answered {resp.status}: "
+                                                 f"{raw.decode(errors='replace')[:300]}")
+        self.inst.ok()
+        return resp
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """A GET relayed as it is (status and body); only a failure to get an answer is an error."""
+        try:
+            resp = await self.client.session.get(f"{self.inst.url}{path}", headers=self.client.headers)
+            body = await resp.read()
+            resp.release()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise self.fail("unreachable", 503, f"{self.inst.url}: {e}") from None
+        return resp.status, body
+
+    async def json(self, path: str, body: dict, kind: str | None = None) -> dict:
+        """A non-streamed answer; with `kind` ("completion" or "chat") its choices[0] is checked."""
+        resp = await self.open(path, body)
+        try:
+            out = limits.loads(await resp.read())
+            if kind is not None:
+                answers.choice0(out, kind)
+            return out
+        except BadAnswer as e:
+            raise self.bad(str(e)) from None
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
+                                            f"{self.client.opts.read_timeout:.0f}s (--read-timeout)") from None
+        except (aiohttp.ClientError, ValueError) as e:
+            raise self.fail("bad_upstream", 502, f"{self.inst.role} {self.inst.url}: unreadable answer ({e})") from None
+        finally:
+            resp.release()
+
+    async def events(self, path: str, body: dict) -> AsyncIterator[list[bytes]]:
+        """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
+        whatever arrived in one read, so the proxy writes once per read, not once per event."""
+        resp = await self.open(path, body)
+        buf = b""
+        try:
+            async for blob in resp.content.iter_any():
+                buf += blob
+                *events, buf = buf.split(b"\n\n")
+                batch = []
+                for ev in events:
+                    for line in ev.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            data = line[6:].rstrip(b"\r")
+                            if data.startswith(b'{"error"'):
+                                self._stream_error(data)
+                            if data == b"[DONE]":
+                                # Read to the end of the body: a released, fully read response
+                                # keeps its connection for the next request.
+                                await resp.content.read()
+                                if batch:
+                                    yield batch
+                                return
+                            batch.append(data)
+                if batch:
+                    yield batch
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            raise self.fail("stream_broken", 502, f"{self.inst.role} {self.inst.url} broke its stream: {e}") from None
+        except TimeoutError:
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} stalled for "
+                                            f"{self.client.opts.read_timeout:.0f}s (--read-timeout)") from None
+        finally:
+            resp.release()
+
+    def bad(self, why: str) -> ProxyError:
+        """An answer the proxy cannot use (answers.py): a 502 naming the field, never a guess."""
+        return self.fail("bad_answer", 502, f"{self.inst.role} {self.inst.url} answered {why}")
+
+    def chunk(self, data: bytes) -> dict:
+        """One streamed chunk, parsed and checked."""
+        try:
+            return answers.chunk(limits.loads(data))
+        except (ValueError, BadAnswer) as e:
+            raise self.bad(f"a bad stream chunk ({e})") from None
+
+    def _stream_error(self, data: bytes) -> None:
+        """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore
+        that died mid-stream says so this way. 5xx: the instance's failure; else the request's."""
+        try:
+            err = limits.loads(data).get("error") or {}
+        except (ValueError, AttributeError):
+            err = {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+        code = err.get("code")
+        message = str(err.get("message") or "error")[:300]
+        if isinstance(code, int) and 400 <= code < 500:
+            raise ProxyError(code, message, "upstream_4xx")
+        raise self.fail("stream_error", 502, f"{self.inst.role} {self.inst.url} failed mid-stream: {message}")
