@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -77,6 +77,22 @@ def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
                           proxy_port=cfg.pd_proxy_port, queue_seconds=cfg.pd_queue_seconds, trust=zsock.trust_of(cfg))
 
 
+@dataclass
+class ReceiverCounters:
+    """What one receiver did since it started; the pd tier exports these as metrics."""
+
+    handshakes: int = 0
+    allocs: int = 0
+    arrivals: int = 0
+    bad_frames: int = 0
+    alloc_errors: int = 0
+    proxy_notifications: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)  # alloc refusals by ErrorReply code
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
 class ReceiverError(UnavailableError, RuntimeError):
     """The receiver cannot start (port taken, NIXL missing); the message names the fix."""
 
@@ -108,8 +124,7 @@ class KVReceiver:
         self._stop_async: Callable[[], object] = lambda: None
         self._start_error: BaseException | None = None
         self.nixl_health = LoopHealth("receiver NIXL thread")
-        self.counters = {"handshakes": 0, "allocs": 0, "arrivals": 0, "bad_frames": 0, "alloc_errors": 0,
-                         "proxy_notifications": 0}
+        self.counters = ReceiverCounters()
 
     # ---- lifecycle ----
     def start(self) -> KVReceiver:
@@ -196,7 +211,7 @@ class KVReceiver:
             ctx.term()
 
     def _bad_frame(self, why: str, port_name: str) -> None:
-        self.counters["bad_frames"] += 1
+        self.counters.bad_frames += 1
         self._bad.warning("receiver %s: rejected %s on the %s port", self.receiver_id, why, port_name)
 
     async def _on_init(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
@@ -212,7 +227,7 @@ class KVReceiver:
                                      num_pages=self.buffer.num_pages, mem_type=nixl_agent.mem_type(self.buffer.device),
                                      device_id=nixl_agent.device_id(self.buffer.device)))
         if isinstance(answer, m.Welcome):
-            self.counters["handshakes"] += 1
+            self.counters.handshakes += 1
             logger.info("handshake from %s (rank %d, agent %s)", hello.peer_id, hello.tp_rank, hello.agent_name)
         await peering.reply(sock, ident, answer)
 
@@ -230,7 +245,7 @@ class KVReceiver:
         tid = req.transfer_id
 
         def error(code: str, message: str) -> m.ErrorReply:
-            self.counters["alloc_errors"] += 1
+            self._refused(code)
             return m.ErrorReply(code=code, message=message[:4000], transfer_id=tid)
 
         if req.epoch != self.epoch:
@@ -247,8 +262,12 @@ class KVReceiver:
         finally:
             self._allocating.discard(tid)
         if isinstance(reply, m.ErrorReply):
-            self.counters["alloc_errors"] += 1
+            self._refused(reply.code)
         await peering.reply(sock, ident, reply)
+
+    def _refused(self, code: str) -> None:
+        self.counters.alloc_errors += 1
+        self.counters.refusals[code] = self.counters.refusals.get(code, 0) + 1
 
     async def _reserve(self, req: m.AllocRequest, ident: bytes, arrival: float) -> m.Msg:
         tid = req.transfer_id
@@ -278,7 +297,7 @@ class KVReceiver:
             self.buffer.release(res)
             return m.ErrorReply(code="aborted", message=str(e)[:4000], transfer_id=tid)
         self._kick.set()  # poll fast from now on: UCX needs this side's progress to move the data
-        self.counters["allocs"] += 1
+        self.counters.allocs += 1
         return m.AllocResponse(transfer_id=tid, generation=res.generation, pages=list(res.pages),
                                lease_seconds=self.cfg.lease_seconds)
 
@@ -309,19 +328,19 @@ class KVReceiver:
         try:
             note = m.decode(raw, expect=m.ArrivalNotice)
         except m.MessageError as e:
-            self.counters["bad_frames"] += 1
+            self.counters.bad_frames += 1
             self._bad.warning("receiver %s: bad NIXL notification dropped (%s)", self.receiver_id, e)
             return
         inc = self.table.arrived(note.transfer_id, note.generation)
         if inc is None:
             return
-        self.counters["arrivals"] += 1
+        self.counters.arrivals += 1
         if proxy is not None:
             try:
                 proxy.send(m.encode(m.ProxyNotification(
                     transfer_id=inc.transfer_id, receiver_id=self.receiver_id,
                     num_chunks=len(inc.chunk_keys), num_tokens=inc.num_tokens)), flags=zmq.NOBLOCK)
-                self.counters["proxy_notifications"] += 1
+                self.counters.proxy_notifications += 1
             except zmq.Again:
                 self._bad.warning("proxy at %s:%s is not reading notifications; dropped one",
                                   self.cfg.proxy_host, self.cfg.proxy_port)

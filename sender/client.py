@@ -24,7 +24,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import zmq
 import zmq.asyncio
@@ -33,6 +33,7 @@ from kvferry.buffer import nixl_agent, peering
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.errors import BadDataError
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -69,6 +70,24 @@ class WriteFailed(SendError):
     code = "write"
 
 
+# Receivers' refusal codes and the sender's own failure kinds: a metric label never carries a
+# string a peer made up.
+FAILURE_REASONS = frozenset({"send_failed", "handshake", "fingerprint", "buffer_full", "too_large", "timeout",
+                             "stale_epoch", "aborted", "duplicate", "bad_message", "lease_expired", "write"})
+
+
+def failure_reason(e: BaseException) -> str:
+    """A bounded label for why a send failed."""
+    if isinstance(e, concurrent.futures.CancelledError):
+        return "cancelled"
+    code = getattr(e, "code", "send_failed")
+    return code if code in FAILURE_REASONS else "other"
+
+
+class ChunkError(BadDataError, ValueError):
+    """Chunks handed to `send` that it cannot send (outside registered memory, keys that do not match)."""
+
+
 class _Restarted(Exception):
     """The receiver answered with another epoch than we handshook with: handshake again, once."""
 
@@ -96,6 +115,21 @@ class SenderConfig:
 def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> SenderConfig:
     return SenderConfig(sender_id, handshake_timeout=cfg.pd_handshake_timeout, alloc_timeout=cfg.pd_alloc_timeout,
                         tp_rank=tp_rank, trust=zsock.trust_of(cfg))
+
+
+@dataclass
+class SenderCounters:
+    """What one sender did since it started; the pd tier exports these as metrics."""
+
+    transfers: int = 0
+    failed: int = 0
+    bytes: int = 0
+    handshakes: int = 0
+    alloc_wait_seconds: float = 0.0  # alloc request sent -> pages granted or refused
+    alloc_waits: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 @dataclass
@@ -127,7 +161,7 @@ class KVSender:
             error=HandshakeFailed, fingerprint_error=FingerprintMismatch)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
-        self.counters = {"transfers": 0, "failed": 0, "bytes": 0, "handshakes": 0}
+        self.counters = SenderCounters()
 
     # ---- memory ----
     def register(self, tensor) -> None:  # torch.Tensor
@@ -148,10 +182,12 @@ class KVSender:
              chunks: Sequence[tuple[int, int]], num_tokens: int) -> concurrent.futures.Future[SendResult]:
         """Send `chunks` ((address, nbytes) in registered memory, one per key) for `transfer_id`."""
         if len(chunk_keys) != len(chunks):
-            raise ValueError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
+            raise ChunkError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
         for addr, n in chunks:
             if not any(lo <= addr and addr + n <= hi for lo, hi in self._ranges):
-                raise ValueError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+                raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+        if not self._thread.is_alive():
+            raise SendError(f"transfer {transfer_id}: this sender is closed")
         return asyncio.run_coroutine_threadsafe(
             self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens), self._loop)
 
@@ -198,7 +234,7 @@ class KVSender:
                 raise HandshakeFailed(f"receiver {addr} ({w.peer_id}) offers no pd_buffer to write into: is it a "
                                       "decoder's pd_peer_init_port?")
             peer.state.update(addr=addr, pending={}, reader=asyncio.ensure_future(self._read_allocs(peer)))
-            self.counters["handshakes"] += 1
+            self.counters.handshakes += 1
             logger.info("connected to receiver %s (%s, epoch %d, %d pages of %d bytes)", addr, w.peer_id, w.epoch,
                         w.region.num_pages, w.region.page_bytes)
         return peer, new
@@ -246,13 +282,13 @@ class KVSender:
                 logger.info("receiver %s restarted: handshaking again", addr)
                 res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0)
         except _Restarted as e:
-            self.counters["failed"] += 1
+            self.counters.failed += 1
             raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
         except SendError:
-            self.counters["failed"] += 1
+            self.counters.failed += 1
             raise
-        self.counters["transfers"] += 1
-        self.counters["bytes"] += res.bytes
+        self.counters.transfers += 1
+        self.counters.bytes += res.bytes
         return res
 
     async def _send_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -276,10 +312,12 @@ class KVSender:
                 await asyncio.wait_for(peer.sock.send(request), wait)
                 reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
             except TimeoutError:
+                self._waited(sent_at)
                 pending.pop(tid, None)
                 await self._abort(peer, tid, 0, "alloc timed out", final=True)
                 raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
                                              f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
+            self._waited(sent_at)
             if isinstance(reply, m.ErrorReply):
                 if reply.code == "stale_epoch":
                     self._peers.drop(peer, "the receiver restarted")
@@ -297,6 +335,10 @@ class KVSender:
             return SendResult(tid, len(todo), nbytes, time.monotonic() - t0, handshook)
         finally:
             peer.busy -= 1
+
+    def _waited(self, sent_at: float) -> None:
+        self.counters.alloc_wait_seconds += time.monotonic() - sent_at
+        self.counters.alloc_waits += 1
 
     async def _write(self, peer: peering.Peer, tid: str, generation: int, todo: list[tuple[int, int]],
                      pages: list[int], deadline: float) -> None:

@@ -143,7 +143,7 @@ def test_receiver_restart_rehandshakes(receiver, sender) -> None:
     assert res.handshook, "the sender should have noticed the new epoch and handshaken again"
     kind, _, data = r.ask("claim", "b", 10)
     assert kind == "ok" and data[1] == bytes(src[3 * PAGE:4 * PAGE].numpy())
-    assert s.counters["handshakes"] == 2
+    assert s.counters.handshakes == 2
 
 
 def test_buffer_full_waits_fifo_then_fails_naming_pd_buffer_size(receiver, sender) -> None:
@@ -567,7 +567,7 @@ def test_the_senders_receiver_table_is_bounded_and_drops_the_least_recently_used
         assert r.ask("claim", f"t{i}", 10)[0] == "ok"
         assert len(s._peers) == 1
         agents[i] = s._peers.cached(r.addr.host, r.addr.init_port).agent
-    assert s.counters["handshakes"] == 3
+    assert s.counters.handshakes == 3
     # The dropped receivers' NIXL agents were removed from this sender's agent.
     assert not s._call(s._agent.check_remote_metadata, agents[1]), "b's agent outlived its eviction"
     assert s._call(s._agent.check_remote_metadata, agents[3])

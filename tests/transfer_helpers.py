@@ -30,7 +30,7 @@ def p2p_worker(name: str, secret: str | None = None, *, slot: int, slots: int, t
     """A P2PWorker on free loopback ports, its CPU tier `slots` slots of `slot` bytes (tests close
     both: ``w.close(); w.cpu.close()``)."""
     from kvferry.common.config import KVFerryConfig
-    from kvferry.engine.p2p import P2PWorker
+    from kvferry.engine.p2p.worker import P2PWorker
     from kvferry.engine.tiers.cpu import CPUTier
     cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
                         p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
@@ -75,7 +75,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
                     conn.send(("err", type(e).__name__, str(e)))
             elif cmd == "state":
                 s = buf.stats()
-                conn.send(("state", buf.fully_free(), s.pages_free, dict(r.counters), s.leases_expired,
+                conn.send(("state", buf.fully_free(), s.pages_free, r.counters.as_dict(), s.leases_expired,
                            r.table.sizes()))
 
 
