@@ -59,7 +59,8 @@ def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_m
     caches = [torch.empty(shape, dtype=DTYPE, device=device).random_(0, 100) for _ in range(LAYERS)]
     kv = PagedKV(caches, layout)
     perm = torch.randperm(nb, device=device)
-    sets = [perm[i * nblk:(i + 1) * nblk] for i in range(reps + 1)]
+    # Lists, as the engine passes them (vLLM's block ids are Python ints).
+    sets = [perm[i * nblk:(i + 1) * nblk].tolist() for i in range(reps + 1)]
     chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
     assert kv.chunk_nbytes(fmt, tokens) == chunk_bytes
     flat = torch.empty((reps + 1) * chunk_bytes + (cache_mib << 20), dtype=torch.uint8, device=device)

@@ -11,7 +11,8 @@ list of (plane, row) pairs over per-plane row tables: base address, row stride, 
   row of any layer is one index. Per-layer calls cost ~5 us of dispatch each here, more than
   copying 1 MiB, which is why one call matters. Rows are moved as the widest integer word that
   divides every address and size involved.
-- CUDA: the Triton kernel of ``triton_copy`` takes the same tables; one launch per batch.
+- CUDA: the Triton kernel of ``triton_copy`` takes the same tables; one launch per batch. Block ids
+  are checked and turned into row numbers on the host (numpy), so a call never waits for the GPU.
 - Other token layouts (HND, vLLM's CPU layout) use torch advanced indexing on K/V views.
 """
 
@@ -22,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from kvferry.kernels import native
@@ -56,6 +58,7 @@ class RowTable:
     stride_words: torch.Tensor | None = None
     base_addr: torch.Tensor | None = None  # absolute, in bytes, for the compiled row copy (CPU)
     stride_bytes: torch.Tensor | None = None
+    device_planes: torch.Tensor | None = None  # bases and strides on the GPU (Triton), built once
 
     def finish(self, span_lo: int | None) -> RowTable:
         g = math.gcd(self.row_bytes, 16, *self.strides, *self.bases)
@@ -138,8 +141,6 @@ class PagedKV:
 
         `check_range=False` leaves the id range check to the caller (the compiled copy checks
         every row itself, cheaper than a separate min/max op)."""
-        if fmt not in FORMATS:
-            raise LayoutError(f"chunk format {fmt!r} is not one of {FORMATS}")
         lo = hi = 0
         if isinstance(block_ids, torch.Tensor):
             ids = block_ids.to(self.device, torch.long).contiguous()
@@ -149,17 +150,36 @@ class PagedKV:
             if block_ids:
                 lo, hi = min(block_ids), max(block_ids)
             ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return ids, self._checked_tokens(ids.numel(), int(lo), int(hi), fmt, num_tokens)
+
+    def _checked_tokens(self, nids: int, lo: int, hi: int, fmt: str, num_tokens: int | None) -> int:
+        """The chunk's token count, after checking the format, the block count and the id range."""
+        if fmt not in FORMATS:
+            raise LayoutError(f"chunk format {fmt!r} is not one of {FORMATS}")
         bs = self.layout.block_size
-        n = ids.numel() * bs if num_tokens is None else num_tokens
-        if not 0 < n <= ids.numel() * bs:
-            raise ValueError(f"{n} tokens do not fit the {ids.numel()} blocks given")
+        n = nids * bs if num_tokens is None else num_tokens
+        if not 0 < n <= nids * bs:
+            raise ValueError(f"{n} tokens do not fit the {nids} blocks given")
         nblk = self.layout.num_blocks_for(n)
-        if ids.numel() != nblk:
-            raise ValueError(f"{n} tokens need {nblk} blocks, got {ids.numel()}")
+        if nids != nblk:
+            raise ValueError(f"{n} tokens need {nblk} blocks, got {nids}")
         # Out-of-range ids would address another layer's memory through the span view.
-        if int(lo) < 0 or int(hi) >= self.layout.num_blocks:
+        if lo < 0 or hi >= self.layout.num_blocks:
             raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})")
-        return ids, n
+        return n
+
+    def host_rows(self, block_ids: Sequence[int] | torch.Tensor, fmt: str,
+                  num_tokens: int | None) -> tuple[np.ndarray, int]:
+        """Checked row numbers of one chunk as a host array (the CUDA path's input), and its tokens."""
+        if isinstance(block_ids, torch.Tensor):
+            block_ids = block_ids.tolist()
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        n = self._checked_tokens(ids.size, lo, hi, fmt, num_tokens)
+        if fmt == "block":
+            return ids, n
+        bs = self.layout.block_size
+        return (ids[:, None] * bs + np.arange(bs)).reshape(-1)[:n], n
 
     @staticmethod
     def check_chunk_buf(buf: torch.Tensor, nbytes: int) -> None:
@@ -202,15 +222,22 @@ class PagedKV:
         nblk = len(block_ids) if chunk_blocks is None else chunk_blocks
         if not 0 <= first < len(block_ids) <= nblk:
             raise ValueError(f"blocks {first}..{len(block_ids) - 1} are outside the chunk's {nblk} blocks")
-        tail = torch.tensor(list(block_ids[first:]), dtype=torch.long, device=self.device)
-        if int(tail.min()) < 0 or int(tail.max()) >= self.layout.num_blocks:
+        tail = list(block_ids[first:])
+        if min(tail) < 0 or max(tail) >= self.layout.num_blocks:
             raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})")
         rb = self.layout.block_bytes
+        nbytes = len(self._planes) * (len(block_ids) - first) * rb
+        if self.device.type == "cuda":
+            from kvferry.kernels import triton_copy
+            triton_copy.copy_rows(self, self._tables["block"], [np.asarray(tail, dtype=np.int64)], [chunk],
+                                  [len(self._planes) * nblk * rb], False, plane_rows=[nblk], first=[first])
+            return nbytes
+        tail_t = torch.tensor(tail, dtype=torch.long, device=self.device)
         src = self.chunk_bytes_view(chunk, len(self._planes) * nblk * rb).view(len(self._planes), nblk, rb)
         for q, plane in enumerate(self._planes):
             rows = torch.as_strided(plane, (plane.shape[0], rb), (plane.stride(0), 1))
-            rows.index_copy_(0, tail, src[q, first:len(block_ids)])
-        return len(self._planes) * (len(block_ids) - first) * rb
+            rows.index_copy_(0, tail_t, src[q, first:len(block_ids)])
+        return nbytes
 
     def copy_batch(self, block_ids: Sequence[Sequence[int] | torch.Tensor], bufs: Sequence[torch.Tensor],
                    fmt: str, num_tokens: Sequence[int | None], to_chunk: bool) -> int:
@@ -220,13 +247,15 @@ class PagedKV:
         if rowcopy is not None:
             return sum(self._copy_native(rowcopy, table, fmt, b, buf, n, to_chunk)
                        for b, buf, n in zip(block_ids, bufs, num_tokens, strict=True))
+        if self.device.type == "cuda" and table is not None:
+            from kvferry.kernels import triton_copy
+            rows = [self.host_rows(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
+            return triton_copy.copy_rows(self, table, [r for r, _ in rows], bufs,
+                                         [self.chunk_nbytes(fmt, n) for _, n in rows], to_chunk)
         checked = [self._indices(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
         if table is None:
             return sum(self.token_copy_indexed(i, b, n, to_chunk)
                        for (i, n), b in zip(checked, bufs, strict=True))
-        if self.device.type == "cuda":
-            from kvferry.kernels import triton_copy
-            return triton_copy.copy_rows(self, table, fmt, checked, list(bufs), to_chunk)
         total = 0
         span = self._span[(table.word, table.row_words)]
         for (ids, n), buf in zip(checked, bufs, strict=True):

@@ -2,15 +2,20 @@
 
 The kernel moves whole rows of integer words (a vLLM block per plane in the block format, one
 token's heads in the NHD token format) between the paged cache and chunk buffers; its inputs are
-tables of base addresses, so any number of layers costs one launch. Layouts whose token rows are
-not plain memory rows (HND, vLLM's CPU layout) use torch advanced indexing on the device instead.
+tables of base addresses, so any number of layers costs one launch. The plane table lives on the
+device from the first call on; each call writes its chunk table and row numbers into one pinned host
+buffer and sends it with one asynchronous copy, so a call costs one copy and one launch and never
+waits for the GPU. Layouts whose token rows are not plain memory rows (HND, vLLM's CPU layout) use
+torch advanced indexing on the device instead.
 Runs under TRITON_INTERPRET=1 on CPU tensors too, which is how CI checks it without a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -19,54 +24,90 @@ if TYPE_CHECKING:
     from kvferry.kernels.paged_copy import PagedKV, RowTable
 
 _TL_WORD = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
-TILE = 1024
+PROGRAM_WORDS = 4096
+NUM_WARPS = 8
+# Per chunk in the call's table: buffer address, rows to copy, rows per plane in the buffer, first row.
+_CHUNK_COLS = 4
 
 
 @triton.jit
-def _copy_rows(plane_ptrs, plane_strides, chunk_ptrs, row_idx, rows_per_chunk, num_planes, max_rows,
-               row_words, WORD: tl.constexpr, TO_CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _copy_rows(planes, chunks, row_idx, num_planes, num_chunks, max_rows, row_blocks, row_words,
+               WORD: tl.constexpr, TO_CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
+    # Program (c, q, b) copies rows b*ROWS.. of plane q of chunk c, TILE words of each at a time.
     pid = tl.program_id(0)
-    r = pid % max_rows
-    q = (pid // max_rows) % num_planes
-    c = pid // (max_rows * num_planes)
-    n_rows = tl.load(rows_per_chunk + c)
-    if r < n_rows:
-        row = tl.load(row_idx + c * max_rows + r)
-        plane = tl.load(plane_ptrs + q).to(tl.pointer_type(WORD))
-        chunk = tl.load(chunk_ptrs + c).to(tl.pointer_type(WORD))
-        cache_row = plane + row * tl.load(plane_strides + q)
-        chunk_row = chunk + (q * n_rows + r) * row_words
+    b = pid % row_blocks
+    q = (pid // row_blocks) % num_planes
+    c = pid // (row_blocks * num_planes)
+    n_rows = tl.load(chunks + num_chunks + c)
+    if b * ROWS < n_rows:
+        r = b * ROWS + tl.arange(0, ROWS)
+        valid = r < n_rows
+        row = tl.load(row_idx + c * max_rows + r, mask=valid, other=0)
+        plane = tl.load(planes + q).to(tl.pointer_type(WORD))
+        chunk = tl.load(chunks + c).to(tl.pointer_type(WORD))
+        plane_rows = tl.load(chunks + 2 * num_chunks + c)
+        first = tl.load(chunks + 3 * num_chunks + c)
+        cache_rows = plane + row * tl.load(planes + num_planes + q)
+        chunk_rows = chunk + (q * plane_rows + first + r) * row_words
         offs = tl.program_id(1) * TILE + tl.arange(0, TILE)
-        mask = offs < row_words
+        mask = valid[:, None] & (offs < row_words)[None, :]
         if TO_CHUNK:
-            tl.store(chunk_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
+            tl.store(chunk_rows[:, None] + offs[None, :], tl.load(cache_rows[:, None] + offs[None, :], mask=mask),
+                     mask=mask)
         else:
-            tl.store(cache_row + offs, tl.load(chunk_row + offs, mask=mask), mask=mask)
+            tl.store(cache_rows[:, None] + offs[None, :], tl.load(chunk_rows[:, None] + offs[None, :], mask=mask),
+                     mask=mask)
 
 
-def copy_rows(kv: PagedKV, table: RowTable, fmt: str, chunks: list[tuple[torch.Tensor, int]],
-              bufs: list[torch.Tensor], to_chunk: bool) -> int:
-    """Gather (to_chunk) or scatter a batch of (block ids, tokens) chunks in one launch.
+def _word(table: RowTable) -> int:
+    return min(table.word, 8)  # Triton has no 16-byte integer
 
-    Asynchronous on the current CUDA stream: synchronize before reading a gathered chunk from
-    another stream, NIXL or the host, and keep the buffers alive until then.
+
+def _device_planes(kv: PagedKV, table: RowTable) -> torch.Tensor:
+    """[bases..., strides in words...] on the device, built once per table."""
+    if table.device_planes is None:
+        w = _word(table)
+        table.device_planes = torch.tensor(table.bases + [s // w for s in table.strides],
+                                           dtype=torch.int64).to(kv.device)
+    return table.device_planes
+
+
+def copy_rows(kv: PagedKV, table: RowTable, rows: Sequence[np.ndarray], bufs: Sequence[torch.Tensor],
+              nbytes: Sequence[int], to_chunk: bool, plane_rows: Sequence[int] | None = None,
+              first: Sequence[int] | None = None) -> int:
+    """Copy `rows[c]` of every plane between the cache and chunk buffer `bufs[c]`, in one launch.
+
+    `rows` are checked row numbers (block ids, or token slots); chunk c holds `plane_rows[c]` rows per
+    plane (default: its row count) of which rows `first[c]`.. are copied (default 0). Asynchronous on
+    the current CUDA stream: synchronize before reading a gathered chunk from another stream, NIXL
+    or the host, and keep the buffers alive until then.
     """
-    dev = kv.device
-    rows = [kv.rows(fmt, ids, n) for ids, n in chunks]
-    nbytes = [kv.chunk_nbytes(fmt, n) for _, n in chunks]
     flats = [kv.chunk_bytes_view(b, size) for b, size in zip(bufs, nbytes, strict=True)]
-    if any(f.data_ptr() % table.word for f in flats):
+    ptrs = [f.data_ptr() for f in flats]
+    if any(p % table.word for p in ptrs):
         raise ValueError(f"chunk buffer is not aligned to {table.word} bytes")
-    max_rows = max(r.numel() for r in rows)
-    row_idx = torch.zeros(len(rows), max_rows, dtype=torch.int64, device=dev)
+    nc, nq = len(flats), len(table.bases)
+    counts = [len(r) for r in rows]
+    max_rows = max(counts)
+    host = torch.empty(_CHUNK_COLS * nc + nc * max_rows, dtype=torch.int64,
+                       pin_memory=kv.device.type == "cuda")
+    h = host.numpy()
+    h[:nc] = ptrs
+    h[nc:2 * nc] = counts
+    h[2 * nc:3 * nc] = counts if plane_rows is None else plane_rows
+    h[3 * nc:4 * nc] = 0 if first is None else first
+    idx = h[4 * nc:].reshape(nc, max_rows)
     for c, r in enumerate(rows):
-        row_idx[c, :r.numel()] = r
-    w = min(table.word, 8)  # Triton has no 16-byte integer
-    meta = torch.tensor(table.bases + [s // w for s in table.strides] + [f.data_ptr() for f in flats]
-                        + [r.numel() for r in rows], dtype=torch.int64).to(dev, non_blocking=True)
-    nq, nc = len(table.bases), len(flats)
+        idx[c, :len(r)] = r
+    table_dev = host.to(kv.device, non_blocking=True)
+    w = _word(table)
     row_words = table.row_bytes // w
-    grid = (nc * nq * max_rows, triton.cdiv(row_words, TILE))
-    _copy_rows[grid](meta[:nq], meta[nq:2 * nq], meta[2 * nq:2 * nq + nc], row_idx, meta[2 * nq + nc:],
-                     nq, max_rows, row_words, WORD=_TL_WORD[w], TO_CHUNK=to_chunk, TILE=TILE)
+    # Short rows (a token's heads) are batched so every program moves about PROGRAM_WORDS words.
+    tile = min(triton.next_power_of_2(row_words), PROGRAM_WORDS)
+    rows_per = PROGRAM_WORDS // tile
+    row_blocks = triton.cdiv(max_rows, rows_per)
+    grid = (nc * nq * row_blocks, triton.cdiv(row_words, tile))
+    _copy_rows[grid](_device_planes(kv, table), table_dev, table_dev[_CHUNK_COLS * nc:], nq, nc, max_rows,
+                     row_blocks, row_words, WORD=_TL_WORD[w], TO_CHUNK=to_chunk, ROWS=rows_per, TILE=tile,
+                     num_warps=NUM_WARPS)
     return sum(nbytes)
