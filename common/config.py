@@ -39,7 +39,7 @@ class ConfigError(ConfigurationError, ValueError):
 class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Every key kvferry reads. Sizes: GB where LMCache says GB, bytes for *_buffer_size."""
 
-    # --- KV engine (seed 002, 2.1 / 3.1) ---
+    # --- KV engine ---
     chunk_size: int = 256
     local_cpu: bool = True
     max_local_cpu_size: float = 5.0  # GB
@@ -70,7 +70,7 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     use_experimental: bool = True  # LMCACHE_USE_EXPERIMENTAL; kvferry has one engine
     lmcache_rpc_port: str | int | None = None  # LMCache's per-instance RPC name; unused
 
-    # --- prefill/decode disaggregation (seed 004) ---
+    # --- prefill/decode disaggregation ---
     enable_pd: bool = False
     pd_role: str | None = None  # "sender" (prefiller) | "receiver" (decoder)
     pd_buffer_size: int = 1 << 30  # bytes
@@ -94,7 +94,7 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # behind others) is kept this long instead of pd_lease_seconds.
     pd_queue_seconds: float = 600.0
 
-    # --- P2P sharing and controller (seeds 000/001/003) ---
+    # --- P2P sharing and controller ---
     enable_p2p: bool = False
     p2p_host: str | None = None
     p2p_init_ports: Ports = None
@@ -152,7 +152,7 @@ FIELD_TYPES: dict[str, Any] = {
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR"}
 _PREFIXES = ("lmcache.", "kvferry.")
 # The one list of each: the remote tier (engine/remote_store.py, redis_settings.py) and the serde
-# (engine/remote_serde.py) import these. LMCache's other values load, so its seed files do, and the
+# (engine/remote_serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
 # engine refuses them at start with a line naming the fix.
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
 REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES)

@@ -1,4 +1,4 @@
-"""One logger format for every kvferry process, close to the seed's LMCache lines."""
+"""One logger format for every kvferry process, close to LMCache's log lines."""
 
 from __future__ import annotations
 

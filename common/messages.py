@@ -142,7 +142,7 @@ class AbortTransfer(Msg, tag="abort"):
 
 
 class ProxyNotification(Msg, tag="proxy_notify"):
-    """Sent to the seed's pd_proxy_host:pd_proxy_port once a whole transfer has arrived."""
+    """Sent to the configured pd_proxy_host:pd_proxy_port once a whole transfer has arrived."""
 
     transfer_id: Id
     receiver_id: Id

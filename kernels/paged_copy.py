@@ -8,8 +8,8 @@ list of (plane, row) pairs over per-plane row tables: base address, row stride, 
   takes the address table of every row of the chunk, all layers at once. Without a C compiler,
   one ``index_select`` (gather) or ``index_copy_`` (scatter) moves the whole chunk through a single overlapping ``[words, row_words]`` view (strides ``(1, 1)``)
   of the address span that holds every layer: row *r* of that view starts at word *r*, so any
-  row of any layer is one index. Per-layer calls cost ~5 us of dispatch each here, more than
-  copying 1 MiB, which is why one call matters. Rows are moved as the widest integer word that
+  row of any layer is one index. A torch call's dispatch costs as much as copying a small chunk,
+  which is why one call for all layers matters. Rows are moved as the widest integer word that
   divides every address and size involved.
 - CUDA: the Triton kernel of ``triton_copy`` takes the same tables; one launch per batch. Block ids
   are checked and turned into row numbers on the host (numpy), so a call never waits for the GPU.
@@ -30,8 +30,8 @@ from kvferry.kernels import native
 from kvferry.kernels.layout import FORMATS, KVLayout, LayoutError, detect_layout
 
 # complex128 is the widest element torch has: its copies move 16 bytes per element (moves only,
-# no arithmetic, so every bit pattern survives; the property tests use random bytes). Measured
-# here, index_copy_ on complex128 rows is 4x faster than on int64 rows.
+# no arithmetic, so every bit pattern survives; the property tests use random bytes), and wider
+# words make index_copy_ faster.
 _WORD_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -275,7 +275,7 @@ class PagedKV:
     def _copy_native(self, rowcopy: native.RowCopier, table: RowTable, fmt: str,
                      block_ids: Sequence[int] | torch.Tensor, buf: torch.Tensor, num_tokens: int | None,
                      to_chunk: bool) -> int:
-        # Lean on purpose: at 1 MiB the copy takes ~40 us here, so each us of Python counts.
+        # Lean on purpose: a 1 MiB copy takes tens of microseconds, so each microsecond of Python counts.
         ids, n = self._indices(block_ids, fmt, num_tokens, check_range=False)
         nbytes = self.chunk_nbytes(fmt, n)
         self.check_chunk_buf(buf, nbytes)
