@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from kvferry.common.hashing import chunk_keys
-from kvferry.engine.offload.planner import offload_salt
+from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.tiers.disk import rank_root
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import OffloadServer

@@ -205,7 +205,7 @@ MAC_CHUNK = CHUNK * TOKEN_BYTES  # 4 MiB
 def _mac_worker(name: str, secret_text: str | None, nchunks: int):
     from kvferry.common import messages as m
     from kvferry.common.config import KVFerryConfig
-    from kvferry.engine.p2p import P2PWorker
+    from kvferry.engine.p2p.worker import P2PWorker
     from kvferry.engine.tiers.cpu import CPUTier
     fp = m.LayoutFingerprint(model="p2p-bench", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
                              block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=CHUNK,

@@ -4,18 +4,19 @@ The engine's internal modules may move; this list is the contract the connector 
 """
 
 from kvferry.engine.chunking import loaded_blocks
-from kvferry.engine.offload.planner import (
+from kvferry.engine.offload.ops import (
     CacheEvict,
     CacheLoad,
     CacheStore,
-    OffloadPlanner,
-    OffloadWorker,
     layout_digest,
     offload_salt,
 )
-from kvferry.engine.p2p import P2PWorker, notice_addr
+from kvferry.engine.offload.planner import OffloadPlanner
+from kvferry.engine.offload.worker import OffloadWorker
+from kvferry.engine.p2p.notices import notice_addr
+from kvferry.engine.p2p.worker import P2PWorker
 from kvferry.engine.pd import PDConsumer, PDProducer, fingerprint
-from kvferry.engine.tiers.remote import RemoteError
+from kvferry.engine.remote.base import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.client import ReceiverAddr

@@ -35,11 +35,9 @@ import argparse
 import asyncio
 import errno
 import os
-import resource
 import signal
 import socket
 import sys
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvferry.common import messages as m
@@ -58,6 +56,13 @@ from kvferry.engine.remote.lm_protocol import (
     SERVER_PURPOSE,
     frame,
 )
+from kvferry.launcher.chunk_lru import ChunkLRU
+from kvferry.launcher.fd_limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    fd_limit,
+    fit_connections,
+    open_spare,
+)
 
 __all__ = ["ChunkLRU", "LMServer", "main"]
 
@@ -67,42 +72,10 @@ NEEDS_SECRET = ("this kvferry-server requires the cluster secret: set cluster_se
                 "KVFERRY_CLUSTER_SECRET_FILE) on the client to the file the server's --cluster-secret-file names")
 WRONG_SECRET = ("wrong cluster secret: the client's cluster_secret_file must hold the same secret as the "
                 "server's --cluster-secret-file")
-DEFAULT_MAX_CONNECTIONS = 1024
-FD_RESERVE = 32  # descriptors kept for everything but client connections: listener, epoll, logs, the spare
 # Out of descriptors (or kernel memory): the listener stays good, the connection waiting is what fails.
 RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ACCEPT_BACKOFF = (0.01, 1.0)  # first and longest pause after an accept error
 SHED_BATCH = 64  # connections refused per accept error, so a flood cannot hold the loop
-
-
-class ChunkLRU:
-    """Chunk bytes by key, least recently used first out, at most `limit` bytes."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.data: OrderedDict[bytes, bytes | bytearray] = OrderedDict()
-        self.used = 0
-        self.evictions = 0
-
-    def put(self, key: bytes, value: bytes | bytearray) -> bool:
-        if len(value) > self.limit:
-            return False
-        old = self.data.pop(key, None)
-        if old is not None:
-            self.used -= len(old)
-        while self.used + len(value) > self.limit:
-            _, gone = self.data.popitem(last=False)
-            self.used -= len(gone)
-            self.evictions += 1
-        self.data[key] = value
-        self.used += len(value)
-        return True
-
-    def get(self, key: bytes) -> bytes | bytearray | None:
-        value = self.data.get(key)
-        if value is not None:
-            self.data.move_to_end(key)
-        return value
 
 
 class Unauthorized(Exception):
@@ -134,47 +107,6 @@ def _refuse_now(conn: socket.socket, code: str, message: str) -> None:
         pass
     finally:
         conn.close()
-
-
-def _open_spare() -> int | None:
-    """A descriptor held in reserve: closed when accept() runs out, so waiting peers can be told no."""
-    try:
-        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-
-
-def fd_limit() -> int:
-    """The soft RLIMIT_NOFILE (`ulimit -n`); a large number when unlimited."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
-
-
-def fit_connections(wanted: int | None) -> int:
-    """The connection cap: `wanted`, or the default lowered to what `ulimit -n` allows (raising
-    the soft limit toward the hard one first). An explicit cap above the limit is kept, with a
-    warning: beyond the limit new connections are refused until descriptors free up."""
-    cap = DEFAULT_MAX_CONNECTIONS if wanted is None else wanted
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = cap + FD_RESERVE
-    if soft != resource.RLIM_INFINITY and soft < need:
-        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        if new > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            except (OSError, ValueError):
-                pass
-    room = max(1, fd_limit() - FD_RESERVE)
-    if cap <= room:
-        return cap
-    if wanted is not None:
-        logger.warning("kvferry-server: --max-connections %d is more than `ulimit -n` %d allows (%d); past that, "
-                       "new connections are refused until descriptors free up: raise `ulimit -n`", cap, fd_limit(),
-                       room)
-        return cap
-    logger.warning("kvferry-server: --max-connections lowered to %d to fit `ulimit -n` %d; raise `ulimit -n` "
-                   "for more", room, fd_limit())
-    return room
 
 
 class LMServer:
@@ -229,7 +161,7 @@ class LMServer:
         """Accept until cancelled; no accept error ends the loop (out of descriptors: refuse and go on)."""
         assert self._lsock is not None
         loop = asyncio.get_running_loop()
-        self._spare = _open_spare()
+        self._spare = open_spare()
         pause = ACCEPT_BACKOFF[0]
         try:
             while True:
@@ -279,7 +211,7 @@ class LMServer:
         """Out of descriptors: spend the spare one to accept and close the waiting connections, so
         their clients hear 'busy' now instead of hanging in the backlog; True if any was."""
         if self._spare is None:
-            self._spare = _open_spare()
+            self._spare = open_spare()
             return False
         os.close(self._spare)
         self._spare, shed = None, 0
@@ -293,7 +225,7 @@ class LMServer:
         except OSError:
             pass  # the backlog is empty (EAGAIN), or the spare's slot was taken meanwhile
         finally:
-            self._spare = _open_spare()
+            self._spare = open_spare()
         return shed > 0
 
     def _admit(self, conn: socket.socket, peer: object) -> None:

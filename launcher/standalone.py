@@ -37,12 +37,9 @@ import torch
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 from kvferry.common.log import get_logger
-from kvferry.engine.offload.planner import (
-    OffloadPlanner,
-    OffloadWorker,
-    layout_digest,
-    offload_salt,
-)
+from kvferry.engine.offload.ops import layout_digest, offload_salt
+from kvferry.engine.offload.planner import OffloadPlanner
+from kvferry.engine.offload.worker import OffloadWorker
 from kvferry.kernels.layout import KVLayout
 from kvferry.kernels.paged_copy import PagedKV
 
@@ -135,12 +132,12 @@ class StandaloneEngine:
         self._check(tokens)
         self._sync()
         rid = f"standalone-{next(self._ids)}"
-        before = self.worker.counters["offloaded_tokens"]
+        before = self.worker.counters.offloaded_tokens
         self.planner.store(rid, tokens, self._blocks)
         _, saves = self.planner.take()
         self.worker.save(saves)
         self.planner.finished(rid)
-        return self.worker.counters["offloaded_tokens"] - before
+        return self.worker.counters.offloaded_tokens - before
 
     def retrieve(self, tokens: Sequence[int]) -> int:
         """Load the longest cached prefix of `tokens` into ``kv[:, :n]``; returns n (0 on a miss)."""

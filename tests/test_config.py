@@ -220,9 +220,9 @@ def test_unset_ignored_keys_log_nothing(monkeypatch: pytest.MonkeyPatch, kvf_log
 def test_one_list_of_schemes_and_serdes() -> None:
     """The config accepts exactly what the tiers open plus LMCache's values they refuse at start."""
     from kvferry.common import config
+    from kvferry.engine.remote import backends as remote_store
     from kvferry.engine.remote import redis_settings
     from kvferry.engine.remote import serde as remote_serde
-    from kvferry.engine.tiers import remote as remote_store
     assert remote_store.SCHEMES is config.REMOTE_SCHEMES
     assert redis_settings.REDIS_SCHEMES is config.REDIS_SCHEMES
     assert set(remote_serde.FORMATS) == set(config.SERDES)

@@ -80,7 +80,7 @@ def test_a_wrong_size_disk_file_is_a_counted_miss_and_removed(tmp_path: Path, da
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
-    assert d.counters["corrupt"] == 1 and not f.exists()
+    assert d.counters.corrupt == 1 and not f.exists()
     assert "treated as a miss and deleted" in kvf_logs.text
     d.close()
 
@@ -94,7 +94,7 @@ def test_a_symlink_at_a_chunk_path_is_not_followed_on_read_or_write(tmp_path: Pa
     good.unlink()
     good.symlink_to(target)
     assert d.get(disk_key(3), 1000) is None
-    assert d.counters["corrupt"] == 1 and not good.is_symlink() and target.exists()
+    assert d.counters.corrupt == 1 and not good.is_symlink() and target.exists()
     assert scan(d.root) == []
     # Write: a link planted at the chunk's name is replaced, its target untouched.
     victim = tmp_path / "victim"
@@ -110,7 +110,7 @@ def test_a_fifo_planted_at_a_chunk_path_is_a_miss_not_a_hang(tmp_path: Path) -> 
     d = DiskTier(tmp_path / "rank0", b"layout")
     os.mkfifo(d.path(disk_key(5)))
     assert d.get(disk_key(5), 1000) is None
-    assert d.counters["corrupt"] == 1 and not d.path(disk_key(5)).exists()
+    assert d.counters.corrupt == 1 and not d.path(disk_key(5)).exists()
     d.close()
 
 
@@ -123,6 +123,6 @@ def test_disk_temp_files_are_created_exclusively(tmp_path: Path, monkeypatch: py
     tmp = d.path(disk_key(6)).with_name(d.path(disk_key(6)).name + ".tmp" + "01" * 6)
     tmp.symlink_to(victim)
     assert d.put(disk_key(6), chunk(6)) and d.flush(10)
-    assert d.counters["write_errors"] == 1 and victim.read_bytes() == b"precious"
+    assert d.counters.write_errors == 1 and victim.read_bytes() == b"precious"
     assert d.take_lost() == {disk_key(6)}
     d.close()

@@ -19,7 +19,7 @@ import pytest
 
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
-from kvferry.engine.offload.planner import GB, offload_salt
+from kvferry.engine.offload.ops import GB, offload_salt
 from kvferry.engine.tiers.disk import HEADER_BYTES, scan
 from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.launcher.vllm_proc import VLLMServer

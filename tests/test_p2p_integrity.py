@@ -19,7 +19,7 @@ import torch
 
 from kvferry.common import messages as m
 from kvferry.common.config import load_config
-from kvferry.engine.p2p import P2PWorker
+from kvferry.engine.p2p.worker import P2PWorker
 from kvferry.launcher.standalone import StandaloneEngine, parse_shape_spec
 from tests.polling import until
 from tests.transfer_helpers import p2p_worker, peer_addr
@@ -192,7 +192,7 @@ def test_chunk_bytes_changed_after_their_tag_fail_the_mac(holder, reader) -> Non
 def test_a_pull_of_bad_chunks_adopts_nothing(holder, reader, lie: str) -> None:
     """A controller's move: sizes are not known ahead (only a whole number of blocks up to a
     chunk), so what a pull brings in is checked before it enters the CPU tier."""
-    pull = lambda ev: reader._call(reader._command(m.PullChunks(  # noqa: E731
+    pull = lambda ev: reader._call(reader.commands.run(m.PullChunks(  # noqa: E731
         event_id=ev, source_id="holder", source=holder.addr, keys=KEYS)), 20)
     before = reader.stats()["p2p_rejected"]
     holder.cmd(f"lie {lie}")
@@ -243,9 +243,9 @@ def test_a_wrong_size_chunk_in_the_cpu_tier_is_a_miss_before_it_is_scattered() -
         key = eng.planner.keys(toks)[1]
         good = eng.worker.cpu.get(key)
         eng.worker.cpu.put(key, good[: good.numel() // 2].clone())  # half a chunk under a full chunk's key
-        before = eng.worker.counters["load_errors"]
+        before = eng.worker.counters.load_errors
         assert eng.retrieve(toks) == 0  # recomputed, no exception
-        assert eng.worker.counters["load_errors"] == before + 1
+        assert eng.worker.counters.load_errors == before + 1
         assert eng.worker.cpu.get(key) is None, "the wrong-size chunk stayed in the tier"
         assert eng.lookup(toks) == 256, "the scheduler still counts the dropped chunk as held"
     finally:

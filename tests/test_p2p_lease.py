@@ -12,7 +12,8 @@ import time
 import pytest
 
 from kvferry.common import messages as m
-from kvferry.engine.p2p import P2PError, P2PWorker
+from kvferry.engine.p2p.fetching import P2PError
+from kvferry.engine.p2p.worker import P2PWorker
 from tests.polling import until
 from tests.transfer_helpers import p2p_worker, peer_addr
 

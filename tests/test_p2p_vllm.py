@@ -31,7 +31,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.hashing import chunk_keys
-from kvferry.engine.offload.planner import offload_salt
+from kvferry.engine.offload.ops import offload_salt
 from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
 from kvferry.launcher.stores import Controller
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs

@@ -18,9 +18,10 @@ from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.redact import redact_url
 from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.remote.redis_backend import RedisSettings, client_kwargs, parse_redis_url
 from kvferry.engine.remote.serde import ChunkShape, Serde
-from kvferry.engine.tiers.remote import RemoteError, RemoteTier, parse_url
+from kvferry.engine.tiers.remote import RemoteError, RemoteTier
 from kvferry.launcher.stores import Proc, start_redis, start_sentinel
 from tests.tls_certs import Certs, make_certs
 

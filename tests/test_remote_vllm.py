@@ -24,7 +24,7 @@ import redis
 
 from kvferry.common import secret
 from kvferry.common.hashing import chunk_keys
-from kvferry.engine.offload.planner import offload_salt
+from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.tiers.remote import PREFIX, RemoteTier
 from kvferry.launcher.pd_instances import OffloadServer

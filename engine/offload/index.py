@@ -12,6 +12,31 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvferry.engine.tiers.base import Counters
+
+
+@dataclass
+class TierCounters(Counters):
+    """One indexed tier's decisions, exported as ``<name>|<tier>`` (kvferry:cache_*{tier})."""
+
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    evicted_chunks: int = 0
+    evicted_bytes: int = 0
+    rejected_chunks: int = 0
+
+
+@dataclass
+class LookupCounters(Counters):
+    """Every prompt looked up, whichever tier answered (kvferry:cache_lookup_tokens, ...)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    miss_tokens: int = 0
+
 
 @dataclass
 class TierIndex:
@@ -21,9 +46,7 @@ class TierIndex:
     capacity: int
     entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     used: int = 0
-    counters: dict[str, int] = field(default_factory=lambda: {
-        "hit_chunks": 0, "hit_tokens": 0, "stored_chunks": 0, "stored_bytes": 0,
-        "evicted_chunks": 0, "evicted_bytes": 0, "rejected_chunks": 0})
+    counters: TierCounters = field(default_factory=TierCounters)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
@@ -43,7 +66,7 @@ class TierIndex:
             self.touch(key)
             return True, []
         if nbytes > self.capacity:
-            self.counters["rejected_chunks"] += 1
+            self.counters.rejected_chunks += 1
             return False, []
         need = self.used + nbytes - self.capacity
         victims: list[bytes] = []
@@ -54,13 +77,13 @@ class TierIndex:
             victims.append(k)
             freed += n
         for k in victims:
-            self.counters["evicted_bytes"] += self.entries[k]
+            self.counters.evicted_bytes += self.entries[k]
             self.drop(k)
-        self.counters["evicted_chunks"] += len(victims)
+        self.counters.evicted_chunks += len(victims)
         self.entries[key] = nbytes
         self.used += nbytes
-        self.counters["stored_chunks"] += 1
-        self.counters["stored_bytes"] += nbytes
+        self.counters.stored_chunks += 1
+        self.counters.stored_bytes += nbytes
         return True, victims
 
     def drop(self, key: bytes) -> bool:
@@ -83,7 +106,7 @@ class ChunkIndex:
     def __init__(self, tiers: Sequence[TierIndex]) -> None:
         self.tiers = list(tiers)
         self.by_name = {t.name: t for t in self.tiers}
-        self.counters = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "miss_tokens": 0}
+        self.counters = LookupCounters()
 
     def locate(self, key: bytes) -> str | None:
         """The first tier holding `key`, or None."""
@@ -103,10 +126,10 @@ class ChunkIndex:
         return out
 
     def record_lookup(self, total_tokens: int, hit_tokens: int) -> None:
-        self.counters["lookups"] += 1
-        self.counters["lookup_tokens"] += total_tokens
-        self.counters["lookup_hit_tokens"] += hit_tokens
-        self.counters["miss_tokens"] += total_tokens - hit_tokens
+        self.counters.lookups += 1
+        self.counters.lookup_tokens += total_tokens
+        self.counters.lookup_hit_tokens += hit_tokens
+        self.counters.miss_tokens += total_tokens - hit_tokens
 
     def forget(self, key: bytes, tier: str | None = None) -> None:
         """Drop `key` from one tier (or all): its data was found missing or corrupt."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvferry.common.units import fmt_bytes
+from kvferry.engine.tiers.base import LoadRequest
 from kvferry.engine.tiers.host_arena import HostArena
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,8 @@ class CPUTier:
     """Chunks by key. What stays and what goes is the index's decision (engine/offload/index.py).
 
     Thread-safe: the P2P side serves, adopts and drops chunks from its own thread."""
+
+    name = "cpu"
 
     def __init__(self, pin: bool = False, capacity: int = 0, slot_bytes: int = 0) -> None:
         """`slot_bytes` (a full chunk's size) > 0 on host KV: chunks live in one HostArena."""
@@ -72,6 +75,25 @@ class CPUTier:
             if self.listener is not None:
                 self.listener("delete", key, old)
         return old
+
+    # ---- the Tier interface (engine/tiers/base.py) ----
+    def prefetch(self, req: LoadRequest) -> None:
+        pass
+
+    def fetch(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
+        return self.get(key)
+
+    def store(self, key: bytes, data: torch.Tensor, tokens: int) -> None:
+        self.put(key, data)
+
+    def remove(self, key: bytes) -> None:
+        self.delete(key)
+
+    def take_lost(self) -> set[bytes]:
+        return set()
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def keys(self) -> list[bytes]:
         with self._lock:

@@ -23,12 +23,14 @@ import stat
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.engine.tiers.base import Counters, LoadRequest
 
 logger = get_logger(__name__)
 
@@ -92,8 +94,25 @@ def scan(root: Path) -> list[tuple[bytes, int]]:
     return [(k, n) for _, k, n in found]
 
 
+@dataclass
+class DiskCounters(Counters):
+    """Exported as ``disk_<name>`` (kvferry:cache_disk_*)."""
+
+    prefix = "disk_"
+    writes: int = 0
+    write_bytes: int = 0
+    write_errors: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+
+
 class DiskTier:
     """One rank's chunk files. `layout_digest` (16 bytes) must match for a file to be loaded."""
+
+    name = "disk"
 
     def __init__(self, root: Path, layout_digest: bytes, max_pending_bytes: int = 2 << 30) -> None:
         self.root = Path(root)
@@ -112,8 +131,7 @@ class DiskTier:
         self._lost: set[bytes] = set()  # written keys that did not make it (reported to the index)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._warn = RateLimitedLog(logger)
-        self.counters = {"writes": 0, "write_bytes": 0, "write_errors": 0, "reads": 0, "read_bytes": 0,
-                         "misses": 0, "corrupt": 0, "deletes": 0}
+        self.counters = DiskCounters()
         self._thread = threading.Thread(target=self._run, name="kvferry-disk-writer", daemon=True)
         self._thread.start()
 
@@ -159,7 +177,7 @@ class DiskTier:
         try:
             fd = os.open(p, _READ_FLAGS)
         except FileNotFoundError:
-            self.counters["misses"] += 1
+            self.counters.misses += 1
             return None
         except OSError as e:  # ELOOP: a symlink planted at the chunk's name
             why = f"not openable without following a link: {e.strerror}"
@@ -171,15 +189,15 @@ class DiskTier:
             finally:
                 os.close(fd)
         if why is not None:
-            self.counters["corrupt"] += 1
+            self.counters.corrupt += 1
             self._warn.warning("disk tier: chunk file %s is %s; treated as a miss and deleted", p, why)
             try:
                 p.unlink(missing_ok=True)  # a link itself, never its target
             except OSError as e:
                 self._warn.warning("disk tier: could not delete %s: %s", p, e)
             return None
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += data.numel()
+        self.counters.reads += 1
+        self.counters.read_bytes += data.numel()
         return data
 
     def _read(self, fd: int, key: bytes, nbytes: int) -> tuple[str | None, torch.Tensor | None]:
@@ -216,6 +234,22 @@ class DiskTier:
             return f"a {size}-byte chunk, expected {nbytes}"
         return None
 
+    # ---- the Tier interface (engine/tiers/base.py) ----
+    def prefetch(self, req: LoadRequest) -> None:
+        pass
+
+    def fetch(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
+        return self.get(key, nbytes)
+
+    def store(self, key: bytes, data: torch.Tensor, tokens: int) -> None:
+        self.put(key, data)
+
+    def remove(self, key: bytes) -> None:
+        self.delete(key)
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.as_dict()
+
     def take_lost(self) -> set[bytes]:
         with self._lock:
             lost, self._lost = self._lost, set()
@@ -232,9 +266,9 @@ class DiskTier:
                     self._write(key, data)
                 else:
                     self.path(key).unlink(missing_ok=True)
-                    self.counters["deletes"] += 1
+                    self.counters.deletes += 1
             except OSError as e:
-                self.counters["write_errors"] += 1
+                self.counters.write_errors += 1
                 self._warn.warning("disk tier %s: writing a chunk failed: %s", self.root, e)
                 with self._lock:
                     self._lost.add(key)
@@ -263,8 +297,8 @@ class DiskTier:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self.counters["writes"] += 1
-        self.counters["write_bytes"] += data.numel()
+        self.counters.writes += 1
+        self.counters.write_bytes += data.numel()
 
     def flush(self, timeout: float) -> bool:
         """Wait (bounded) until every queued write and delete is done."""

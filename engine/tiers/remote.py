@@ -16,75 +16,46 @@ so a dead store costs requests nothing. Puts run on a background thread with a b
 when the store cannot keep up, puts are dropped (counted), never waited for.
 """
 
+
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.chunk_mac import for_secret
-from kvferry.common.config import REMOTE_SCHEMES as SCHEMES
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
-from kvferry.engine.remote.base import PREFIX, Backend, Item, Mapped, RemoteError, hostports  # noqa: F401 - PREFIX re-exported
-from kvferry.engine.remote.lm_client import LMClient, LMError
-from kvferry.engine.remote.redis_backend import RedisSettings, open_redis, parse_redis_url
+from kvferry.engine.remote.backends import open_backend
+from kvferry.engine.remote.base import PREFIX, Backend, RemoteError  # noqa: F401 - PREFIX re-exported
+from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.remote.serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
+from kvferry.engine.tiers.base import Counters, LoadRequest
 
 logger = get_logger(__name__)
 
 
-class LMBackend(Mapped):
-    errors = (LMError,)
+@dataclass
+class RemoteCounters(Counters):
+    """Exported as ``remote_<name>``, the stores as ``stored_<name>|remote`` (kvferry:cache_*)."""
 
-    def __init__(self, host: str, port: int, timeout: float, secret: ClusterSecret | None = None) -> None:
-        # With the cluster secret, every connection proves it (and wants the server's proof).
-        self.client, self.where = LMClient(host, port, timeout, secret), "kvferry-server"  # LMError names the URL
+    errors: int = 0
+    corrupt: int = 0
+    forged: int = 0
+    put_dropped: int = 0
+    get_bytes: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
 
-    def put_many(self, items: Sequence[Item]) -> None:
-        self._do(self.client.put_many, [(key, (head, payload)) for key, head, payload in items])
-
-    def get(self, key: bytes, max_bytes: int) -> tuple[memoryview, memoryview] | None:
-        blob = self._do(self.client.get, key, max_bytes)  # a larger reply is refused unread (LMError)
-        return None if blob is None else (blob[:HEADER_BYTES], blob[HEADER_BYTES:])
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._do(self.client.exists, keys)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:
-    """(scheme, [(host, port)...], service) of a remote_url, or RemoteError naming the fix (and never
-    showing a password)."""
-    scheme, _, rest = url.partition("://")
-    if scheme not in SCHEMES:
-        raise RemoteError(f"remote_url {redact_url(url)!r}: scheme {scheme!r} is not supported by kvferry: use "
-                          "redis://host:port, rediss://host:port (TLS), redis-sentinel://host:port,host:port,... "
-                          "or lm://host:port (kvferry-server)")
-    if scheme != "lm":
-        u = parse_redis_url(url)
-        return scheme, u.nodes, u.service
-    nodes = hostports(rest.partition("/")[0], redact_url(url))
-    if len(nodes) != 1:
-        raise RemoteError(f"remote_url {redact_url(url)!r}: lm:// takes one host:port")
-    return scheme, nodes, ""
-
-
-def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None,
-                 redis: RedisSettings | None = None) -> Backend:
-    """A connection to `url` (connecting lazily where the client allows); `secret` (the cluster
-    secret, `zsock.trust_of(cfg).secret`) authenticates lm:// connections, `redis` (credentials and
-    TLS files, redis_settings.from_config) Redis ones."""
-    scheme, nodes, _ = parse_url(url)
-    if scheme == "lm":
-        return LMBackend(*nodes[0], timeout, secret)
-    return open_redis(url, timeout, redis)
+    def as_dict(self) -> dict[str, float]:
+        return {"remote_errors": self.errors, "remote_corrupt": self.corrupt, "remote_forged": self.forged,
+                "remote_put_dropped": self.put_dropped, "stored_chunks|remote": self.stored_chunks,
+                "stored_bytes|remote": self.stored_bytes, "remote_get_bytes": self.get_bytes}
 
 
 class RemoteTier:
@@ -112,8 +83,7 @@ class RemoteTier:
         self.max_queued_bytes = max_queued_bytes
         # With the secret, chunks are tagged and checked with a keyed MAC (engine/remote/serde.py).
         self.mac = for_secret(secret)
-        self.counters = {"remote_errors": 0, "remote_corrupt": 0, "remote_forged": 0, "remote_put_dropped": 0,
-                         "stored_chunks|remote": 0, "stored_bytes|remote": 0, "remote_get_bytes": 0}
+        self.counters = RemoteCounters()
         self._backoff = Backoff(f"remote store {self.url}", logger)
         self._warn = RateLimitedLog(logger)
         self._backend: Backend | None = None
@@ -130,7 +100,7 @@ class RemoteTier:
         caller's own: the put thread has one, gets and lookups another) to keep using, or None
         (closed) when `e` is not the client's own error, as the connection may be mid-reply."""
         with self._lock:
-            self.counters["remote_errors"] += 1
+            self.counters.errors += 1
         if not isinstance(e, RemoteError) and backend is not None:
             try:
                 backend.close()
@@ -144,7 +114,10 @@ class RemoteTier:
     def _rejected(self, key: bytes, e: Exception) -> None:
         forged = isinstance(e, ForgedError)
         with self._lock:
-            self.counters["remote_forged" if forged else "remote_corrupt"] += 1
+            if forged:
+                self.counters.forged += 1
+            else:
+                self.counters.corrupt += 1
         why = e if isinstance(e, SerdeError) else f"{type(e).__name__}: {e}"
         self._warn.warning("remote store %s: chunk %s rejected (a miss, recomputed): %s", self.url,
                            key.hex()[:12], why)
@@ -192,7 +165,7 @@ class RemoteTier:
             self._rejected(key, e)
             return None
         with self._lock:
-            self.counters["remote_get_bytes"] += len(got[1])
+            self.counters.get_bytes += len(got[1])
         return data
 
     def put(self, key: bytes, data: torch.Tensor, tokens: int) -> bool:
@@ -200,11 +173,11 @@ class RemoteTier:
         nbytes = data.numel()
         with self._lock:
             if not self._backoff.up():
-                self.counters["remote_put_dropped"] += 1
+                self.counters.put_dropped += 1
                 return False
             full = self._queued + nbytes > self.max_queued_bytes
             if full:
-                self.counters["remote_put_dropped"] += 1
+                self.counters.put_dropped += 1
             else:
                 self._queued += nbytes
                 self._idle.clear()
@@ -241,7 +214,7 @@ class RemoteTier:
             try:
                 if not self._backoff.up():
                     with self._lock:
-                        self.counters["remote_put_dropped"] += len(batch)
+                        self.counters.put_dropped += len(batch)
                     continue
                 items = [(key + self.suffix, *self.serde.encode(data, tokens, self.mac, key + self.suffix))
                          for key, data, tokens in batch]
@@ -250,8 +223,8 @@ class RemoteTier:
                 backend.put_many(items)
                 self._backoff.ok()
                 with self._lock:
-                    self.counters["stored_chunks|remote"] += len(items)
-                    self.counters["stored_bytes|remote"] += sum(len(h) + len(p) for _, h, p in items)
+                    self.counters.stored_chunks += len(items)
+                    self.counters.stored_bytes += sum(len(h) + len(p) for _, h, p in items)
             except Exception as e:  # noqa: BLE001 - the put thread must outlive any one batch
                 backend = self._failed("put", e, backend)
             finally:
@@ -268,7 +241,25 @@ class RemoteTier:
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return dict(self.counters)
+            return self.counters.as_dict()
+
+    # ---- the Tier interface (engine/tiers/base.py) ----
+    name = "remote"
+
+    def prefetch(self, req: LoadRequest) -> None:
+        pass
+
+    def fetch(self, key: bytes, tokens: int, nbytes: int) -> torch.Tensor | None:
+        return self.get(key, tokens, nbytes)
+
+    def store(self, key: bytes, data: torch.Tensor, tokens: int) -> None:
+        self.put(key, data, tokens)
+
+    def remove(self, key: bytes) -> None:
+        """The store is shared: what one instance evicts locally another may still want."""
+
+    def take_lost(self) -> set[bytes]:
+        return set()
 
     def close(self, timeout: float = 10.0) -> None:
         if self._thread is not None:

@@ -1,0 +1,1 @@
+"""P2P sharing of CPU tiers between instances, coordinated by kvferry-controller."""
