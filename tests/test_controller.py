@@ -215,8 +215,26 @@ def test_http_errors_name_the_fix(controller: Controller) -> None:
                                         "new_position": ["y", "LocalCPUBackend"], "tokens": [1], "copy": "yes"},
                    timeout=10)
     assert r.status_code == 400 and "copy" in r.json()["error"]
+    # A body that fails the API's typed models is a 400 naming the field, never FastAPI's 422 list.
+    r = httpx.post(url + "/move", json={"old_position": [1, "LocalCPUBackend"],
+                                        "new_position": ["y", "LocalCPUBackend"], "tokens": [1]}, timeout=10)
+    assert r.status_code == 400 and "old_position must be [instance_id, location]" in r.json()["error"]
+    r = httpx.post(url + "/lookup", json=[1, 2], timeout=10)
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]
+    r = httpx.post(url + "/lookup", json={"tokens": [True]}, timeout=10)
+    assert r.status_code == 400 and "/tokenize" in r.json()["error"]
+    r = httpx.post(url + "/clear", json={"instance_id": 3}, timeout=10)
+    assert r.status_code == 400 and "instance_id must be a string" in r.json()["error"]
+    r = httpx.post(url + "/clear", json={"location": "disk"}, timeout=10)
+    assert r.status_code == 400 and "use \"LocalCPUBackend\"" in r.json()["error"]
+    # As before, a JSON body is read whatever its Content-Type (curl -d sends a form type).
+    r = httpx.post(url + "/lookup", content=b'{"tokens": [1]}',
+                   headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=10)
+    assert r.status_code == 200 and r.json()["layout_info"] == {}
     r = httpx.get(url + "/move/nope", timeout=10)
-    assert r.status_code == 404
+    assert r.status_code == 404 and "event_id 'nope'" in r.json()["error"]
+    r = httpx.delete(url + "/move", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]
     r = httpx.post(url + "/clear", json={"instance_id": "ghost"}, timeout=10)
     assert r.status_code == 400 and "ghost" in r.json()["error"]
     h = health(controller)
@@ -392,3 +410,39 @@ def test_require_cluster_secret_refuses_an_exposed_controller_in_one_line(tmp_pa
     assert "--admin-key" in r.stderr
     r = _controller_exits("--cluster-secret-file", str(tmp_path / "missing"))
     assert r.returncode == 2 and "cannot read the cluster secret file" in r.stderr
+
+
+def test_openapi_describes_every_endpoint_and_docs_answer(tmp_path: Path) -> None:
+    c = Controller(tmp_path)
+    try:
+        spec = httpx.get(c.url + "/openapi.json", timeout=10).json()
+        assert {p: set(ops) for p, ops in spec["paths"].items()} == {
+            "/": {"get"}, "/api/state": {"get"}, "/health": {"get"}, "/lookup": {"post"}, "/move": {"post"},
+            "/move/{event_id}": {"get"}, "/check_finish": {"post"}, "/clear": {"post"}}
+        move = spec["paths"]["/move"]["post"]
+        body = move["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        assert set(spec["components"]["schemas"][body]["properties"]) == {"tokens", "copy", "old_position",
+                                                                          "new_position"}
+        assert {"200", "400", "401"} <= set(move["responses"])
+        r = httpx.get(c.url + "/docs", timeout=10)
+        assert r.status_code == 200 and "swagger" in r.text.lower() and "/openapi.json" in r.text
+    finally:
+        c.stop()
+    assert c.proc.returncode == 0, "SIGTERM must stop the controller cleanly"
+
+
+def test_docs_and_admin_routes_need_the_admin_key(tmp_path: Path) -> None:
+    c = Controller(tmp_path, admin_key=ADMIN)
+    try:
+        for path in ("/docs", "/openapi.json"):
+            assert httpx.get(c.url + path, timeout=10).status_code == 401, path
+            assert httpx.get(c.url + path, auth=("admin", ADMIN), timeout=10).status_code == 200, path
+        for path in ("/move", "/clear"):
+            r = httpx.post(c.url + path, json={"tokens": [1]}, timeout=10)
+            assert r.status_code == 401 and "--admin-key" in r.json()["error"], path
+            r = httpx.post(c.url + path, json={"tokens": [1]}, headers={"Authorization": "Bearer client-key"},
+                           timeout=10)
+            assert r.status_code == 401, path
+    finally:
+        c.stop()
+    assert c.proc.returncode == 0
