@@ -1,8 +1,9 @@
 """kvferry's counters in vLLM's stats pipeline: logged with vLLM's "KV Transfer metrics" line and
 exported on vLLM's /metrics as ``kvferry:*`` Prometheus series.
 
-Stats travel as flat dicts (``name`` or ``name|tier`` -> number) from the scheduler and every
-worker to vLLM's logger process; counters are deltas, gauges absolute.
+Stats travel as flat dicts (``name`` or ``name|label`` -> number) from the scheduler and every
+worker to vLLM's logger process; counters are deltas, gauges absolute. docs/metrics.md lists the
+series.
 """
 
 from __future__ import annotations
@@ -20,65 +21,80 @@ from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
-GAUGES = ("usage_bytes", "chunks")
+GAUGES = ("usage_bytes", "chunks", "pd_buffer_free_pages", "pd_buffer_pages")
 
-# name -> (Prometheus name, help, has a tier label)
-SERIES: dict[str, tuple[str, str, bool]] = {
-    "lookup_tokens": ("kvferry:cache_lookup_tokens", "Prompt tokens looked up in the offload tiers", False),
-    "hit_tokens": ("kvferry:cache_hit_tokens", "Prompt tokens loaded from a tier instead of computed", True),
-    "miss_tokens": ("kvferry:cache_miss_tokens", "Looked-up prompt tokens no tier held", False),
-    "hit_chunks": ("kvferry:cache_hit_chunks", "Chunks loaded from a tier", True),
-    "stored_chunks": ("kvferry:cache_stored_chunks", "Chunks admitted to a tier", True),
-    "stored_bytes": ("kvferry:cache_stored_bytes", "Bytes admitted to a tier", True),
-    "evicted_chunks": ("kvferry:cache_evicted_chunks", "Chunks evicted from a tier (LRU)", True),
-    "evicted_bytes": ("kvferry:cache_evicted_bytes", "Bytes evicted from a tier (LRU)", True),
-    "rejected_chunks": ("kvferry:cache_rejected_chunks", "Chunks a tier could not take", True),
-    "retrieved_bytes": ("kvferry:cache_retrieved_bytes", "Bytes copied from the tiers into vLLM's KV cache", False),
-    "offloaded_bytes": ("kvferry:cache_offloaded_bytes", "Bytes copied from vLLM's KV cache to host memory", False),
-    "load_errors": ("kvferry:cache_load_errors", "Loads that found a chunk missing or corrupt (recomputed)", False),
-    "disk_corrupt": ("kvferry:cache_disk_corrupt_files", "Disk chunk files rejected as corrupt or truncated", False),
-    "disk_write_errors": ("kvferry:cache_disk_write_errors", "Disk chunk writes that failed", False),
+TIER, REASON, RANK = "tier", "reason", "rank"
+
+# name -> (Prometheus name, help, the label a ``name|value`` key fills, if any)
+SERIES: dict[str, tuple[str, str, str | None]] = {
+    "lookup_tokens": ("kvferry:cache_lookup_tokens", "Prompt tokens looked up in the offload tiers", None),
+    "hit_tokens": ("kvferry:cache_hit_tokens", "Prompt tokens loaded from a tier instead of computed", TIER),
+    "miss_tokens": ("kvferry:cache_miss_tokens", "Looked-up prompt tokens no tier held", None),
+    "hit_chunks": ("kvferry:cache_hit_chunks", "Chunks loaded from a tier", TIER),
+    "stored_chunks": ("kvferry:cache_stored_chunks", "Chunks admitted to a tier", TIER),
+    "stored_bytes": ("kvferry:cache_stored_bytes", "Bytes admitted to a tier", TIER),
+    "evicted_chunks": ("kvferry:cache_evicted_chunks", "Chunks evicted from a tier (LRU)", TIER),
+    "evicted_bytes": ("kvferry:cache_evicted_bytes", "Bytes evicted from a tier (LRU)", TIER),
+    "rejected_chunks": ("kvferry:cache_rejected_chunks", "Chunks a tier could not take", TIER),
+    "retrieved_bytes": ("kvferry:cache_retrieved_bytes", "Bytes copied from the tiers into vLLM's KV cache", None),
+    "offloaded_bytes": ("kvferry:cache_offloaded_bytes", "Bytes copied from vLLM's KV cache to host memory", None),
+    "load_errors": ("kvferry:cache_load_errors", "Loads that found a chunk missing or corrupt (recomputed)", None),
+    "disk_corrupt": ("kvferry:cache_disk_corrupt_files", "Disk chunk files rejected as corrupt or truncated", None),
+    "disk_write_errors": ("kvferry:cache_disk_write_errors", "Disk chunk writes that failed", None),
     "remote_errors": ("kvferry:cache_remote_errors", "Remote store calls that failed or timed out (served as misses)",
-                      False),
+                      None),
     "remote_put_dropped": ("kvferry:cache_remote_put_dropped", "Chunks not sent to the remote store (queue full or "
-                           "store down)", False),
+                           "store down)", None),
     "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length, format)",
-                       False),
+                       None),
     "remote_forged": ("kvferry:cache_remote_forged", "Remote values refused by the cluster-secret MAC (forged, "
-                      "untagged, or another key's)", False),
-    "remote_get_bytes": ("kvferry:cache_remote_read_bytes", "Bytes read from the remote store", False),
+                      "untagged, or another key's)", None),
+    "remote_get_bytes": ("kvferry:cache_remote_read_bytes", "Bytes read from the remote store", None),
     "p2p_lookup_errors": ("kvferry:p2p_lookup_errors", "Controller lookups that failed or timed out (misses)",
-                          False),
-    "p2p_read_chunks": ("kvferry:p2p_read_chunks", "Chunks read from peers over NIXL", False),
-    "p2p_read_bytes": ("kvferry:p2p_read_bytes", "Bytes read from peers over NIXL", False),
-    "p2p_read_seconds": ("kvferry:p2p_read_seconds", "Seconds spent in NIXL reads from peers", False),
-    "p2p_errors": ("kvferry:p2p_errors", "Fetches from peers that failed (recomputed)", False),
+                          None),
+    "p2p_read_chunks": ("kvferry:p2p_read_chunks", "Chunks read from peers over NIXL", None),
+    "p2p_read_bytes": ("kvferry:p2p_read_bytes", "Bytes read from peers over NIXL", None),
+    "p2p_read_seconds": ("kvferry:p2p_read_seconds", "Seconds spent in NIXL reads from peers", None),
+    "p2p_errors": ("kvferry:p2p_errors", "Fetches from peers that failed (recomputed)", None),
     "p2p_rejected": ("kvferry:p2p_rejected", "Fetches from peers whose answer or bytes failed a check: counts, "
-                     "sizes, addresses, NIXL metadata, names, MAC (recomputed; also in p2p_errors)", False),
-    "p2p_served_chunks": ("kvferry:p2p_served_chunks", "Chunks this instance lent to peers", False),
-    "p2p_served_bytes": ("kvferry:p2p_served_bytes", "Bytes this instance lent to peers", False),
+                     "sizes, addresses, NIXL metadata, names, MAC (recomputed; also in p2p_errors)", None),
+    "p2p_served_chunks": ("kvferry:p2p_served_chunks", "Chunks this instance lent to peers", None),
+    "p2p_served_bytes": ("kvferry:p2p_served_bytes", "Bytes this instance lent to peers", None),
     "p2p_refused_leases": ("kvferry:p2p_refused_leases", "Leases refused to a peer holding too many already",
-                           False),
-    "pd_sent": ("kvferry:pd_sent_requests", "Prompts whose KV this prefiller sent to a decoder", False),
-    "pd_send_failures": ("kvferry:pd_send_failures", "Prompts whose KV could not be sent (the decoder recomputes)",
-                         False),
-    "pd_sent_bytes": ("kvferry:pd_sent_bytes", "Bytes this prefiller wrote into decoders' pd_buffers", False),
+                           None),
+    "pd_sent": ("kvferry:pd_sent_requests", "Prompts whose KV this prefiller sent to a decoder", None),
+    "pd_send_failures": ("kvferry:pd_send_failures", "Prompts whose KV could not be sent (the decoder recomputes), "
+                         "by reason", REASON),
+    "pd_sent_bytes": ("kvferry:pd_sent_bytes", "Bytes this prefiller wrote into decoders' pd_buffers", None),
+    "pd_alloc_wait_seconds": ("kvferry:pd_alloc_wait_seconds", "Seconds prefillers waited for a decoder's pages "
+                              "(alloc request to answer); with pd_alloc_waits, the mean wait", None),
+    "pd_alloc_waits": ("kvferry:pd_alloc_waits", "Alloc requests answered or timed out", None),
+    "pd_received": ("kvferry:pd_received_transfers", "Transfers whose arrival notification this decoder got",
+                    None),
+    "pd_alloc_refusals": ("kvferry:pd_alloc_refusals", "Alloc requests this decoder refused, by reason (its "
+                          "ErrorReply code)", REASON),
     "pd_loaded": ("kvferry:pd_loaded_requests", "Decode requests whose prompt KV was loaded from the pd_buffer",
-                  False),
+                  None),
     "pd_recomputed": ("kvferry:pd_recomputed_requests", "Decode requests whose KV did not arrive or could not be "
-                      "loaded: recomputed (or failed, with pd_kv_timeout_action: fail)", False),
+                      "loaded: recomputed (or failed, with pd_kv_timeout_action: fail), by reason", REASON),
     "pd_kv_timeouts": ("kvferry:pd_kv_timeouts", "Decode requests whose KV did not arrive within "
-                       "pd_kv_ready_timeout", False),
-    "pd_received_bytes": ("kvferry:pd_received_bytes", "Bytes copied from the pd_buffer into vLLM's KV cache", False),
+                       "pd_kv_ready_timeout", None),
+    "pd_arrival_wait_seconds": ("kvferry:pd_arrival_wait_seconds", "Seconds decode requests waited for their KV "
+                                "(scheduled to loaded); with pd_arrival_waits, the mean wait", None),
+    "pd_arrival_waits": ("kvferry:pd_arrival_waits", "Decode requests whose KV wait ended in a load", None),
+    "pd_received_bytes": ("kvferry:pd_received_bytes", "Bytes copied from the pd_buffer into vLLM's KV cache", None),
+    "pd_buffer_free_pages": ("kvferry:pd_buffer_free_pages", "Free pages of this instance's pd_buffer (a "
+                             "prefiller's: its staging pages), by TP rank", RANK),
+    "pd_buffer_pages": ("kvferry:pd_buffer_pages", "Pages of this instance's pd_buffer, by TP rank", RANK),
     "pd_quarantined": ("kvferry:pd_quarantined_transfers", "Aborted transfers whose pages waited for a write that "
-                       "might still land", False),
-    "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", False),
+                       "might still land", None),
+    "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", None),
     "pd_loop_restarts": ("kvferry:pd_loop_restarts", "Times the receiver's NIXL thread failed and was started "
-                         "again (its log says why)", False),
+                         "again (its log says why)", None),
     "p2p_loop_restarts": ("kvferry:p2p_loop_restarts", "Times a P2P worker loop (heartbeats, reports) failed and "
-                          "was started again (its log says why)", False),
-    "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", True),
-    "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", True),
+                          "was started again (its log says why)", None),
+    "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", TIER),
+    "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", TIER),
 }
 
 
@@ -116,11 +132,11 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
         self._warned = False
-        for key, (name, doc, tiered) in SERIES.items():
+        for key, (name, doc, label) in SERIES.items():
             cls = self._gauge_cls if key in GAUGES else self._counter_cls
             kw = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
             self._metrics[key] = cls(name=name, documentation=doc,
-                                     labelnames=labelnames + (["tier"] if tiered else []), **kw)
+                                     labelnames=labelnames + ([label] if label else []), **kw)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Runs in vLLM's output handler, where an exception stops the server's outputs: never raise.
@@ -134,11 +150,11 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
     def _observe(self, transfer_stats_data: dict[str, Any], engine_idx: int) -> None:
         labels = self.per_engine_labelvalues.get(engine_idx, [])
         for k, v in transfer_stats_data.items():
-            name, _, tier = k.partition("|")
+            name, _, value = k.partition("|")
             metric = self._metrics.get(name)
             if metric is None:
                 continue
-            child = metric.labels(*labels, *([tier] if tier else []))
+            child = metric.labels(*labels, *([value] if value else []))
             if name in GAUGES:
                 child.set(v)
             elif v > 0:

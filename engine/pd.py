@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
@@ -32,7 +33,14 @@ from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.receiver.server import KVReceiver, receiver_config
 from kvferry.receiver.transfers import TransferError
-from kvferry.sender.client import KVSender, ReceiverAddr, SendError, SendResult, sender_config
+from kvferry.sender.client import (
+    KVSender,
+    ReceiverAddr,
+    SendError,
+    SendResult,
+    failure_reason,
+    sender_config,
+)
 
 logger = get_logger(__name__)
 
@@ -66,6 +74,40 @@ def key_salt(fp: m.LayoutFingerprint) -> bytes:
                     fp.chunk_format, fp.chunk_size)
 
 
+class StagingError(BadDataError, ValueError):
+    """A prompt's blocks could not be gathered for sending (block ids that do not fit the KV cache)."""
+
+
+def _bump(d: dict[str, int], key: str) -> None:
+    d[key] = d.get(key, 0) + 1
+
+
+def _buffer_gauges(buf: PDBuffer, rank: int) -> dict[str, float]:
+    return {f"pd_buffer_free_pages|{rank}": buf.free_pages, f"pd_buffer_pages|{rank}": buf.num_pages}
+
+
+@dataclass
+class ProducerCounters:
+    """A prefiller rank's sends; failures by reason (`sender.client.failure_reason`, or "staging")."""
+
+    sent: int = 0
+    sent_bytes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ConsumerCounters:
+    """A decoder rank's loads. A recomputed request is one whose KV did not arrive ("timeout"), whose
+    transfer ended unread ("ended"), or whose chunks failed their checks ("mismatch")."""
+
+    loaded: int = 0
+    received_bytes: int = 0
+    kv_timeouts: int = 0
+    recomputed: dict[str, int] = field(default_factory=dict)
+    arrival_wait_seconds: float = 0.0  # scheduled -> its KV loaded
+    arrival_waits: int = 0
+
+
 @dataclass
 class _Outgoing:
     transfer_id: str
@@ -89,20 +131,25 @@ class PDProducer:
         self._salt = key_salt(fp)
         # Staging pages are local: held for the longest a send may take, then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
-        self.counters = {"pd_sent": 0, "pd_send_failures": 0, "pd_sent_bytes": 0}
+        self.counters = ProducerCounters()
 
     def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
                block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
-        """Gather now, send in the background. None (logged) if the chunks could not be staged."""
+        """Gather now, send in the background. None (logged) if no staging pages came in time;
+        StagingError if these blocks cannot be gathered."""
         t0 = time.monotonic()
-        plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)
+        try:
+            plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)
+        except ValueError as e:
+            _bump(self.counters.failures, "staging")
+            raise StagingError(f"transfer {transfer_id}: {e}") from e
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
         try:
             res = self.staging.reserve(len(plan), transfer_id, self._staging_lease,
                                        timeout=self.cfg.pd_alloc_timeout)
         except PDBufferError as e:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(plan), e)
-            self.counters["pd_send_failures"] += 1
+            _bump(self.counters.failures, "staging")
             return None
         try:
             views = [self.staging.page(p) for p in res.pages]
@@ -111,6 +158,10 @@ class PDProducer:
             sizes = [self.kv.chunk_nbytes(self.fmt, n) for _, n in plan]
             chunks = [(self.staging.page_addr(p), s) for p, s in zip(res.pages, sizes, strict=True)]
             fut = self.sender.send(transfer_id, receiver, keys, chunks, num_tokens)
+        except (ValueError, IndexError) as e:  # the kernels' and the sender's refusals of these blocks
+            self.staging.release(res)
+            _bump(self.counters.failures, "staging")
+            raise StagingError(f"transfer {transfer_id}: {e}") from e
         except BaseException:
             self.staging.release(res)
             raise
@@ -123,16 +174,26 @@ class PDProducer:
         try:
             r = fut.result()
         except (SendError, concurrent.futures.CancelledError) as e:
-            self.counters["pd_send_failures"] += 1
+            _bump(self.counters.failures, failure_reason(e))
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)
         else:
             dt = time.monotonic() - out.started
-            self.counters["pd_sent"] += 1
-            self.counters["pd_sent_bytes"] += r.bytes
+            self.counters.sent += 1
+            self.counters.sent_bytes += r.bytes
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
+
+    def stats(self) -> dict[str, float]:
+        """Flat ``name`` / ``name|label`` counters and gauges for connector/stats.py."""
+        c, tx = self.counters, self.sender.counters
+        out: dict[str, float] = {"pd_sent": c.sent, "pd_sent_bytes": c.sent_bytes,
+                                 "pd_alloc_wait_seconds": tx.alloc_wait_seconds, "pd_alloc_waits": tx.alloc_waits,
+                                 **_buffer_gauges(self.staging, self.tp_rank)}
+        # Copies: the sender's and receiver's threads may add a reason meanwhile.
+        out.update({f"pd_send_failures|{k}": v for k, v in dict(c.failures).items()})
+        return out
 
     def close(self) -> None:
         self.sender.close()
@@ -156,7 +217,7 @@ class PDConsumer:
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, tp_rank: int = 0,
                  receiver_id: str | None = None) -> None:
-        self.cfg, self.kv, self.fp = cfg, kv, fp
+        self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
         self.fmt = fp.chunk_format
         device = str(kv.device) if kv.device.type == "cuda" else "cpu"
         self.buffer = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
@@ -164,9 +225,9 @@ class PDConsumer:
         self.receiver.start()
         self._salt = key_salt(fp)
         self._pending: dict[str, _Expected] = {}
-        # pd_recomputed: requests whose KV did not arrive or could not be loaded (vLLM recomputes
-        # them, or fails them with pd_kv_timeout_action: fail); pd_kv_timeouts is the part that timed out.
-        self.counters = {"pd_loaded": 0, "pd_recomputed": 0, "pd_kv_timeouts": 0, "pd_received_bytes": 0}
+        # Recomputed requests: their KV did not arrive or could not be loaded (vLLM recomputes them,
+        # or fails them with pd_kv_timeout_action: fail).
+        self.counters = ConsumerCounters()
 
     def pin(self, transfer_id: str) -> None:
         """The decoder's scheduler holds the request: keep its KV until it is scheduled (pd_queue_seconds)."""
@@ -177,9 +238,17 @@ class PDConsumer:
         self.receiver.table.unpin(transfer_id, "its request ended")
 
     def stats(self) -> dict[str, float]:
-        table, rx = self.receiver.table.counters, self.receiver.counters
-        return {**self.counters, "pd_quarantined": table["quarantined"], "pd_bad_frames": rx["bad_frames"],
-                "pd_loop_restarts": self.receiver.nixl_health.restarts}
+        """Flat ``name`` / ``name|label`` counters and gauges for connector/stats.py."""
+        c, rx = self.counters, self.receiver.counters
+        out: dict[str, float] = {
+            "pd_loaded": c.loaded, "pd_received_bytes": c.received_bytes, "pd_kv_timeouts": c.kv_timeouts,
+            "pd_arrival_wait_seconds": c.arrival_wait_seconds, "pd_arrival_waits": c.arrival_waits,
+            "pd_received": rx.arrivals, "pd_quarantined": self.receiver.table.counters["quarantined"],
+            "pd_bad_frames": rx.bad_frames, "pd_loop_restarts": self.receiver.nixl_health.restarts,
+            **_buffer_gauges(self.buffer, self.tp_rank)}
+        out.update({f"pd_recomputed|{k}": v for k, v in c.recomputed.items()})
+        out.update({f"pd_alloc_refusals|{k}": v for k, v in dict(rx.refusals).items()})
+        return out
 
     def expect(self, req_id: str, transfer_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
                num_tokens: int, skip_tokens: int = 0) -> None:
@@ -221,8 +290,8 @@ class PDConsumer:
             if st == "pending":
                 if now < e.deadline:
                     continue
-                self.counters["pd_kv_timeouts"] += 1
-                self.counters["pd_recomputed"] += 1
+                self.counters.kv_timeouts += 1
+                _bump(self.counters.recomputed, "timeout")
                 logger.warning("transfer %s (request %s): KV did not arrive within %.1fs (pd_kv_ready_timeout); "
                                "%s", e.transfer_id, req_id, self.cfg.pd_kv_ready_timeout,
                                "the request fails (pd_kv_timeout_action: fail)"
@@ -232,7 +301,7 @@ class PDConsumer:
                 continue
             del self._pending[req_id]
             if st != "arrived":
-                self.counters["pd_recomputed"] += 1
+                _bump(self.counters.recomputed, "ended")
                 logger.warning("transfer %s (request %s) cannot be loaded: %s; %s", e.transfer_id, req_id, st,
                                "the request fails" if self.cfg.pd_kv_timeout_action == "fail"
                                else "recomputing the prompt")
@@ -241,7 +310,7 @@ class PDConsumer:
             try:
                 self._load(e)
             except (TransferError, ValueError, LayoutError) as err:
-                self.counters["pd_recomputed"] += 1
+                _bump(self.counters.recomputed, "mismatch")
                 logger.warning("transfer %s (request %s) not loaded: %s", e.transfer_id, req_id, err)
                 failed.add(req_id)
             else:
@@ -265,8 +334,10 @@ class PDConsumer:
                                     chunk_tokens(sent, self.fp.chunk_size), 0, e.block_ids, e.skip_tokens,
                                     e.num_tokens)
         dt = time.monotonic() - t0
-        self.counters["pd_loaded"] += 1
-        self.counters["pd_received_bytes"] += nbytes
+        self.counters.loaded += 1
+        self.counters.received_bytes += nbytes
+        self.counters.arrival_wait_seconds += t0 - e.started
+        self.counters.arrival_waits += 1
         logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
                     e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
 

@@ -19,8 +19,8 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
-from kvferry.connector.kvferry_connector import connector_config
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
+from kvferry.connector.roles import connector_config
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import (
@@ -28,11 +28,13 @@ from tests.pd_helpers import (
     completion,
     disagg,
     plain,
+    prom,
     running_proxy,
     source_tokens,
     tiny_fingerprint,
     tokens_and_logprobs,
 )
+from tests.polling import until
 
 # Short bounds so the failure tests finish quickly; the defaults are in the README.
 DECODER_KEYS = {"pd_kv_ready_timeout": 6.0, "pd_lease_seconds": 15.0, "pd_alloc_timeout": 3.0}
@@ -154,6 +156,44 @@ def test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance(pd, peer)
         if i == 0:
             assert d.proc.poll() is None, "the decoder died on its first (disaggregated) request"
     assert peer.fully_free(), "pd_buffer pages still held after all requests finished"
+
+
+def pd_metrics(server: VLLMServer) -> dict[str, float]:
+    """The PD path's kvferry:* series on `server`'s /metrics, each summed over its labels."""
+    names = ["pd_sent_requests_total", "pd_sent_bytes_total", "pd_alloc_waits_total", "pd_alloc_wait_seconds_total",
+             "pd_received_transfers_total", "pd_loaded_requests_total", "pd_received_bytes_total",
+             "pd_arrival_waits_total", "pd_arrival_wait_seconds_total", "pd_send_failures_total",
+             "pd_recomputed_requests_total", "pd_buffer_free_pages", "pd_buffer_pages"]
+    return {n: sum(prom(server, f"kvferry:{n}").values()) for n in names}
+
+
+@pytest.mark.vllm
+def test_pd_metrics_count_one_transfer_on_both_sides(pd, peer, tiny_model_path: Path) -> None:
+    p, d, _ = pd
+    page_bytes = tiny_fingerprint(tiny_model_path).page_bytes
+    # A send ends after the step that prefilled it: the prefiller's next step reports it.
+    completion(p, prompt(5, seed=9002), 1)
+    p0, d0 = pd_metrics(p), pd_metrics(d)
+    pr = prompt(1000, seed=9001)  # 1000 tokens: 8 of 128-token blocks, 4 of 256-token chunks
+    disagg(p, d, pr, 4)
+    completion(p, prompt(5, seed=9003), 1)
+
+    def moved(server: VLLMServer, before: dict[str, float], key: str) -> dict[str, float] | None:
+        now = pd_metrics(server)
+        return now if now[key] > before[key] and now["pd_buffer_free_pages"] == now["pd_buffer_pages"] > 0 else None
+
+    p1 = until(lambda: moved(p, p0, "pd_sent_requests_total"), 30, "the prefiller's PD metrics")
+    d1 = until(lambda: moved(d, d0, "pd_loaded_requests_total"), 30, "the decoder's PD metrics")
+    dp = {k: p1[k] - p0[k] for k in p1}
+    dd = {k: d1[k] - d0[k] for k in d1}
+    assert dp["pd_sent_requests_total"] == 1 and dp["pd_sent_bytes_total"] == 4 * page_bytes, dp
+    assert dp["pd_alloc_waits_total"] == 1 and dp["pd_alloc_wait_seconds_total"] > 0, dp
+    assert dp["pd_send_failures_total"] == 0, dp
+    assert dd["pd_received_transfers_total"] == 1 and dd["pd_loaded_requests_total"] == 1, dd
+    assert dd["pd_received_bytes_total"] == 4 * page_bytes, dd
+    assert dd["pd_arrival_waits_total"] == 1 and dd["pd_arrival_wait_seconds_total"] >= 0, dd
+    assert dd["pd_recomputed_requests_total"] == 0, dd
+    assert peer.fully_free()
 
 
 @pytest.mark.vllm

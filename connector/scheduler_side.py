@@ -1,0 +1,195 @@
+"""The connector's scheduler-process half: decides what each step's workers save or load.
+
+It sees a request's KV blocks only through vLLM's public connector API: the blocks handed to
+``update_state_after_alloc`` and each step's scheduler output (connector/block_table.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvferry.common.config import ConfigError
+from kvferry.common.errors import KVFerryError
+from kvferry.common.log import get_logger
+from kvferry.connector.block_table import BlockTable
+from kvferry.connector.metadata import KVFerryMetadata, LoadOp, SaveOp
+from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
+from kvferry.connector.roles import Roles, salt
+from kvferry.engine.api import OffloadPlanner, notice_addr
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+# vLLM has no member for a shared remote store; EXTERNAL_UNSPECIFIED is its documented fallback.
+_HIT_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": CacheHitSource.P2P,
+                "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+
+
+class SchedulerSide:
+    def __init__(self, roles: Roles, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.roles = roles
+        self.offload = planner(roles, vllm_config, kv_cache_config) if roles.offload else None
+        # Block ids are followed only where a step's metadata needs them: prompts stored or sent.
+        self._blocks = BlockTable() if self.offload is not None or (roles.pd and roles.producer_side) else None
+        self._computing: dict[str, Request] = {}  # offload: admitted, prompt not complete yet
+        self._prefills: dict[str, tuple[Request, Any]] = {}  # producer: waiting for their last prompt token
+        self._errors: dict[str, str] = {}  # producer: requests whose params were unusable
+        self._transfer_ids: dict[str, str] = {}
+        self._external: dict[str, int] = {}  # consumer: req -> local tokens when matched
+        self._tried: set[str] = set()  # consumer: a load was planned (a retry after failure recomputes)
+        self._loads: list[LoadOp] = []
+        self._pinned: dict[str, str] = {}  # consumer: req -> transfer id pinned for it
+        self._pins: list[str] = []  # consumer: to tell the workers in the next step
+        self._unpins: list[str] = []
+
+    def on_new(self, request: Request) -> None:
+        """A decoder's request is in vLLM's queue now: its KV must wait for it (see the module docstring)."""
+        if self.roles.producer_side or not self.roles.pd:
+            return
+        try:
+            tid = decode_transfer_id(request.kv_transfer_params)
+        except ParamsError:
+            return  # matched() logs it and computes the prompt locally
+        if tid is not None:
+            self._pinned[request.request_id] = tid
+            self._pins.append(tid)
+
+    def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        if self.roles.producer_side:
+            if self.offload is None:
+                return 0, False
+            return self.offload.match(request.request_id, request.prompt_token_ids, num_computed), False
+        if request.request_id in self._tried:
+            return 0, False
+        try:
+            tid = decode_transfer_id(request.kv_transfer_params)
+        except ParamsError as e:
+            logger.error("request %s: %s; computing its prompt locally", request.request_id, e)
+            self._tried.add(request.request_id)
+            return 0, False
+        if tid is None:
+            return 0, False
+        count = request.num_prompt_tokens - 1 - num_computed
+        if count <= 0:
+            return 0, False
+        self._external[request.request_id] = num_computed
+        return count, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        rid = request.request_id
+        if self.offload is not None:
+            self.offload.after_alloc(rid, request.prompt_token_ids, blocks.get_block_ids()[0], num_external)
+            self._computing[rid] = request
+        if self.roles.producer_side:
+            if not self.roles.pd or rid in self._prefills or rid in self._errors:
+                return
+            try:
+                spec = prefill_spec(request.kv_transfer_params)
+            except ParamsError as e:
+                logger.error("request %s: %s; its KV is not sent", rid, e)
+                self._errors[rid] = str(e)
+                return
+            if spec is not None:
+                self._prefills[rid] = (request, spec)
+                self._transfer_ids[rid] = spec.transfer_id
+            return
+        local = self._external.pop(rid, None)
+        if local is None or num_external <= 0:
+            return
+        self._tried.add(rid)
+        tid = decode_transfer_id(request.kv_transfer_params)
+        # The full prompt: the transfer may cover one token more than is loaded (see PDConsumer).
+        self._loads.append(LoadOp(rid, tid, list(request.prompt_token_ids), list(blocks.get_block_ids()[0]),
+                                  local + num_external, local))
+
+    def build(self, so: SchedulerOutput) -> KVFerryMetadata:
+        meta = KVFerryMetadata(idle=so.total_num_scheduled_tokens == 0)
+        meta.loads, self._loads = self._loads, []
+        meta.pins, self._pins = self._pins, []
+        meta.unpins, self._unpins = self._unpins, []
+        if self._blocks is not None:
+            self._blocks.update(so)
+        if self.offload is not None:
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self._computing.get(rid)
+                if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
+                    continue  # not admitted through us, or chunked prefill not at its last piece
+                del self._computing[rid]
+                self.offload.store(rid, req.prompt_token_ids, self._blocks.get(rid))
+            meta.cache_loads, meta.cache_saves = self.offload.take()
+        for rid, n in so.num_scheduled_tokens.items():
+            entry = self._prefills.get(rid)
+            if entry is None:
+                continue
+            req, spec = entry
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # chunked prefill: not the last piece yet
+            del self._prefills[rid]
+            meta.saves.append(SaveOp(rid, spec.transfer_id, spec.host, spec.init_ports, spec.alloc_ports,
+                                     list(req.prompt_token_ids), self._blocks.get(rid), req.num_prompt_tokens))
+        return meta
+
+    def hit_sources(self, req_id: str) -> dict[CacheHitSource, int]:
+        if self.offload is None:
+            return {}
+        got = self.offload.hit_sources(req_id)
+        return {_HIT_SOURCES[t]: n for t, n in got.items() if t in _HIT_SOURCES}
+
+    def stats(self) -> dict[str, float]:
+        return self.offload.stats() if self.offload is not None else {}
+
+    def finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._tried.discard(rid)
+        self._external.pop(rid, None)
+        if self._blocks is not None:
+            self._blocks.forget(rid)
+        tid = self._pinned.pop(rid, None)
+        if tid is not None:
+            self._unpins.append(tid)
+        self._computing.pop(rid, None)
+        if self.offload is not None:
+            self.offload.finished(rid)
+        if not (self.roles.producer_side and self.roles.pd):
+            return False, None
+        self._prefills.pop(rid, None)
+        err = self._errors.pop(rid, None)
+        tid = self._transfer_ids.pop(rid, None)
+        if err is not None:
+            return False, {"error": err}
+        if tid is None:
+            return False, None
+        out: dict[str, Any] = {"transfer_id": tid, "num_tokens": request.num_prompt_tokens}
+        if request.output_token_ids:
+            out["first_tok"] = request.output_token_ids[0]
+        # The staging copy was made in the step that finished the prompt: vLLM may free the blocks.
+        return False, out
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+
+
+def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadPlanner:
+    """The scheduler's offload planner, sized from vLLM's KV cache config."""
+    if kcc is None or not kcc.kv_cache_groups:
+        raise ConfigError("KVFerryConnector offload needs vLLM's KV cache config (vLLM >= 0.11)")
+    if len(kcc.kv_cache_groups) != 1:
+        raise ConfigError(f"this model has {len(kcc.kv_cache_groups)} KV cache groups; kvferry's offload tiers "
+                          "handle one: start vLLM with --disable-hybrid-kv-cache-manager")
+    group = kcc.kv_cache_groups[0]
+    block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    cfg = roles.cfg
+    try:
+        return OffloadPlanner(cfg, salt(vc, cfg, len(group.layer_names)), vc.cache_config.block_size, block_bytes,
+                              notice_addr(vc.kv_transfer_config.engine_id) if cfg.enable_p2p else None)
+    except (ValueError, KVFerryError) as e:  # a chunk_size the planner refuses, or a remote store it cannot reach
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,175 @@
+"""The connector's worker-process half: the pd tier and the offload tiers' data for one TP rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorTransferResults,
+)
+
+from kvferry.common.config import ConfigError
+from kvferry.common.errors import KVFerryError
+from kvferry.common.log import get_logger
+from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta
+from kvferry.connector.roles import Roles, model_name, salt
+from kvferry.engine.api import (
+    OffloadWorker,
+    P2PWorker,
+    PagedKV,
+    PDConsumer,
+    PDProducer,
+    ReceiverAddr,
+    detect_layout,
+    fingerprint,
+    layout_digest,
+    loaded_blocks,
+    notice_addr,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = get_logger(__name__)
+
+IDLE_WAIT_S = 0.003  # an engine step with nothing to run waits this long for an arrival
+
+
+def request_amx() -> bool:
+    """Ask Linux for AMX tile permission (a no-op without AMX). vLLM's bf16 CPU attention uses
+    AMX without asking; a decoder whose first step loads remote KV would die of SIGILL."""
+    try:
+        return bool(torch.cpu._init_amx())
+    except (AttributeError, RuntimeError) as e:  # old torch, or a kernel without AMX support
+        logger.debug("AMX permission not requested: %s", e)
+        return False
+
+
+class WorkerSide:
+    def __init__(self, roles: Roles, vllm_config: VllmConfig) -> None:
+        self.roles, self.cfg, self.vc = roles, roles.cfg, vllm_config
+        # Any role may load KV before its first full prefill (a decoder, or an offload hit after a
+        # restart): ask for AMX first.
+        request_amx()
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.producer: PDProducer | None = None
+        self.consumer: PDConsumer | None = None
+        self.offload: OffloadWorker | None = None
+        self._load_blocks: dict[str, list[int]] = {}  # req -> blocks it loads into (reported on failure)
+        self._errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        mc, pc, cfg, roles = self.vc.model_config, self.vc.parallel_config, self.cfg, self.roles
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise ConfigError("vLLM registered no KV cache tensors: KVFerryConnector needs a model with attention "
+                              "layers")
+        layout = detect_layout(tensors[0], self.vc.cache_config.block_size, mc.get_num_kv_heads(pc),
+                               mc.get_head_size())
+        kv = PagedKV(tensors, layout)
+        model = model_name(self.vc)
+        fmt = cfg.pd_chunk_format if roles.pd else "block"
+        fp = fingerprint(kv, model, cfg.chunk_size, fmt, self.tp_size)
+        if roles.offload:
+            ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size)
+            digest = layout_digest(msgspec.msgpack.encode(ofp))
+            self.offload = OffloadWorker(cfg, kv, self.tp_rank, digest)
+            if cfg.enable_p2p and self.offload.cpu is not None:
+                self.offload.p2p = P2PWorker(cfg, self.offload.cpu, self.tp_rank, self.tp_size,
+                                             salt(self.vc, cfg, kv.num_layers), ofp,
+                                             notice_addr(self.vc.kv_transfer_config.engine_id))
+        if roles.pd and roles.producer_side:
+            sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
+            self.producer = PDProducer(cfg, kv, fp, sender_id, self.tp_rank)
+        elif roles.pd:
+            self.consumer = PDConsumer(cfg, kv, fp, self.tp_rank)
+        logger.info("KVFerryConnector %s ready: %d layers, layout %s, %d-token chunks of %d bytes, tp rank %d/%d",
+                    roles.kv_role, kv.num_layers, fp.kv_layout, fp.chunk_size, fp.page_bytes, self.tp_rank,
+                    self.tp_size)
+
+    def start_loads(self, meta: KVConnectorMetadata) -> None:
+        if not isinstance(meta, KVFerryMetadata):
+            return
+        if self.offload is not None:
+            for cop in meta.cache_loads:
+                self._errors.update(self.offload.load(cop))
+        if self.consumer is None:
+            return
+        for tid in meta.pins:
+            self.consumer.pin(tid)
+        for tid in meta.unpins:
+            self.consumer.unpin(tid)
+        for op in meta.loads:
+            self._load_blocks[op.req_id] = loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens,
+                                                         self.consumer.kv.layout.block_size)
+            self.consumer.expect(op.req_id, op.transfer_id, op.token_ids, op.block_ids, op.num_tokens,
+                                 op.skip_tokens)
+
+    def saves(self, meta: KVConnectorMetadata) -> None:
+        if not isinstance(meta, KVFerryMetadata):
+            return
+        if self.offload is not None:
+            self.offload.save(meta.cache_saves)
+        if self.producer is None:
+            return
+        for op in meta.saves:
+            if self.tp_rank >= len(op.init_ports):
+                logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
+                             "decoder and prefiller need the same tensor-parallel size", op.transfer_id,
+                             len(op.init_ports), self.tp_rank)
+                continue
+            addr = ReceiverAddr(op.host, op.init_ports[self.tp_rank], op.alloc_ports[self.tp_rank])
+            try:
+                self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
+            except KVFerryError as e:
+                logger.error("transfer %s: not sent: %s", op.transfer_id, e)
+
+    def results(self, finished: set[str], idle: bool) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        if self.consumer is None:  # a prefiller's blocks were freed by vLLM already: nothing to report
+            return out
+        for rid in finished:
+            if self.consumer.cancel(rid):
+                self._load_blocks.pop(rid, None)
+                out.finished_recving.add(rid)  # vLLM frees an aborted request's blocks on this
+        loaded, failed = self.consumer.poll(IDLE_WAIT_S if idle else 0.0)
+        for rid in loaded:
+            self._load_blocks.pop(rid, None)
+        for rid in failed:
+            self._errors.update(self._load_blocks.pop(rid, []))
+        out.finished_recving |= loaded | failed
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def worker_meta(self) -> KVFerryWorkerMeta | None:
+        lost = self.offload.take_lost() if self.offload is not None else {}
+        return KVFerryWorkerMeta(lost) if lost else None
+
+    def stats(self) -> dict[str, float]:
+        out = self.offload.stats() if self.offload is not None else {}
+        if self.producer is not None:
+            out.update(self.producer.stats())
+        if self.consumer is not None:
+            out.update(self.consumer.stats())
+        return out
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+        if self.producer is not None:
+            self.producer.close()
+        if self.consumer is not None:
+            self.consumer.close()
