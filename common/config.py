@@ -148,8 +148,9 @@ FIELD_TYPES: dict[str, Any] = {
 }
 
 # Environment variables that are not config keys.
-# kvferry's own switches (README "Configuration", environment table).
-_NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR"}
+# kvferry's own switches (docs/configuration.md, environment variables).
+_NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR",
+                "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
 _PREFIXES = ("lmcache.", "kvferry.")
 # The one list of each: the remote tier (engine/remote_store.py, redis_settings.py) and the serde
 # (engine/remote_serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
@@ -230,7 +231,7 @@ def _canonical(key: str) -> str:
 
 def _unknown(key: str, source: str) -> ConfigError:
     close = difflib.get_close_matches(key, FIELD_TYPES, n=3, cutoff=0.75)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see README 'Configuration'"
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see docs/configuration.md"
     return ConfigError(f"unknown config key {key!r} ({source}){hint}")
 
 

@@ -96,7 +96,8 @@ def test_unknown_key_in_dict_and_kvferry_env() -> None:
 
 def test_kvferry_switches_are_not_config_keys() -> None:
     env = {"KVFERRY_NATIVE_COPY": "0", "KVFERRY_CACHE_DIR": "/tmp/x", "KVFERRY_LOG_LEVEL": "DEBUG",
-           "KVFERRY_TEST_LOG_DIR": "/tmp/l", "KVFERRY_BENCH_DEBUG": "1"}
+           "KVFERRY_TEST_LOG_DIR": "/tmp/l", "KVFERRY_BENCH_DEBUG": "1", "KVFERRY_LOCUST_MODEL": "tiny",
+           "KVFERRY_LOCUST_MAX_TOKENS": "8"}
     assert load_config(env=env).chunk_size == 256
 
 
