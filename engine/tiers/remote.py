@@ -28,6 +28,7 @@ import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.chunk_mac import for_secret
+from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
@@ -161,7 +162,7 @@ class RemoteTier:
             return None
         try:
             data = self.serde.decode(got[0], got[1], tokens, nbytes, self.mac, stored_key)
-        except Exception as e:  # noqa: BLE001 - whatever the bytes are, they are a miss
+        except (BadDataError, ValueError) as e:  # SerdeError/ForgedError, or bytes torch cannot view: a miss
             self._rejected(key, e)
             return None
         with self._lock:
