@@ -39,8 +39,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        # Decoded as aiohttp did, so a key with non-ASCII characters still matches.
         if self.admin_key is not None and scope["path"] not in OPEN_PATHS and not csecret.authorized(
-                headers.get(b"authorization", b"").decode("latin-1"), self.admin_key):
+                headers.get(b"authorization", b"").decode("utf-8", "surrogateescape"), self.admin_key):
             self.counters["unauthorized_http"] += 1
             await reply(send, 401, {"error": UNAUTHORIZED},
                         [(b"www-authenticate", f'Basic realm="{REALM}"'.encode())])

@@ -432,11 +432,14 @@ def test_openapi_describes_every_endpoint_and_docs_answer(tmp_path: Path) -> Non
 
 
 def test_docs_and_admin_routes_need_the_admin_key(tmp_path: Path) -> None:
-    c = Controller(tmp_path, admin_key=ADMIN)
+    key = ADMIN + "-ключ"  # non-ASCII: matched on the header's UTF-8 bytes
+    c = Controller(tmp_path, admin_key=key)
     try:
         for path in ("/docs", "/openapi.json"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401, path
-            assert httpx.get(c.url + path, auth=("admin", ADMIN), timeout=10).status_code == 200, path
+            assert httpx.get(c.url + path, auth=("admin", key), timeout=10).status_code == 200, path
+            r = httpx.get(c.url + path, headers={"Authorization": f"Bearer {key}".encode()}, timeout=10)
+            assert r.status_code == 200, path
         for path in ("/move", "/clear"):
             r = httpx.post(c.url + path, json={"tokens": [1]}, timeout=10)
             assert r.status_code == 401 and "--admin-key" in r.json()["error"], path
