@@ -72,3 +72,13 @@ def test_proxy_and_common_import_without_torch_or_vllm() -> None:
             "assert not bad, bad")
     r = run_clean(code)
     assert r.returncode == 0, r.stderr
+
+
+def test_every_subpackage_is_packaged() -> None:
+    """A folder with an __init__.py that pyproject.toml does not list is missing from a wheel install."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"kvferry." + ".".join(p.parent.relative_to(REPO).parts)
+             for folder in ALLOWED for p in (REPO / folder).rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
