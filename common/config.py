@@ -152,8 +152,8 @@ FIELD_TYPES: dict[str, Any] = {
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR",
                 "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
 _PREFIXES = ("lmcache.", "kvferry.")
-# The one list of each: the remote tier (engine/remote_store.py, redis_settings.py) and the serde
-# (engine/remote_serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
+# The one list of each: the remote tier (engine/tiers/remote.py, engine/remote/) and the serde
+# (engine/remote/serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
 # engine refuses them at start with a line naming the fix.
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
 REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES)
