@@ -3,6 +3,9 @@
 With an admin key, everything but /health needs it (Bearer, or Basic with the key as the password,
 which is what a browser sends for the page and /docs). Bodies are bounded, and every POST body is
 read as JSON whatever its Content-Type says (`curl -d` sends a form type), as LMCache's users expect.
+Because of that, a POST that a browser marks as coming from another site (its Origin is not this
+server) is refused: otherwise any web page could make a browser on the controller's host clear or
+move KV through a controller without an admin key.
 """
 
 from __future__ import annotations
@@ -50,10 +53,24 @@ class Guard:
         if length.isdigit() and int(length) > MAX_BODY:
             await reply(send, 413, {"error": f"the body is over {MAX_BODY >> 20} MiB"})
             return
+        if scope["method"] == "POST" and _cross_site(headers):
+            self.counters["unauthorized_http"] += 1
+            await reply(send, 403, {"error": "cross-site POST refused: call the controller's API from a client "
+                                             "(curl, a script) or from its own page, not from another site"})
+            return
         if scope["method"] == "POST":
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
                      + [(b"content-type", b"application/json")]}
         await self.app(scope, _bounded(receive), send)
+
+
+def _cross_site(headers: dict[bytes, bytes]) -> bool:
+    """Is this a browser request sent by a page of another origin? (Clients without Origin pass.)"""
+    origin = headers.get(b"origin")
+    if origin is None:
+        return headers.get(b"sec-fetch-site", b"") == b"cross-site"
+    host = origin.split(b"://", 1)[-1]
+    return origin == b"null" or host != headers.get(b"host", b"")
 
 
 def _bounded(receive: Receive) -> Receive:
