@@ -74,7 +74,7 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_pd: bool = False
     pd_role: str | None = None  # "sender" (prefiller) | "receiver" (decoder)
     pd_buffer_size: int = 1 << 30  # bytes
-    pd_buffer_device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    pd_buffer_device: str | None = None  # unset: the KV cache's device; set: must name that device
     pd_peer_host: str | None = None
     pd_peer_init_port: Ports = None  # one per decoder TP rank
     pd_peer_alloc_port: Ports = None
@@ -169,9 +169,7 @@ IGNORED_KEYS: dict[str, str] = {
     "enable_async_loading": "loads run in the connector's start_load_kv; there is no separate async mode",
     "save_decode_cache": "kvferry stores prompt (prefill) KV only",
     "nixl_buffer_size": "the PD transfer buffer's size is pd_buffer_size",
-    "nixl_buffer_device": "the pd_buffer sits on the KV cache's device (see pd_buffer_device)",
-    "pd_buffer_device": "the pd_buffer is allocated on the KV cache's device (the worker's GPU, or CPU on "
-                        "vLLM's CPU build); this key cannot move it",
+    "nixl_buffer_device": "the pd_buffer sits on the KV cache's device (pd_buffer_device may only name it)",
     "numa_mode": "kvferry does no NUMA placement; pin the process with numactl/taskset",
     "use_layerwise": "KV moves a whole chunk at a time, not layer by layer",
     "py_enable_gc": "kvferry leaves Python's garbage collector as it is",
@@ -375,7 +373,7 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         if c.pd_buffer_size <= 0:
             raise err("pd_buffer_size", f"must be a positive number of bytes, got {c.pd_buffer_size}")
         dev = c.pd_buffer_device
-        if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
             raise err("pd_buffer_device", f"{dev!r} is not 'cpu', 'cuda' or 'cuda:N'")
         if c.pd_role == "receiver":
             for key in ("pd_peer_host", "pd_peer_init_port", "pd_peer_alloc_port"):

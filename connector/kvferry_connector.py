@@ -6,7 +6,7 @@ Loaded by vLLM with ``--kv-transfer-config '{"kv_connector": "KVFerryConnector",
 ``LMCACHE_CONFIG_FILE``, env, or ``kv_connector_extra_config``).
 
 Offload (kv_both, and prefillers): prompts' chunks are stored to the local CPU and disk tiers
-and a later prompt with the same prefix loads them instead of computing them (engine/offload.py);
+and a later prompt with the same prefix loads them instead of computing them (engine/offload/);
 the scheduler side decides, the worker side copies, synchronously before the forward pass.
 
 Prefiller (kv_producer): in the step that computes a prompt's last token the scheduler side

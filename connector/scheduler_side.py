@@ -191,5 +191,5 @@ def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadP
     try:
         return OffloadPlanner(cfg, salt(vc, cfg, len(group.layer_names)), vc.cache_config.block_size, block_bytes,
                               notice_addr(vc.kv_transfer_config.engine_id) if cfg.enable_p2p else None)
-    except (ValueError, KVFerryError) as e:  # a chunk_size the planner refuses, or a remote store it cannot reach
+    except KVFerryError as e:  # a chunk_size or serde the planner refuses, or a remote store it cannot reach
         raise ConfigError(str(e)) from None

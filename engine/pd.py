@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
 from kvferry.common import messages as m
-from kvferry.common.config import KVFerryConfig
+from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
@@ -117,6 +117,17 @@ class _Outgoing:
     res: Reservation  # the staging pages
 
 
+def buffer_device(cfg: KVFerryConfig, kv: PagedKV) -> str:
+    """The pd_buffer's device: the KV cache's, since the copy kernels read both; another is refused."""
+    have = str(kv.device) if kv.device.type == "cuda" else "cpu"
+    want = cfg.pd_buffer_device
+    if want is not None and want != have and not (want == "cuda" and kv.device.type == "cuda"):
+        raise ConfigError(f"pd_buffer_device is {want!r} but this worker's KV cache is on {have}: the pd_buffer "
+                          f"must sit with the KV cache (its copies read both); set pd_buffer_device to "
+                          f"{kv.device.type!r} or remove it")
+    return have
+
+
 class PDProducer:
     """Prefiller side: one per worker (TP rank)."""
 
@@ -124,7 +135,7 @@ class PDProducer:
                  tp_rank: int = 0) -> None:
         self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
         self.fmt = fp.chunk_format
-        device = str(kv.device) if kv.device.type == "cuda" else "cpu"
+        device = buffer_device(cfg, kv)
         self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
         self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
         self.sender.register(self.staging.tensor)
@@ -219,7 +230,7 @@ class PDConsumer:
                  receiver_id: str | None = None) -> None:
         self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
         self.fmt = fp.chunk_format
-        device = str(kv.device) if kv.device.type == "cuda" else "cpu"
+        device = buffer_device(cfg, kv)
         self.buffer = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
         self.receiver = KVReceiver(receiver_config(cfg, tp_rank), self.buffer, fp, receiver_id=receiver_id)
         self.receiver.start()

@@ -87,7 +87,8 @@ def plan(args: argparse.Namespace) -> dict:
             raise UpError(f"--config {args.config}: {e}") from None
         keys = {k: getattr(cfg, k) for k in ("pd_buffer_size", "pd_buffer_device", "chunk_size", "pd_chunk_format",
                                              "pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds",
-                                             "pd_kv_ready_timeout", "pd_kv_timeout_action")}
+                                             "pd_kv_ready_timeout", "pd_kv_timeout_action")
+                if getattr(cfg, k) is not None}
     if args.cluster_secret_file is not None:
         try:
             secret.from_file(args.cluster_secret_file, "--cluster-secret-file")

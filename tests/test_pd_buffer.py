@@ -346,3 +346,20 @@ def test_registers_once_with_a_real_nixl_agent() -> None:
     buf.deregister()
     buf.register(other)  # after deregistering it may move to another agent
     buf.deregister()
+
+
+def test_pd_buffer_device_is_the_kv_caches_or_refused_with_the_fix() -> None:
+    """pd_buffer_device may only name the KV cache's device: the copy kernels read both."""
+    import torch
+
+    from kvferry.common.config import ConfigError, load_config
+    from kvferry.engine.pd import buffer_device
+    from kvferry.kernels.paged_copy import PagedKV
+
+    kv = PagedKV([torch.zeros(4, 2, 16, 128, dtype=torch.bfloat16)], "cpu")
+    for given in (None, "cpu"):
+        cfg = load_config(extra={"pd_buffer_device": given} if given else {}, env={})
+        assert buffer_device(cfg, kv) == "cpu"
+    cfg = load_config(extra={"pd_buffer_device": "cuda"}, env={})
+    with pytest.raises(ConfigError, match="KV cache is on cpu.*set pd_buffer_device to 'cpu' or remove it"):
+        buffer_device(cfg, kv)

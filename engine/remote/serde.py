@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from kvferry.common.chunk_mac import TAG_BYTES, ChunkMAC
-from kvferry.common.config import SERDES
+from kvferry.common.config import SERDES, ConfigError
 from kvferry.common.errors import BadDataError
 
 MAGIC = b"KVFR"
@@ -71,7 +71,7 @@ class ChunkShape:
 def check_name(name: str) -> None:
     """Refuse a `remote_serde` kvferry cannot write, naming the ones it can."""
     if name not in SERDES:
-        raise ValueError(f"remote_serde {name!r} is not available in kvferry: use naive (raw bytes) or zstd "
+        raise ConfigError(f"remote_serde {name!r} is not available in kvferry: use naive (raw bytes) or zstd "
                          "(compressed)")
 
 
