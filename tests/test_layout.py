@@ -82,3 +82,17 @@ def test_every_subpackage_is_packaged() -> None:
     found = {"kvferry." + ".".join(p.parent.relative_to(REPO).parts)
              for folder in ALLOWED for p in (REPO / folder).rglob("__init__.py")}
     assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_modules_and_classes_stay_small() -> None:
+    """Library modules <= 500 lines and classes <= 300, so each keeps one job (tests, benchmarks exempt)."""
+    big = []
+    for folder in ALLOWED:
+        for path in (REPO / folder).rglob("*.py"):
+            src = path.read_text()
+            if src.count("\n") > 500:
+                big.append(f"{path.relative_to(REPO)}: {src.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                    big.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not big, "split these by concern: " + "; ".join(big)
