@@ -1,6 +1,6 @@
 """gather/scatter throughput against a plain tensor copy of the same bytes, in the same run.
 
-    python benchmarks/kernels_bench.py --json [--device cpu|cuda] [--layout cpu|flash_nhd]
+    python benchmarks/kernels_bench.py --json [--device cpu|cuda] [--layout cpu|flash_nhd] [--batch N]
 
 Chunks have the tiny model's shape (8 layers, 8 KV heads of 64, bf16: 16 KiB per token), from
 64 KiB to 64 MiB. Blocks have vLLM's default size for the device (128 tokens on CPU, 16 on GPU;
@@ -48,34 +48,39 @@ def timed_interleaved(fns: dict, reps: int, device: str) -> dict[str, float]:
 
 
 def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_mib: int,
-        block_size: int) -> dict:
+        block_size: int, batch: int = 1) -> dict:
     tokens = chunk_bytes // TOKEN_BYTES
     bs = min(block_size, tokens)
     nblk = tokens // bs
     # Every timed call reads (or writes) a different, cold region of a cache far larger than the
     # CPU's caches; memcpy gets the same treatment, so both pay for main memory alike.
-    nb = max((reps + 1) * nblk, (cache_mib << 20) // (bs * TOKEN_BYTES))
+    nb = max((reps + 1) * nblk * batch, (cache_mib << 20) // (bs * TOKEN_BYTES))
     shape = {"cpu": (nb, HEADS, bs, 2 * HEAD), "flash_nhd": (2, nb, bs, HEADS, HEAD)}[layout]
     caches = [torch.empty(shape, dtype=DTYPE, device=device).random_(0, 100) for _ in range(LAYERS)]
     kv = PagedKV(caches, layout)
     perm = torch.randperm(nb, device=device)
     # Lists, as the engine passes them (vLLM's block ids are Python ints).
-    sets = [perm[i * nblk:(i + 1) * nblk].tolist() for i in range(reps + 1)]
-    chunk = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+    # A call moves `batch` chunks (one launch on CUDA), as the PD path does for a whole prompt.
+    sets = [[perm[(i * batch + c) * nblk:(i * batch + c + 1) * nblk].tolist() for c in range(batch)]
+            for i in range(reps + 1)]
+    total = chunk_bytes * batch
+    chunk = torch.empty(total, dtype=torch.uint8, device=device)
+    views = list(chunk.view(batch, chunk_bytes))
     assert kv.chunk_nbytes(fmt, tokens) == chunk_bytes
-    flat = torch.empty((reps + 1) * chunk_bytes + (cache_mib << 20), dtype=torch.uint8, device=device)
+    flat = torch.empty((reps + 1) * total + (cache_mib << 20), dtype=torch.uint8, device=device)
     flat.random_(0, 255)
     stride = flat.numel() // (reps + 1) // 4096 * 4096
-    region = [flat[i * stride:i * stride + chunk_bytes] for i in range(reps + 1)]
+    region = [flat[i * stride:i * stride + total] for i in range(reps + 1)]
+    ntok = [None] * batch
     t = timed_interleaved({
         "copy": lambda i: chunk.copy_(region[i]),
-        "gather": lambda i: kv.gather(sets[i], chunk, fmt),
+        "gather": lambda i: kv.copy_batch(sets[i], views, fmt, ntok, to_chunk=True),
         "copy_out": lambda i: region[i].copy_(chunk),
-        "scatter": lambda i: kv.scatter(chunk, sets[i], fmt),
+        "scatter": lambda i: kv.copy_batch(sets[i], views, fmt, ntok, to_chunk=False),
     }, reps, device)
     t_copy, t_gather, t_copy_out, t_scatter = t["copy"], t["gather"], t["copy_out"], t["scatter"]
-    gb = chunk_bytes / 1e9
-    return {"chunk_bytes": chunk_bytes, "tokens": tokens, "block_size": bs,
+    gb = total / 1e9
+    return {"chunk_bytes": chunk_bytes, "batch": batch, "tokens": tokens, "block_size": bs,
             "gather_gbps": round(gb / t_gather, 2), "scatter_gbps": round(gb / t_scatter, 2),
             "memcpy_gbps": round(gb / t_copy, 2), "memcpy_to_cold_gbps": round(gb / t_copy_out, 2),
             "gather_ratio": round(t_copy / t_gather, 3), "scatter_ratio": round(t_copy_out / t_scatter, 3)}
@@ -93,13 +98,14 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=0,
                     help="vLLM block size (default: vLLM's own, 128 on CPU, 16 on GPU; capped at the chunk)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--batch", type=int, default=1, help="chunks per call (the PD path moves a prompt's chunks in one)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = args.layout or ("cpu" if args.device == "cpu" else "flash_nhd")
     sizes = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     block_size = args.block_size or (128 if layout == "cpu" else 16)
-    rows = [row(s, args.device, layout, args.format, args.reps, args.cache_mib, block_size)
+    rows = [row(s, args.device, layout, args.format, args.reps, args.cache_mib, block_size, args.batch)
             for s in sizes if s <= args.max_mib << 20]
     big = [r for r in rows if r["chunk_bytes"] >= 1 << 20]
     result = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
