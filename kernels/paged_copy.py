@@ -19,6 +19,7 @@ list of (plane, row) pairs over per-plane row tables: base address, row stride, 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -168,6 +169,20 @@ class PagedKV:
             raise IndexError(f"block ids must lie in [0, {self.layout.num_blocks})")
         return n
 
+    def host_rows_batch(self, block_ids: Sequence[Sequence[int] | torch.Tensor], fmt: str,
+                        num_tokens: Sequence[int | None]) -> tuple[np.ndarray, list[int], list[int]]:
+        """Checked row numbers of several chunks, one after the other, with each chunk's row and
+        token counts: the CUDA path's input, built without a torch call per chunk."""
+        lists = [b.tolist() if isinstance(b, torch.Tensor) else b for b in block_ids]
+        if fmt != "block":
+            parts = [self.host_rows(b, fmt, n) for b, n in zip(lists, num_tokens, strict=True)]
+            return (np.concatenate([r for r, _ in parts]), [len(r) for r, _ in parts], [n for _, n in parts])
+        counts = [len(b) for b in lists]
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(counts))
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        ns = [self._checked_tokens(c, lo, hi, fmt, n) for c, n in zip(counts, num_tokens, strict=True)]
+        return ids, counts, ns
+
     def host_rows(self, block_ids: Sequence[int] | torch.Tensor, fmt: str,
                   num_tokens: int | None) -> tuple[np.ndarray, int]:
         """Checked row numbers of one chunk as a host array (the CUDA path's input), and its tokens."""
@@ -229,8 +244,8 @@ class PagedKV:
         nbytes = len(self._planes) * (len(block_ids) - first) * rb
         if self.device.type == "cuda":
             from kvferry.kernels import triton_copy
-            triton_copy.copy_rows(self, self._tables["block"], [np.asarray(tail, dtype=np.int64)], [chunk],
-                                  [len(self._planes) * nblk * rb], False, plane_rows=[nblk], first=[first])
+            triton_copy.copy_rows(self, self._tables["block"], np.asarray(tail, dtype=np.int64), [len(tail)],
+                                  [chunk], [len(self._planes) * nblk * rb], False, plane_rows=[nblk], first=[first])
             return nbytes
         tail_t = torch.tensor(tail, dtype=torch.long, device=self.device)
         src = self.chunk_bytes_view(chunk, len(self._planes) * nblk * rb).view(len(self._planes), nblk, rb)
@@ -249,9 +264,9 @@ class PagedKV:
                        for b, buf, n in zip(block_ids, bufs, num_tokens, strict=True))
         if self.device.type == "cuda" and table is not None:
             from kvferry.kernels import triton_copy
-            rows = [self.host_rows(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
-            return triton_copy.copy_rows(self, table, [r for r, _ in rows], bufs,
-                                         [self.chunk_nbytes(fmt, n) for _, n in rows], to_chunk)
+            rows, counts, ns = self.host_rows_batch(block_ids, fmt, num_tokens)
+            return triton_copy.copy_rows(self, table, rows, counts, bufs, [self.chunk_nbytes(fmt, n) for n in ns],
+                                         to_chunk)
         checked = [self._indices(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
         if table is None:
             return sum(self.token_copy_indexed(i, b, n, to_chunk)

@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 _TL_WORD = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 PROGRAM_WORDS = 4096
 NUM_WARPS = 8
-# Per chunk in the call's table: buffer address, rows to copy, rows per plane in the buffer, first row.
-_CHUNK_COLS = 4
+# Per chunk in the call's table: buffer address, rows to copy, rows per plane in the buffer, first row
+# copied, and where its row numbers start in the call's row list.
+_CHUNK_COLS = 5
 
 
 @triton.jit
-def _copy_rows(planes, chunks, row_idx, num_planes, num_chunks, max_rows, row_blocks, row_words,
+def _copy_rows(planes, chunks, row_idx, num_planes, num_chunks, row_blocks, row_words,
                WORD: tl.constexpr, TO_CHUNK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
     # Program (c, q, b) copies rows b*ROWS.. of plane q of chunk c, TILE words of each at a time.
     pid = tl.program_id(0)
@@ -42,7 +43,7 @@ def _copy_rows(planes, chunks, row_idx, num_planes, num_chunks, max_rows, row_bl
     if b * ROWS < n_rows:
         r = b * ROWS + tl.arange(0, ROWS)
         valid = r < n_rows
-        row = tl.load(row_idx + c * max_rows + r, mask=valid, other=0)
+        row = tl.load(row_idx + tl.load(chunks + 4 * num_chunks + c) + r, mask=valid, other=0)
         plane = tl.load(planes + q).to(tl.pointer_type(WORD))
         chunk = tl.load(chunks + c).to(tl.pointer_type(WORD))
         plane_rows = tl.load(chunks + 2 * num_chunks + c)
@@ -72,33 +73,37 @@ def _device_planes(kv: PagedKV, table: RowTable) -> torch.Tensor:
     return table.device_planes
 
 
-def copy_rows(kv: PagedKV, table: RowTable, rows: Sequence[np.ndarray], bufs: Sequence[torch.Tensor],
+def copy_rows(kv: PagedKV, table: RowTable, rows: np.ndarray, counts: Sequence[int], bufs: Sequence[torch.Tensor],
               nbytes: Sequence[int], to_chunk: bool, plane_rows: Sequence[int] | None = None,
               first: Sequence[int] | None = None) -> int:
-    """Copy `rows[c]` of every plane between the cache and chunk buffer `bufs[c]`, in one launch.
+    """Copy rows of every plane between the cache and the chunk buffers `bufs`, in one launch.
 
-    `rows` are checked row numbers (block ids, or token slots); chunk c holds `plane_rows[c]` rows per
-    plane (default: its row count) of which rows `first[c]`.. are copied (default 0). Asynchronous on
-    the current CUDA stream: synchronize before reading a gathered chunk from another stream, NIXL
-    or the host, and keep the buffers alive until then.
+    `rows` holds every chunk's checked row numbers (block ids, or token slots) one after the other,
+    `counts[c]` of them for chunk c; chunk c holds `plane_rows[c]` rows per plane (default: its
+    count) of which rows `first[c]`.. are copied (default 0). Asynchronous on the current CUDA
+    stream: synchronize before reading a gathered chunk from another stream, NIXL or the host, and
+    keep the buffers alive until then.
     """
-    flats = [kv.chunk_bytes_view(b, size) for b, size in zip(bufs, nbytes, strict=True)]
-    ptrs = [f.data_ptr() for f in flats]
+    ptrs = []
+    for b, size in zip(bufs, nbytes, strict=True):
+        if b.device != kv.device:
+            raise ValueError(f"chunk buffer is on {b.device}, the KV cache on {kv.device}")
+        if not b.is_contiguous() or b.numel() * b.element_size() < size:
+            kv.check_chunk_buf(b, size)  # raises, naming what is wrong
+        ptrs.append(b.data_ptr())
     if any(p % table.word for p in ptrs):
         raise ValueError(f"chunk buffer is not aligned to {table.word} bytes")
-    nc, nq = len(flats), len(table.bases)
-    counts = [len(r) for r in rows]
+    nc, nq = len(ptrs), len(table.bases)
     max_rows = max(counts)
-    host = torch.empty(_CHUNK_COLS * nc + nc * max_rows, dtype=torch.int64,
-                       pin_memory=kv.device.type == "cuda")
+    host = torch.empty(_CHUNK_COLS * nc + rows.size, dtype=torch.int64, pin_memory=kv.device.type == "cuda")
     h = host.numpy()
     h[:nc] = ptrs
     h[nc:2 * nc] = counts
     h[2 * nc:3 * nc] = counts if plane_rows is None else plane_rows
     h[3 * nc:4 * nc] = 0 if first is None else first
-    idx = h[4 * nc:].reshape(nc, max_rows)
-    for c, r in enumerate(rows):
-        idx[c, :len(r)] = r
+    h[4 * nc + 1:5 * nc] = np.cumsum(counts[:-1])
+    h[4 * nc] = 0
+    h[_CHUNK_COLS * nc:] = rows
     table_dev = host.to(kv.device, non_blocking=True)
     w = _word(table)
     row_words = table.row_bytes // w
@@ -107,7 +112,7 @@ def copy_rows(kv: PagedKV, table: RowTable, rows: Sequence[np.ndarray], bufs: Se
     rows_per = PROGRAM_WORDS // tile
     row_blocks = triton.cdiv(max_rows, rows_per)
     grid = (nc * nq * row_blocks, triton.cdiv(row_words, tile))
-    _copy_rows[grid](_device_planes(kv, table), table_dev, table_dev[_CHUNK_COLS * nc:], nq, nc, max_rows,
+    _copy_rows[grid](_device_planes(kv, table), table_dev, table_dev[_CHUNK_COLS * nc:], nq, nc,
                      row_blocks, row_words, WORD=_TL_WORD[w], TO_CHUNK=to_chunk, ROWS=rows_per, TILE=tile,
                      num_warps=NUM_WARPS)
     return sum(nbytes)
