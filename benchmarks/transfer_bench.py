@@ -68,7 +68,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
                 break
             if cmd[0] == "hold":  # pages for a raw write, expected like a transfer (fast polling)
                 res = buf.reserve(cmd[2], cmd[1], lease_seconds=60)
-                r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], [], 0, res, conn=b"bench"))
+                r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], 0, res, conn=b"bench"))
                 r._kick.set()
                 conn.send(list(res.pages))
             elif cmd[0] == "drop":  # the raw write is done: nothing more can land in its pages
