@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -38,6 +38,7 @@ from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.counters import Counters
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise_thread
@@ -78,7 +79,7 @@ def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
 
 
 @dataclass
-class ReceiverCounters:
+class ReceiverCounters(Counters):
     """What one receiver did since it started; the pd tier exports these as metrics."""
 
     handshakes: int = 0
@@ -88,9 +89,6 @@ class ReceiverCounters:
     alloc_errors: int = 0
     proxy_notifications: int = 0
     refusals: dict[str, int] = field(default_factory=dict)  # alloc refusals by ErrorReply code
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 class ReceiverError(UnavailableError, RuntimeError):

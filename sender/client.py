@@ -24,7 +24,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -33,6 +33,7 @@ from kvferry.buffer import nixl_agent, peering
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.counters import Counters
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import get_logger
 
@@ -118,7 +119,7 @@ def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> Sende
 
 
 @dataclass
-class SenderCounters:
+class SenderCounters(Counters):
     """What one sender did since it started; the pd tier exports these as metrics."""
 
     transfers: int = 0
@@ -127,9 +128,6 @@ class SenderCounters:
     handshakes: int = 0
     alloc_wait_seconds: float = 0.0  # alloc request sent -> pages granted or refused
     alloc_waits: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.engine.tiers.base import Counters
+from kvferry.common.counters import Counters
 
 
 @dataclass

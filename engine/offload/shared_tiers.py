@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvferry.common import messages as m
+from kvferry.common.counters import Counters
 from kvferry.engine.offload.ops import CacheLoad
 from kvferry.engine.p2p.lookup import ControllerLookup
-from kvferry.engine.tiers.base import Counters
 from kvferry.engine.tiers.remote import RemoteTier
 
 

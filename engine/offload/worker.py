@@ -15,6 +15,7 @@ import torch
 
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
+from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
@@ -22,7 +23,7 @@ from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.p2p.worker import P2PWorker
 from kvferry.engine.remote import redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
-from kvferry.engine.tiers.base import Counters, LoadRequest, Tier
+from kvferry.engine.tiers.base import LoadRequest, Tier
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.engine.tiers.disk import DiskTier, rank_root
 from kvferry.engine.tiers.p2p import P2PTier

@@ -10,7 +10,7 @@ do it in :meth:`Tier.prefetch`, called once per load before the per-chunk fetche
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -48,12 +48,3 @@ class Tier(Protocol):
     def stats(self) -> dict[str, float]: ...
 
     def close(self) -> None: ...
-
-
-class Counters:
-    """A typed counter record that flattens to the ``name -> number`` dicts stats travel as."""
-
-    prefix = ""
-
-    def as_dict(self) -> dict[str, float]:
-        return {f"{self.prefix}{k}": v for k, v in asdict(self).items()}  # type: ignore[call-overload]

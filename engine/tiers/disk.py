@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kvferry.common.counters import Counters
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.engine.tiers.base import Counters, LoadRequest
+from kvferry.engine.tiers.base import LoadRequest
 
 logger = get_logger(__name__)
 

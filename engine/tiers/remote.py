@@ -28,6 +28,7 @@ import torch
 
 from kvferry.common.backoff import Backoff
 from kvferry.common.chunk_mac import for_secret
+from kvferry.common.counters import Counters
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
@@ -36,7 +37,7 @@ from kvferry.engine.remote.backends import open_backend
 from kvferry.engine.remote.base import PREFIX, Backend, RemoteError  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.remote.serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
-from kvferry.engine.tiers.base import Counters, LoadRequest
+from kvferry.engine.tiers.base import LoadRequest
 
 logger = get_logger(__name__)
 
