@@ -9,9 +9,11 @@ short sleeps, so an idle sender or receiver uses almost no CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common.errors import UnavailableError
@@ -48,6 +50,15 @@ def device_id(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
+@dataclass(frozen=True)
+class XferDone:
+    """How a transfer posted with `NixlThread.post` ended, and when (time.monotonic())."""
+
+    state: str  # "DONE", "EXPIRED" or "ERR ..."
+    posted: float
+    done: float
+
+
 class NixlThread:
     """The only thread that touches one NIXL agent (agents are not thread-safe).
 
@@ -64,7 +75,7 @@ class NixlThread:
         self.progress = 0  # > 0: keep the agent progressing (leases on this agent's memory)
         self._loop = loop
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight: list[tuple[object, float, asyncio.Future]] = []
+        self._inflight: list[tuple[object, float, asyncio.Future | concurrent.futures.Future, float]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -80,6 +91,13 @@ class NixlThread:
         self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
         return fut
 
+    def post(self, op: str, local: list, local_mem: str, remote: list, remote_mem: str, agent_name: str,
+             notif: bytes, deadline: float) -> concurrent.futures.Future[XferDone]:
+        """`xfer` for a caller on any thread, with no event loop between it and NIXL."""
+        fut: concurrent.futures.Future[XferDone] = concurrent.futures.Future()
+        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
+        return fut
+
     def wake(self) -> None:
         """Re-check `progress` now (the thread may be blocked on its queue)."""
         self._q.put(("wake",))
@@ -88,7 +106,15 @@ class NixlThread:
         self._q.put(("stop",))
         self._thread.join(timeout=5)
 
-    def _resolve(self, fut: asyncio.Future, value: object = None, exc: BaseException | None = None) -> None:
+    def _resolve(self, fut: asyncio.Future | concurrent.futures.Future, value: object = None,
+                  exc: BaseException | None = None, posted: float = 0.0) -> None:
+        if isinstance(fut, concurrent.futures.Future):  # from post(): set here, no loop hop
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(XferDone(str(value), posted or time.monotonic(), time.monotonic()))
+            return
+
         def set_() -> None:
             if fut.done():
                 return
@@ -107,7 +133,7 @@ class NixlThread:
                 item = None
             if item is not None:
                 if item[0] == "stop":
-                    for handle, _, fut in self._inflight:
+                    for handle, _, fut, _ in self._inflight:
                         self._release(handle)
                         self._resolve(fut, "ERR (sender closed)")
                     return
@@ -129,7 +155,8 @@ class NixlThread:
                     logger.debug("get_new_notifs: %s", e)
 
     def _post(self, op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
-        if time.monotonic() >= deadline:
+        posted = time.monotonic()
+        if posted >= deadline:
             self._resolve(fut, "EXPIRED")
             return
         a = self.agent
@@ -138,18 +165,18 @@ class NixlThread:
                                        a.get_xfer_descs(remote, remote_mem), agent_name, notif)
             state = a.transfer(handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own types
-            self._resolve(fut, f"ERR ({e})")
+            self._resolve(fut, f"ERR ({e})", posted=posted)
             return
         if state == "PROC":
-            self._inflight.append((handle, deadline, fut))
+            self._inflight.append((handle, deadline, fut, posted))
             return
         self._release(handle)
-        self._resolve(fut, state)
+        self._resolve(fut, state, posted=posted)
 
     def _poll(self) -> None:
         still = []
         now = time.monotonic()
-        for handle, deadline, fut in self._inflight:
+        for handle, deadline, fut, posted in self._inflight:
             try:
                 state = self.agent.check_xfer_state(handle)
             except Exception as e:  # noqa: BLE001
@@ -157,10 +184,10 @@ class NixlThread:
             if state == "PROC" and now >= deadline:
                 state = "EXPIRED"  # release() below cancels it: no transfer after the lease
             if state == "PROC":
-                still.append((handle, deadline, fut))
+                still.append((handle, deadline, fut, posted))
                 continue
             self._release(handle)
-            self._resolve(fut, state)
+            self._resolve(fut, state, posted=posted)
         self._inflight = still
 
     def _release(self, handle) -> None:

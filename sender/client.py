@@ -24,7 +24,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -137,6 +137,29 @@ class SendResult:
     bytes: int
     seconds: float
     handshook: bool = False
+    # Where the time went, in seconds (transfer_bench.py prints them): "alloc" (request sent ->
+    # pages granted), "to_nixl" (write asked -> posted by the NIXL thread), "write" (posted ->
+    # NIXL done, which includes the notification's send), and "handshake" when one was made.
+    phases: dict[str, float] = field(default_factory=dict)
+    posted_at: float = 0.0  # time.monotonic() when the NIXL thread posted the (last) write
+
+
+@dataclass
+class Grant:
+    """Pages a receiver reserved for one transfer: written into with `KVSender.write` until `deadline`."""
+
+    transfer_id: str
+    addr: ReceiverAddr
+    peer: peering.Peer
+    generation: int
+    pages: list[int]
+    deadline: float  # no write may be posted after this (the lease, less LEASE_MARGIN)
+    requested: float
+    phases: dict[str, float]
+    handshook: bool
+    posted: bool = False  # a write was posted: an abort is no longer final
+    written: int = 0  # bytes written so far
+    chunks: int = 0
 
 
 class KVSender:
@@ -178,16 +201,76 @@ class KVSender:
     # ---- API ----
     def send(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes],
              chunks: Sequence[tuple[int, int]], num_tokens: int) -> concurrent.futures.Future[SendResult]:
-        """Send `chunks` ((address, nbytes) in registered memory, one per key) for `transfer_id`."""
+        """Send `chunks` ((address, nbytes) in registered memory, one per key) for `transfer_id`:
+        `reserve`, then one `write` of them all that notifies the receiver."""
         if len(chunk_keys) != len(chunks):
             raise ChunkError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
+        self._check_ranges(chunks)
+        self._check_open(transfer_id)
+        return asyncio.run_coroutine_threadsafe(
+            self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens, time.monotonic()),
+            self._loop)
+
+    def reserve(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes],
+                num_tokens: int) -> concurrent.futures.Future[Grant]:
+        """Ask `receiver` for one page per key now, before the chunks exist: the alloc round trip
+        runs while the caller computes them. The grant's lease starts when the receiver grants it."""
+        self._check_open(transfer_id)
+        return asyncio.run_coroutine_threadsafe(
+            self._reserve(transfer_id, receiver, list(chunk_keys), num_tokens, time.monotonic()), self._loop)
+
+    def write(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
+              notify: bool = False) -> concurrent.futures.Future[SendResult]:
+        """Write `chunks` into the grant's pages from `first` on, handed straight to the NIXL thread.
+        Only the last write may `notify`: the receiver reads the transfer once notified, so the
+        caller posts it after every earlier write of the grant is done."""
+        self._check_ranges(chunks)
+        if first < 0 or first + len(chunks) > len(grant.pages):
+            raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
+                             f"its {len(grant.pages)} pages")
+        called = time.monotonic()
+        out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+        region = grant.peer.welcome.region
+        big = next((n for _, n in chunks if n > region.page_bytes), None)
+        if big is not None:
+            self._fail(grant, out, SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s "
+                                             f"{region.page_bytes}-byte pages"), "chunk too large")
+            return out
+        if called >= grant.deadline:
+            self._fail(grant, out, LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the "
+                                                "write could start; raise pd_lease_seconds"),
+                       "lease ran out before the write")
+            return out
+        if not chunks:
+            if notify:
+                asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False), self._loop)
+            out.set_result(self._result(grant, called, called, called))
+            return out
+        grant.posted = True
+        pages = grant.pages[first:first + len(chunks)]
+        local = [(a, n, nixl_agent.device_id(self.device)) for a, n in chunks]
+        remote = [(region.addr + p * region.page_bytes, n, region.device_id)
+                  for p, (_, n) in zip(pages, chunks, strict=True)]
+        notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation)) if notify else b""
+        xf = self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
+                             grant.peer.agent, notif, grant.deadline)
+        nbytes = sum(n for _, n in chunks)
+        xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
+        return out
+
+    def release(self, grant: Grant, reason: str) -> None:
+        """The caller will not finish this transfer: tell the receiver (its pages are free at once
+        if nothing was written, else when the lease ends)."""
+        asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True), self._loop)
+
+    def _check_ranges(self, chunks: Sequence[tuple[int, int]]) -> None:
         for addr, n in chunks:
             if not any(lo <= addr and addr + n <= hi for lo, hi in self._ranges):
                 raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+
+    def _check_open(self, transfer_id: str) -> None:
         if not self._thread.is_alive():
             raise SendError(f"transfer {transfer_id}: this sender is closed")
-        return asyncio.run_coroutine_threadsafe(
-            self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens), self._loop)
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -271,35 +354,35 @@ class KVSender:
 
     # ---- one transfer ----
     async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
-                    num_tokens: int) -> SendResult:
-        t0 = time.monotonic()
+                    num_tokens: int, t0: float) -> SendResult:
+        grant = await self._reserve(tid, addr, keys, num_tokens, t0)
+        return await asyncio.wrap_future(self.write(grant, chunks, 0, notify=True))
+
+    async def _reserve(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
+                       t0: float) -> Grant:
         try:
             try:
-                res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0)
+                return await self._reserve_once(tid, addr, keys, num_tokens, t0)
             except _Restarted:
                 logger.info("receiver %s restarted: handshaking again", addr)
-                res = await self._send_once(tid, addr, keys, chunks, num_tokens, t0)
+                return await self._reserve_once(tid, addr, keys, num_tokens, t0)
         except _Restarted as e:
             self.counters.failed += 1
             raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
         except SendError:
             self.counters.failed += 1
             raise
-        self.counters.transfers += 1
-        self.counters.bytes += res.bytes
-        return res
 
-    async def _send_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
-                         num_tokens: int, t0: float) -> SendResult:
+    async def _reserve_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
+                            t0: float) -> Grant:
+        began = time.monotonic()
         peer, handshook = await self._peer(addr)
         region = peer.welcome.region
-        for _, n in chunks:
-            if n > region.page_bytes:
-                raise SendError(f"a {n}-byte chunk does not fit receiver {addr}'s {region.page_bytes}-byte pages")
         pending = peer.state["pending"]
         fut = asyncio.get_running_loop().create_future()
         pending[tid] = fut
-        peer.busy += 1
+        peer.busy += 1  # until the grant ends (_end): the peer is not dropped for room meanwhile
+        granted = False
         try:
             sent_at = time.monotonic()
             wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
@@ -321,40 +404,67 @@ class KVSender:
                     self._peers.drop(peer, "the receiver restarted")
                     raise _Restarted(reply.message)
                 raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
-            deadline = sent_at + reply.lease_seconds * (1 - LEASE_MARGIN)
-            todo = list(chunks)  # one page per chunk, in order
-            if len(todo) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
+            if len(keys) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
                     len(set(reply.pages)) != len(reply.pages):
                 await self._abort(peer, tid, reply.generation, "bad page list", final=True)
                 raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
-            nbytes = sum(n for _, n in todo)
-            if todo:
-                await self._write(peer, tid, reply.generation, todo, list(reply.pages), deadline)
-            return SendResult(tid, len(todo), nbytes, time.monotonic() - t0, handshook)
+            now = time.monotonic()
+            phases = {"to_loop": began - t0, "alloc": now - sent_at}
+            if handshook:
+                phases["handshake"] = sent_at - began
+            granted = True
+            return Grant(tid, addr, peer, reply.generation, list(reply.pages),
+                         sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook)
         finally:
-            peer.busy -= 1
+            if not granted:
+                peer.busy -= 1
 
     def _waited(self, sent_at: float) -> None:
         self.counters.alloc_wait_seconds += time.monotonic() - sent_at
         self.counters.alloc_waits += 1
 
-    async def _write(self, peer: peering.Peer, tid: str, generation: int, todo: list[tuple[int, int]],
-                     pages: list[int], deadline: float) -> None:
-        addr, region = peer.state["addr"], peer.welcome.region
-        if time.monotonic() >= deadline:
-            await self._abort(peer, tid, generation, "lease ran out before the write", final=True)
-            raise LeaseExpired(f"transfer {tid}: the lease ran out before the write could start; raise "
-                               "pd_lease_seconds")
-        local = [(a, n, nixl_agent.device_id(self.device)) for a, n in todo]
-        remote = [(region.addr + p * region.page_bytes, n, region.device_id) for p, (_, n) in zip(pages, todo, strict=True)]
-        notif = m.encode(m.ArrivalNotice(transfer_id=tid, generation=generation))
-        state = await self._nixl.xfer("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
-                                      peer.agent, notif, deadline)
-        if state != "DONE":
-            # A write was posted: it may still land until the lease ends, so not `final`.
-            await self._abort(peer, tid, generation, f"write {state}", final=False)
-            self._peers.drop(peer, f"write {state}")  # the connection may be broken: handshake afresh next time
-            if state == "EXPIRED":
-                raise LeaseExpired(f"transfer {tid} to {addr}: the write did not finish within the lease; "
-                                   "raise pd_lease_seconds")
-            raise WriteFailed(f"transfer {tid} to {addr}: NIXL write failed: {state}")
+    def _result(self, grant: Grant, called: float, posted: float, done: float) -> SendResult:
+        phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
+        return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
+                          phases, posted)
+
+    def _written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
+                 f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
+        """On the NIXL thread: a write of `grant` ended."""
+        x = f.result()
+        if x.state != "DONE":
+            # A write was posted: it may still land until the lease ends, so the abort is not final.
+            err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
+                                "the lease; raise pd_lease_seconds") if x.state == "EXPIRED"
+                   else WriteFailed(f"transfer {grant.transfer_id} to {grant.addr}: NIXL write failed: {x.state}"))
+            self._fail(grant, out, err, f"write {x.state}", drop=True)
+            return
+        grant.chunks += nchunks
+        grant.written += nbytes
+        res = self._result(grant, called, x.posted, x.done)
+        if notify:
+            asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False, sent=res.bytes), self._loop)
+        out.set_result(res)
+
+    def _fail(self, grant: Grant, out: concurrent.futures.Future, err: SendError, reason: str,
+              drop: bool = False) -> None:
+        asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True, drop=drop, failed=True), self._loop)
+        out.set_exception(err)
+
+    async def _end(self, grant: Grant, reason: str, abort: bool, drop: bool = False, failed: bool = False,
+                   sent: int = 0) -> None:
+        """On the loop: the grant is over (finished, failed or given up); once per grant."""
+        if grant.generation < 0:
+            return
+        peer = grant.peer
+        if abort:
+            await self._abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
+        if drop:
+            self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
+        grant.generation = -1
+        peer.busy -= 1
+        if failed:
+            self.counters.failed += 1
+        elif not abort:
+            self.counters.transfers += 1
+            self.counters.bytes += sent

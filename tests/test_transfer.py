@@ -438,19 +438,19 @@ def test_without_the_cluster_secret_a_peer_gets_nothing_and_the_receiver_keeps_s
 def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another_transfer(receiver, sender) -> None:
     """The proxy aborts transfer A (its client left) after A's pages were reserved and before A's
     WRITE; B then reserves pages. A's late WRITE must not land in B's pages."""
-    import asyncio
+    import threading
     r = receiver(pages=4, lease_seconds=20)
     a, src_a = sender("a")
     b, src_b = sender("b")
     src_a.fill_(0xAA)
-    gate = asyncio.Event()
-    original = a._write
+    gate = threading.Event()
+    original = a.write
 
-    async def held_write(*args, **kw):
-        await gate.wait()
-        return await original(*args, **kw)
+    def held_write(*args, **kw):  # on A's loop, between its grant and its write
+        gate.wait(30)
+        return original(*args, **kw)
 
-    a._write = held_write
+    a.write = held_write
     fa = a.send("A", r.addr, keys(2, 1), chunks_of(src_a, 2), 64)
     deadline = time.monotonic() + 10
     while r.state()[2] == 4 and time.monotonic() < deadline:
@@ -463,7 +463,7 @@ def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another
     finally:
         proxy.close(linger=0)
     assert b.send("B", r.addr, keys(2, 2), chunks_of(src_b, 2), 64).result(30).sent_chunks == 2
-    a._loop.call_soon_threadsafe(gate.set)
+    gate.set()
     assert fa.result(30).sent_chunks == 2  # A's write went somewhere: into its own, quarantined pages
     time.sleep(0.3)
     kind, _, data = r.ask("claim", "B", 10)
