@@ -65,6 +65,7 @@ class _Record:
     state: State
     deadline: float
     lease_seconds: float
+    created: float = 0.0
 
 
 @dataclass
@@ -167,7 +168,8 @@ class PDBuffer:
         pages = tuple(self._free.pop() for _ in range(n))
         self._generation += 1
         res = Reservation(next(self._rids), self._generation, pages, owner)
-        self._records[res.rid] = _Record(res, State.RESERVED, self._clock() + lease_seconds, lease_seconds)
+        now = self._clock()
+        self._records[res.rid] = _Record(res, State.RESERVED, now + lease_seconds, lease_seconds, now)
         self._stats.reservations += 1
         return res
 
@@ -290,6 +292,19 @@ class PDBuffer:
                 return False
             rec.deadline = max(rec.deadline, self._clock() + read_within)
             return True
+
+    def renew(self, res: Reservation, lease_seconds: float, max_hold: float) -> float | None:
+        """Restart a RESERVED (not yet written-and-notified) reservation's lease, never past
+        `max_hold` seconds from its creation: the new lease's length, or None if it is gone."""
+        with self._lock:
+            self._reap_locked()
+            try:
+                rec = self._live(res, State.RESERVED)
+            except PDBufferError:
+                return None
+            now = self._clock()
+            rec.deadline = max(rec.deadline, min(now + lease_seconds, rec.created + max_hold))
+            return rec.deadline - now
 
     def begin_read(self, res: Reservation) -> list:
         """Pin committed pages for reading and return their views; call release() after."""

@@ -17,7 +17,8 @@ from kvferry.common.errors import BadDataError
 # 3: AllocResponse without `skip`; PeerChunks' `spans` (one per metadata entry) and `tags`, which
 #    a reader checks: a mixed cluster fails with "peer speaks protocol 2" instead of "malformed"
 #    frames or leases rejected as hostile.
-PROTOCOL_VERSION = 3
+# 4: RenewLease / LeaseRenewed: a sender that reserved pages before its prompt computed keeps them.
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 4 << 20
 
 # Length limits: generous for real use, small enough that a hostile frame cannot balloon memory.
@@ -115,6 +116,21 @@ class AllocResponse(Msg, tag="alloc_resp"):
     generation: NonNeg
     pages: Indices  # page index for each chunk to send, in order
     lease_seconds: Seconds
+
+
+class RenewLease(Msg, tag="renew"):
+    """The sender still computes the chunks it reserved pages for: restart their lease. Only from
+    the connection that reserved them, only before any data arrived, and never past the receiver's
+    pd_queue_seconds from the reservation."""
+
+    transfer_id: Id
+    generation: NonNeg
+
+
+class LeaseRenewed(Msg, tag="renewed"):
+    transfer_id: Id
+    generation: NonNeg
+    lease_seconds: Seconds  # from when the receiver handled the renewal
 
 
 class ErrorReply(Msg, tag="error"):
@@ -390,6 +406,8 @@ Message = Union[
     Welcome,
     AllocRequest,
     AllocResponse,
+    RenewLease,
+    LeaseRenewed,
     ErrorReply,
     ArrivalNotice,
     AbortTransfer,

@@ -25,6 +25,29 @@ class SaveOp:
 
 
 @dataclass
+class OpenOp:
+    """A prompt whose KV goes to a decoder is scheduled for the first time: reserve its pages now."""
+
+    req_id: str
+    transfer_id: str
+    host: str
+    init_ports: tuple[int, ...]
+    alloc_ports: tuple[int, ...]
+    token_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PieceOp:
+    """A step of a chunked prefill: after it, the prompt is computed up to `computed_tokens`."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    computed_tokens: int
+
+
+@dataclass
 class LoadOp:
     req_id: str
     transfer_id: str
@@ -36,7 +59,10 @@ class LoadOp:
 
 @dataclass
 class KVFerryMetadata(KVConnectorMetadata):
-    saves: list[SaveOp] = field(default_factory=list)
+    opens: list[OpenOp] = field(default_factory=list)  # prefiller: before the forward
+    pieces: list[PieceOp] = field(default_factory=list)  # prefiller: after it
+    saves: list[SaveOp] = field(default_factory=list)  # prefiller: after it, a prompt's last piece
+    cancels: list[str] = field(default_factory=list)  # prefiller: transfers whose requests ended unfinished
     loads: list[LoadOp] = field(default_factory=list)
     cache_loads: list[CacheLoad] = field(default_factory=list)  # offload tiers -> blocks, before the forward
     cache_saves: list[CacheStore | CacheEvict] = field(default_factory=list)  # after it, in order

@@ -14,7 +14,7 @@ from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.log import get_logger
 from kvferry.connector.block_table import BlockTable
-from kvferry.connector.metadata import KVFerryMetadata, LoadOp, SaveOp
+from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.roles import Roles, salt
 from kvferry.engine.api import OffloadPlanner, notice_addr
@@ -41,6 +41,8 @@ class SchedulerSide:
         self._blocks = BlockTable() if self.offload is not None or (roles.pd and roles.producer_side) else None
         self._computing: dict[str, Request] = {}  # offload: admitted, prompt not complete yet
         self._prefills: dict[str, tuple[Request, Any]] = {}  # producer: waiting for their last prompt token
+        self._opened: set[str] = set()  # producer: prompts whose pages were asked for
+        self._cancels: list[str] = []  # producer: opened transfers whose requests ended unfinished
         self._errors: dict[str, str] = {}  # producer: requests whose params were unusable
         self._transfer_ids: dict[str, str] = {}
         self._external: dict[str, int] = {}  # consumer: req -> local tokens when matched
@@ -115,6 +117,7 @@ class SchedulerSide:
         meta.loads, self._loads = self._loads, []
         meta.pins, self._pins = self._pins, []
         meta.unpins, self._unpins = self._unpins, []
+        meta.cancels, self._cancels = self._cancels, []
         if self._blocks is not None:
             self._blocks.update(so)
         if self.offload is not None:
@@ -130,8 +133,13 @@ class SchedulerSide:
             if entry is None:
                 continue
             req, spec = entry
-            if req.num_computed_tokens + n < req.num_prompt_tokens:
-                continue  # chunked prefill: not the last piece yet
+            if rid not in self._opened:  # first scheduled: the decoder's pages are asked for before the compute
+                self._opened.add(rid)
+                meta.opens.append(OpenOp(rid, spec.transfer_id, spec.host, spec.init_ports, spec.alloc_ports,
+                                         list(req.prompt_token_ids), req.num_prompt_tokens))
+            if req.num_computed_tokens + n < req.num_prompt_tokens:  # chunked prefill: not the last piece yet
+                meta.pieces.append(PieceOp(rid, spec.transfer_id, self._blocks.get(rid), req.num_computed_tokens + n))
+                continue
             del self._prefills[rid]
             meta.saves.append(SaveOp(rid, spec.transfer_id, spec.host, spec.init_ports, spec.alloc_ports,
                                      list(req.prompt_token_ids), self._blocks.get(rid), req.num_prompt_tokens))
@@ -160,7 +168,9 @@ class SchedulerSide:
             self.offload.finished(rid)
         if not (self.roles.producer_side and self.roles.pd):
             return False, None
-        self._prefills.pop(rid, None)
+        if self._prefills.pop(rid, None) is not None and rid in self._opened:
+            self._cancels.append(self._transfer_ids[rid])  # ended before its last piece: pages back
+        self._opened.discard(rid)
         err = self._errors.pop(rid, None)
         tid = self._transfer_ids.pop(rid, None)
         if err is not None:

@@ -69,6 +69,10 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
     "pd_alloc_wait_seconds": ("kvferry:pd_alloc_wait_seconds", "Seconds prefillers waited for a decoder's pages "
                               "(alloc request to answer); with pd_alloc_waits, the mean wait", None),
     "pd_alloc_waits": ("kvferry:pd_alloc_waits", "Alloc requests answered or timed out", None),
+    "pd_sent_early": ("kvferry:pd_sent_early_requests", "Prompts sent into decoder pages reserved when the prompt "
+                      "was first scheduled (the alloc round trip hidden behind the compute)", None),
+    "pd_sent_pieces": ("kvferry:pd_sent_pieces", "Writes made while a prompt was still computing (chunked "
+                       "prefill): only the last piece's transfer is left after the compute", None),
     "pd_received": ("kvferry:pd_received_transfers", "Transfers whose arrival notification this decoder got",
                     None),
     "pd_alloc_refusals": ("kvferry:pd_alloc_refusals", "Alloc requests this decoder refused, by reason (its "

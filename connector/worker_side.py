@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.log import get_logger
-from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta
+from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta, OpenOp, SaveOp
 from kvferry.connector.roles import Roles, model_name, salt
 from kvferry.engine.api import (
     OffloadWorker,
@@ -103,6 +103,11 @@ class WorkerSide:
         if self.offload is not None:
             for cop in meta.cache_loads:
                 self._errors.update(self.offload.load(cop))
+        if self.producer is not None:
+            for op in meta.opens:
+                addr = self._receiver(op)
+                if addr is not None:
+                    self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens)
         if self.consumer is None:
             return
         for tid in meta.pins:
@@ -122,17 +127,31 @@ class WorkerSide:
             self.offload.save(meta.cache_saves)
         if self.producer is None:
             return
+        for tid in meta.cancels:
+            self.producer.cancel(tid)
+        for piece in meta.pieces:
+            try:
+                self.producer.progress(piece.transfer_id, piece.block_ids, piece.computed_tokens)
+            except KVFerryError as e:
+                logger.error("transfer %s: a piece not sent (the rest goes with the last one): %s",
+                             piece.transfer_id, e)
         for op in meta.saves:
-            if self.tp_rank >= len(op.init_ports):
-                logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
-                             "decoder and prefiller need the same tensor-parallel size", op.transfer_id,
-                             len(op.init_ports), self.tp_rank)
+            addr = self._receiver(op)
+            if addr is None:
                 continue
-            addr = ReceiverAddr(op.host, op.init_ports[self.tp_rank], op.alloc_ports[self.tp_rank])
             try:
                 self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
             except KVFerryError as e:
                 logger.error("transfer %s: not sent: %s", op.transfer_id, e)
+
+    def _receiver(self, op: OpenOp | SaveOp) -> ReceiverAddr | None:
+        """This TP rank's receiver on the decoder."""
+        if self.tp_rank >= len(op.init_ports):
+            logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
+                         "decoder and prefiller need the same tensor-parallel size", op.transfer_id,
+                         len(op.init_ports), self.tp_rank)
+            return None
+        return ReceiverAddr(op.host, op.init_ports[self.tp_rank], op.alloc_ports[self.tp_rank])
 
     def results(self, finished: set[str], idle: bool) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

@@ -1,11 +1,9 @@
 """The pd tier of the KV engine: a prefiller's chunks out to a decoder's pd_buffer, and back into
 the decoder's paged cache.
 
-- :class:`PDProducer` (prefiller worker): gathers a finished prompt's chunks into its own
-  registered staging pages (synchronous, a memcpy's worth) and hands them to the sender, which
-  runs the alloc round trip and the NIXL write on its own threads. The forward pass never waits
-  on the network; it waits on the staging pages only when they are all in flight
-  (bounded by ``pd_alloc_timeout``).
+- :class:`~kvferry.engine.pd_producer.PDProducer` (prefiller worker, engine/pd_producer.py):
+  reserves the decoder's pages when the prompt is first scheduled and writes its chunks as they
+  are computed; the forward pass never waits on the network.
 - :class:`PDConsumer` (decoder worker): runs the receiver, waits (bounded by
   ``pd_kv_ready_timeout``) for each expected transfer without blocking other requests, checks
   that the chunk keys match the decoder's own prompt, scatters the chunks into the request's
@@ -16,31 +14,22 @@ Neither knows vLLM: the connector maps vLLM's requests and blocks onto these cal
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
+from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
-from kvferry.engine.chunking import chunk_plan, chunk_tokens, scatter_chunks
+from kvferry.engine.chunking import chunk_tokens, scatter_chunks
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.receiver.server import KVReceiver, receiver_config
 from kvferry.receiver.transfers import TransferError
-from kvferry.sender.client import (
-    KVSender,
-    ReceiverAddr,
-    SendError,
-    SendResult,
-    failure_reason,
-    sender_config,
-)
 
 logger = get_logger(__name__)
 
@@ -78,21 +67,12 @@ class StagingError(BadDataError, ValueError):
     """A prompt's blocks could not be gathered for sending (block ids that do not fit the KV cache)."""
 
 
-def _bump(d: dict[str, int], key: str) -> None:
+def bump(d: dict[str, int], key: str) -> None:
     d[key] = d.get(key, 0) + 1
 
 
-def _buffer_gauges(buf: PDBuffer, rank: int) -> dict[str, float]:
+def buffer_gauges(buf: PDBuffer, rank: int) -> dict[str, float]:
     return {f"pd_buffer_free_pages|{rank}": buf.free_pages, f"pd_buffer_pages|{rank}": buf.num_pages}
-
-
-@dataclass
-class ProducerCounters:
-    """A prefiller rank's sends; failures by reason (`sender.client.failure_reason`, or "staging")."""
-
-    sent: int = 0
-    sent_bytes: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,15 +88,6 @@ class ConsumerCounters:
     arrival_waits: int = 0
 
 
-@dataclass
-class _Outgoing:
-    transfer_id: str
-    num_tokens: int
-    nbytes: int
-    started: float
-    res: Reservation  # the staging pages
-
-
 def buffer_device(cfg: KVFerryConfig, kv: PagedKV) -> str:
     """The pd_buffer's device: the KV cache's, since the copy kernels read both; another is refused."""
     have = str(kv.device) if kv.device.type == "cuda" else "cpu"
@@ -126,89 +97,6 @@ def buffer_device(cfg: KVFerryConfig, kv: PagedKV) -> str:
                           f"must sit with the KV cache (its copies read both); set pd_buffer_device to "
                           f"{kv.device.type!r} or remove it")
     return have
-
-
-class PDProducer:
-    """Prefiller side: one per worker (TP rank)."""
-
-    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, sender_id: str,
-                 tp_rank: int = 0) -> None:
-        self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
-        self.fmt = fp.chunk_format
-        device = buffer_device(cfg, kv)
-        self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
-        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
-        self.sender.register(self.staging.tensor)
-        self._salt = key_salt(fp)
-        # Staging pages are local: held for the longest a send may take, then taken back anyway.
-        self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
-        self.counters = ProducerCounters()
-
-    def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
-               block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
-        """Gather now, send in the background. None (logged) if no staging pages came in time;
-        StagingError if these blocks cannot be gathered."""
-        t0 = time.monotonic()
-        try:
-            plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)
-        except ValueError as e:
-            _bump(self.counters.failures, "staging")
-            raise StagingError(f"transfer {transfer_id}: {e}") from e
-        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
-        try:
-            res = self.staging.reserve(len(plan), transfer_id, self._staging_lease,
-                                       timeout=self.cfg.pd_alloc_timeout)
-        except PDBufferError as e:
-            logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(plan), e)
-            _bump(self.counters.failures, "staging")
-            return None
-        try:
-            views = [self.staging.page(p) for p in res.pages]
-            nbytes = self.kv.copy_batch([b for b, _ in plan], views, self.fmt, [n for _, n in plan],
-                                        to_chunk=True)
-            sizes = [self.kv.chunk_nbytes(self.fmt, n) for _, n in plan]
-            chunks = [(self.staging.page_addr(p), s) for p, s in zip(res.pages, sizes, strict=True)]
-            fut = self.sender.send(transfer_id, receiver, keys, chunks, num_tokens)
-        except (ValueError, IndexError) as e:  # the kernels' and the sender's refusals of these blocks
-            self.staging.release(res)
-            _bump(self.counters.failures, "staging")
-            raise StagingError(f"transfer {transfer_id}: {e}") from e
-        except BaseException:
-            self.staging.release(res)
-            raise
-        out = _Outgoing(transfer_id, num_tokens, nbytes, t0, res)
-        fut.add_done_callback(lambda f: self._sent(out, f))
-        return fut
-
-    def _sent(self, out: _Outgoing, fut: concurrent.futures.Future) -> None:
-        self.staging.release(out.res)
-        try:
-            r = fut.result()
-        except (SendError, concurrent.futures.CancelledError) as e:
-            _bump(self.counters.failures, failure_reason(e))
-            logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
-                         e or type(e).__name__)
-        else:
-            dt = time.monotonic() - out.started
-            self.counters.sent += 1
-            self.counters.sent_bytes += r.bytes
-            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
-                        out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
-                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
-
-    def stats(self) -> dict[str, float]:
-        """Flat ``name`` / ``name|label`` counters and gauges for connector/stats.py."""
-        c, tx = self.counters, self.sender.counters
-        out: dict[str, float] = {"pd_sent": c.sent, "pd_sent_bytes": c.sent_bytes,
-                                 "pd_alloc_wait_seconds": tx.alloc_wait_seconds, "pd_alloc_waits": tx.alloc_waits,
-                                 **_buffer_gauges(self.staging, self.tp_rank)}
-        # Copies: the sender's and receiver's threads may add a reason meanwhile.
-        out.update({f"pd_send_failures|{k}": v for k, v in dict(c.failures).items()})
-        return out
-
-    def close(self) -> None:
-        self.sender.close()
-        self.staging.deregister()
 
 
 @dataclass
@@ -256,7 +144,7 @@ class PDConsumer:
             "pd_arrival_wait_seconds": c.arrival_wait_seconds, "pd_arrival_waits": c.arrival_waits,
             "pd_received": rx.arrivals, "pd_quarantined": self.receiver.table.counters["quarantined"],
             "pd_bad_frames": rx.bad_frames, "pd_loop_restarts": self.receiver.nixl_health.restarts,
-            **_buffer_gauges(self.buffer, self.tp_rank)}
+            **buffer_gauges(self.buffer, self.tp_rank)}
         out.update({f"pd_recomputed|{k}": v for k, v in c.recomputed.items()})
         out.update({f"pd_alloc_refusals|{k}": v for k, v in dict(rx.refusals).items()})
         return out
@@ -302,7 +190,7 @@ class PDConsumer:
                 if now < e.deadline:
                     continue
                 self.counters.kv_timeouts += 1
-                _bump(self.counters.recomputed, "timeout")
+                bump(self.counters.recomputed, "timeout")
                 logger.warning("transfer %s (request %s): KV did not arrive within %.1fs (pd_kv_ready_timeout); "
                                "%s", e.transfer_id, req_id, self.cfg.pd_kv_ready_timeout,
                                "the request fails (pd_kv_timeout_action: fail)"
@@ -312,7 +200,7 @@ class PDConsumer:
                 continue
             del self._pending[req_id]
             if st != "arrived":
-                _bump(self.counters.recomputed, "ended")
+                bump(self.counters.recomputed, "ended")
                 logger.warning("transfer %s (request %s) cannot be loaded: %s; %s", e.transfer_id, req_id, st,
                                "the request fails" if self.cfg.pd_kv_timeout_action == "fail"
                                else "recomputing the prompt")
@@ -321,7 +209,7 @@ class PDConsumer:
             try:
                 self._load(e)
             except (TransferError, ValueError, LayoutError) as err:
-                _bump(self.counters.recomputed, "mismatch")
+                bump(self.counters.recomputed, "mismatch")
                 logger.warning("transfer %s (request %s) not loaded: %s", e.transfer_id, req_id, err)
                 failed.add(req_id)
             else:

@@ -232,13 +232,21 @@ class KVReceiver:
     async def _on_alloc(self, sock: zmq.asyncio.Socket, ident: bytes, body: bytes) -> None:
         arrival = time.monotonic()  # a queued alloc's wait counts from here
         try:
-            req = m.decode(body, expect=(m.AllocRequest, m.AbortTransfer))
+            req = m.decode(body, expect=(m.AllocRequest, m.AbortTransfer, m.RenewLease))
         except m.MessageError as e:
             self._bad_frame(f"a bad frame ({e})", "alloc")
             await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
         if isinstance(req, m.AbortTransfer):
             self.table.abort(req.transfer_id, req.generation, req.reason, conn=ident, final=req.final)
+            return
+        if isinstance(req, m.RenewLease):
+            left = self.table.renew(req.transfer_id, req.generation, ident)
+            await peering.reply(sock, ident, m.ErrorReply(
+                code="lease_gone", transfer_id=req.transfer_id,
+                message=f"transfer {req.transfer_id} cannot be renewed: it ended, arrived, or is not this "
+                        "connection's") if left is None else m.LeaseRenewed(
+                transfer_id=req.transfer_id, generation=req.generation, lease_seconds=left))
             return
         tid = req.transfer_id
 

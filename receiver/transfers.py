@@ -210,6 +210,15 @@ class TransferTable:
                 self.counters["quarantined"] += 1
             return True
 
+    def renew(self, transfer_id: str, generation: int, conn: bytes) -> float | None:
+        """Restart the lease of a transfer still being computed (see messages.RenewLease): its
+        new length, or None if it is gone, arrived, or not `conn`'s."""
+        with self._cond:
+            inc = self._live.get(transfer_id)
+            if inc is None or inc.arrived or inc.res.generation != generation or not conn or conn != inc.conn:
+                return None
+            return self.buffer.renew(inc.res, self.lease_seconds, self.queue_seconds)
+
     def pin(self, transfer_id: str) -> None:
         """The decode request for `transfer_id` is held by this decoder's scheduler: keep its data
         for queue_seconds once it arrived, not the lease (it is read when the request is scheduled)."""

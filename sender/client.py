@@ -34,63 +34,22 @@ from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
-from kvferry.common.errors import BadDataError
 from kvferry.common.log import get_logger
+from kvferry.sender.errors import (
+    AllocFailed,
+    ChunkError,
+    FingerprintMismatch,
+    HandshakeFailed,
+    LeaseExpired,
+    ReceiverRestarted,
+    SendError,
+    WriteFailed,
+)
 
 logger = get_logger(__name__)
 
 POLL_S = 0.00005
 LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
-
-
-class SendError(peering.PeerError):
-    """A transfer failed; the message names the receiver and the key that bounds the failed step."""
-
-    code = "send_failed"
-
-
-class HandshakeFailed(SendError):
-    code = "handshake"
-
-
-class FingerprintMismatch(HandshakeFailed, peering.FingerprintError):
-    code = "fingerprint"
-
-
-class AllocFailed(SendError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code  # buffer_full | too_large | timeout | ...
-
-
-class LeaseExpired(SendError):
-    code = "lease_expired"
-
-
-class WriteFailed(SendError):
-    code = "write"
-
-
-# Receivers' refusal codes and the sender's own failure kinds: a metric label never carries a
-# string a peer made up.
-FAILURE_REASONS = frozenset({"send_failed", "handshake", "fingerprint", "buffer_full", "too_large", "timeout",
-                             "stale_epoch", "aborted", "duplicate", "bad_message", "lease_expired", "write"})
-
-
-def failure_reason(e: BaseException) -> str:
-    """A bounded label for why a send failed."""
-    if isinstance(e, concurrent.futures.CancelledError):
-        return "cancelled"
-    code = getattr(e, "code", "send_failed")
-    return code if code in FAILURE_REASONS else "other"
-
-
-class ChunkError(BadDataError, ValueError):
-    """Chunks handed to `send` that it cannot send (outside registered memory, keys that do not match)."""
-
-
-class _Restarted(Exception):
-    """The receiver answered with another epoch than we handshook with: handshake again, once."""
 
 
 @dataclass(frozen=True)
@@ -157,9 +116,56 @@ class Grant:
     requested: float
     phases: dict[str, float]
     handshook: bool
+    lease_seconds: float = 0.0
     posted: bool = False  # a write was posted: an abort is no longer final
     written: int = 0  # bytes written so far
     chunks: int = 0
+    renewed: float = 0.0  # when the lease was last granted or renewal asked for
+    renewing: bool = False
+
+
+async def _abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
+    """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
+    try:
+        await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
+                                                      reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
+    except zmq.ZMQError as e:
+        logger.debug("abort of %s not sent: %s", transfer_id, e)
+
+
+async def _renew(grant: Grant, timeout: float) -> None:
+    """Ask the receiver to restart the grant's lease; move its deadline if it does."""
+    pending = grant.peer.state["pending"]
+    fut = asyncio.get_running_loop().create_future()
+    pending[grant.transfer_id] = fut
+    sent_at = time.monotonic()
+    try:
+        await asyncio.wait_for(grant.peer.sock.send(m.encode(m.RenewLease(
+            transfer_id=grant.transfer_id, generation=grant.generation))), timeout)
+        reply = await asyncio.wait_for(fut, timeout)
+    except TimeoutError:
+        pending.pop(grant.transfer_id, None)
+        logger.warning("transfer %s: receiver %s did not answer a lease renewal", grant.transfer_id, grant.addr)
+        return
+    finally:
+        grant.renewing = False
+    if isinstance(reply, m.LeaseRenewed) and reply.generation == grant.generation:
+        grant.deadline = max(grant.deadline, sent_at + reply.lease_seconds * (1 - LEASE_MARGIN))
+    else:
+        logger.warning("transfer %s: receiver %s refused a lease renewal: %s", grant.transfer_id, grant.addr,
+                       getattr(reply, "message", reply))
+
+
+def _check_ranges(ranges: list[tuple[int, int]], chunks: Sequence[tuple[int, int]]) -> None:
+    for addr, n in chunks:
+        if not any(lo <= addr and addr + n <= hi for lo, hi in ranges):
+            raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+
+
+def _grant_result(grant: Grant, called: float, posted: float, done: float) -> SendResult:
+    phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
+    return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
+                      phases, posted)
 
 
 class KVSender:
@@ -205,7 +211,7 @@ class KVSender:
         `reserve`, then one `write` of them all that notifies the receiver."""
         if len(chunk_keys) != len(chunks):
             raise ChunkError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
-        self._check_ranges(chunks)
+        _check_ranges(self._ranges, chunks)
         self._check_open(transfer_id)
         return asyncio.run_coroutine_threadsafe(
             self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens, time.monotonic()),
@@ -224,7 +230,7 @@ class KVSender:
         """Write `chunks` into the grant's pages from `first` on, handed straight to the NIXL thread.
         Only the last write may `notify`: the receiver reads the transfer once notified, so the
         caller posts it after every earlier write of the grant is done."""
-        self._check_ranges(chunks)
+        _check_ranges(self._ranges, chunks)
         if first < 0 or first + len(chunks) > len(grant.pages):
             raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
                              f"its {len(grant.pages)} pages")
@@ -244,7 +250,7 @@ class KVSender:
         if not chunks:
             if notify:
                 asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False), self._loop)
-            out.set_result(self._result(grant, called, called, called))
+            out.set_result(_grant_result(grant, called, called, called))
             return out
         grant.posted = True
         pages = grant.pages[first:first + len(chunks)]
@@ -258,15 +264,19 @@ class KVSender:
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
         return out
 
+    def keep(self, grant: Grant) -> None:
+        """The caller still computes the grant's chunks: once a quarter of its lease is gone, ask
+        the receiver to restart it (the local deadline moves when the receiver says so)."""
+        now = time.monotonic()
+        if grant.renewing or grant.generation < 0 or now - grant.renewed < grant.lease_seconds / 4:
+            return
+        grant.renewing, grant.renewed = True, now
+        asyncio.run_coroutine_threadsafe(_renew(grant, self.cfg.handshake_timeout), self._loop)
+
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (its pages are free at once
         if nothing was written, else when the lease ends)."""
         asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True), self._loop)
-
-    def _check_ranges(self, chunks: Sequence[tuple[int, int]]) -> None:
-        for addr, n in chunks:
-            if not any(lo <= addr and addr + n <= hi for lo, hi in self._ranges):
-                raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
 
     def _check_open(self, transfer_id: str) -> None:
         if not self._thread.is_alive():
@@ -333,7 +343,7 @@ class KVSender:
         while True:
             body = await peer.sock.recv()
             try:
-                reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply))
+                reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply, m.LeaseRenewed))
             except m.MessageError as e:
                 logger.warning("receiver %s sent a bad alloc reply: %s", peer.state["addr"], e)
                 continue
@@ -342,15 +352,7 @@ class KVSender:
                 fut.set_result(reply)
             elif isinstance(reply, m.AllocResponse):
                 # We gave up on it already and wrote nothing: the pages may go back at once.
-                await self._abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
-
-    async def _abort(self, peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
-        """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
-        try:
-            await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
-                                                          reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.debug("abort of %s not sent: %s", transfer_id, e)
+                await _abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
 
     # ---- one transfer ----
     async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -363,10 +365,10 @@ class KVSender:
         try:
             try:
                 return await self._reserve_once(tid, addr, keys, num_tokens, t0)
-            except _Restarted:
+            except ReceiverRestarted:
                 logger.info("receiver %s restarted: handshaking again", addr)
                 return await self._reserve_once(tid, addr, keys, num_tokens, t0)
-        except _Restarted as e:
+        except ReceiverRestarted as e:
             self.counters.failed += 1
             raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
         except SendError:
@@ -395,18 +397,18 @@ class KVSender:
             except TimeoutError:
                 self._waited(sent_at)
                 pending.pop(tid, None)
-                await self._abort(peer, tid, 0, "alloc timed out", final=True)
+                await _abort(peer, tid, 0, "alloc timed out", final=True)
                 raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
                                              f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
             self._waited(sent_at)
             if isinstance(reply, m.ErrorReply):
                 if reply.code == "stale_epoch":
                     self._peers.drop(peer, "the receiver restarted")
-                    raise _Restarted(reply.message)
+                    raise ReceiverRestarted(reply.message)
                 raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
             if len(keys) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
                     len(set(reply.pages)) != len(reply.pages):
-                await self._abort(peer, tid, reply.generation, "bad page list", final=True)
+                await _abort(peer, tid, reply.generation, "bad page list", final=True)
                 raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
             now = time.monotonic()
             phases = {"to_loop": began - t0, "alloc": now - sent_at}
@@ -414,7 +416,8 @@ class KVSender:
                 phases["handshake"] = sent_at - began
             granted = True
             return Grant(tid, addr, peer, reply.generation, list(reply.pages),
-                         sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook)
+                         sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook,
+                         reply.lease_seconds, renewed=sent_at)
         finally:
             if not granted:
                 peer.busy -= 1
@@ -422,11 +425,6 @@ class KVSender:
     def _waited(self, sent_at: float) -> None:
         self.counters.alloc_wait_seconds += time.monotonic() - sent_at
         self.counters.alloc_waits += 1
-
-    def _result(self, grant: Grant, called: float, posted: float, done: float) -> SendResult:
-        phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
-        return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
-                          phases, posted)
 
     def _written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
                  f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
@@ -441,7 +439,7 @@ class KVSender:
             return
         grant.chunks += nchunks
         grant.written += nbytes
-        res = self._result(grant, called, x.posted, x.done)
+        res = _grant_result(grant, called, x.posted, x.done)
         if notify:
             asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False, sent=res.bytes), self._loop)
         out.set_result(res)
@@ -458,7 +456,7 @@ class KVSender:
             return
         peer = grant.peer
         if abort:
-            await self._abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
+            await _abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
         if drop:
             self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
         grant.generation = -1

@@ -14,7 +14,7 @@ FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "
 # Control-flow signals internal to one module, never raised to a caller.
 INTERNAL = {"kvferry.launcher.lm_server.Unauthorized", "kvferry.launcher.lm_server.Closing",
             "kvferry.proxy.errors.ProxyError",
-            "kvferry.sender.client._Restarted"}
+            "kvferry.sender.errors.ReceiverRestarted"}
 
 
 def kvferry_exceptions() -> list[type]:

@@ -17,14 +17,8 @@ pytest.importorskip("nixl._api")
 
 from kvferry.common import messages as m  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
-from kvferry.sender.client import (  # noqa: E402
-    AllocFailed,
-    FingerprintMismatch,
-    HandshakeFailed,
-    KVSender,
-    ReceiverAddr,
-    SenderConfig,
-)
+from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig  # noqa: E402
+from kvferry.sender.errors import AllocFailed, FingerprintMismatch, HandshakeFailed, LeaseExpired  # noqa: E402
 from tests.polling import until  # noqa: E402
 from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
 
@@ -571,3 +565,39 @@ def test_the_senders_receiver_table_is_bounded_and_drops_the_least_recently_used
     # The dropped receivers' NIXL agents were removed from this sender's agent.
     assert not s._call(s._agent.check_remote_metadata, agents[1]), "b's agent outlived its eviction"
     assert s._call(s._agent.check_remote_metadata, agents[3])
+
+
+def test_an_early_grant_written_in_pieces_is_readable_only_when_notified_and_kept_past_its_lease(
+        receiver, sender) -> None:
+    """The PD path's shape: pages reserved before the chunks exist, chunks written as they are
+    computed, the last write notifies. keep() renews the lease while the compute runs longer."""
+    r = receiver(pages=4, lease_seconds=1.5)
+    s, src = sender("early")
+    grant = s.reserve("E", r.addr, keys(4), 4 * 32).result(30)
+    assert r.state()[2] == 0
+    assert s.write(grant, chunks_of(src, 2), 0).result(30).sent_chunks == 2
+    kind, name, _ = r.ask("claim", "E", 0.3)
+    assert (kind, name) == ("err", "TransferTimeout"), "a piece without the notification must not be readable"
+    for _ in range(8):  # 2.4 s of "compute": past the 1.5 s lease
+        time.sleep(0.3)
+        s.keep(grant)
+    res = s.write(grant, chunks_of(src, 2, 2), 2, notify=True).result(30)
+    assert res.sent_chunks == 4 and res.bytes == 4 * PAGE and set(res.phases) >= {"alloc", "to_nixl", "write"}
+    kind, _, data = r.ask("claim", "E", 10)
+    assert kind == "ok"
+    for i in range(4):
+        assert data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()), f"chunk {i} differs"
+    assert r.wait_fully_free(5), r.state()
+
+
+def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_kept_expires(receiver, sender) -> None:
+    r = receiver(pages=4, lease_seconds=1.0)
+    s, src = sender("early")
+    grant = s.reserve("R", r.addr, keys(4), 4 * 32).result(30)
+    s.release(grant, "the request ended")
+    assert r.wait_fully_free(1), "an unwritten grant given back must free its pages at once"
+    grant = s.reserve("X", r.addr, keys(2), 2 * 32).result(30)
+    time.sleep(1.2)  # not kept: the lease runs out and the write is refused before it starts
+    with pytest.raises(LeaseExpired, match="pd_lease_seconds"):
+        s.write(grant, chunks_of(src, 2), 0, notify=True).result(30)
+    assert r.wait_fully_free(3), r.state()

@@ -105,3 +105,33 @@ def test_ids_are_single_use_and_an_early_abort_refuses_the_late_alloc(table) -> 
         t.add(late)
     buf.release(late.res)
     assert buf.fully_free()
+
+
+def test_a_renewal_restarts_the_lease_only_for_its_own_connection_before_arrival_and_within_the_queue_bound(
+        table) -> None:
+    t, buf, clock = table
+    t0 = clock.t
+    a = incoming(buf, "a", conn=b"c1")
+    t.add(a)
+    clock.t += LEASE * 0.9
+    assert t.renew("a", a.res.generation, b"other") is None, "another connection may not keep its pages"
+    assert t.renew("a", a.res.generation + 1, b"c1") is None, "a stale generation renews nothing"
+    assert t.renew("a", a.res.generation, b"c1") == pytest.approx(LEASE)
+    clock.t += LEASE * 0.9
+    t.sweep()
+    assert t.status("a") == "pending", "the renewed lease must still hold"
+    # Renewed again and again, it still ends pd_queue_seconds after the reservation.
+    while clock.t - t0 < QUEUE - LEASE:
+        assert t.renew("a", a.res.generation, b"c1") is not None
+        clock.t += LEASE * 0.5
+    left = t.renew("a", a.res.generation, b"c1")
+    assert left is not None and left <= QUEUE - (clock.t - t0) + 1e-9
+    clock.t += LEASE + 1
+    t.sweep()
+    assert t.status("a") == "lease expired" and t.renew("a", a.res.generation, b"c1") is None
+    # Arrived data is not renewed by its writer (pins and reads govern it).
+    b = incoming(buf, "b")
+    t.add(b)
+    t.arrived("b", b.res.generation)
+    assert t.renew("b", b.res.generation, b"c1") is None
+    assert buf.free_pages == 6

@@ -1,0 +1,268 @@
+"""The prefiller half of the pd tier: a prompt's chunks out to a decoder's pd_buffer while it computes.
+
+A transfer goes in up to three calls from the connector, none of which waits on the network:
+
+- :meth:`PDProducer.open` when the prefiller's scheduler first schedules the prompt (before its
+  compute): staging pages are taken and the decoder's pages are asked for, so the alloc round
+  trip runs while the prompt computes. The decoder's lease (pd_lease_seconds) starts when it
+  grants them.
+- :meth:`PDProducer.progress` after each step of a chunked prefill: chunks whose tokens are all
+  computed are gathered into staging and written at once, without a notification.
+- :meth:`PDProducer.submit` after the step that computed the prompt's last token: the rest is
+  gathered and written with the notification, once every earlier write is done (the decoder
+  reads the transfer only when notified). Only this last piece's copy and write are on the
+  critical path.
+
+Without an early grant (no staging pages free at open, an alloc refused) `submit` sends the
+whole prompt itself, as one transfer, with the same transfer id. Gathering is synchronous (vLLM
+may free the blocks after the step); staging pages are released once no write reads them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
+from kvferry.common import messages as m
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.hashing import chunk_keys
+from kvferry.common.log import get_logger
+from kvferry.common.units import fmt_bytes
+from kvferry.engine.chunking import chunk_plan
+from kvferry.engine.pd import StagingError, buffer_device, buffer_gauges, bump, key_salt
+from kvferry.kernels.paged_copy import PagedKV
+from kvferry.sender.client import Grant, KVSender, ReceiverAddr, SendResult, sender_config
+from kvferry.sender.errors import SendError, failure_reason
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ProducerCounters:
+    """A prefiller rank's sends; failures by reason (`sender.errors.failure_reason`, or "staging")."""
+
+    sent: int = 0
+    sent_bytes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    early: int = 0  # sent into pages reserved before the prompt computed
+    pieces: int = 0  # writes made while the prompt was still computing (chunked prefill)
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    receiver: ReceiverAddr
+    keys: list[bytes]
+    num_tokens: int
+    started: float
+    res: Reservation  # staging pages, one per chunk
+    grant: concurrent.futures.Future[Grant] | None = None
+    sent: int = 0  # chunks gathered into staging
+    written: int = 0  # chunks handed to a write while the prompt computed
+    writes: list[concurrent.futures.Future] = field(default_factory=list)
+    nbytes: int = 0
+    early: bool = False  # its last write went into the early grant
+
+
+def _after_all(futs: Sequence[concurrent.futures.Future], fn: Callable[[], None]) -> None:
+    """Run `fn` once every future in `futs` is done, on the thread that finishes the last one."""
+    left = [len(futs) + 1]
+    lock = threading.Lock()
+
+    def one(_: object = None) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+    for f in futs:
+        f.add_done_callback(one)
+    one()
+
+
+def _ok(f: concurrent.futures.Future) -> bool:
+    return not f.cancelled() and f.exception() is None
+
+
+def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
+    """`dst` ends as `src` does."""
+    def copy(f: concurrent.futures.Future) -> None:
+        if f.cancelled():
+            dst.cancel()
+        elif f.exception() is not None:
+            dst.set_exception(f.exception())
+        else:
+            dst.set_result(f.result())
+    src.add_done_callback(copy)
+
+
+class PDProducer:
+    """Prefiller side: one per worker (TP rank)."""
+
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, sender_id: str,
+                 tp_rank: int = 0) -> None:
+        self.cfg, self.kv, self.fp, self.tp_rank = cfg, kv, fp, tp_rank
+        self.fmt = fp.chunk_format
+        device = buffer_device(cfg, kv)
+        self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
+        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
+        self.sender.register(self.staging.tensor)
+        self._salt = key_salt(fp)
+        # Staging pages are local: held for the longest a send may take (the decoder's lease covers
+        # the prompt's compute too), then taken back anyway.
+        self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
+        self._open: dict[str, _Outgoing] = {}
+        self.counters = ProducerCounters()
+
+    def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int) -> None:
+        """The prompt is about to compute: take staging pages and ask the decoder for its pages now."""
+        if transfer_id in self._open:
+            return
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        try:
+            res = self.staging.reserve(len(keys), transfer_id, self._staging_lease, timeout=0)
+        except PDBufferError:
+            return  # all staging pages are in flight: submit() sends it whole, waiting its turn
+        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
+        try:
+            out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens)
+        except SendError as e:
+            logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
+            self.staging.release(res)
+            return
+        self._open[transfer_id] = out
+
+    def progress(self, transfer_id: str, block_ids: Sequence[int], computed_tokens: int) -> None:
+        """A step computed the prompt up to `computed_tokens`: write the chunks it completed."""
+        out = self._open.get(transfer_id)
+        if out is None or out.grant is None or not out.grant.done() or not _ok(out.grant):
+            return  # the alloc is still on its way (or failed): submit() sends these chunks
+        self.sender.keep(out.grant.result())
+        upto = min(computed_tokens, out.num_tokens) // self.fp.chunk_size
+        if upto <= out.sent:
+            return
+        chunks = self._gather(out, block_ids, upto * self.fp.chunk_size, upto)
+        try:
+            out.writes.append(self.sender.write(out.grant.result(), chunks, out.written))
+        except ValueError as e:  # the sender's refusal of these chunks
+            raise StagingError(f"transfer {transfer_id}: {e}") from e
+        out.written = upto
+        self.counters.pieces += 1
+
+    def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
+               block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
+        """The prompt's last token is computed: gather the rest now, send in the background. None
+        (logged) if no staging pages came in time; StagingError if these blocks cannot be gathered."""
+        out = self._open.pop(transfer_id, None)
+        if out is None:
+            out = self._staged(transfer_id, receiver, token_ids, num_tokens)
+            if out is None:
+                return None
+        result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+        result.add_done_callback(lambda f: self._sent(out, f))
+        try:
+            self._gather(out, block_ids, num_tokens, len(out.keys))
+        except StagingError:
+            self._finish_after_writes(out)
+            raise
+        _after_all(out.writes + ([out.grant] if out.grant is not None else []), lambda: self._last(out, result))
+        return result
+
+    def cancel(self, transfer_id: str) -> None:
+        """The prompt will not finish computing (its request ended): give its pages back."""
+        out = self._open.pop(transfer_id, None)
+        if out is not None:
+            self._finish_after_writes(out)
+
+    def _staged(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
+                num_tokens: int) -> _Outgoing | None:
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        try:
+            res = self.staging.reserve(len(keys), transfer_id, self._staging_lease, timeout=self.cfg.pd_alloc_timeout)
+        except PDBufferError as e:
+            logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(keys), e)
+            bump(self.counters.failures, "staging")
+            return None
+        return _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
+
+    def _gather(self, out: _Outgoing, block_ids: Sequence[int], num_tokens: int, upto: int) -> list[tuple[int, int]]:
+        """Copy chunks out.sent..upto (of the first `num_tokens` tokens) into their staging pages."""
+        try:
+            plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)[out.sent:upto]
+            pages = out.res.pages[out.sent:upto]
+            views = [self.staging.page(p) for p in pages]
+            out.nbytes += self.kv.copy_batch([b for b, _ in plan], views, self.fmt, [n for _, n in plan],
+                                             to_chunk=True)
+        except (ValueError, IndexError) as e:  # the kernels' refusals of these blocks
+            bump(self.counters.failures, "staging")
+            raise StagingError(f"transfer {out.transfer_id}: {e}") from e
+        out.sent = upto
+        return [(self.staging.page_addr(p), self.kv.chunk_nbytes(self.fmt, n)) for p, (_, n) in zip(pages, plan, strict=True)]
+
+    def _all_chunks(self, out: _Outgoing, first: int) -> list[tuple[int, int]]:
+        sizes = [min(self.fp.chunk_size, out.num_tokens - s) for s in range(0, out.num_tokens, self.fp.chunk_size)]
+        return [(self.staging.page_addr(p), self.kv.chunk_nbytes(self.fmt, n))
+                for p, n in zip(out.res.pages[first:], sizes[first:], strict=True)]
+
+    def _last(self, out: _Outgoing, result: concurrent.futures.Future[SendResult]) -> None:
+        """Every earlier write and the grant are settled: write the rest with the notification."""
+        try:
+            if out.grant is not None and _ok(out.grant) and all(_ok(w) for w in out.writes):
+                fut = self.sender.write(out.grant.result(), self._all_chunks(out, out.written), out.written,
+                                        notify=True)
+                out.early = True
+            elif out.grant is not None and _ok(out.grant):  # a piece failed: the grant was aborted
+                fut = next(w for w in out.writes if not _ok(w))
+            else:  # no early grant: reserve and write now, as one transfer
+                fut = self.sender.send(out.transfer_id, out.receiver, out.keys, self._all_chunks(out, 0),
+                                       out.num_tokens)
+        except (SendError, ValueError) as e:
+            result.set_exception(e if isinstance(e, SendError) else SendError(str(e)))
+            return
+        _chain(fut, result)
+
+    def _finish_after_writes(self, out: _Outgoing) -> None:
+        """Give the grant and the staging pages back once no write reads them."""
+        def done() -> None:
+            if out.grant is not None and _ok(out.grant):
+                self.sender.release(out.grant.result(), "the request ended before its prompt was computed")
+            self.staging.release(out.res)
+        _after_all(out.writes + ([out.grant] if out.grant is not None else []), done)
+
+    def _sent(self, out: _Outgoing, fut: concurrent.futures.Future) -> None:
+        self.staging.release(out.res)
+        try:
+            r = fut.result()
+        except (SendError, concurrent.futures.CancelledError) as e:
+            bump(self.counters.failures, failure_reason(e))
+            logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
+                         e or type(e).__name__)
+        else:
+            dt = time.monotonic() - out.started
+            self.counters.early += out.early
+            self.counters.sent += 1
+            self.counters.sent_bytes += out.nbytes
+            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
+                        out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
+                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
+
+    def stats(self) -> dict[str, float]:
+        """Flat ``name`` / ``name|label`` counters and gauges for connector/stats.py."""
+        c, tx = self.counters, self.sender.counters
+        out: dict[str, float] = {"pd_sent": c.sent, "pd_sent_bytes": c.sent_bytes,
+                                 "pd_sent_early": c.early, "pd_sent_pieces": c.pieces,
+                                 "pd_alloc_wait_seconds": tx.alloc_wait_seconds, "pd_alloc_waits": tx.alloc_waits,
+                                 **buffer_gauges(self.staging, self.tp_rank)}
+        # Copies: the sender's and receiver's threads may add a reason meanwhile.
+        out.update({f"pd_send_failures|{k}": v for k, v in dict(c.failures).items()})
+        return out
+
+    def close(self) -> None:
+        for tid in list(self._open):
+            self.cancel(tid)
+        self.sender.close()
+        self.staging.deregister()
