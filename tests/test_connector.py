@@ -163,7 +163,8 @@ def pd_metrics(server: VLLMServer) -> dict[str, float]:
     names = ["pd_sent_requests_total", "pd_sent_bytes_total", "pd_alloc_waits_total", "pd_alloc_wait_seconds_total",
              "pd_received_transfers_total", "pd_loaded_requests_total", "pd_received_bytes_total",
              "pd_arrival_waits_total", "pd_arrival_wait_seconds_total", "pd_send_failures_total",
-             "pd_recomputed_requests_total", "pd_buffer_free_pages", "pd_buffer_pages"]
+             "pd_recomputed_requests_total", "pd_buffer_free_pages", "pd_buffer_pages", "pd_sent_early_requests_total",
+             "pd_sent_pieces_total"]
     return {n: sum(prom(server, f"kvferry:{n}").values()) for n in names}
 
 
@@ -189,6 +190,8 @@ def test_pd_metrics_count_one_transfer_on_both_sides(pd, peer, tiny_model_path: 
     assert dp["pd_sent_requests_total"] == 1 and dp["pd_sent_bytes_total"] == 4 * page_bytes, dp
     assert dp["pd_alloc_waits_total"] == 1 and dp["pd_alloc_wait_seconds_total"] > 0, dp
     assert dp["pd_send_failures_total"] == 0, dp
+    # Its pages were reserved when it was first scheduled; one step computed it all (no pieces).
+    assert dp["pd_sent_early_requests_total"] == 1 and dp["pd_sent_pieces_total"] == 0, dp
     assert dd["pd_received_transfers_total"] == 1 and dd["pd_loaded_requests_total"] == 1, dd
     assert dd["pd_received_bytes_total"] == 4 * page_bytes, dd
     assert dd["pd_arrival_waits_total"] == 1 and dd["pd_arrival_wait_seconds_total"] >= 0, dd

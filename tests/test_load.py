@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvferry.launcher.pd_instances import Decoder, Prefiller
-from tests.pd_helpers import prom, running_proxy, source_tokens
+from tests.pd_helpers import completion, prom, running_proxy, source_tokens
+from tests.polling import until
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = 16
@@ -55,6 +56,15 @@ def test_chunked_prefill_at_concurrency_8_fails_nothing_and_recomputes_nothing(
         assert (loaded, recomputed) == (2 * PROMPTS, 0), "a decode request recomputed its prompt"
         # vLLM's own count agrees: the decoder computed one token per prompt, the rest arrived.
         assert source_tokens(d).get("local_compute", 0) == 2 * PROMPTS, source_tokens(d)
+        # Every prompt went into decoder pages reserved before it computed, and chunks went out
+        # between its prefill steps (a prefiller reports a send in its next step: give it one).
+        completion(p, [11, 12, 13], 1)
+
+        def sent() -> tuple[float, float] | None:
+            early = sum(prom(p, "kvferry:pd_sent_early_requests_total").values())
+            return (early, sum(prom(p, "kvferry:pd_sent_pieces_total").values())) if early >= 2 * PROMPTS else None
+        early, pieces = until(sent, 30, "the prefiller's send metrics")
+        assert early == 2 * PROMPTS and pieces >= PROMPTS, (early, pieces)
     finally:
         p.stop()
         d.stop()

@@ -1,0 +1,88 @@
+"""The pd tier's send-while-computing path with real parts and no vLLM: a PDProducer writes a
+prompt's chunks into a PDConsumer's pd_buffer over NIXL (UCX) as a chunked prefill would compute
+them, and the consumer loads them into its own paged cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl._api")
+
+from kvferry.common.config import load_config  # noqa: E402
+from kvferry.common.netutil import free_port  # noqa: E402
+from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint  # noqa: E402
+from tests.polling import until  # noqa: E402
+from tests.test_kernels import make_caches  # noqa: E402
+
+BS, CHUNK, LAYERS, HEADS, HEAD = 16, 32, 2, 2, 64
+NBLOCKS = 24
+
+
+@pytest.fixture
+def pair():
+    cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 16 * 16384, "pd_peer_host": "127.0.0.1",
+                       "pd_peer_init_port": free_port(), "pd_peer_alloc_port": free_port(),
+                       "pd_lease_seconds": 2.0, "pd_kv_ready_timeout": 5.0})
+    src_caches = make_caches("cpu", LAYERS, NBLOCKS, BS, HEADS, HEAD, torch.bfloat16, seed=1)
+    dst_caches = make_caches("cpu", LAYERS, NBLOCKS, BS, HEADS, HEAD, torch.bfloat16, seed=2)
+    src, dst = PagedKV(src_caches, "cpu"), PagedKV(dst_caches, "cpu")
+    fp = fingerprint(src, "pieces", CHUNK, "block")
+    consumer = PDConsumer(cfg, dst, fp)
+    producer = PDProducer(cfg, src, fp, "pieces-sender")
+    addr = ReceiverAddr("127.0.0.1", cfg.pd_peer_init_port, cfg.pd_peer_alloc_port)
+    try:
+        yield producer, consumer, addr, src, src_caches, dst_caches
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def rows(caches: list[torch.Tensor], blocks: list[int], n: int) -> list[bytes]:
+    """Each of the first `n` tokens' K/V bytes in every layer ("cpu" layout: blocks, heads, slot, 2*head)."""
+    return [bytes(t[blocks[i // BS], :, i % BS, :].contiguous().view(torch.uint8).numpy())
+            for t in caches for i in range(n)]
+
+
+def test_a_prompt_sent_in_pieces_while_it_computes_arrives_byte_exact_and_frees_every_page(pair) -> None:
+    producer, consumer, addr, src, src_caches, dst_caches = pair
+    n = 150  # 4 full chunks and one of 22 tokens
+    tokens = list(range(100, 100 + n))
+    src_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(3))[:10].tolist()
+    dst_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(4))[:10].tolist()
+    consumer.expect("r", "T", tokens, dst_blocks, n - 1)  # the decoder computes the last token itself
+    producer.open("T", addr, tokens, n)
+    # Step 1 computed 64 tokens (two chunks), in the blocks allocated so far; the grant may still
+    # be on its way, so the step is retried until its piece went out.
+    until(lambda: producer.progress("T", src_blocks[:4], 64) or producer.counters.pieces == 1, 10, "the first piece")
+    producer.progress("T", src_blocks[:6], 90)  # step 2: chunk 2 is not complete yet
+    assert producer.counters.pieces == 1
+    assert consumer.poll() == (set(), set()), "pieces without the notification must not be loadable"
+    producer.progress("T", src_blocks[:8], 128)  # step 3: chunks 2 and 3
+    assert producer.counters.pieces == 2
+    res = producer.submit("T", addr, tokens, src_blocks, n).result(10)
+    assert res.sent_chunks == 5 and res.bytes == src.chunk_nbytes("block", CHUNK) * 4 + src.chunk_nbytes("block", 22)
+    loaded = until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded")
+    assert loaded == {"r"}
+    want = rows(src_caches, src_blocks, n - 1)
+    assert rows(dst_caches, dst_blocks, n - 1) == want, "the decoder's KV differs from the prefiller's"
+    assert producer.counters.early == 1 and producer.counters.sent == 1 and not producer.counters.failures
+    until(lambda: producer.staging.fully_free() and consumer.buffer.fully_free(), 5, "every page back")
+
+
+def test_a_prompt_whose_request_ends_mid_prefill_gives_back_staging_at_once_and_decoder_pages_within_the_lease(
+        pair) -> None:
+    producer, consumer, addr, *_ = pair
+    tokens = list(range(64 * 2))
+    blocks = list(range(8))
+    producer.open("C", addr, tokens, 128)
+    until(lambda: producer.progress("C", blocks[:4], 64) or producer.counters.pieces == 1, 10, "the first piece")
+    t0 = time.monotonic()
+    producer.cancel("C")
+    until(producer.staging.fully_free, 5, "the staging pages back")
+    # A piece was written: its pages wait out the lease (a write could still land), then are free.
+    until(consumer.buffer.fully_free, 2.0 + 3, "the decoder's pages back within the lease")
+    assert time.monotonic() - t0 < 2.0 + 3
+    assert producer.counters.sent == 0
