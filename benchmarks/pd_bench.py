@@ -10,7 +10,10 @@ so no prefix cache helps either side.
 Disaggregated requests are driven as the proxy does it: prefill on P with max_tokens=1 (its
 answer carries the first token: that is the TTFT a client of the proxy sees), then a streaming
 request on D for the rest. Plain requests stream from the start; TTFT is their first token.
-Reports p50 TTFT and total latency for both and their ratios. Targets: TTFT <= 1.15, total <= 1.3.
+Reports p50 TTFT and total latency for both and their ratios, and where a disaggregated
+request's time goes: the prefill (its TTFT), the decoder's first token (p50, from the decode
+request), and within it the wait for the KV (the decoder's mean `pd_arrival_wait_seconds`: from
+the request being scheduled to its KV loaded). Targets: TTFT <= 1.05, total <= 1.15.
 """
 
 from __future__ import annotations
@@ -54,7 +57,21 @@ def stream(client: httpx.Client, server: VLLMServer, prompt: list[int], max_toke
     return first or 0.0, time.perf_counter() - t0, n
 
 
-def disagg(client: httpx.Client, p: Prefiller, d: Decoder, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+def metric(client: httpx.Client, server: VLLMServer, name: str) -> float:
+    """A metric's samples on `server`, summed over their labels."""
+    text = client.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+def arrival_wait(client: httpx.Client, d: Decoder) -> tuple[float, float]:
+    return (metric(client, d, "kvferry:pd_arrival_wait_seconds_total"),
+            metric(client, d, "kvferry:pd_arrival_waits_total"))
+
+
+def disagg(client: httpx.Client, p: Prefiller, d: Decoder, prompt: list[int],
+           max_tokens: int) -> tuple[float, float, float]:
+    """(TTFT, total, the decode request's first token) of one disaggregated request."""
     tid = uuid.uuid4().hex
     t0 = time.perf_counter()
     r = client.post(f"{p.url}/v1/completions", timeout=600, json={
@@ -63,8 +80,8 @@ def disagg(client: httpx.Client, p: Prefiller, d: Decoder, prompt: list[int], ma
     r.raise_for_status()
     ttft = time.perf_counter() - t0
     first = r.json()["kv_transfer_params"]["first_tok"]
-    stream(client, d, prompt + [first], max_tokens - 1, {"transfer_id": tid})
-    return ttft, time.perf_counter() - t0
+    decode_first, _, _ = stream(client, d, prompt + [first], max_tokens - 1, {"transfer_id": tid})
+    return ttft, time.perf_counter() - t0, decode_first
 
 
 def main() -> int:
@@ -95,7 +112,8 @@ def main() -> int:
             stream(client, plain, warm, 4)
             disagg(client, p, d, warm, 4)
             for n in (int(x) for x in args.lengths.split(",")):
-                pt, ptot, dt, dtot = [], [], [], []
+                pt, ptot, dt, dtot, dfirst = [], [], [], [], []
+                waited0 = arrival_wait(client, d)
                 while len(pt) < args.requests:
                     k = min(args.block, args.requests - len(pt))
                     # A block per side, its first request unmeasured: plain and the prefiller share
@@ -109,15 +127,22 @@ def main() -> int:
                             ptot.append(b)
                     for i in range(k + 1):
                         prompt = [rng.randrange(10, 4000) for _ in range(n)]
-                        a, b = disagg(client, p, d, prompt, args.output_tokens)
+                        a, b, c = disagg(client, p, d, prompt, args.output_tokens)
                         if i:
                             dt.append(a)
                             dtot.append(b)
+                            dfirst.append(c)
+                waited1 = arrival_wait(client, d)
                 row = {"prompt_tokens": n, "requests": args.requests, "output_tokens": args.output_tokens,
                        "plain_ttft_ms": round(statistics.median(pt) * 1e3, 1),
                        "pd_ttft_ms": round(statistics.median(dt) * 1e3, 1),
                        "plain_total_ms": round(statistics.median(ptot) * 1e3, 1),
-                       "pd_total_ms": round(statistics.median(dtot) * 1e3, 1)}
+                       "pd_total_ms": round(statistics.median(dtot) * 1e3, 1),
+                       # The disaggregated TTFT is the prefill; then the decoder's first token, of
+                       # which the KV wait (all requests, the unmeasured ones too) is a part.
+                       "pd_decoder_first_token_ms": round(statistics.median(dfirst) * 1e3, 1),
+                       "pd_kv_wait_mean_ms": round((waited1[0] - waited0[0]) / max(1.0, waited1[1] - waited0[1])
+                                                   * 1e3, 2)}
                 row["ttft_ratio"] = round(row["pd_ttft_ms"] / row["plain_ttft_ms"], 3)
                 row["total_ratio"] = round(row["pd_total_ms"] / row["plain_total_ms"], 3)
                 rows.append(row)
@@ -126,7 +151,7 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
-    result = {"rows": rows, "target_met": all(r["ttft_ratio"] <= 1.15 and r["total_ratio"] <= 1.3 for r in rows)}
+    result = {"rows": rows, "target_met": all(r["ttft_ratio"] <= 1.05 and r["total_ratio"] <= 1.15 for r in rows)}
     print(json.dumps(result) if args.json else ("target met" if result["target_met"] else "target NOT met"))
     return 0
 
