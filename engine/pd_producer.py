@@ -141,6 +141,8 @@ class PDProducer:
         out = self._open.get(transfer_id)
         if out is None or out.grant is None or not out.grant.done() or not _ok(out.grant):
             return  # the alloc is still on its way (or failed): submit() sends these chunks
+        if any(w.done() and not _ok(w) for w in out.writes):
+            return  # a piece failed: the grant is gone, submit() reports it
         self.sender.keep(out.grant.result())
         upto = min(computed_tokens, out.num_tokens) // self.fp.chunk_size
         if upto <= out.sent:

@@ -162,6 +162,23 @@ def _check_ranges(ranges: list[tuple[int, int]], chunks: Sequence[tuple[int, int
             raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
 
 
+def _refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:
+    """Why `chunks` may not be written into `grant` now, and the reason to abort it with ("" if
+    it ended already), or None."""
+    if grant.generation < 0:
+        return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
+                         "more may be written into them"), ""
+    region = grant.peer.welcome.region
+    big = next((n for _, n in chunks if n > region.page_bytes), None)
+    if big is not None:
+        return SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s {region.page_bytes}-byte "
+                         "pages"), "chunk too large"
+    if now >= grant.deadline:
+        return LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the write could start; raise "
+                            "pd_lease_seconds"), "lease ran out before the write"
+    return None
+
+
 def _grant_result(grant: Grant, called: float, posted: float, done: float) -> SendResult:
     phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
     return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
@@ -237,15 +254,13 @@ class KVSender:
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = grant.peer.welcome.region
-        big = next((n for _, n in chunks if n > region.page_bytes), None)
-        if big is not None:
-            self._fail(grant, out, SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s "
-                                             f"{region.page_bytes}-byte pages"), "chunk too large")
-            return out
-        if called >= grant.deadline:
-            self._fail(grant, out, LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the "
-                                                "write could start; raise pd_lease_seconds"),
-                       "lease ran out before the write")
+        refused = _refusal(grant, chunks, called)
+        if refused is not None:
+            err, reason = refused
+            if reason:
+                self._fail(grant, out, err, reason)
+            else:
+                out.set_exception(err)
             return out
         if not chunks:
             if notify:
