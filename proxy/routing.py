@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from kvferry.common.log import get_logger
+from kvferry.proxy.cache_routing import CacheView, Route, choose, local_reason
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
@@ -29,15 +30,51 @@ class Router:
         self.registry = Registry(policy=opts.policy)
         self._gauges: dict[str, Gauge] = {}
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
+        self.cache = CacheView(opts, metrics)
 
     def register(self, spec: InstanceSpec) -> Instance:
         inst = self.registry.add(spec)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
+        self.cache.add(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
         self.registry.remove(inst.id)
         self.metrics.healthy.remove(inst.id, inst.role, inst.url)
+        stream = self.cache.remove(inst)
+        if stream is not None:
+            stream.close()
+
+    def route(self, request: web.Request, tokens: list[int] | None, ntok: int) -> Route:
+        """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it)."""
+        affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
+        if self.opts.policy == "cache" and not affinity:
+            decoders = [i for i in self.registry.of("decoder") if i.usable]
+            prefillers = [i for i in self.registry.of("prefiller") if i.usable]
+            if not decoders or not prefillers:
+                raise ProxyError(503, f"no healthy {'decoder' if not decoders else 'prefiller'} available",
+                                 "no_instance")
+            r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
+        else:
+            d = self.pick(request, "decoder")
+            why = local_reason(self.opts, d, self.cache.cached(d, tokens, {}), tokens, ntok)
+            r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
+                                                      "affinity" if affinity else self.opts.policy)
+        self.metrics.routes.labels(r.reason).inc()
+        self.metrics.served.labels("local" if r.local else "disaggregated").inc()
+        return r
+
+    def observed(self, inst: Instance, route: Route, answer: dict) -> None:
+        """Predicted against actual cached tokens, where the engine reports them (vLLM's
+        --enable-prompt-tokens-details)."""
+        u = answer.get("usage") if isinstance(answer, dict) else None
+        details = u.get("prompt_tokens_details") if isinstance(u, dict) else None
+        actual = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = u.get("prompt_tokens") if isinstance(u, dict) else None
+        if isinstance(actual, int) and isinstance(prompt, int) and 0 <= actual <= prompt:
+            self.metrics.actual_cached.labels(inst.id).inc(actual)
+            self.metrics.predicted_cached.labels(inst.id).inc(min(route.predicted, prompt))
+            self.metrics.routed_prompt.labels(inst.id).inc(prompt)
 
     def in_flight(self, inst: Instance) -> Gauge:
         """The instance's in-flight gauge, labelled once: labels() costs a lookup per call."""
@@ -87,6 +124,7 @@ class Router:
             return
         was = inst.healthy
         inst.eject()
+        self.cache.forget(inst)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
         if was:
             logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
@@ -116,6 +154,11 @@ class Router:
                 continue  # removed while it was checked
             was = inst.healthy
             inst.ok() if good else inst.failed()
+            if not inst.healthy:
+                self.cache.forget(inst)  # a dead engine's cache died with it
+            stream = self.cache.streams.get(inst.id)
+            if stream is not None:
+                self.metrics.index_blocks.labels(inst.id).set(len(stream.index))
             if was != inst.healthy:
                 if inst.healthy:
                     logger.warning("%s %s (%s) is back", inst.role, inst.url, inst.id)
