@@ -109,6 +109,8 @@ def test_a_shared_prefix_goes_where_it_was_computed_then_not_after_that_cache_is
 
     # The prefiller drops its cache (vLLM publishes AllBlocksCleared): no longer routed there for it.
     assert httpx.post(p.url + "/reset_prefix_cache", timeout=30).status_code == 200
+    # vLLM publishes its events at the end of an engine step: one short request lets it step.
+    httpx.post(p.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=60)
     until(lambda: blocks_held(cluster, p.url) == 0, 30, "the prefiller's AllBlocksCleared event")
     ask(cluster, doc + q[2])
     routes2 = proxy_counters(cluster, "kvferry_proxy_routing_decisions_total")
