@@ -204,7 +204,9 @@ class Cluster:
                 self.stopping.wait(0.5)
         args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port),
                 "--cluster-secret-file", self.secret_file, "--policy", self.args.policy,
-                "--local-prefill-tokens", str(self.args.local_prefill_tokens), "--tokenizer", self.p["model"]]
+                "--local-prefill-tokens", str(self.args.local_prefill_tokens)]
+        if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
+            args += ["--tokenizer", self.p["model"]]
         for s, (pub, replay) in zip(self.instances, self.kv_events, strict=True):
             if isinstance(s, Prefiller):
                 args += ["--prefiller", s.url]
