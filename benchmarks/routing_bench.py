@@ -49,8 +49,13 @@ def text(rng: random.Random, tok: PromptTokens, target: int) -> str:
 def workload(seed: int, tok: PromptTokens, a: argparse.Namespace) -> list[str]:
     rng = random.Random(seed)
     docs = [text(rng, tok, a.doc_tokens) for _ in range(a.documents)]
-    return [f"{docs[d]}\nQuestion {q}: {text(rng, tok, a.question_tokens)}?"
-            for q in range(a.questions) for d in range(a.documents)]
+    out = []
+    for q in range(a.questions):  # round q: one question on every document
+        order = list(range(a.documents))
+        if a.order == "shuffled":
+            rng.shuffle(order)
+        out += [f"{docs[d]}\nQuestion {q}: {text(rng, tok, a.question_tokens)}?" for d in order]
+    return out
 
 
 def ideal_hit(prompts: list[list[int]], block: int) -> int:
@@ -145,6 +150,9 @@ def main() -> int:
     ap.add_argument("--question-tokens", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--order", choices=("shuffled", "cycle"), default="shuffled",
+                    help="documents' order in each round of questions (a fixed cycle over an even number of "
+                         "documents gives round robin perfect affinity with 2 prefillers, by accident)")
     ap.add_argument("--policies", default="round_robin,load,cache")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's block size (128 on the CPU build)")
     ap.add_argument("--up-timeout", type=float, default=600)
@@ -186,7 +194,7 @@ def main() -> int:
     by = {r["policy"]: r for r in results}
     out = {"workload": {"documents": a.documents, "doc_tokens": a.doc_tokens, "questions": a.questions,
                         "question_tokens": a.question_tokens, "max_tokens": a.max_tokens,
-                        "concurrency": a.concurrency, "cluster": "kvferry up: 2 prefillers, 1 decoder"},
+                        "concurrency": a.concurrency, "order": a.order, "cluster": "kvferry up: 2 prefillers, 1 decoder"},
            "policies": results}
     if "cache" in by and "round_robin" in by:
         out["cache_vs_round_robin_mean_ttft"] = round(by["cache"]["mean_ttft_s"] / by["round_robin"]["mean_ttft_s"], 3)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -161,3 +162,32 @@ def test_the_index_memory_and_routing_show_on_metrics(cluster: dict) -> None:
     for series in ("kvferry_proxy_routing_decisions_total", "kvferry_proxy_served_total",
                    "kvferry_proxy_kv_events_total", "kvferry_proxy_prefix_index_blocks"):
         assert series in text, series
+
+
+def test_chat_prompts_are_predicted_from_the_chat_template(cluster: dict) -> None:
+    """The proxy renders the model's chat template itself: a second question on a shared system
+    prompt is a cache hit, and the cached tokens it predicted are what vLLM reports."""
+    doc = words(7, 400)
+    url = cluster["proxy"]["url"] + "/v1/chat/completions"
+
+    def chat(q: str) -> None:
+        r = httpx.post(url, timeout=120, json={"model": "tiny", "max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "system", "content": doc}, {"role": "user", "content": q + " " + words(20, 60)}]})
+        assert r.status_code == 200, r.text
+
+    def held() -> int:
+        return sum(i["kv_events"]["blocks"] for i in httpx.get(cluster["proxy"]["url"] + "/health",
+                                                                timeout=10).json()["instances"])
+    before = held()
+    chat("first question")
+    until(lambda: held() > before, 30, "the first question's BlockStored events")
+    time.sleep(1)  # the decode leg's blocks too
+    routes0 = proxy_counters(cluster, "kvferry_proxy_routing_decisions_total")
+    p0 = sum(proxy_counters(cluster, "kvferry_proxy_predicted_cached_tokens_total").values())
+    a0 = sum(proxy_counters(cluster, "kvferry_proxy_actual_cached_tokens_total").values())
+    chat("second question")
+    routes1 = proxy_counters(cluster, "kvferry_proxy_routing_decisions_total")
+    assert routes1.get("cache_hit", 0) == routes0.get("cache_hit", 0) + 1, routes1
+    p1 = sum(proxy_counters(cluster, "kvferry_proxy_predicted_cached_tokens_total").values())
+    a1 = sum(proxy_counters(cluster, "kvferry_proxy_actual_cached_tokens_total").values())
+    assert p1 - p0 == a1 - a0 >= 2 * BLOCK, (p1 - p0, a1 - a0)
