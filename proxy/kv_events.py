@@ -15,6 +15,7 @@ instance is routed by load only until it answers again.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import Annotated
@@ -92,6 +93,7 @@ class EventStream:
         self._was_fresh = True
         self._bad = RateLimitedLog(logger, 60.0)
         self._ctx = zmq.asyncio.Context()
+        self.closed = False
 
     @property
     def fresh(self) -> bool:
@@ -154,7 +156,16 @@ class EventStream:
                 self._bad.warning("bad KV event from %s (%s): %s", self.name, self.endpoint, e)
 
     async def run(self, probe_interval: float) -> None:
-        """Read the stream until cancelled; probe (and fill gaps from) the replay socket."""
+        """Read the stream until cancelled or closed; probe (and fill gaps from) the replay socket."""
+        try:
+            await self._run(probe_interval)
+        except (zmq.ZMQError, asyncio.CancelledError):
+            # Closed (its instance was removed): destroying the context fails or cancels the
+            # socket's pending wait, and the loop ends quietly instead of being restarted.
+            if not self.closed:
+                raise
+
+    async def _run(self, probe_interval: float) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
@@ -253,5 +264,6 @@ class EventStream:
             sock.close(linger=0)
 
     def close(self) -> None:
+        self.closed = True
         self._ctx.destroy(linger=0)
 

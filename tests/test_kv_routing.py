@@ -211,3 +211,16 @@ def test_kv_events_flags_name_the_mistake() -> None:
         parse(base + ["--kv-events", "http://127.0.0.1:7100=tcp://*:5557"])
     with pytest.raises(OptionError, match="--local-prefill-tokens"):
         parse(base + ["--local-prefill-tokens", "-1"])
+
+
+def test_a_closed_stream_ends_its_loop_quietly(tmp_path: Path) -> None:
+    """An instance removed through /admin: its stream's loop ends instead of being restarted."""
+    s = EventStream("decoder gone", f"ipc://{tmp_path}/none.sock", f"ipc://{tmp_path}/none-r.sock",
+                    PrefixIndex(10), stale_after=1.0)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(s.run(probe_interval=0.1))
+        await asyncio.sleep(0.3)
+        s.close()
+        await asyncio.wait_for(task, 5)  # returns: no exception for the supervisor to restart
+    asyncio.run(go())
