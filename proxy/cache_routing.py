@@ -82,8 +82,10 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
     """The cache-aware choice among usable instances (both lists non-empty)."""
     keys: dict[int, list[bytes]] = {}
     dc = {d.id: view.cached(d, tokens, keys) for d in decoders}
-    # Decoders by active sequences, then queued tokens; among equals, the one holding more.
-    d = min(decoders, key=lambda i: (i.active, i.queued_tokens, -(dc[i.id] or 0), random.random()))
+    # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
+    # tokens; among equals, the one holding more of the prompt.
+    d = min(decoders, key=lambda i: (i.active, round(i.kv_usage or 0.0, 1), i.queued_tokens, -(dc[i.id] or 0),
+                                     random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local:
         return Route(d, None, local, dc[d.id] or 0)

@@ -143,6 +143,22 @@ class Router:
         except aiohttp.ClientError as e:
             return False, f"/health failed ({type(e).__name__}: {e})"
 
+    async def kv_usage(self, inst: Instance, seconds: float) -> float | None:
+        """A decoder's vllm:kv_cache_usage_perc (0..1) from its /metrics; None when it has none."""
+        timeout = aiohttp.ClientTimeout(total=seconds)
+        try:
+            async with self.client.session.get(f"{inst.url}/metrics", timeout=timeout,
+                                               headers=self.client.headers) as r:
+                if r.status != 200:
+                    return None
+                async for raw in r.content:  # line by line: no whole page in memory
+                    if raw.startswith(b"vllm:kv_cache_usage_perc"):
+                        v = float(raw.rsplit(b" ", 1)[1])
+                        return v if 0.0 <= v <= 1.0 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
+            return None
+        return None
+
     async def check_all(self) -> None:
         """One round of health checks over every instance; a change of state is logged."""
         insts = list(self.registry.instances.values())
@@ -165,6 +181,10 @@ class Router:
                 else:
                     logger.warning("%s %s (%s) is unhealthy: %s; ejected", inst.role, inst.url, inst.id, why)
             self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+        decoders = [i for i in insts if i.role == "decoder" and i.healthy]
+        for inst, usage in zip(decoders, await asyncio.gather(*(self.kv_usage(i, seconds) for i in decoders)),
+                               strict=True):
+            inst.kv_usage = usage
 
     def probes(self) -> list[asyncio.Task]:
         return list(self._probes.values())
