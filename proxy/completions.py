@@ -71,7 +71,7 @@ class Completions:
         prompt = body["prompt"]
         tokens = ctx.tokens.completion(prompt)
         ntok = len(tokens) if tokens is not None else len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
-        route = ctx.router.route(request, tokens, ntok)
+        route = ctx.router.route(request, tokens, ntok, single=max_tokens <= 1)
         d = route.decoder
         if route.local and max_tokens > 1:
             return Prefilled({"choices": [{}], "model": body.get("model")}, "", d, d, "regen")

@@ -45,8 +45,9 @@ class Router:
         if stream is not None:
             stream.close()
 
-    def route(self, request: web.Request, tokens: list[int] | None, ntok: int) -> Route:
-        """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it)."""
+    def route(self, request: web.Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
+        """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
+        `single`: the answer is one token, one instance serves it whole either way."""
         affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
         if self.opts.policy == "cache" and not affinity:
             decoders = [i for i in self.registry.of("decoder") if i.usable]
@@ -61,7 +62,7 @@ class Router:
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
         self.metrics.routes.labels(r.reason).inc()
-        self.metrics.served.labels("local" if r.local else "disaggregated").inc()
+        self.metrics.served.labels("single" if single else "local" if r.local else "disaggregated").inc()
         return r
 
     def observed(self, inst: Instance, route: Route, answer: dict) -> None:
