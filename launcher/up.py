@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -56,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances")
     p.add_argument("--cluster-secret-file", default=None,
                    help="the cluster secret for every port (default: a new one in the log folder)")
+    p.add_argument("--policy", choices=("cache", "load", "round_robin"), default="cache",
+                   help="the proxy's routing policy (docs/proxy.md \"Routing\")")
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
 
 
 def gpu_count() -> int:
@@ -77,6 +82,8 @@ def plan(args: argparse.Namespace) -> dict:
                       "torch==2.13.0) or 'kvferry[cuda]' on a GPU host")
     if not port_is_free(args.port):
         raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
+    if args.local_prefill_tokens < 0:
+        raise UpError(f"--local-prefill-tokens must be 0 or more, got {args.local_prefill_tokens}")
     keys: dict = {}
     if args.config:
         if not Path(args.config).is_file():
@@ -148,6 +155,7 @@ class Cluster:
             secret.write_file(self.secret_file, secret.generate())
         keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
         n = args.num_prefillers + args.num_decoders
+        self.kv_events: list[tuple[str, str]] = []  # each instance's event publisher and replay socket
         for i in range(n):
             cls = Prefiller if i < args.num_prefillers else Decoder
             self.instances.append(cls(p["model"], self.log_dir, p["cores"][i], self.log_dir,
@@ -156,8 +164,17 @@ class Cluster:
     def _server_kw(self, i: int) -> dict:
         kw = dict(self.p["placement"][i])
         kw.update(served_name=self.p["served"], max_model_len=self.p["max_len"], die_with_parent=True)
-        if self.args.tp > 1:
-            kw["extra_args"] = ["--tensor-parallel-size", str(self.args.tp)]
+        extra = ["--tensor-parallel-size", str(self.args.tp)] if self.args.tp > 1 else []
+        # KV cache events for the proxy's cache-aware routing, on Unix sockets in the (private) log
+        # folder: they carry prompts' token ids. vLLM binds an ipc:// endpoint (a tcp one only with
+        # "*"), so any number of proxies can subscribe. Cached-token counts in usage let the proxy
+        # check its predictions.
+        pub, replay = (f"ipc://{self.log_dir}/kv-events-{i}{s}.sock" for s in ("", "-replay"))
+        self.kv_events.append((pub, replay))
+        extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                    "endpoint": pub, "replay_endpoint": replay}),
+                  "--enable-prompt-tokens-details"]
+        kw["extra_args"] = extra
         return kw
 
     def start(self) -> None:
@@ -186,12 +203,16 @@ class Cluster:
             if waiting:
                 self.stopping.wait(0.5)
         args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port),
-                "--cluster-secret-file", self.secret_file]
-        for s in self.instances:
+                "--cluster-secret-file", self.secret_file, "--policy", self.args.policy,
+                "--local-prefill-tokens", str(self.args.local_prefill_tokens)]
+        if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
+            args += ["--tokenizer", self.p["model"]]
+        for s, (pub, replay) in zip(self.instances, self.kv_events, strict=True):
             if isinstance(s, Prefiller):
                 args += ["--prefiller", s.url]
             else:
                 args += ["--decoder", f"{s.url},{s.init_port},{s.alloc_port}"]
+            args += ["--kv-events", f"{s.url}={pub},{replay}"]
         log = open(self.proxy_log, "ab")
         self.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=die_with_parent)
@@ -214,10 +235,9 @@ class Cluster:
 
     def write_state(self) -> Path:
         """`cluster.json` in the log folder: every process, URL and port (for scripts and tests)."""
-        import json
         inst = []
-        for s in self.instances:
-            d = {"name": self.name(s), "role": "prefiller" if isinstance(s, Prefiller) else "decoder", "url": s.url,
+        for s, ev in zip(self.instances, self.kv_events, strict=True):
+            d = {"name": self.name(s), "kv_events": list(ev), "role": "prefiller" if isinstance(s, Prefiller) else "decoder", "url": s.url,
                  "port": s.port, "pid": s.proc.pid if s.proc else None, "log": str(s.log_path),
                  "config": str(s.config_path)}
             if isinstance(s, Decoder):

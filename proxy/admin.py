@@ -46,8 +46,16 @@ class Admin:
             for d in background.values():
                 if d.get("last_error"):
                     d["last_error"] = "see the proxy's log"
-        return json_response({"status": "ok" if ok else "unavailable",
-                              "instances": [i.describe(ports=full) for i in registry.instances.values()],
+        insts = []
+        for i in registry.instances.values():
+            d = i.describe(ports=full)
+            ev = self.ctx.router.cache.describe(i)
+            if ev is not None:
+                if not full:
+                    ev.pop("endpoint")
+                d["kv_events"] = ev
+            insts.append(d)
+        return json_response({"status": "ok" if ok else "unavailable", "instances": insts,
                               "background": background}, 200 if ok else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:

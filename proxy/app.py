@@ -21,6 +21,7 @@ from kvferry.proxy.errors import ProxyError, error_body, json_response
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
 from kvferry.proxy.routing import Router
+from kvferry.proxy.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers, notify_host
 from kvferry.proxy.upstream import UpstreamClient
 
@@ -51,7 +52,14 @@ class Proxy:
         if opts.proxy_port:
             self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
         self.gate = limits.Gate(opts.max_in_flight)
-        ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts))
+        for iid in self.router.cache.streams:
+            self.loops[f"kv_events_{iid}"] = LoopHealth(f"KV events of {iid}")
+        try:
+            tokens = PromptTokens(opts.tokenizer)
+        except (OSError, ValueError, ImportError) as e:
+            raise OptionError(f"--tokenizer {opts.tokenizer}: cannot load it ({type(e).__name__}: {e}); give the "
+                              "model's path or name, or leave it unset (text prompts are then routed by load)") from None
+        ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts), tokens)
         self.completions, self.chat = Completions(ctx), Chat(ctx)
         self.admin = Admin(ctx, self.loops)
 
@@ -91,6 +99,10 @@ class Proxy:
         self._tasks.append(asyncio.ensure_future(supervise(self.loops["health_checks"], self._health_loop)))
         if self.opts.proxy_port:
             self._tasks.append(asyncio.ensure_future(supervise(self.loops["notifications"], self._notifications)))
+        probe = max(0.2, self.opts.kv_events_stale_after / 4)
+        for iid, stream in self.router.cache.streams.items():
+            self._tasks.append(asyncio.ensure_future(
+                supervise(self.loops[f"kv_events_{iid}"], lambda s=stream: s.run(probe))))
 
     async def _stop(self, app: web.Application) -> None:
         tasks = [*self._tasks, *self.router.probes()]
@@ -99,6 +111,8 @@ class Proxy:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
         self.transfers.close()
+        for stream in self.router.cache.streams.values():
+            stream.close()
 
     # ---- background (each under supervise(): a loop that raises is logged and started again) ----
     async def _health_loop(self) -> None:

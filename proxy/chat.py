@@ -15,12 +15,12 @@ from aiohttp import web
 
 from kvferry.proxy import body as bodies
 from kvferry.proxy import streaming
+from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
 from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.merge import merge_samples
 from kvferry.proxy.prefill import prefill
-from kvferry.proxy.registry import Instance
 
 PATH = "/v1/chat/completions"
 FINISHED = ("stop", "tool_calls")  # a first token with one of these ends the answer: no decode leg
@@ -48,13 +48,13 @@ class Chat:
             out = await self.one(request, body, max_key, max_tokens)
             ctx.metrics.total.observe(time.perf_counter() - t0)
             return json_response(out)
-        ntok = bodies.chat_tokens(msgs)
-        d = ctx.router.pick(request, "decoder")
-        if max_tokens == 1:
-            p = ctx.router.pick(request, "prefiller")
+        route, ntok = self._route(request, body, max_tokens == 1)
+        d = route.decoder
+        if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
+            p = route.prefiller if max_tokens == 1 and route.prefiller else d
             with ctx.router.upstream(p, ntok, "single") as up:
                 return await streaming.relay_chat(ctx, request, up, PATH, body, t0)
-        first, tid = await self._prefill(request, body, max_key, d, ntok)
+        first, tid = await self._prefill(request, body, max_key, route, ntok)
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
@@ -75,22 +75,29 @@ class Chat:
             ctx.transfers.abort(d, tid, "decode leg failed")
             raise
 
-    async def _prefill(self, request: web.Request, body: dict, max_key: str, d: Instance, ntok: int
+    def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
+        tokens = self.ctx.tokens.chat(body)
+        ntok = len(tokens) if tokens is not None else bodies.chat_tokens(body["messages"])
+        return self.ctx.router.route(request, tokens, ntok, single), ntok
+
+    async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str]:
-        first, tid, _ = await prefill(self.ctx, request, PATH, chat_prefill_leg(body, max_key), d, ntok, "chat")
+        first, tid, _ = await prefill(self.ctx, request, PATH, chat_prefill_leg(body, max_key), route, ntok, "chat")
         return first, tid
 
     async def one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
         """One non-streamed chat answer: the prefiller's, when its first token ends it; else the
         decoder's, which repeats the conversation with the prompt's KV and regenerates that token."""
         ctx = self.ctx
-        ntok = bodies.chat_tokens(body["messages"])
-        d = ctx.router.pick(request, "decoder")
-        if max_tokens == 1:
-            p = ctx.router.pick(request, "prefiller")
+        route, ntok = self._route(request, body, max_tokens == 1)
+        d = route.decoder
+        if max_tokens == 1 or route.local:
+            p = route.prefiller if max_tokens == 1 and route.prefiller else d
             with ctx.router.upstream(p, ntok, "single") as up:
-                return await up.json(PATH, body, "chat")
-        first, tid = await self._prefill(request, body, max_key, d, ntok)
+                out = await up.json(PATH, body, "chat")
+            p.served += 1
+            return out
+        first, tid = await self._prefill(request, body, max_key, route, ntok)
         if first["choices"][0].get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
             first.pop("kv_transfer_params", None)

@@ -65,19 +65,24 @@ class Completions:
         return json_response(await self.one(request, body, max_tokens, t0))
 
     async def first(self, request: web.Request, body: dict, max_tokens: int) -> Prefilled:
-        """The prefill leg (or, for max_tokens <= 1, the whole request on a prefiller)."""
+        """The prefill leg (or, for max_tokens <= 1, the whole request on a prefiller; or, routed
+        locally, nothing yet: the decoder serves it alone, as "regen" without a transfer)."""
         ctx = self.ctx
-        d = ctx.router.pick(request, "decoder")
         prompt = body["prompt"]
-        ntok = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
-        if max_tokens <= 1:  # no decode leg: a plain request to a prefiller, no KV sent anywhere
-            p = ctx.router.pick(request, "prefiller")
+        tokens = ctx.tokens.completion(prompt)
+        ntok = len(tokens) if tokens is not None else len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
+        route = ctx.router.route(request, tokens, ntok, single=max_tokens <= 1)
+        d = route.decoder
+        if route.local and max_tokens > 1:
+            return Prefilled({"choices": [{}], "model": body.get("model")}, "", d, d, "regen")
+        if max_tokens <= 1:  # no decode leg: a plain request to one instance, no KV sent anywhere
+            p = route.prefiller or d
             leg = dict(body, stream=False)
             if body.get("stream"):  # the client's stream is the proxy's to write
                 leg.pop("stream_options", None)
             with ctx.router.upstream(p, ntok, "single") as up:
                 return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
-        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body), d, ntok,
+        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body), route, ntok,
                                       "completion")
         choice = first["choices"][0]
         if choice.get("finish_reason") == "stop":
@@ -116,7 +121,7 @@ class Completions:
         leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
         pre = await self.first(request, leg_body, max_tokens)
         first, d = pre.first, pre.decoder
-        echo = "" if max_tokens <= 1 else await self.echo(body, pre)
+        echo = "" if max_tokens <= 1 or pre.mode == "regen" else await self.echo(body, pre)
         if pre.mode == "done":
             out = first
         else:

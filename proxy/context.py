@@ -9,6 +9,7 @@ from kvferry.proxy.body import BodyReader
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing import Router
+from kvferry.proxy.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers
 
 
@@ -19,3 +20,4 @@ class Context:
     router: Router
     transfers: Transfers
     bodies: BodyReader
+    tokens: PromptTokens

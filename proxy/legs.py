@@ -49,8 +49,10 @@ def completion_decode_leg(body: dict, first: dict | None, tid: str, max_tokens: 
     """The decode leg: prompt ids + the first token and max_tokens - 1; or, with `first` None
     (the prefiller gave no token ids), the client's own prompt and max_tokens: the decoder
     loads the prompt's KV and regenerates the first token itself."""
-    if first is None:
-        leg = dict(body, max_tokens=max_tokens, stream=stream, kv_transfer_params={"transfer_id": tid})
+    if first is None:  # tid "": the decoder serves the prompt alone (routed locally), no transfer
+        leg = dict(body, max_tokens=max_tokens, stream=stream)
+        if tid:
+            leg["kv_transfer_params"] = {"transfer_id": tid}
         if not stream:
             leg.pop("stream_options", None)
         return leg

@@ -31,6 +31,23 @@ class ProxyMetrics:
         self.ttft = Histogram("kvferry_proxy_ttft_seconds", "Client time to first token", buckets=_LAT, registry=r)
         self.itl = Histogram("kvferry_proxy_inter_token_seconds", "Gap between streamed chunks", buckets=_LAT,
                              registry=r)
+        self.routes = Counter("kvferry_proxy_routing_decisions", "Routing decisions by reason (docs/proxy.md "
+                              "\"Routing\")", ["reason"], registry=r)
+        self.served = Counter("kvferry_proxy_served", "Prompts by how they were served: disaggregated (a prefill "
+                              "leg and a KV transfer) or local (the decoder alone)", ["mode"], registry=r)
+        self.predicted_cached = Counter("kvferry_proxy_predicted_cached_tokens",
+                                        "Prompt tokens the proxy predicted cached on the instance it chose",
+                                        ["instance"], registry=r)
+        self.actual_cached = Counter("kvferry_proxy_actual_cached_tokens",
+                                     "Prompt tokens the instance reported cached (usage.prompt_tokens_details)",
+                                     ["instance"], registry=r)
+        self.routed_prompt = Counter("kvferry_proxy_routed_prompt_tokens",
+                                     "Prompt tokens of the requests counted in the cached-token counters",
+                                     ["instance"], registry=r)
+        self.kv_events = Counter("kvferry_proxy_kv_events", "KV cache events by instance and result: applied, "
+                                 "replayed, gap, reset (index cleared), bad", ["instance", "result"], registry=r)
+        self.index_blocks = Gauge("kvferry_proxy_prefix_index_blocks", "Blocks in an instance's prefix index",
+                                  ["instance"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
 

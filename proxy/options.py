@@ -39,7 +39,7 @@ class ProxyOptions:
     decoders: list[InstanceSpec] = field(default_factory=list)
     proxy_host: str | None = None  # where receivers PUSH "KV arrived" notifications
     proxy_port: int | None = None
-    policy: str = "load"  # "load" (power of two choices) | "round_robin"
+    policy: str = "cache"  # "cache" (docs/proxy.md "Routing") | "load" (power of two choices) | "round_robin"
     affinity_header: str | None = None
     api_key: str | None = None
     upstream_api_key: str | None = None
@@ -57,6 +57,14 @@ class ProxyOptions:
     max_in_flight: int = 1024  # client requests handled at once; more get 503 with Retry-After
     max_n: int = 16  # samples per request (n): each is its own pair of legs
     upstream_connections: int = 512  # open connections per instance (aiohttp's pool; 0 was unbounded)
+    # Cache-aware routing (docs/proxy.md "Routing").
+    kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # url -> (endpoint, replay)
+    tokenizer: str | None = None  # the model's tokenizer: predicts a text prompt's tokens before routing
+    local_prefill_tokens: int = 0  # the decoder prefills a prompt whose uncached part is at most this (0: off)
+    local_prefill_fraction: float = 0.9  # ... or whose cached part on the decoder is at least this (> 1: off)
+    load_tokens_per_request: int = 128  # the cost of one request in flight on a prefiller, in prompt tokens
+    kv_events_stale_after: float = 10.0  # an event stream silent this long (probes unanswered) is ignored
+    prefix_index_max_blocks: int = 200_000  # per instance; least recently used blocks are forgotten first
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -141,7 +149,21 @@ def parser() -> argparse.ArgumentParser:
     a("--prefiller", action="append", default=[], metavar="URL", help="a prefiller (repeatable)")
     a("--decoder", action="append", default=[], metavar="URL[,INIT,ALLOC]", help="a decoder (repeatable)")
     a("--config", default=None, help="YAML file with any of these options (flags win)")
-    a("--policy", choices=("load", "round_robin"), default=None)
+    a("--policy", choices=POLICIES, default=None,
+      help="cache (default: fewest uncached + queued tokens, from the engines' KV events), load, round_robin")
+    a("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+      help="an instance's vLLM KV event publisher (--kv-events-config endpoint, replay endpoint); repeatable")
+    a("--tokenizer", default=None, help="the model's tokenizer (path or name): text prompts' tokens for routing")
+    a("--local-prefill-tokens", type=int, default=None,
+      help="the decoder prefills a prompt itself when at most this many of its tokens are uncached there "
+           "(default 0: off)")
+    a("--local-prefill-fraction", type=float, default=None,
+      help="... or when the decoder holds at least this fraction of the prompt (default 0.9; above 1: off)")
+    a("--load-tokens-per-request", type=int, default=None,
+      help="the cache policy's load term: prompt tokens one in-flight request costs (default 128)")
+    a("--kv-events-stale-after", type=float, default=None,
+      help="seconds without an answer from an event publisher before its instance is routed by load (default 10)")
+    a("--prefix-index-max-blocks", type=int, default=None, help="blocks remembered per instance (default 200000)")
     a("--affinity-header", default=None, help="route requests with the same header value to the same instances")
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
     a("--upstream-api-key", default=None, help="Authorization sent to the vLLM instances")
@@ -173,7 +195,9 @@ _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefiller
               "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
               "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
               "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
-              "upstream_connections"}
+              "upstream_connections", "kv_events", "tokenizer", "local_prefill_tokens", "local_prefill_fraction",
+              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks"}
+POLICIES = ("cache", "load", "round_robin")
 
 
 def parse(argv: list[str] | None = None) -> ProxyOptions:
@@ -192,23 +216,35 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             key = str(k).replace("-", "_")
             if key not in _YAML_KEYS:
                 raise OptionError(f"--config {ns.config}: unknown option {k!r}")
-            if isinstance(v, list) and key not in ("prefiller", "decoder"):
+            if isinstance(v, list) and key not in ("prefiller", "decoder", "kv_events"):
                 v = ",".join(str(x) for x in v)
             vals.setdefault(key, v)
     o = ProxyOptions()
-    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "log_level"):
+    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "log_level",
+                "tokenizer"):
         if key in vals:
             setattr(o, key, str(vals[key]))
     for key in ("port", "proxy_port"):
         if key in vals:
             setattr(o, key, _port(f"--{key.replace('_', '-')}", int(vals[key])))
-    for key in ("connect_timeout", "read_timeout", "health_interval"):
+    for key in ("connect_timeout", "read_timeout", "health_interval", "kv_events_stale_after",
+                "local_prefill_fraction"):
         if key in vals:
             v = float(vals[key])
             if v <= 0:
                 raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
             setattr(o, key, v)
-    for key in ("max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n", "upstream_connections"):
+    for key in ("local_prefill_tokens", "load_tokens_per_request"):
+        if key in vals:
+            try:
+                v = int(vals[key])
+            except (TypeError, ValueError):
+                raise OptionError(f"--{key.replace('_', '-')} must be an integer, got {vals[key]!r}") from None
+            if v < 0:
+                raise OptionError(f"--{key.replace('_', '-')} must be 0 or more, got {v}")
+            setattr(o, key, v)
+    for key in ("max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n", "upstream_connections",
+                "prefix_index_max_blocks"):
         if key in vals:
             try:
                 v = int(vals[key])
@@ -231,8 +267,8 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             raise OptionError("--admin-key (or KVFERRY_ADMIN_KEY) is empty: give a key, or leave it unset")
         if o.api_key is not None and o.admin_key == o.api_key:
             raise OptionError("--admin-key must differ from --api-key: a client's key must not open the admin API")
-    if o.policy not in ("load", "round_robin"):
-        raise OptionError(f"--policy: {o.policy!r} is not 'load' or 'round_robin'")
+    if o.policy not in POLICIES:
+        raise OptionError(f"--policy: {o.policy!r} is not one of {', '.join(POLICIES)}")
 
     pf = _expand("prefiller", _csv("--prefiller-host", vals.get("prefiller_host")),
                  _csv("--prefiller-port", vals.get("prefiller_port"), int), vals.get("num_prefillers"))
@@ -264,7 +300,24 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
     for d in o.decoders:
         if d.init_port is None:
             raise OptionError(f"--decoder {d.url}: its receiver ports are needed: URL,init_port,alloc_port")
+    urls = {i.url for i in [*o.prefillers, *o.decoders]}
+    for raw in _list(vals.get("kv_events")):
+        url, ev = kv_events_from(raw)
+        if url not in urls:
+            raise OptionError(f"--kv-events {raw}: {url} is not a --prefiller or --decoder of this proxy")
+        o.kv_events[url] = ev
     return o
+
+
+def kv_events_from(raw: str) -> tuple[str, tuple[str, str | None]]:
+    """`URL=ENDPOINT[,REPLAY]`: vLLM's --kv-events-config endpoint and replay_endpoint as the proxy
+    reaches them (tcp://host:port or ipc://path; the proxy connects, vLLM binds)."""
+    url, sep, rest = raw.partition("=")
+    eps = [e.strip() for e in rest.split(",")] if sep else []
+    if not eps or len(eps) > 2 or not all(e.startswith(("tcp://", "ipc://")) and "*" not in e for e in eps):
+        raise OptionError(f"--kv-events: expected URL=tcp://host:port[,tcp://host:replay_port] (or ipc://path), "
+                          f"got {raw!r}")
+    return parse_url("--kv-events", url.strip()), (eps[0], eps[1] if len(eps) > 1 else None)
 
 
 def _list(v) -> list[str]:

@@ -10,6 +10,7 @@ import uuid
 from aiohttp import web
 
 from kvferry.common.log import get_logger
+from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.legs import prefill_leg
@@ -18,11 +19,12 @@ from kvferry.proxy.registry import Instance
 logger = get_logger(__name__)
 
 
-async def prefill(ctx: Context, request: web.Request, path: str, body: dict, decoder: Instance,
+async def prefill(ctx: Context, request: web.Request, path: str, body: dict, route: Route,
                   prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
     """(the prefiller's answer, the transfer id, the prefiller). A transfer that will not be read
     (the leg failed, the client left) is aborted on the decoder at once."""
-    p = ctx.router.pick(request, "prefiller")
+    decoder, p = route.decoder, route.prefiller
+    assert p is not None, "a local route has no prefill leg"
     for attempt in (0, 1):
         tid = f"kvf-{uuid.uuid4().hex}"
         leg = prefill_leg(body, tid, decoder)
@@ -31,6 +33,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, dec
             with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
                 out = await up.json(path, leg, kind)
             p.served += 1
+            ctx.router.observed(p, route, out)
             ctx.metrics.prefill.observe(time.perf_counter() - t0)
             ctx.transfers.prefilled(tid)
             return out, tid, p

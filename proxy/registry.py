@@ -24,6 +24,7 @@ class Instance:
     queued_tokens: int = 0  # prefiller: prompt tokens sent and not yet answered
     served: int = 0
     errors: int = 0
+    kv_usage: float | None = None  # decoder: vLLM's vllm:kv_cache_usage_perc at the last health check
 
     @property
     def role(self) -> str:
@@ -61,6 +62,8 @@ class Instance:
         d = {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy, "draining": self.draining,
              "in_flight": self.active, "queued_prompt_tokens": self.queued_tokens, "served": self.served,
              "errors": self.errors}
+        if self.kv_usage is not None:
+            d["kv_cache_usage"] = self.kv_usage
         if ports and self.role == "decoder":
             d["init_ports"], d["alloc_ports"] = list(self.spec.init_ports), list(self.spec.alloc_ports)
         return d

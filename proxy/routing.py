@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from kvferry.common.log import get_logger
+from kvferry.proxy.cache_routing import CacheView, Route, choose, local_reason
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
@@ -29,15 +30,52 @@ class Router:
         self.registry = Registry(policy=opts.policy)
         self._gauges: dict[str, Gauge] = {}
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
+        self.cache = CacheView(opts, metrics)
 
     def register(self, spec: InstanceSpec) -> Instance:
         inst = self.registry.add(spec)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
+        self.cache.add(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
         self.registry.remove(inst.id)
         self.metrics.healthy.remove(inst.id, inst.role, inst.url)
+        stream = self.cache.remove(inst)
+        if stream is not None:
+            stream.close()
+
+    def route(self, request: web.Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
+        """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
+        `single`: the answer is one token, one instance serves it whole either way."""
+        affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
+        if self.opts.policy == "cache" and not affinity:
+            decoders = [i for i in self.registry.of("decoder") if i.usable]
+            prefillers = [i for i in self.registry.of("prefiller") if i.usable]
+            if not decoders or not prefillers:
+                raise ProxyError(503, f"no healthy {'decoder' if not decoders else 'prefiller'} available",
+                                 "no_instance")
+            r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
+        else:
+            d = self.pick(request, "decoder")
+            why = local_reason(self.opts, d, self.cache.cached(d, tokens, {}), tokens, ntok)
+            r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
+                                                      "affinity" if affinity else self.opts.policy)
+        self.metrics.routes.labels(r.reason).inc()
+        self.metrics.served.labels("single" if single else "local" if r.local else "disaggregated").inc()
+        return r
+
+    def observed(self, inst: Instance, route: Route, answer: dict) -> None:
+        """Predicted against actual cached tokens, where the engine reports them (vLLM's
+        --enable-prompt-tokens-details)."""
+        u = answer.get("usage") if isinstance(answer, dict) else None
+        details = u.get("prompt_tokens_details") if isinstance(u, dict) else None
+        actual = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = u.get("prompt_tokens") if isinstance(u, dict) else None
+        if isinstance(actual, int) and isinstance(prompt, int) and 0 <= actual <= prompt:
+            self.metrics.actual_cached.labels(inst.id).inc(actual)
+            self.metrics.predicted_cached.labels(inst.id).inc(min(route.predicted, prompt))
+            self.metrics.routed_prompt.labels(inst.id).inc(prompt)
 
     def in_flight(self, inst: Instance) -> Gauge:
         """The instance's in-flight gauge, labelled once: labels() costs a lookup per call."""
@@ -87,6 +125,7 @@ class Router:
             return
         was = inst.healthy
         inst.eject()
+        self.cache.forget(inst)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
         if was:
             logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
@@ -105,6 +144,22 @@ class Router:
         except aiohttp.ClientError as e:
             return False, f"/health failed ({type(e).__name__}: {e})"
 
+    async def kv_usage(self, inst: Instance, seconds: float) -> float | None:
+        """A decoder's vllm:kv_cache_usage_perc (0..1) from its /metrics; None when it has none."""
+        timeout = aiohttp.ClientTimeout(total=seconds)
+        try:
+            async with self.client.session.get(f"{inst.url}/metrics", timeout=timeout,
+                                               headers=self.client.headers) as r:
+                if r.status != 200:
+                    return None
+                async for raw in r.content:  # line by line: no whole page in memory
+                    if raw.startswith(b"vllm:kv_cache_usage_perc"):
+                        v = float(raw.rsplit(b" ", 1)[1])
+                        return v if 0.0 <= v <= 1.0 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
+            return None
+        return None
+
     async def check_all(self) -> None:
         """One round of health checks over every instance; a change of state is logged."""
         insts = list(self.registry.instances.values())
@@ -116,12 +171,21 @@ class Router:
                 continue  # removed while it was checked
             was = inst.healthy
             inst.ok() if good else inst.failed()
+            if not inst.healthy:
+                self.cache.forget(inst)  # a dead engine's cache died with it
+            stream = self.cache.streams.get(inst.id)
+            if stream is not None:
+                self.metrics.index_blocks.labels(inst.id).set(len(stream.index))
             if was != inst.healthy:
                 if inst.healthy:
                     logger.warning("%s %s (%s) is back", inst.role, inst.url, inst.id)
                 else:
                     logger.warning("%s %s (%s) is unhealthy: %s; ejected", inst.role, inst.url, inst.id, why)
             self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+        decoders = [i for i in insts if i.role == "decoder" and i.healthy]
+        for inst, usage in zip(decoders, await asyncio.gather(*(self.kv_usage(i, seconds) for i in decoders)),
+                               strict=True):
+            inst.kv_usage = usage
 
     def probes(self) -> list[asyncio.Task]:
         return list(self._probes.values())

@@ -55,6 +55,8 @@ class Transfers:
 
     def abort(self, decoder: Instance, tid: str, why: str) -> None:
         """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
+        if not tid:  # a prompt the decoder served alone: no transfer
+            return
         sock = self._abort_socks.get(decoder.id)
         if sock is None:
             # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.

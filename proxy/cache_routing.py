@@ -1,0 +1,117 @@
+"""Cache-aware routing: which prefiller computes a prompt soonest, given what each instance holds
+(its KV events) and its queue, and whether the decoder should prefill the prompt itself
+(conditional disaggregation). docs/proxy.md "Routing" says how and why."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvferry.proxy.kv_events import EventStream
+from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.prefix_index import PrefixIndex, prefix_keys
+from kvferry.proxy.registry import Instance
+
+
+@dataclass
+class Route:
+    """Where one prompt goes. prefiller None: the decoder serves it alone (no prefill leg, no transfer)."""
+
+    decoder: Instance
+    prefiller: Instance | None
+    reason: str
+    predicted: int = 0  # cached prompt tokens predicted on the instance that computes the prompt
+
+    @property
+    def local(self) -> bool:
+        return self.prefiller is None
+
+
+class CacheView:
+    """Each instance's event stream and prefix index, and the cost of a prompt on each."""
+
+    def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics) -> None:
+        self.opts, self.metrics = opts, metrics
+        self.streams: dict[str, EventStream] = {}  # instance id -> its stream
+
+    def add(self, inst: Instance) -> EventStream | None:
+        ev = self.opts.kv_events.get(inst.url)
+        if ev is None:
+            return None
+        counter = self.metrics.kv_events
+
+        def count(result: str, n: int = 1, iid: str = inst.id) -> None:
+            counter.labels(iid, result).inc(n)
+        stream = EventStream(f"{inst.role} {inst.url}", ev[0], ev[1], PrefixIndex(self.opts.prefix_index_max_blocks),
+                             self.opts.kv_events_stale_after, count)
+        self.streams[inst.id] = stream
+        return stream
+
+    def remove(self, inst: Instance) -> EventStream | None:
+        return self.streams.pop(inst.id, None)
+
+    def forget(self, inst: Instance) -> None:
+        """The instance went down: whatever it held is gone."""
+        s = self.streams.get(inst.id)
+        if s is not None:
+            s.index.clear()
+
+    def cached(self, inst: Instance, tokens: Sequence[int] | None, keys: dict[int, list[bytes]]) -> int | None:
+        """Predicted cached prompt tokens on `inst`; None when it cannot be known (no stream, or a
+        stale one: then the instance is routed by load)."""
+        s = self.streams.get(inst.id)
+        if s is None or tokens is None or not s.check_fresh():
+            return None
+        bs = s.index.block_size
+        if bs is None:
+            return 0
+        if bs not in keys:
+            # A full-prompt hit still computes one token: only blocks before the last token count.
+            keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
+        return s.index.cached_tokens(keys[bs])
+
+    def describe(self, inst: Instance) -> dict | None:
+        s = self.streams.get(inst.id)
+        return None if s is None else s.describe()
+
+
+def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefillers: list[Instance],
+           tokens: Sequence[int] | None, ntok: int) -> Route:
+    """The cache-aware choice among usable instances (both lists non-empty)."""
+    keys: dict[int, list[bytes]] = {}
+    dc = {d.id: view.cached(d, tokens, keys) for d in decoders}
+    # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
+    # tokens; among equals, the one holding more of the prompt.
+    d = min(decoders, key=lambda i: (i.active, round(i.kv_usage or 0.0, 1), i.queued_tokens, -(dc[i.id] or 0),
+                                     random.random()))
+    local = local_reason(opts, d, dc[d.id], tokens, ntok)
+    if local:
+        return Route(d, None, local, dc[d.id] or 0)
+    best, best_cost, best_cached, reasons = None, 0.0, 0, set()
+    for p in prefillers:
+        c = view.cached(p, tokens, keys)
+        reasons.add("no_tokens" if tokens is None else "stale_events" if c is None and p.id in view.streams
+                    else "no_events" if c is None else "")
+        cached = c or 0
+        cost = max(0, ntok - cached) + p.queued_tokens + opts.load_tokens_per_request * p.active
+        if best is None or cost < best_cost or (cost == best_cost and random.random() < 0.5):
+            best, best_cost, best_cached = p, cost, cached
+    why = next((r for r in ("no_tokens", "stale_events", "no_events") if r in reasons), "cache_miss")
+    reason = "cache_hit" if best_cached > 0 else why
+    return Route(d, best, reason, best_cached)
+
+
+def local_reason(opts: ProxyOptions, d: Instance, cached: int | None, tokens: Sequence[int] | None,
+                 ntok: int) -> str | None:
+    """Why the decoder should prefill this prompt itself, or None: the part it would compute is
+    short (--local-prefill-tokens), or it holds nearly all of it (--local-prefill-fraction)."""
+    if tokens is None or ntok <= 0:
+        return None
+    uncached = ntok - (cached or 0)
+    if opts.local_prefill_tokens > 0 and uncached <= opts.local_prefill_tokens:
+        return "local_short"
+    if cached and opts.local_prefill_fraction <= 1 and cached >= opts.local_prefill_fraction * ntok:
+        return "local_cached"
+    return None
