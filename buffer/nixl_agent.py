@@ -136,6 +136,7 @@ class NixlThread:
                     for handle, _, fut, _ in self._inflight:
                         self._release(handle)
                         self._resolve(fut, "ERR (sender closed)")
+                    self._refuse_queued()
                     return
                 if item[0] == "wake":
                     pass
@@ -153,6 +154,18 @@ class NixlThread:
                     self.agent.get_new_notifs()  # drives UCX progress for peers' READs
                 except Exception as e:  # noqa: BLE001
                     logger.debug("get_new_notifs: %s", e)
+
+    def _refuse_queued(self) -> None:
+        """At stop: whatever is still queued ends now, so no caller waits on it."""
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "xfer":
+                self._resolve(item[2], "ERR (sender closed)")
+            elif item[0] == "call":
+                self._resolve(item[3], exc=RuntimeError("the NIXL thread stopped"))
 
     def _post(self, op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
         posted = time.monotonic()

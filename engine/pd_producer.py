@@ -13,9 +13,11 @@ A transfer goes in up to three calls from the connector, none of which waits on 
   reads the transfer only when notified). Only this last piece's copy and write are on the
   critical path.
 
-Without an early grant (no staging pages free at open, an alloc refused) `submit` sends the
-whole prompt itself, as one transfer, with the same transfer id. Gathering is synchronous (vLLM
-may free the blocks after the step); staging pages are released once no write reads them.
+Without an early grant (no staging pages free at open) `submit` sends the whole prompt itself,
+as one transfer; an early alloc that failed fails the transfer (its id is spent). Gathering is
+synchronous, on CUDA too (vLLM may reuse the blocks after the step, and NIXL reads the staging
+pages from another thread); staging pages are released once no write reads them, and their
+lease is renewed with the decoder's while the prompt computes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
 from kvferry.common import messages as m
@@ -115,6 +119,7 @@ class PDProducer:
         # Staging pages are local: held for the longest a send may take (the decoder's lease covers
         # the prompt's compute too), then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
+        self._staging_hold = self._staging_lease + cfg.pd_queue_seconds  # renewed up to this (RenewLease's bound)
         self._open: dict[str, _Outgoing] = {}
         self.counters = ProducerCounters()
 
@@ -144,6 +149,7 @@ class PDProducer:
         if any(w.done() and not _ok(w) for w in out.writes):
             return  # a piece failed: the grant is gone, submit() reports it
         self.sender.keep(out.grant.result())
+        self.staging.renew(out.res, self._staging_lease, self._staging_hold)
         upto = min(computed_tokens, out.num_tokens) // self.fp.chunk_size
         if upto <= out.sent:
             return
@@ -183,8 +189,11 @@ class PDProducer:
     def _staged(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
                 num_tokens: int) -> _Outgoing | None:
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        # Prompts still computing hold staging pages that only this (the forward) thread can free:
+        # waiting for them would stall the engine, so then the wait is none.
+        wait = 0.0 if self._open else self.cfg.pd_alloc_timeout
         try:
-            res = self.staging.reserve(len(keys), transfer_id, self._staging_lease, timeout=self.cfg.pd_alloc_timeout)
+            res = self.staging.reserve(len(keys), transfer_id, self._staging_lease, timeout=wait)
         except PDBufferError as e:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(keys), e)
             bump(self.counters.failures, "staging")
@@ -193,12 +202,18 @@ class PDProducer:
 
     def _gather(self, out: _Outgoing, block_ids: Sequence[int], num_tokens: int, upto: int) -> list[tuple[int, int]]:
         """Copy chunks out.sent..upto (of the first `num_tokens` tokens) into their staging pages."""
+        if not self.staging.is_live(out.res):
+            bump(self.counters.failures, "staging")
+            raise StagingError(f"transfer {out.transfer_id}: its staging pages' lease ran out while the prompt "
+                               "computed; raise pd_lease_seconds")
         try:
             plan = chunk_plan(num_tokens, block_ids, self.fp.chunk_size, self.kv.layout.block_size)[out.sent:upto]
             pages = out.res.pages[out.sent:upto]
             views = [self.staging.page(p) for p in pages]
             out.nbytes += self.kv.copy_batch([b for b, _ in plan], views, self.fmt, [n for _, n in plan],
                                              to_chunk=True)
+            if self.kv.device.type == "cuda":  # the copy is queued on the GPU; NIXL reads the pages next
+                torch.cuda.current_stream(self.kv.device).synchronize()
         except (ValueError, IndexError) as e:  # the kernels' refusals of these blocks
             bump(self.counters.failures, "staging")
             raise StagingError(f"transfer {out.transfer_id}: {e}") from e
@@ -219,6 +234,8 @@ class PDProducer:
                 out.early = True
             elif out.grant is not None and _ok(out.grant):  # a piece failed: the grant was aborted
                 fut = next(w for w in out.writes if not _ok(w))
+            elif out.grant is not None:  # the early alloc failed: its id is spent on the receiver
+                fut = out.grant
             else:  # no early grant: reserve and write now, as one transfer
                 fut = self.sender.send(out.transfer_id, out.receiver, out.keys, self._all_chunks(out, 0),
                                        out.num_tokens)
@@ -239,7 +256,7 @@ class PDProducer:
         self.staging.release(out.res)
         try:
             r = fut.result()
-        except (SendError, concurrent.futures.CancelledError) as e:
+        except Exception as e:  # noqa: BLE001 - a done-callback must not raise: every failure is counted
             bump(self.counters.failures, failure_reason(e))
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)

@@ -143,9 +143,10 @@ async def _renew(grant: Grant, timeout: float) -> None:
         await asyncio.wait_for(grant.peer.sock.send(m.encode(m.RenewLease(
             transfer_id=grant.transfer_id, generation=grant.generation))), timeout)
         reply = await asyncio.wait_for(fut, timeout)
-    except TimeoutError:
+    except (TimeoutError, zmq.ZMQError, SendError) as e:  # no answer, or the connection was dropped meanwhile
         pending.pop(grant.transfer_id, None)
-        logger.warning("transfer %s: receiver %s did not answer a lease renewal", grant.transfer_id, grant.addr)
+        logger.warning("transfer %s: receiver %s did not answer a lease renewal: %s", grant.transfer_id, grant.addr,
+                       e or type(e).__name__)
         return
     finally:
         grant.renewing = False
@@ -248,6 +249,9 @@ class KVSender:
         Only the last write may `notify`: the receiver reads the transfer once notified, so the
         caller posts it after every earlier write of the grant is done."""
         _check_ranges(self._ranges, chunks)
+        self._check_open(grant.transfer_id)
+        if not chunks:
+            raise ChunkError(f"transfer {grant.transfer_id}: a write needs at least one chunk")
         if first < 0 or first + len(chunks) > len(grant.pages):
             raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
                              f"its {len(grant.pages)} pages")
@@ -261,11 +265,6 @@ class KVSender:
                 self._fail(grant, out, err, reason)
             else:
                 out.set_exception(err)
-            return out
-        if not chunks:
-            if notify:
-                asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False), self._loop)
-            out.set_result(_grant_result(grant, called, called, called))
             return out
         grant.posted = True
         pages = grant.pages[first:first + len(chunks)]
@@ -450,7 +449,9 @@ class KVSender:
             err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
                                 "the lease; raise pd_lease_seconds") if x.state == "EXPIRED"
                    else WriteFailed(f"transfer {grant.transfer_id} to {grant.addr}: NIXL write failed: {x.state}"))
-            self._fail(grant, out, err, f"write {x.state}", drop=True)
+            # An error may mean a broken connection: handshake afresh next time. A write the lease
+            # cut short says nothing about the connection, which other grants may still use.
+            self._fail(grant, out, err, f"write {x.state}", drop=x.state != "EXPIRED")
             return
         grant.chunks += nchunks
         grant.written += nbytes

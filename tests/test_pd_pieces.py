@@ -79,10 +79,34 @@ def test_a_prompt_whose_request_ends_mid_prefill_gives_back_staging_at_once_and_
     blocks = list(range(8))
     producer.open("C", addr, tokens, 128)
     until(lambda: producer.progress("C", blocks[:4], 64) or producer.counters.pieces == 1, 10, "the first piece")
+    time.sleep(0.3)  # the piece's write is done
     t0 = time.monotonic()
     producer.cancel("C")
     until(producer.staging.fully_free, 5, "the staging pages back")
-    # A piece was written: its pages wait out the lease (a write could still land), then are free.
+    # A piece was written: its pages are quarantined, not freed at once (a late write could
+    # still land in them), and are free again when the lease ends.
+    time.sleep(0.3)
+    assert not consumer.buffer.fully_free(), "pages a write reached were freed before the lease ended"
     until(consumer.buffer.fully_free, 2.0 + 3, "the decoder's pages back within the lease")
     assert time.monotonic() - t0 < 2.0 + 3
     assert producer.counters.sent == 0
+
+
+def test_a_prompt_computing_longer_than_the_lease_keeps_its_pages_and_arrives(pair) -> None:
+    producer, consumer, addr, src, src_caches, dst_caches = pair
+    n = 100
+    tokens = list(range(7, 7 + n))
+    blocks = list(range(7))
+    consumer.expect("k", "K", tokens, blocks, n - 1)
+    producer.open("K", addr, tokens, n)
+    t0 = time.monotonic()
+    done = 0
+    while time.monotonic() - t0 < 3.5:  # steps of a slow chunked prefill, past the 2 s lease
+        done = min(done + 8, n - 1)
+        producer.progress("K", blocks, done)
+        time.sleep(0.25)
+    assert producer.counters.pieces >= 1
+    assert producer.submit("K", addr, tokens, blocks, n).result(10).sent_chunks == 4
+    assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"k"}
+    assert rows(dst_caches, blocks, n - 1) == rows(src_caches, blocks, n - 1)
+    assert producer.counters.early == 1 and not producer.counters.failures
