@@ -119,6 +119,12 @@ class KVFerryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass on every device: vLLM calls start_load_kv after the forward
+        # when no load feeds it, which on a CPU is after the compute.
+        self._worker.opens(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_loads(self._get_connector_metadata())
 

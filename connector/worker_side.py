@@ -97,17 +97,21 @@ class WorkerSide:
                     roles.kv_role, kv.num_layers, fp.kv_layout, fp.chunk_size, fp.page_bytes, self.tp_rank,
                     self.tp_size)
 
+    def opens(self, meta: KVConnectorMetadata) -> None:
+        """Before the step's forward: ask decoders for the pages of prompts it starts computing."""
+        if not isinstance(meta, KVFerryMetadata) or self.producer is None:
+            return
+        for op in meta.opens:
+            addr = self._receiver(op)
+            if addr is not None:
+                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens)
+
     def start_loads(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, KVFerryMetadata):
             return
         if self.offload is not None:
             for cop in meta.cache_loads:
                 self._errors.update(self.offload.load(cop))
-        if self.producer is not None:
-            for op in meta.opens:
-                addr = self._receiver(op)
-                if addr is not None:
-                    self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens)
         if self.consumer is None:
             return
         for tid in meta.pins:
