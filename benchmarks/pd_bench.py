@@ -96,9 +96,10 @@ def main() -> int:
     model = str(tiny_model.ensure())
     tmp = Path(tempfile.mkdtemp(prefix="kvferry-pd-bench-"))
     logs = Path(args.log_dir) if args.log_dir else tmp
-    plain = VLLMServer(model, free_port(), logs / "vllm-plain.log", cores="0")
-    p = Prefiller(model, logs, "0", tmp)
-    d = Decoder(model, logs, "1", tmp)
+    # A bench stopped half-way (Ctrl-C, a kill) leaves no vLLM behind.
+    plain = VLLMServer(model, free_port(), logs / "vllm-plain.log", cores="0", die_with_parent=True)
+    p = Prefiller(model, logs, "0", tmp, server={"die_with_parent": True})
+    d = Decoder(model, logs, "1", tmp, server={"die_with_parent": True})
     servers = [plain, p, d]
     rng = random.Random(0)
     rows = []
