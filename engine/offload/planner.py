@@ -23,7 +23,7 @@ from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.offload.shared_tiers import Lookup, PeerLookup, RemoteLookup, SharedTier
 from kvferry.engine.p2p.lookup import ControllerLookup
 from kvferry.engine.p2p.notices import PlannerNotices
-from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote import serde as remote_serde
 from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.tiers import disk as disk_tier
@@ -76,7 +76,8 @@ class OffloadPlanner:
                 self.notices = PlannerNotices(notice_addr, controller.trust)
         if cfg.remote_url:
             self.shared.append(RemoteLookup(RemoteTier(cfg.remote_url, ask_timeout, secret=zsock.trust_of(cfg).secret,
-                                                       redis=redis_settings.from_config(cfg))))
+                                                       redis=redis_settings.from_config(cfg),
+                                                       mooncake=mooncake_settings.from_config(cfg))))
         self._lookups: dict[str, Lookup] = {}
         self._loads: list[CacheLoad] = []
 

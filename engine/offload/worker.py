@@ -21,7 +21,7 @@ from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.p2p.worker import P2PWorker
-from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.base import LoadRequest, Tier
 from kvferry.engine.tiers.cpu import CPUTier
@@ -59,7 +59,8 @@ class OffloadWorker:
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
-                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg))
+                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg),
+                                     mooncake=mooncake_settings.from_config(cfg))
         if cfg.local_cpu and cfg.max_local_cpu_size > 0:
             self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB),
                                slot_bytes=kv.chunk_nbytes("block", cfg.chunk_size))
