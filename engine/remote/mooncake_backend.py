@@ -6,13 +6,17 @@ Mooncake's client (``mooncake.store.MooncakeDistributedStore``, from the
 and is read from there over TCP (or RDMA). A value is one object ``kvferry:<key hex>``: the serde
 header, then the payload, as for lm://.
 
-The C++ client blocks (it retries a dead master for seconds) and loses its registration when the
-master restarts, so every call runs on a small thread pool and the caller waits at most its
-timeout, and a client the master no longer knows is replaced by a fresh one at the next call."""
+The C++ client blocks, for seconds and without letting other Python threads run, when its master
+is gone (each call, and its destructor, retries the master), and it stays unusable after the
+master restarts. So every call runs on a small thread pool (the caller waits at most its timeout);
+a failed call marks the client broken; the next call first checks from Python that the master's
+port answers (failing fast while it does not) and then joins with a fresh client. A broken client
+is kept, never destroyed, as its destructor would block on the dead master."""
 
 from __future__ import annotations
 
 import ctypes
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,19 +63,34 @@ class MooncakeClient:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvferry-mooncake")
         self._lock = threading.Lock()
         self._store: Any = None
+        self._broken = False
         self._registered: set[tuple[int, int]] = set()
 
+    def broken(self) -> None:
+        """A call failed: probe the master and join afresh before the next one."""
+        self._broken = True
+
+    def _probe(self) -> None:
+        host, _, port = self.s.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        except OSError as e:
+            raise RemoteError(f"{self.s.shown}: mooncake_master does not answer ({e})") from None
+
     def _ensure(self) -> Any:
-        """The joined client; a fresh one when the old one lost the master (under self._lock)."""
-        if self._store is not None and self._store.health_check() == HEALTHY:
+        """The joined client; a fresh one when the old one failed (under self._lock)."""
+        if self._store is not None and not self._broken and self._store.health_check() == HEALTHY:
             return self._store
-        # Dropping the old client unmounts its segment; calls still running hold their own reference.
-        self._store, self._registered = None, set()
+        self._probe()
+        if self._store is not None:
+            _graveyard.append(self._store)
+        self._store, self._registered, self._broken = None, set(), False
         store = self._make()
         s = self.s
         rc = store.setup(s.local_hostname, s.metadata_server, s.global_segment_size, s.local_buffer_size,
                          s.protocol, s.device_name, s.master)
         if rc != 0:
+            _graveyard.append(store)
             raise RemoteError(f"{s.shown}: joining the store failed (setup returned {rc}): is mooncake_master "
                               f"running at {s.master}, and the metadata server {s.metadata_server!r} reachable?")
         self._store = store
@@ -119,7 +138,15 @@ class MooncakeBackend:
 
     def _call(self, what: str, fn: Callable[[Any], Any], buf: tuple[int, int] | None = None) -> Any:
         self._last = self.client.submit(fn, buf)
-        return self.client.wait(what, self.timeout, self._last)
+        try:
+            return self.client.wait(what, self.timeout, self._last)
+        except RemoteError:
+            self.client.broken()
+            raise
+
+    def _failed(self, message: str) -> RemoteError:
+        self.client.broken()
+        return RemoteError(f"{self.where}: {message}")
 
     def _staging(self, n: int) -> tuple[memoryview, tuple[int, int]]:
         if n > MAX_STAGING:
@@ -146,7 +173,7 @@ class MooncakeBackend:
                                  lambda st: st.batch_put_from(keys, ptrs, sizes, self.client.replicate), reg)
         failed = [c for c in codes if c < 0]
         if failed or len(codes) != len(keys):
-            raise RemoteError(f"{self.where}: {len(failed)} of {len(keys)} puts failed (codes {sorted(set(failed))})")
+            raise self._failed(f"{len(failed)} of {len(keys)} puts failed (codes {sorted(set(failed))})")
 
     def get(self, key: bytes, max_bytes: int) -> tuple[memoryview, memoryview] | None:
         view, reg = self._staging(max_bytes + 1)
@@ -154,7 +181,7 @@ class MooncakeBackend:
         if n == NOT_FOUND:
             return None
         if n < 0:
-            raise RemoteError(f"{self.where}: get failed (code {n}; a value over {max_bytes} bytes is one)")
+            raise self._failed(f"get failed (code {n}; a value over {max_bytes} bytes is one)")
         blob = memoryview(bytes(view[:n]))  # the staging buffer is reused by the next call
         return blob[:HEADER_BYTES], blob[HEADER_BYTES:]
 
@@ -164,7 +191,7 @@ class MooncakeBackend:
         names = [_name(k) for k in keys]
         codes = self._call("lookup", lambda st: st.batch_is_exist(names))
         if len(codes) != len(keys) or any(c < 0 for c in codes):
-            raise RemoteError(f"{self.where}: lookup failed (codes {sorted(set(codes))})")
+            raise self._failed(f"lookup failed (codes {sorted(set(codes))})")
         return [c == 1 for c in codes]
 
     def close(self) -> None:
@@ -177,3 +204,4 @@ class MooncakeBackend:
 
 
 _orphans: list[ctypes.Array] = []
+_graveyard: list[Any] = []  # clients that failed: kept, as destroying one blocks on a dead master
