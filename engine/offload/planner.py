@@ -27,6 +27,7 @@ from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote import serde as remote_serde
 from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.tiers import disk as disk_tier
+from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.remote import RemoteTier
 
 logger = get_logger(__name__)
@@ -63,6 +64,7 @@ class OffloadPlanner:
         # answers, hence the short limit.
         ask_timeout = min(1.0, cfg.blocking_timeout_secs)
         self.shared: list[SharedTier] = []
+        nixl_storage.refuse(cfg)  # LMCache's NIXL storage back-end: one line naming the alternative
         if cfg.remote_url:  # refused before anything binds
             parse_url(cfg.remote_url)
             remote_serde.check_name(cfg.remote_serde)
