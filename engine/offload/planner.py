@@ -42,6 +42,8 @@ class OffloadPlanner:
             raise ConfigError(f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's block_size {block_size}: "
                              f"set chunk_size to a multiple of {block_size} (e.g. 256), or vLLM's --block-size "
                              f"to a divisor of {cfg.chunk_size}")
+        # NIXL POSIX storage is the disk tier in nixl_path (other NIXL back-ends: refused here).
+        cfg = nixl_storage.effective(cfg, block_bytes * (cfg.chunk_size // block_size))
         self.cfg, self.salt = cfg, salt
         self.chunk_size, self.block_size, self.block_bytes = cfg.chunk_size, block_size, block_bytes
         tiers = []
@@ -64,7 +66,6 @@ class OffloadPlanner:
         # answers, hence the short limit.
         ask_timeout = min(1.0, cfg.blocking_timeout_secs)
         self.shared: list[SharedTier] = []
-        nixl_storage.refuse(cfg)  # LMCache's NIXL storage back-end: one line naming the alternative
         if cfg.remote_url:  # refused before anything binds
             parse_url(cfg.remote_url)
             remote_serde.check_name(cfg.remote_serde)
