@@ -31,7 +31,7 @@ model: setup
 demo: setup model
 	$(VENV)/bin/kvferry up
 
-# redis-server for the remote-tier tests (Debian's package, installed where it is missing and apt
+# redis-server (and libibverbs1 for Mooncake) for the remote-tier tests (Debian's package, installed where it is missing and apt
 # is usable as root; elsewhere those tests skip, or fail under CI=true (.ci/run).
 redis:
 	@if ! command -v redis-server >/dev/null; then \
@@ -42,6 +42,15 @@ redis:
 			|| { tail -20 /tmp/kvferry-redis-install.log; exit 1; }; \
 		else echo "redis-server not found and apt-get not usable: the remote-tier tests will skip" \
 			"(install redis-server yourself)"; fi; \
+	fi
+	@# mooncake_master and Mooncake's client (the cpu/cuda extras) link libibverbs even over TCP.
+	@if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			{ apt-get install -y --no-install-recommends libibverbs1 || { apt-get update && \
+			  apt-get install -y --no-install-recommends libibverbs1; }; } > /tmp/kvferry-ibverbs-install.log 2>&1 \
+			|| { tail -20 /tmp/kvferry-ibverbs-install.log; exit 1; }; \
+		else echo "libibverbs1 not found and apt-get not usable: the Mooncake tests will fail" \
+			"(apt-get install libibverbs1)"; fi; \
 	fi
 
 # Headless Chromium for the controller web page's screenshot test (same rules as redis).

@@ -1,13 +1,14 @@
 """Remote tier put/get throughput, kvferry vs the raw redis-py client, with and without the
-cluster secret's chunk MAC, in one run.
+cluster secret's chunk MAC, on Redis, lm:// and a Mooncake store, in one run.
 
     python benchmarks/remote_bench.py --json [--chunk-mib 1,2,4,8,16,32] [--mib-per-point 256] [--serde naive]
 
-Starts a redis-server and two kvferry-servers (lm://, one with a cluster secret) on free ports.
+Starts a redis-server, two kvferry-servers (lm://, one with a cluster secret) and a mooncake_master
+(mooncakestore://, over TCP; this process lends the store its segment) on free ports.
 For each chunk size, rounds alternate between: raw redis-py SET/GET of the chunk's bytes;
 kvferry's remote tier on Redis (serde header + checksum, MSET of header and payload, GETRANGE
 bounded by the chunk size, the chunk decoded back into a tensor); kvferry's remote tier on
-lm://; and both again with the cluster secret (``+mac``: every chunk tagged with keyed BLAKE3 on
+lm://; on Mooncake (one object per chunk, copied through a registered buffer); and Redis and lm:// again with the cluster secret (``+mac``: every chunk tagged with keyed BLAKE3 on
 put and checked on get). Puts are timed until the tier's put thread has finished them (flush),
 the tiers' order rotating each round; gets (and the in-memory decodes) are interleaved call by
 call across backends, so the shared machine's noise falls on all of them alike.
@@ -34,9 +35,12 @@ import redis
 import torch
 
 from kvferry.common import secret
+from kvferry.common.config import load_config
+from kvferry.engine.remote import mooncake_settings
+from kvferry.engine.remote.mooncake_backend import MooncakeClient
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.remote import RemoteTier
-from kvferry.launcher.stores import start_lm_server, start_redis
+from kvferry.launcher.stores import MooncakeMaster, start_lm_server, start_redis
 
 # Llama-3-8B's KV per token: 32 layers x K,V x 8 heads x 128 x bf16 = 128 KiB.
 SHAPE = ChunkShape(torch.bfloat16, num_layers=32, num_kv_heads=8, head_size=128, layout_digest=b"b" * 16)
@@ -50,7 +54,8 @@ def timed(fn, n: int) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
-def point(rds: redis.Redis, tiers: dict[str, RemoteTier], size: int, count: int, rounds: int) -> dict[str, float]:
+def point(rds: redis.Redis, tiers: dict[str, RemoteTier], size: int, count: int, rounds: int,
+          clear: Callable[[], None] = lambda: None) -> dict[str, float]:
     """GB/s per operation: puts timed per tier until flushed (the order rotating each round);
     gets and in-memory decodes interleaved call by call across tiers, so a noisy neighbour
     slows every tier alike."""
@@ -100,6 +105,7 @@ def point(rds: redis.Redis, tiers: dict[str, RemoteTier], size: int, count: int,
         for name, v in spent.items():
             times.setdefault(name, []).append(v)
         rds.flushall()
+        clear()
     return {k: size * count / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
@@ -117,18 +123,25 @@ def main() -> int:
         secret.write_file(str(path), secret.generate())
         cluster = secret.from_file(str(path), "bench")
         procs = [start_redis(Path(work), maxmemory_mb=4096), start_lm_server(Path(work)),
-                 start_lm_server(Path(work), secret_file=path)]
+                 start_lm_server(Path(work), secret_file=path), MooncakeMaster(Path(work))]
         try:
             rds = redis.Redis(port=procs[0].port, socket_timeout=60)
             serde = Serde(args.serde, SHAPE)
             urls = {"redis": f"redis://{procs[0].url_hostport}", "lm": f"lm://{procs[1].url_hostport}",
                     "redis+mac": f"redis://{procs[0].url_hostport}", "lm+mac": f"lm://{procs[2].url_hostport}"}
-            tiers = {name: RemoteTier(url, 60, serde, max_queued_bytes=4 << 30,
+            cfg = load_config({"remote_url": procs[3].url, "extra_config": procs[3].extra_config(4 << 30)}, env={})
+            mc = mooncake_settings.from_config(cfg)
+            urls["mooncake"] = procs[3].url
+            tiers = {name: RemoteTier(url, 60, serde, max_queued_bytes=4 << 30, mooncake=mc,
                                       secret=cluster if name.endswith("+mac") else None) for name, url in urls.items()}
+
+            def clear() -> None:  # the segment holds 4 GiB: empty it between rounds, as Redis is
+                client = MooncakeClient.shared(mc)
+                client.wait("remove_all", 60, client.submit(lambda st: st.remove_all()))
             rows, cost = [], []
             for size in sizes:
                 count = max(2, (args.mib_per_point << 20) // size)
-                g = point(rds, tiers, size, count, args.rounds)
+                g = point(rds, tiers, size, count, args.rounds, clear)
                 for name in tiers:
                     backend, _, mac = name.partition("+")
                     rows.append({"backend": backend, "mac": bool(mac), "chunk_bytes": size,
@@ -149,13 +162,16 @@ def main() -> int:
                 p.stop()
     red = [r for r in rows if r["backend"] == "redis" and not r["mac"]]
     lm = [r for r in rows if r["backend"] == "lm" and not r["mac"]]
+    mooncake = [r for r in rows if r["backend"] == "mooncake"]
     at4 = [c["get_ratio"] for c in cost if c["chunk_bytes"] == 4 << 20]
     result = {"rows": rows, "mac_cost": cost, "serde": args.serde,
               "mac_get_ratio_4mib_min": min(at4) if at4 else None,
               "redis_vs_raw_min": round(min(min(r["put_gbps"] / r["raw_put_gbps"], r["get_gbps"] / r["raw_get_gbps"])
                                             for r in red), 3),
               "lm_vs_redis_min": round(min(min(a["put_gbps"] / b["put_gbps"], a["get_gbps"] / b["get_gbps"])
-                                           for a, b in zip(lm, red, strict=True)), 3)}
+                                           for a, b in zip(lm, red, strict=True)), 3),
+              "mooncake_vs_redis_min": round(min(min(a["put_gbps"] / b["put_gbps"], a["get_gbps"] / b["get_gbps"])
+                                                 for a, b in zip(mooncake, red, strict=True)), 3)}
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
 

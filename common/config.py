@@ -156,8 +156,8 @@ _PREFIXES = ("lmcache.", "kvferry.")
 # (engine/remote/serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
 # engine refuses them at start with a line naming the fix.
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
-REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES)
-LMCACHE_ONLY_SCHEMES = ("mooncakestore", "infinistore")
+REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES, "mooncakestore")
+LMCACHE_ONLY_SCHEMES = ("infinistore",)
 SERDES = ("naive", "zstd")
 LMCACHE_ONLY_SERDES = ("cachegen",)
 # Keys LMCache knows that kvferry accepts for drop-in use but does not act on, and why; each one a

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class Roles:
     cfg: KVFerryConfig
     kv_role: str
-    producer_side: bool  # computes prompts itself (kv_producer, kv_both)
+    producer_side: bool  # computes prompts itself or loads them from its tiers (kv_both, kv_producer, store PD)
     pd: bool  # a prefiller or a decoder
     offload: bool  # uses the offload tiers
 
@@ -26,7 +26,13 @@ def offload_wanted(cfg: KVFerryConfig, kv_role: str) -> bool:
     """Offload tiers serve kv_both instances and prefillers (a repeated prompt is not recomputed
     there either); a decoder's KV comes from its prefiller."""
     tiers = (cfg.local_cpu and cfg.max_local_cpu_size > 0) or bool(cfg.local_disk) or bool(cfg.remote_url)
-    return tiers and kv_role in ("kv_both", "kv_producer")
+    return tiers and (kv_role in ("kv_both", "kv_producer") or store_pd(cfg, kv_role))
+
+
+def store_pd(cfg: KVFerryConfig, kv_role: str) -> bool:
+    """Seed 002 appendix 2: a prefiller and a decoder without enable_pd share KV through remote_url
+    (the decoder loads the prompt from the store, as a kv_both instance would)."""
+    return not cfg.enable_pd and bool(cfg.remote_url) and kv_role in ("kv_producer", "kv_consumer")
 
 
 def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
@@ -46,9 +52,12 @@ def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
     if want is None:
         raise ConfigError(f"kv_role {role!r}: KVFerryConnector takes kv_role kv_both (offload), kv_producer "
                           "(prefiller) or kv_consumer (decoder)")
+    if store_pd(cfg, role):
+        return cfg, role
     if not cfg.enable_pd:
         raise ConfigError(f"kv_role {role} needs enable_pd: true and pd_role: {want} in the kvferry config "
-                          "(KVFERRY_CONFIG_FILE / LMCACHE_CONFIG_FILE or kv_connector_extra_config)")
+                          "(KVFERRY_CONFIG_FILE / LMCACHE_CONFIG_FILE or kv_connector_extra_config), or "
+                          "remote_url to share KV through a store")
     if cfg.pd_role != want:
         raise ConfigError(f"kv_role {role} does not match pd_role {cfg.pd_role!r}: set pd_role: {want}")
     return cfg, role
@@ -56,8 +65,8 @@ def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
 
 def roles(vllm_config: VllmConfig) -> Roles:
     cfg, kv_role = connector_config(vllm_config)
-    return Roles(cfg, kv_role, producer_side=kv_role in ("kv_producer", "kv_both"), pd=cfg.enable_pd,
-                 offload=offload_wanted(cfg, kv_role))
+    return Roles(cfg, kv_role, producer_side=kv_role in ("kv_producer", "kv_both") or store_pd(cfg, kv_role),
+                 pd=cfg.enable_pd, offload=offload_wanted(cfg, kv_role))
 
 
 def model_name(vc: VllmConfig) -> str:

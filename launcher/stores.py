@@ -1,8 +1,10 @@
 """Starts the services kvferry's tiers talk to: redis-server, Redis Sentinels, kvferry-server
-(lm://) and kvferry-controller (P2P), as child processes on free ports (tests, benchmarks, demos).
+(lm://), mooncake_master (mooncakestore://) and kvferry-controller (P2P), as child processes on
+free ports (tests, benchmarks, demos, ``kvferry up --remote``).
 
 redis-server comes from the OS (Debian: ``apt-get install redis-server``; ``make redis`` does it
-where it is missing and apt is usable)."""
+where it is missing and apt is usable); mooncake_master from the mooncake-transfer-engine wheels
+(the ``cpu`` and ``cuda`` extras), which need libibverbs1 from the OS."""
 
 from __future__ import annotations
 
@@ -201,3 +203,45 @@ class Controller(Proc):
         if self.secret_file:
             keys["cluster_secret_file"] = str(self.secret_file)
         return keys
+
+
+def mooncake_master_binary() -> str | None:
+    """mooncake_master next to this Python (the wheel's script) or on PATH; None when missing."""
+    here = Path(sys.executable).parent / "mooncake_master"
+    return str(here) if here.exists() else shutil.which("mooncake_master")
+
+
+class MooncakeMaster(Proc):
+    """mooncake_master on free ports: `port` (RPC, what mooncakestore:// names), its built-in HTTP
+    metadata server on `metadata_port`, metrics on `metrics_port`; restart() brings it back on the
+    same ports (with an empty store, as a real restart)."""
+
+    def __init__(self, work: Path, port: int | None = None) -> None:
+        exe = mooncake_master_binary()
+        if exe is None:
+            raise StoreStartError("mooncake_master not found: pip install 'kvferry[cpu]' (mooncake-transfer-engine-"
+                                  "non-cuda) or 'kvferry[cuda]' (mooncake-transfer-engine)")
+        self.metadata_port, self.metrics_port = free_port(), free_port()
+        port = port or free_port()
+        self.argv = [exe, "-rpc_port", str(port), "-rpc_address", "127.0.0.1", "-metrics_port", str(self.metrics_port),
+                     "-metrics_host", "127.0.0.1", "--enable_http_metadata_server=true",
+                     "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.metadata_port}"]
+        super().__init__(f"mooncake_master :{port}", self.argv, port, work / f"mooncake-master-{port}.log")
+        wait_port(self.proc, self.metadata_port, self.what, self.log)
+
+    @property
+    def url(self) -> str:
+        return f"mooncakestore://127.0.0.1:{self.port}/"
+
+    def extra_config(self, segment_bytes: int = 256 << 20) -> dict[str, object]:
+        """The seed's extra_config keys for a client of this master, over TCP."""
+        return {"local_hostname": "127.0.0.1", "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata",
+                "protocol": "tcp", "device_name": "", "master_server_address": f"127.0.0.1:{self.port}",
+                "global_segment_size": segment_bytes, "local_buffer_size": 0}
+
+    def restart(self) -> None:
+        self.stop()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        wait_port(self.proc, self.port, self.what, self.log)
+        wait_port(self.proc, self.metadata_port, self.what, self.log)

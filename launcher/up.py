@@ -28,6 +28,7 @@ from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.netutil import port_is_free
+from kvferry.launcher import stores
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import (
     VLLMServer,
@@ -55,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="where logs and configs go (default: a new temp folder)")
     p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance (CPU)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances")
+    p.add_argument("--remote", choices=["mooncake"], default=None,
+                   help="start a store for every instance's remote tier: mooncake (a mooncake_master, docs/mooncake.md)")
     p.add_argument("--cluster-secret-file", default=None,
                    help="the cluster secret for every port (default: a new one in the log folder)")
     p.add_argument("--policy", choices=("cache", "load", "round_robin"), default="cache",
@@ -92,10 +95,14 @@ def plan(args: argparse.Namespace) -> dict:
             cfg = load_config(path=args.config, env={})
         except ConfigError as e:
             raise UpError(f"--config {args.config}: {e}") from None
+        if args.remote and cfg.remote_url:
+            raise UpError(f"--remote {args.remote} and remote_url in --config {args.config}: keep one")
         keys = {k: getattr(cfg, k) for k in ("pd_buffer_size", "pd_buffer_device", "chunk_size", "pd_chunk_format",
                                              "pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds",
                                              "pd_kv_ready_timeout", "pd_kv_timeout_action")
                 if getattr(cfg, k) is not None}
+    if args.remote == "mooncake" and stores.mooncake_master_binary() is None:
+        raise UpError("--remote mooncake: mooncake_master not found: pip install 'kvferry[cpu]' (or 'kvferry[cuda]')")
     if args.cluster_secret_file is not None:
         try:
             secret.from_file(args.cluster_secret_file, "--cluster-secret-file")
@@ -154,6 +161,10 @@ class Cluster:
             self.secret_file = str(self.log_dir / "cluster.secret")
             secret.write_file(self.secret_file, secret.generate())
         keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
+        self.store: stores.Proc | None = None
+        if args.remote == "mooncake":  # prefillers share computed prompts through it
+            self.store = stores.MooncakeMaster(self.log_dir)
+            keys.update(remote_url=self.store.url, extra_config=self.store.extra_config())
         n = args.num_prefillers + args.num_decoders
         self.kv_events: list[tuple[str, str]] = []  # each instance's event publisher and replay socket
         for i in range(n):
@@ -260,6 +271,8 @@ class Cluster:
         lines = [f"kvferry is up: {self.args.num_prefillers} prefiller(s), {self.args.num_decoders} decoder(s), "
                  f"model {self.p['served']}",
                  f"  proxy        {url}    log {self.proxy_log}"]
+        if self.store is not None:
+            lines.append(f"  store        {self.store.url}    log {self.store.log}")
         for s in self.instances:
             extra = f" (init {s.init_port}, alloc {s.alloc_port})" if isinstance(s, Decoder) else ""
             lines.append(f"  {self.name(s):<12} {s.url}{extra}    log {s.log_path}")
@@ -298,6 +311,8 @@ class Cluster:
             stop_group(self.proxy, deadline - time.monotonic())
         for s in self.instances:
             s.stop(timeout=deadline - time.monotonic())  # waits on what is still running, then kills
+        if self.store is not None:
+            self.store.stop(timeout=max(1.0, deadline - time.monotonic()))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -78,7 +78,7 @@ def test_zstd_damage_is_a_serde_error() -> None:
 
 
 @pytest.mark.parametrize("url,fix", [
-    ("mooncakestore://h:1", "use redis://"), ("redis://nohost", "not host:port"),
+    ("infinistore://h:1", "RDMA only"), ("memcache://h:1", "use redis://"), ("redis://nohost", "not host:port"),
     ("redis://a:1,b:2", "takes one host:port"), ("lm://h:70000", "not host:port")])
 def test_bad_urls_name_the_fix(url: str, fix: str) -> None:
     with pytest.raises(RemoteError, match=fix):
@@ -294,7 +294,7 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
 
 
 @pytest.mark.parametrize("keys,fix", [
-    ({"remote_url": "mooncakestore://h:50051/"}, "use redis://"),
+    ({"remote_url": "infinistore://h:12345/?device=mlx5_1"}, "RDMA only"),
     ({"remote_url": "redis://h:6379", "remote_serde": "cachegen"}, "use naive"),
 ])
 def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, fix: str) -> None:

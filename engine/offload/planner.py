@@ -23,10 +23,11 @@ from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.offload.shared_tiers import Lookup, PeerLookup, RemoteLookup, SharedTier
 from kvferry.engine.p2p.lookup import ControllerLookup
 from kvferry.engine.p2p.notices import PlannerNotices
-from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote import serde as remote_serde
 from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.tiers import disk as disk_tier
+from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.remote import RemoteTier
 
 logger = get_logger(__name__)
@@ -41,6 +42,8 @@ class OffloadPlanner:
             raise ConfigError(f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's block_size {block_size}: "
                              f"set chunk_size to a multiple of {block_size} (e.g. 256), or vLLM's --block-size "
                              f"to a divisor of {cfg.chunk_size}")
+        # NIXL POSIX storage is the disk tier in nixl_path (other NIXL back-ends: refused here).
+        cfg = nixl_storage.effective(cfg, block_bytes * (cfg.chunk_size // block_size))
         self.cfg, self.salt = cfg, salt
         self.chunk_size, self.block_size, self.block_bytes = cfg.chunk_size, block_size, block_bytes
         tiers = []
@@ -76,7 +79,8 @@ class OffloadPlanner:
                 self.notices = PlannerNotices(notice_addr, controller.trust)
         if cfg.remote_url:
             self.shared.append(RemoteLookup(RemoteTier(cfg.remote_url, ask_timeout, secret=zsock.trust_of(cfg).secret,
-                                                       redis=redis_settings.from_config(cfg))))
+                                                       redis=redis_settings.from_config(cfg),
+                                                       mooncake=mooncake_settings.from_config(cfg))))
         self._lookups: dict[str, Lookup] = {}
         self._loads: list[CacheLoad] = []
 

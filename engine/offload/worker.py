@@ -21,11 +21,13 @@ from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.p2p.worker import P2PWorker
-from kvferry.engine.remote import redis_settings
+from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
+from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.base import LoadRequest, Tier
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.engine.tiers.disk import DiskTier, rank_root
+from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
 from kvferry.engine.tiers.p2p import P2PTier
 from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.kernels.paged_copy import PagedKV
@@ -51,6 +53,8 @@ class OffloadWorker:
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
         self.kv, self.chunk_size = kv, cfg.chunk_size
+        posix = nixl_storage.posix(cfg)
+        cfg = nixl_storage.effective(cfg, kv.chunk_nbytes("block", cfg.chunk_size))
         self.cpu: CPUTier | None = None
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
@@ -59,12 +63,13 @@ class OffloadWorker:
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
-                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg))
+                                     secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg),
+                                     mooncake=mooncake_settings.from_config(cfg))
         if cfg.local_cpu and cfg.max_local_cpu_size > 0:
             self.cpu = CPUTier(pin=kv.device.type == "cuda", capacity=int(cfg.max_local_cpu_size * GB),
                                slot_bytes=kv.chunk_nbytes("block", cfg.chunk_size))
         if cfg.local_disk:
-            self.disk = DiskTier(rank_root(cfg.local_disk, tp_rank), layout_digest)
+            self.disk = (NixlPosixDiskTier if posix else DiskTier)(rank_root(cfg.local_disk, tp_rank), layout_digest)
         self.tiers: dict[str, Tier] = {}
         self._p2p: P2PWorker | None = None
         self._order_tiers()

@@ -1,4 +1,5 @@
-"""Which backend a ``remote_url`` opens: Redis (plain, TLS, Sentinel) or kvferry-server (``lm://``)."""
+"""Which backend a ``remote_url`` opens: Redis (plain, TLS, Sentinel), kvferry-server (``lm://``) or a
+Mooncake store (``mooncakestore://``); LMCache's ``infinistore://`` is refused with the reason."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.remote.base import Backend, Item, Mapped, RemoteError, hostports
 from kvferry.engine.remote.lm_client import LMClient, LMError
+from kvferry.engine.remote.mooncake_settings import SCHEME as MOONCAKE
+from kvferry.engine.remote.mooncake_settings import MooncakeSettings, from_config
 from kvferry.engine.remote.redis_backend import RedisSettings, open_redis, parse_redis_url
 from kvferry.engine.remote.serde import HEADER_BYTES
 
@@ -38,25 +41,35 @@ def parse_url(url: str) -> tuple[str, list[tuple[str, int]], str]:
     """(scheme, [(host, port)...], service) of a remote_url, or RemoteError naming the fix (and never
     showing a password)."""
     scheme, _, rest = url.partition("://")
+    if scheme == "infinistore":
+        raise RemoteError(f"remote_url {redact_url(url)!r}: InfiniStore speaks RDMA only and kvferry has no "
+                          "InfiniStore client: use mooncakestore://host:port (TCP or RDMA), redis://host:port "
+                          "or lm://host:port")
     if scheme not in SCHEMES:
         raise RemoteError(f"remote_url {redact_url(url)!r}: scheme {scheme!r} is not supported by kvferry: use "
                           "redis://host:port, rediss://host:port (TLS), redis-sentinel://host:port,host:port,... "
-                          "or lm://host:port (kvferry-server)")
-    if scheme != "lm":
+                          "lm://host:port (kvferry-server) or mooncakestore://host:port (mooncake_master)")
+    if scheme in ("redis", "rediss", "redis-sentinel"):
         u = parse_redis_url(url)
         return scheme, u.nodes, u.service
     nodes = hostports(rest.partition("/")[0], redact_url(url))
     if len(nodes) != 1:
-        raise RemoteError(f"remote_url {redact_url(url)!r}: lm:// takes one host:port")
+        raise RemoteError(f"remote_url {redact_url(url)!r}: {scheme}:// takes one host:port")
     return scheme, nodes, ""
 
 
 def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None,
-                 redis: RedisSettings | None = None) -> Backend:
+                 redis: RedisSettings | None = None, mooncake: MooncakeSettings | None = None) -> Backend:
     """A connection to `url` (connecting lazily where the client allows); `secret` (the cluster
     secret, `zsock.trust_of(cfg).secret`) authenticates lm:// connections, `redis` (credentials and
-    TLS files, redis_settings.from_config) Redis ones."""
+    TLS files, redis_settings.from_config) Redis ones, `mooncake` (mooncake_settings.from_config;
+    defaults from the URL alone) Mooncake ones."""
     scheme, nodes, _ = parse_url(url)
     if scheme == "lm":
         return LMBackend(*nodes[0], timeout, secret)
+    if scheme == MOONCAKE:
+        from kvferry.common.config import KVFerryConfig
+        from kvferry.engine.remote.mooncake_backend import MooncakeBackend
+
+        return MooncakeBackend(mooncake or from_config(KVFerryConfig(remote_url=url)), timeout)
     return open_redis(url, timeout, redis)

@@ -214,7 +214,7 @@ class DiskTier:
             return why, None
         data = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(data.numpy())
-        got = os.readv(fd, [view])
+        got = self._read_payload(fd, view)
         if got != nbytes:
             return f"short read: {got} of {nbytes} bytes", None
         if xxhash.xxh3_64_intdigest(view) != _HEADER.unpack(head)[4]:
@@ -291,15 +291,23 @@ class DiskTier:
         # Exclusive and link-free: a planted file or symlink at this name makes the write fail.
         fd = os.open(tmp, _WRITE_FLAGS, 0o600)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                f.write(view)
+            self._write_file(fd, head, view)
             os.replace(tmp, final)  # replaces a link at `final` itself, never writes through it
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         self.counters.writes += 1
         self.counters.write_bytes += data.numel()
+
+    def _read_payload(self, fd: int, view: memoryview) -> int:
+        """Read the chunk's bytes (after the header) into `view`; the number read."""
+        return os.readv(fd, [view])
+
+    def _write_file(self, fd: int, head: bytes, view: memoryview) -> None:
+        """Write header and chunk to `fd` and close it."""
+        with os.fdopen(fd, "wb") as f:
+            f.write(head)
+            f.write(view)
 
     def flush(self, timeout: float) -> bool:
         """Wait (bounded) until every queued write and delete is done."""

@@ -9,6 +9,8 @@ Backends (one connection each, blocking, every call bounded by a timeout):
   again after every connection failure, so a failover is followed). The service is the URL's
   path, else ``$REDIS_SERVICE_NAME``, else the one master the Sentinels monitor.
 - ``lm://host:port``: kvferry-server (launcher/lm_server.py); the value is header + payload.
+- ``mooncakestore://host:port``: a Mooncake store (engine/remote/mooncake_backend.py); the value is
+  header + payload, one object.
 
 :class:`RemoteTier` turns every failure into a miss: a call that fails or times out is counted,
 warned about at most every 10 s, and the store is skipped for a back-off (1 s, doubling to 30 s)
@@ -35,6 +37,7 @@ from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.remote.backends import open_backend
 from kvferry.engine.remote.base import PREFIX, Backend, RemoteError  # noqa: F401 - PREFIX re-exported
+from kvferry.engine.remote.mooncake_settings import MooncakeSettings
 from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.remote.serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
 from kvferry.engine.tiers.base import LoadRequest
@@ -76,10 +79,11 @@ class RemoteTier:
 
     def __init__(self, url: str, timeout: float, serde: Serde | None = None, rank: int = 0,
                  max_queued_bytes: int = 512 << 20, secret: ClusterSecret | None = None,
-                 redis: RedisSettings | None = None) -> None:
+                 redis: RedisSettings | None = None, mooncake: MooncakeSettings | None = None) -> None:
         # self.url is for messages (its password redacted); the real one only connects.
         self._url, self.url, self.timeout, self.serde = url, redact_url(url), timeout, serde
         self.redis = redis  # Redis credentials and TLS files (redis_settings.from_config)
+        self.mooncake = mooncake  # the Mooncake client's settings (mooncake_settings.from_config)
         self.secret = secret  # the cluster secret (zsock.trust_of(cfg).secret): lm:// connections prove it
         self.suffix = b"" if rank == 0 else b"@%d" % rank  # each TP rank stores its own shard
         self.max_queued_bytes = max_queued_bytes
@@ -126,7 +130,7 @@ class RemoteTier:
 
     def _conn(self) -> Backend:
         if self._backend is None:
-            self._backend = open_backend(self._url, self.timeout, self.secret, self.redis)
+            self._backend = open_backend(self._url, self.timeout, self.secret, self.redis, self.mooncake)
         return self._backend
 
     # ---- calls ----
@@ -221,7 +225,7 @@ class RemoteTier:
                 items = [(key + self.suffix, *self.serde.encode(data, tokens, self.mac, key + self.suffix))
                          for key, data, tokens in batch]
                 if backend is None:
-                    backend = open_backend(self._url, self.timeout, self.secret, self.redis)
+                    backend = open_backend(self._url, self.timeout, self.secret, self.redis, self.mooncake)
                 backend.put_many(items)
                 self._backoff.ok()
                 with self._lock:
