@@ -309,6 +309,7 @@ class KVReceiver:
 
     # ---- NIXL arrivals ----
     def _nixl_main(self) -> None:
+        nixl_agent.tight_sleeps()
         ctx = zmq.Context()
         proxy = None
         if self.cfg.proxy_host and self.cfg.proxy_port:
