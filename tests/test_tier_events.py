@@ -13,9 +13,11 @@ from kvferry.common.config import load_config
 from kvferry.engine.offload.ops import GB
 from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.tier_events import ChunkRemoved, ChunkStored, TierEventLog
-from kvferry.proxy.cache_routing import effective
+from kvferry.proxy.cache_routing import CacheView, choose, effective
 from kvferry.proxy.kv_events import EventStream
+from kvferry.proxy.options import InstanceSpec, ProxyOptions
 from kvferry.proxy.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
+from kvferry.proxy.registry import Instance
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 to_vllm = pytest.importorskip("kvferry.connector.kv_events").to_vllm
@@ -110,6 +112,30 @@ def test_a_chunk_whose_size_does_not_split_into_the_instances_blocks_is_a_counte
 def test_a_tier_copy_is_worth_less_than_a_gpu_copy_but_more_than_nothing() -> None:
     assert effective({GPU: 100}) > effective({CPU: 100}) > effective({DISK: 100}) > effective({}) == 0
     assert effective({CPU: 100}) >= 50  # loading is cheap next to computing
+
+
+def test_a_prompt_goes_to_a_gpu_copy_before_a_cpu_copy_and_to_a_cpu_copy_before_none() -> None:
+    gpu, cpu, none = Feed(), Feed(), Feed()
+    gpu.send([gpu_stored(TOKENS)])
+    plan = planner(chunks_fit=4)
+    plan.store("r", TOKENS, list(range(5)))
+    cpu.send(to_vllm(plan.take_events(), CHUNK))
+    none.send([])
+    opts = ProxyOptions()
+    view = CacheView(opts, None)  # type: ignore[arg-type]  # metrics are only used by add()
+    view.streams = {"p0": gpu.stream, "p1": cpu.stream, "p2": none.stream, "d3": none.stream}
+
+    def inst(iid: str, role: str = "prefiller", queued: int = 0) -> Instance:
+        i = Instance(InstanceSpec(role, f"http://127.0.0.1:{1000 + int(iid[1:])}"), iid)
+        i.queued_tokens = queued
+        return i
+    p0, p1, p2, d = inst("p0"), inst("p1"), inst("p2"), inst("d3", "decoder")
+    for _ in range(5):
+        assert choose(view, opts, [d], [p0, p1, p2], TOKENS, len(TOKENS)).prefiller is p0
+        r = choose(view, opts, [d], [p1, p2], TOKENS, len(TOKENS))
+        assert (r.prefiller, r.reason, r.predicted) == (p1, "cache_hit", 4 * BS)
+    p0.queued_tokens = 10  # a little busier: loading from the CPU tier is cheaper than waiting
+    assert choose(view, opts, [d], [p0, p1, p2], TOKENS, len(TOKENS)).prefiller is p1
 
 
 def test_the_event_log_is_bounded() -> None:
