@@ -47,6 +47,7 @@ from kvferry.connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -92,6 +93,9 @@ class KVFerryConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         got = self._sched.hit_sources(request.request_id) if num_external_tokens else {}
         return got or super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._sched.take_events()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -12,8 +12,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.connector.block_table import BlockTable
+from kvferry.connector.kv_events import to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.roles import Roles, salt
@@ -21,6 +22,7 @@ from kvferry.engine.api import OffloadPlanner, notice_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -51,6 +53,7 @@ class SchedulerSide:
         self._pinned: dict[str, str] = {}  # consumer: req -> transfer id pinned for it
         self._pins: list[str] = []  # consumer: to tell the workers in the next step
         self._unpins: list[str] = []
+        self._events_failed = RateLimitedLog(logger, 60.0)
 
     def on_new(self, request: Request) -> None:
         """A decoder's request is in vLLM's queue now: its KV must wait for it (see the module docstring)."""
@@ -151,6 +154,17 @@ class SchedulerSide:
         got = self.offload.hit_sources(req_id)
         return {_HIT_SOURCES[t]: n for t, n in got.items() if t in _HIT_SOURCES}
 
+    def take_events(self) -> list[KVCacheEvent]:
+        """The offload tiers' changes since the last step, as vLLM KV events (never raises: an
+        event lost only costs a router's accuracy)."""
+        if self.offload is None:
+            return []
+        try:
+            return to_vllm(self.offload.take_events(), self.offload.chunk_size)
+        except Exception as e:  # noqa: BLE001 - inside vLLM's scheduler step
+            self._events_failed.warning("offload tier KV events lost: %s", e)
+            return []
+
     def stats(self) -> dict[str, float]:
         return self.offload.stats() if self.offload is not None else {}
 
@@ -200,6 +214,13 @@ def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadP
     cfg = roles.cfg
     try:
         return OffloadPlanner(cfg, salt(vc, cfg, len(group.layer_names)), vc.cache_config.block_size, block_bytes,
-                              notice_addr(vc.kv_transfer_config.engine_id) if cfg.enable_p2p else None)
+                              notice_addr(vc.kv_transfer_config.engine_id) if cfg.enable_p2p else None,
+                              tier_events=kv_events_enabled(vc))
     except KVFerryError as e:  # a chunk_size or serde the planner refuses, or a remote store it cannot reach
         raise ConfigError(str(e)) from None
+
+
+def kv_events_enabled(vc: VllmConfig) -> bool:
+    """Whether vLLM publishes KV events (then the tiers' changes are recorded for it)."""
+    ev = getattr(vc, "kv_events_config", None)
+    return bool(ev is not None and ev.enable_kv_cache_events)

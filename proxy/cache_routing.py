@@ -11,8 +11,17 @@ from dataclasses import dataclass
 from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.prefix_index import PrefixIndex, prefix_keys
+from kvferry.proxy.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
 from kvferry.proxy.registry import Instance
+
+# What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
+# (docs/proxy.md "Routing": cheaper than computing, not free).
+LOAD_COST = {GPU: 0.0, CPU: 0.1, DISK: 0.25}
+
+
+def effective(held: dict[str, int] | None) -> int:
+    """Cached tokens as the cost model counts them: a tier's copy is worth less than the GPU's."""
+    return 0 if held is None else round(sum(n * (1.0 - LOAD_COST[m]) for m, n in held.items()))
 
 
 @dataclass
@@ -58,19 +67,20 @@ class CacheView:
         if s is not None:
             s.index.clear()
 
-    def cached(self, inst: Instance, tokens: Sequence[int] | None, keys: dict[int, list[bytes]]) -> int | None:
-        """Predicted cached prompt tokens on `inst`; None when it cannot be known (no stream, or a
-        stale one: then the instance is routed by load)."""
+    def cached(self, inst: Instance, tokens: Sequence[int] | None,
+               keys: dict[int, list[bytes]]) -> dict[str, int] | None:
+        """Predicted cached prompt tokens on `inst` by medium; None when it cannot be known (no
+        stream, or a stale one: then the instance is routed by load)."""
         s = self.streams.get(inst.id)
         if s is None or tokens is None or not s.check_fresh():
             return None
         bs = s.index.block_size
         if bs is None:
-            return 0
+            return {}
         if bs not in keys:
             # A full-prompt hit still computes one token: only blocks before the last token count.
             keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
-        return s.index.cached_tokens(keys[bs])
+        return s.index.cached(keys[bs])
 
     def describe(self, inst: Instance) -> dict | None:
         s = self.streams.get(inst.id)
@@ -81,23 +91,23 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
            tokens: Sequence[int] | None, ntok: int) -> Route:
     """The cache-aware choice among usable instances (both lists non-empty)."""
     keys: dict[int, list[bytes]] = {}
-    dc = {d.id: view.cached(d, tokens, keys) for d in decoders}
+    held = {d.id: view.cached(d, tokens, keys) for d in decoders}
+    dc = {i: None if h is None else effective(h) for i, h in held.items()}
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
     # tokens; among equals, the one holding more of the prompt.
     d = min(decoders, key=lambda i: (i.active, round(i.kv_usage or 0.0, 1), i.queued_tokens, -(dc[i.id] or 0),
                                      random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local:
-        return Route(d, None, local, dc[d.id] or 0)
+        return Route(d, None, local, sum((held[d.id] or {}).values()))
     best, best_cost, best_cached, reasons = None, 0.0, 0, set()
     for p in prefillers:
-        c = view.cached(p, tokens, keys)
-        reasons.add("no_tokens" if tokens is None else "stale_events" if c is None and p.id in view.streams
-                    else "no_events" if c is None else "")
-        cached = c or 0
-        cost = max(0, ntok - cached) + p.queued_tokens + opts.load_tokens_per_request * p.active
+        h = view.cached(p, tokens, keys)
+        reasons.add("no_tokens" if tokens is None else "stale_events" if h is None and p.id in view.streams
+                    else "no_events" if h is None else "")
+        cost = max(0, ntok - effective(h)) + p.queued_tokens + opts.load_tokens_per_request * p.active
         if best is None or cost < best_cost or (cost == best_cost and random.random() < 0.5):
-            best, best_cost, best_cached = p, cost, cached
+            best, best_cost, best_cached = p, cost, sum((h or {}).values())
     why = next((r for r in ("no_tokens", "stale_events", "no_events") if r in reasons), "cache_miss")
     reason = "cache_hit" if best_cached > 0 else why
     return Route(d, best, reason, best_cached)

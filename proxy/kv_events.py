@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.prefix_index import PrefixIndex
+from kvferry.proxy.prefix_index import GPU, PrefixIndex
 
 logger = get_logger(__name__)
 
@@ -40,6 +40,7 @@ RECENT = 256  # batches remembered (by digest) to tell a repeat from a restarted
 
 Hash = Annotated[bytes, msgspec.Meta(max_length=64)] | int
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENTS)]
+Medium = Annotated[str, msgspec.Meta(max_length=32)]
 
 
 class BlockStored(msgspec.Struct, tag=True):
@@ -47,12 +48,12 @@ class BlockStored(msgspec.Struct, tag=True):
     parent_block_hash: Hash | None
     token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS)]
     block_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 16)]
-    medium: str | None = None
+    medium: Medium | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
     block_hashes: Hashes
-    medium: str | None = None
+    medium: Medium | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True):
@@ -145,11 +146,11 @@ class EventStream:
         for ev in batch.events:
             try:
                 if isinstance(ev, BlockStored):
-                    self.index.stored(ev.parent_block_hash, ev.block_hashes, ev.token_ids, ev.block_size)
+                    self.index.stored(ev.parent_block_hash, ev.block_hashes, ev.token_ids, ev.block_size, ev.medium)
                 elif isinstance(ev, BlockRemoved):
-                    self.index.removed(ev.block_hashes)
+                    self.index.removed(ev.block_hashes, ev.medium)
                 else:
-                    self.index.clear()
+                    self.index.clear(GPU)  # vLLM's prefix cache reset: kvferry's tiers keep theirs
                 self.count("applied")
             except ValueError as e:
                 self.count("bad")

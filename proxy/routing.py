@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from kvferry.common.log import get_logger
-from kvferry.proxy.cache_routing import CacheView, Route, choose, local_reason
+from kvferry.proxy.cache_routing import CacheView, Route, choose, effective, local_reason
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
@@ -58,7 +58,8 @@ class Router:
             r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
         else:
             d = self.pick(request, "decoder")
-            why = local_reason(self.opts, d, self.cache.cached(d, tokens, {}), tokens, ntok)
+            held = self.cache.cached(d, tokens, {})
+            why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
         self.metrics.routes.labels(r.reason).inc()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvferry.common.counters import Counters
+from kvferry.engine.offload.tier_events import TierEventLog
 
 
 @dataclass
@@ -47,6 +48,7 @@ class TierIndex:
     entries: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
     used: int = 0
     counters: TierCounters = field(default_factory=TierCounters)
+    events: TierEventLog | None = None  # removals are logged here; the planner logs what it stores (it has the tokens)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
@@ -91,12 +93,17 @@ class TierIndex:
         if n is None:
             return False
         self.used -= n
+        if self.events is not None:
+            self.events.removed(self.name, key)
         return True
 
     def clear(self) -> list[bytes]:
         keys = list(self.entries)
         self.entries.clear()
         self.used = 0
+        if self.events is not None:
+            for k in keys:
+                self.events.removed(self.name, k)
         return keys
 
 

@@ -21,6 +21,7 @@ from kvferry.engine.chunking import chunk_tokens
 from kvferry.engine.offload.index import ChunkIndex, TierIndex
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.offload.shared_tiers import Lookup, PeerLookup, RemoteLookup, SharedTier
+from kvferry.engine.offload.tier_events import TierEvent, TierEventLog
 from kvferry.engine.p2p.lookup import ControllerLookup
 from kvferry.engine.p2p.notices import PlannerNotices
 from kvferry.engine.remote import mooncake_settings, redis_settings
@@ -37,7 +38,7 @@ class OffloadPlanner:
     """Scheduler side: the index and every decision about it."""
 
     def __init__(self, cfg: KVFerryConfig, salt: bytes, block_size: int, block_bytes: int,
-                 notice_addr: str | None = None) -> None:
+                 notice_addr: str | None = None, tier_events: bool = False) -> None:
         if cfg.chunk_size % block_size:
             raise ConfigError(f"chunk_size {cfg.chunk_size} is not a multiple of vLLM's block_size {block_size}: "
                              f"set chunk_size to a multiple of {block_size} (e.g. 256), or vLLM's --block-size "
@@ -62,6 +63,11 @@ class OffloadPlanner:
                             len(disk), fmt_bytes(disk.used))
             tiers.append(disk)
         self.index = ChunkIndex(tiers)
+        # What the cpu and disk tiers take in and let go of, for the connector's KV events
+        # (after the disk scan: chunks found on disk have no tokens to announce).
+        self.events: TierEventLog | None = TierEventLog() if tier_events else None
+        for t in tiers:
+            t.events = self.events
         # The shared tiers are asked rather than indexed here; the scheduler waits on their
         # answers, hence the short limit.
         ask_timeout = min(1.0, cfg.blocking_timeout_secs)
@@ -159,9 +165,23 @@ class OffloadPlanner:
             promote = False
             if tier != "cpu" and cpu is not None:
                 promote, victims = cpu.admit(key, self.nbytes("cpu", op.tokens[i]))
+                if promote:
+                    self._stored("cpu", look.keys, c0 + i, tokens)
                 self._save_ops += [CacheEvict("cpu", v) for v in victims]
             op.promote.append(promote)
         self._loads.append(op)
+
+    def _stored(self, tier: str, keys: Sequence[bytes], i: int, tokens: Sequence[int]) -> None:
+        """Log chunk i of a prompt as stored in `tier`; a partial last chunk is not announced
+        (a router matches whole chunks)."""
+        if self.events is None or (i + 1) * self.chunk_size > len(tokens):
+            return
+        self.events.stored(tier, keys[i], keys[i - 1] if i else None,
+                           tokens[i * self.chunk_size:(i + 1) * self.chunk_size])
+
+    def take_events(self) -> list[TierEvent]:
+        """The tier events since the last call (empty when not asked for)."""
+        return self.events.take() if self.events is not None else []
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the load `after_alloc` planned, by the tier that supplies them."""
@@ -185,6 +205,8 @@ class OffloadPlanner:
                     t.touch(key)
                     continue
                 ok, victims = t.admit(key, self.nbytes(t.name, sizes[i]))
+                if ok:
+                    self._stored(t.name, keys, i, tokens)
                 for v in victims:
                     j = pos.get(v)
                     if j is not None and t.name in op.tiers[j]:
