@@ -129,12 +129,13 @@ class PDProducer:
             return
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
         try:
-            res = self.staging.reserve(len(keys), transfer_id, self._staging_lease, timeout=0)
+            # Held while the prompt computes (a batch's step can be long), given back by submit or cancel.
+            res = self.staging.reserve(len(keys), transfer_id, self._staging_hold, timeout=0)
         except PDBufferError:
             return  # all staging pages are in flight: submit() sends it whole, waiting its turn
         out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
         try:
-            out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens)
+            out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens, keep_alive=True)
         except SendError as e:
             logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
             self.staging.release(res)
@@ -148,8 +149,6 @@ class PDProducer:
             return  # the alloc is still on its way (or failed): submit() sends these chunks
         if any(w.done() and not _ok(w) for w in out.writes):
             return  # a piece failed: the grant is gone, submit() reports it
-        self.sender.keep(out.grant.result())
-        self.staging.renew(out.res, self._staging_lease, self._staging_hold)
         upto = min(computed_tokens, out.num_tokens) // self.fp.chunk_size
         if upto <= out.sent:
             return

@@ -45,11 +45,18 @@ from kvferry.sender.errors import (
     SendError,
     WriteFailed,
 )
+from kvferry.sender.grants import (
+    LEASE_MARGIN,
+    Grant,
+    check_ranges,
+    refusal,
+    renew_until_done,
+    send_abort,
+)
 
 logger = get_logger(__name__)
 
 POLL_S = 0.00005
-LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
 
 
 @dataclass(frozen=True)
@@ -103,83 +110,6 @@ class SendResult:
     posted_at: float = 0.0  # time.monotonic() when the NIXL thread posted the (last) write
 
 
-@dataclass
-class Grant:
-    """Pages a receiver reserved for one transfer: written into with `KVSender.write` until `deadline`."""
-
-    transfer_id: str
-    addr: ReceiverAddr
-    peer: peering.Peer
-    generation: int
-    pages: list[int]
-    deadline: float  # no write may be posted after this (the lease, less LEASE_MARGIN)
-    requested: float
-    phases: dict[str, float]
-    handshook: bool
-    lease_seconds: float = 0.0
-    posted: bool = False  # a write was posted: an abort is no longer final
-    written: int = 0  # bytes written so far
-    chunks: int = 0
-    renewed: float = 0.0  # when the lease was last granted or renewal asked for
-    renewing: bool = False
-
-
-async def _abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
-    """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
-    try:
-        await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
-                                                      reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
-    except zmq.ZMQError as e:
-        logger.debug("abort of %s not sent: %s", transfer_id, e)
-
-
-async def _renew(grant: Grant, timeout: float) -> None:
-    """Ask the receiver to restart the grant's lease; move its deadline if it does."""
-    pending = grant.peer.state["pending"]
-    fut = asyncio.get_running_loop().create_future()
-    pending[grant.transfer_id] = fut
-    sent_at = time.monotonic()
-    try:
-        await asyncio.wait_for(grant.peer.sock.send(m.encode(m.RenewLease(
-            transfer_id=grant.transfer_id, generation=grant.generation))), timeout)
-        reply = await asyncio.wait_for(fut, timeout)
-    except (TimeoutError, zmq.ZMQError, SendError) as e:  # no answer, or the connection was dropped meanwhile
-        pending.pop(grant.transfer_id, None)
-        logger.warning("transfer %s: receiver %s did not answer a lease renewal: %s", grant.transfer_id, grant.addr,
-                       e or type(e).__name__)
-        return
-    finally:
-        grant.renewing = False
-    if isinstance(reply, m.LeaseRenewed) and reply.generation == grant.generation:
-        grant.deadline = max(grant.deadline, sent_at + reply.lease_seconds * (1 - LEASE_MARGIN))
-    else:
-        logger.warning("transfer %s: receiver %s refused a lease renewal: %s", grant.transfer_id, grant.addr,
-                       getattr(reply, "message", reply))
-
-
-def _check_ranges(ranges: list[tuple[int, int]], chunks: Sequence[tuple[int, int]]) -> None:
-    for addr, n in chunks:
-        if not any(lo <= addr and addr + n <= hi for lo, hi in ranges):
-            raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
-
-
-def _refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:
-    """Why `chunks` may not be written into `grant` now, and the reason to abort it with ("" if
-    it ended already), or None."""
-    if grant.generation < 0:
-        return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
-                         "more may be written into them"), ""
-    region = grant.peer.welcome.region
-    big = next((n for _, n in chunks if n > region.page_bytes), None)
-    if big is not None:
-        return SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s {region.page_bytes}-byte "
-                         "pages"), "chunk too large"
-    if now >= grant.deadline:
-        return LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the write could start; raise "
-                            "pd_lease_seconds"), "lease ran out before the write"
-    return None
-
-
 def _grant_result(grant: Grant, called: float, posted: float, done: float) -> SendResult:
     phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
     return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
@@ -229,26 +159,27 @@ class KVSender:
         `reserve`, then one `write` of them all that notifies the receiver."""
         if len(chunk_keys) != len(chunks):
             raise ChunkError(f"{len(chunk_keys)} chunk keys for {len(chunks)} chunks")
-        _check_ranges(self._ranges, chunks)
+        check_ranges(self._ranges, chunks)
         self._check_open(transfer_id)
         return asyncio.run_coroutine_threadsafe(
             self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens, time.monotonic()),
             self._loop)
 
     def reserve(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes],
-                num_tokens: int) -> concurrent.futures.Future[Grant]:
-        """Ask `receiver` for one page per key now, before the chunks exist: the alloc round trip
-        runs while the caller computes them. The grant's lease starts when the receiver grants it."""
+                num_tokens: int, keep_alive: bool = False) -> concurrent.futures.Future[Grant]:
+        """Ask `receiver` for one page per key before the chunks exist (the alloc round trip runs
+        while the caller computes them); `keep_alive` renews the lease until the notifying write."""
         self._check_open(transfer_id)
         return asyncio.run_coroutine_threadsafe(
-            self._reserve(transfer_id, receiver, list(chunk_keys), num_tokens, time.monotonic()), self._loop)
+            self._reserve(transfer_id, receiver, list(chunk_keys), num_tokens, time.monotonic(), keep_alive),
+            self._loop)
 
     def write(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
               notify: bool = False) -> concurrent.futures.Future[SendResult]:
         """Write `chunks` into the grant's pages from `first` on, handed straight to the NIXL thread.
         Only the last write may `notify`: the receiver reads the transfer once notified, so the
         caller posts it after every earlier write of the grant is done."""
-        _check_ranges(self._ranges, chunks)
+        check_ranges(self._ranges, chunks)
         self._check_open(grant.transfer_id)
         if not chunks:
             raise ChunkError(f"transfer {grant.transfer_id}: a write needs at least one chunk")
@@ -258,7 +189,7 @@ class KVSender:
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = grant.peer.welcome.region
-        refused = _refusal(grant, chunks, called)
+        refused = refusal(grant, chunks, called)
         if refused is not None:
             err, reason = refused
             if reason:
@@ -267,6 +198,7 @@ class KVSender:
                 out.set_exception(err)
             return out
         grant.posted = True
+        grant.finishing = grant.finishing or notify
         pages = grant.pages[first:first + len(chunks)]
         local = [(a, n, nixl_agent.device_id(self.device)) for a, n in chunks]
         remote = [(region.addr + p * region.page_bytes, n, region.device_id)
@@ -277,15 +209,6 @@ class KVSender:
         nbytes = sum(n for _, n in chunks)
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
         return out
-
-    def keep(self, grant: Grant) -> None:
-        """The caller still computes the grant's chunks: once a quarter of its lease is gone, ask
-        the receiver to restart it (the local deadline moves when the receiver says so)."""
-        now = time.monotonic()
-        if grant.renewing or grant.generation < 0 or now - grant.renewed < grant.lease_seconds / 4:
-            return
-        grant.renewing, grant.renewed = True, now
-        asyncio.run_coroutine_threadsafe(_renew(grant, self.cfg.handshake_timeout), self._loop)
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (its pages are free at once
@@ -366,7 +289,7 @@ class KVSender:
                 fut.set_result(reply)
             elif isinstance(reply, m.AllocResponse):
                 # We gave up on it already and wrote nothing: the pages may go back at once.
-                await _abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
+                await send_abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
 
     # ---- one transfer ----
     async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -375,19 +298,22 @@ class KVSender:
         return await asyncio.wrap_future(self.write(grant, chunks, 0, notify=True))
 
     async def _reserve(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
-                       t0: float) -> Grant:
+                       t0: float, keep_alive: bool = False) -> Grant:
         try:
             try:
-                return await self._reserve_once(tid, addr, keys, num_tokens, t0)
+                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0)
             except ReceiverRestarted:
                 logger.info("receiver %s restarted: handshaking again", addr)
-                return await self._reserve_once(tid, addr, keys, num_tokens, t0)
+                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0)
         except ReceiverRestarted as e:
             self.counters.failed += 1
             raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
         except SendError:
             self.counters.failed += 1
             raise
+        if keep_alive:
+            asyncio.ensure_future(renew_until_done(grant, self.cfg.handshake_timeout))
+        return grant
 
     async def _reserve_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
                             t0: float) -> Grant:
@@ -411,7 +337,7 @@ class KVSender:
             except TimeoutError:
                 self._waited(sent_at)
                 pending.pop(tid, None)
-                await _abort(peer, tid, 0, "alloc timed out", final=True)
+                await send_abort(peer, tid, 0, "alloc timed out", final=True)
                 raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
                                              f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
             self._waited(sent_at)
@@ -422,7 +348,7 @@ class KVSender:
                 raise AllocFailed(reply.code, f"receiver {addr} refused transfer {tid}: {reply.message}")
             if len(keys) != len(reply.pages) or any(p >= region.num_pages for p in reply.pages) or \
                     len(set(reply.pages)) != len(reply.pages):
-                await _abort(peer, tid, reply.generation, "bad page list", final=True)
+                await send_abort(peer, tid, reply.generation, "bad page list", final=True)
                 raise SendError(f"receiver {addr} answered transfer {tid} with a page list that does not match")
             now = time.monotonic()
             phases = {"to_loop": began - t0, "alloc": now - sent_at}
@@ -472,7 +398,7 @@ class KVSender:
             return
         peer = grant.peer
         if abort:
-            await _abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
+            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
         if drop:
             self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
         grant.generation = -1

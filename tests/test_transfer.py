@@ -570,17 +570,15 @@ def test_the_senders_receiver_table_is_bounded_and_drops_the_least_recently_used
 def test_an_early_grant_written_in_pieces_is_readable_only_when_notified_and_kept_past_its_lease(
         receiver, sender) -> None:
     """The PD path's shape: pages reserved before the chunks exist, chunks written as they are
-    computed, the last write notifies. keep() renews the lease while the compute runs longer."""
+    computed, the last write notifies. keep_alive renews the lease while the compute runs longer."""
     r = receiver(pages=4, lease_seconds=1.5)
     s, src = sender("early")
-    grant = s.reserve("E", r.addr, keys(4), 4 * 32).result(30)
+    grant = s.reserve("E", r.addr, keys(4), 4 * 32, keep_alive=True).result(30)
     assert r.state()[2] == 0
     assert s.write(grant, chunks_of(src, 2), 0).result(30).sent_chunks == 2
     kind, name, _ = r.ask("claim", "E", 0.3)
     assert (kind, name) == ("err", "TransferTimeout"), "a piece without the notification must not be readable"
-    for _ in range(8):  # 2.4 s of "compute": past the 1.5 s lease
-        time.sleep(0.3)
-        s.keep(grant)
+    time.sleep(2.4)  # "compute" past the 1.5 s lease: the sender renews it meanwhile
     res = s.write(grant, chunks_of(src, 2, 2), 2, notify=True).result(30)
     assert res.sent_chunks == 4 and res.bytes == 4 * PAGE and set(res.phases) >= {"alloc", "to_nixl", "write"}
     kind, _, data = r.ask("claim", "E", 10)

@@ -15,6 +15,7 @@ is kept, never destroyed, as its destructor would block on the dead master."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import socket
 import threading
@@ -205,3 +206,16 @@ class MooncakeBackend:
 
 _orphans: list[ctypes.Array] = []
 _graveyard: list[Any] = []  # clients that failed: kept, as destroying one blocks on a dead master
+
+
+def _never_destroy_at_exit() -> None:
+    """At interpreter exit every client would be destroyed, and a client's destructor joins threads
+    that wait on its master: with the master gone first (stopped, or crashed) the process would
+    never exit. Each client keeps one reference more, so none is destroyed; the OS frees them."""
+    with MooncakeClient._shared_lock:
+        stores = [c._store for c in MooncakeClient._shared.values() if c._store is not None]
+    for store in stores + _graveyard:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+
+
+atexit.register(_never_destroy_at_exit)

@@ -1,0 +1,112 @@
+"""A sender's grants: pages a receiver reserved for one transfer, and what keeps or ends them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from kvferry.buffer import peering
+from kvferry.common import messages as m
+from kvferry.common.log import get_logger
+from kvferry.sender.errors import ChunkError, LeaseExpired, SendError
+
+if TYPE_CHECKING:
+    from kvferry.sender.client import ReceiverAddr
+
+logger = get_logger(__name__)
+
+LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
+
+
+@dataclass
+class Grant:
+    """Pages a receiver reserved for one transfer: written into with `KVSender.write` until `deadline`."""
+
+    transfer_id: str
+    addr: ReceiverAddr
+    peer: peering.Peer
+    generation: int
+    pages: list[int]
+    deadline: float  # no write may be posted after this (the lease, less LEASE_MARGIN)
+    requested: float
+    phases: dict[str, float]
+    handshook: bool
+    lease_seconds: float = 0.0
+    posted: bool = False  # a write was posted: an abort is no longer final
+    written: int = 0  # bytes written so far
+    chunks: int = 0
+    renewed: float = 0.0  # when the lease was last granted or renewal asked for
+    renewing: bool = False
+    finishing: bool = False  # the notifying write was asked for: no more renewals
+
+
+async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
+    """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
+    try:
+        await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
+                                                      reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
+    except zmq.ZMQError as e:
+        logger.debug("abort of %s not sent: %s", transfer_id, e)
+
+
+async def renew(grant: Grant, timeout: float) -> None:
+    """Ask the receiver to restart the grant's lease; move its deadline if it does."""
+    pending = grant.peer.state["pending"]
+    fut = asyncio.get_running_loop().create_future()
+    pending[grant.transfer_id] = fut
+    sent_at = time.monotonic()
+    try:
+        await asyncio.wait_for(grant.peer.sock.send(m.encode(m.RenewLease(
+            transfer_id=grant.transfer_id, generation=grant.generation))), timeout)
+        reply = await asyncio.wait_for(fut, timeout)
+    except (TimeoutError, zmq.ZMQError, SendError) as e:  # no answer, or the connection was dropped meanwhile
+        pending.pop(grant.transfer_id, None)
+        logger.warning("transfer %s: receiver %s did not answer a lease renewal: %s", grant.transfer_id, grant.addr,
+                       e or type(e).__name__)
+        return
+    finally:
+        grant.renewing = False
+    if isinstance(reply, m.LeaseRenewed) and reply.generation == grant.generation:
+        grant.deadline = max(grant.deadline, sent_at + reply.lease_seconds * (1 - LEASE_MARGIN))
+    else:
+        logger.warning("transfer %s: receiver %s refused a lease renewal: %s", grant.transfer_id, grant.addr,
+                       getattr(reply, "message", reply))
+
+
+async def renew_until_done(grant: Grant, timeout: float) -> None:
+    """Renew the grant's lease every quarter of it until its notifying write or its end: one
+    forward step of a large batch can take longer than the lease."""
+    while True:
+        await asyncio.sleep(max(0.05, grant.lease_seconds / 4))
+        if grant.generation < 0 or grant.finishing:
+            return
+        grant.renewed = time.monotonic()
+        await renew(grant, timeout)
+
+
+def check_ranges(ranges: list[tuple[int, int]], chunks: Sequence[tuple[int, int]]) -> None:
+    for addr, n in chunks:
+        if not any(lo <= addr and addr + n <= hi for lo, hi in ranges):
+            raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+
+
+def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:
+    """Why `chunks` may not be written into `grant` now, and the reason to abort it with ("" if
+    it ended already), or None."""
+    if grant.generation < 0:
+        return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
+                         "more may be written into them"), ""
+    region = grant.peer.welcome.region
+    big = next((n for _, n in chunks if n > region.page_bytes), None)
+    if big is not None:
+        return SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s {region.page_bytes}-byte "
+                         "pages"), "chunk too large"
+    if now >= grant.deadline:
+        return LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the write could start; raise "
+                            "pd_lease_seconds"), "lease ran out before the write"
+    return None
