@@ -17,7 +17,7 @@ Without an early grant (no staging pages free at open) `submit` sends the whole 
 as one transfer; an early alloc that failed fails the transfer (its id is spent). Gathering is
 synchronous, on CUDA too (vLLM may reuse the blocks after the step, and NIXL reads the staging
 pages from another thread); staging pages are released once no write reads them, and their
-lease is renewed with the decoder's while the prompt computes.
+lease covers a prompt that computes for long (up to pd_queue_seconds more than a send).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class PDProducer:
         # Staging pages are local: held for the longest a send may take (the decoder's lease covers
         # the prompt's compute too), then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
-        self._staging_hold = self._staging_lease + cfg.pd_queue_seconds  # renewed up to this (RenewLease's bound)
+        self._staging_hold = self._staging_lease + cfg.pd_queue_seconds  # an open prompt's: RenewLease's bound
         self._open: dict[str, _Outgoing] = {}
         self.counters = ProducerCounters()
 

@@ -357,7 +357,7 @@ class KVSender:
             granted = True
             return Grant(tid, addr, peer, reply.generation, list(reply.pages),
                          sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook,
-                         reply.lease_seconds, renewed=sent_at)
+                         reply.lease_seconds)
         finally:
             if not granted:
                 peer.busy -= 1

@@ -40,8 +40,6 @@ class Grant:
     posted: bool = False  # a write was posted: an abort is no longer final
     written: int = 0  # bytes written so far
     chunks: int = 0
-    renewed: float = 0.0  # when the lease was last granted or renewal asked for
-    renewing: bool = False
     finishing: bool = False  # the notifying write was asked for: no more renewals
 
 
@@ -69,8 +67,6 @@ async def renew(grant: Grant, timeout: float) -> None:
         logger.warning("transfer %s: receiver %s did not answer a lease renewal: %s", grant.transfer_id, grant.addr,
                        e or type(e).__name__)
         return
-    finally:
-        grant.renewing = False
     if isinstance(reply, m.LeaseRenewed) and reply.generation == grant.generation:
         grant.deadline = max(grant.deadline, sent_at + reply.lease_seconds * (1 - LEASE_MARGIN))
     else:
@@ -85,7 +81,6 @@ async def renew_until_done(grant: Grant, timeout: float) -> None:
         await asyncio.sleep(max(0.05, grant.lease_seconds / 4))
         if grant.generation < 0 or grant.finishing:
             return
-        grant.renewed = time.monotonic()
         await renew(grant, timeout)
 
 
