@@ -113,6 +113,10 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cluster_secret_file: str | None = None
     require_cluster_secret: bool = False  # a port beyond loopback without a secret is an error
 
+    # --- vLLM ---
+    # Start with a vLLM release outside the checked range (connector/vllm_version.py), with a warning.
+    allow_unsupported_vllm: bool = False
+
     # Free-form, backend-specific settings (Mooncake, NIXL storage, lookup_backoff_time, ...).
     extra_config: dict[str, Any] | None = None
 

@@ -43,6 +43,7 @@ from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta
 from kvferry.connector.roles import roles
 from kvferry.connector.scheduler_side import SchedulerSide
 from kvferry.connector.stats import KVFerryPromMetrics, KVFerryStats, deltas
+from kvferry.connector.vllm_version import check_vllm_version, installed_vllm_version
 from kvferry.connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class KVFerryConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.roles = roles(vllm_config)
+        check_vllm_version(installed_vllm_version(), self.roles.cfg.allow_unsupported_vllm)
         self._last_stats: dict[str, float] = {}
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
