@@ -125,6 +125,20 @@ class KVFerryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    # vLLM sleep mode (vLLM >= 0.33; docs/compatibility.md): the worker drains its transfers and
+    # drops its NIXL registrations before the memory goes, and registers again after.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Before the forward pass on every device: vLLM calls start_load_kv after the forward

@@ -189,6 +189,22 @@ class WorkerSide:
             out.update(self.consumer.stats())
         return out
 
+    def unregister(self) -> None:
+        """vLLM sleep mode, before the KV cache and the pd_buffer / staging pages (allocated in vLLM's
+        memory pool) are unmapped: transfers in flight drained, NIXL registrations dropped. The
+        offload tiers' memory is host memory vLLM does not touch."""
+        if self.producer is not None:
+            self.producer.suspend()
+        if self.consumer is not None:
+            self.consumer.suspend()
+
+    def restore(self) -> None:
+        """After vLLM remapped the memory at the same addresses: registered again."""
+        if self.producer is not None:
+            self.producer.resume()
+        if self.consumer is not None:
+            self.consumer.resume()
+
     def close(self) -> None:
         if self.offload is not None:
             self.offload.close()

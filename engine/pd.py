@@ -240,5 +240,12 @@ class PDConsumer:
         logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
                     e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
 
+    def suspend(self) -> int:
+        """vLLM sleep mode: see KVReceiver.suspend (transfers in flight drained, pd_buffer deregistered)."""
+        return self.receiver.suspend()
+
+    def resume(self) -> None:
+        self.receiver.resume()
+
     def close(self) -> None:
         self.receiver.close()

@@ -122,10 +122,11 @@ class PDProducer:
         self._staging_hold = self._staging_lease + cfg.pd_queue_seconds  # an open prompt's: RenewLease's bound
         self._open: dict[str, _Outgoing] = {}
         self.counters = ProducerCounters()
+        self._asleep = False
 
     def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int) -> None:
         """The prompt is about to compute: take staging pages and ask the decoder for its pages now."""
-        if transfer_id in self._open:
+        if transfer_id in self._open or self._asleep:
             return
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
         try:
@@ -164,6 +165,10 @@ class PDProducer:
                block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
         """The prompt's last token is computed: gather the rest now, send in the background. None
         (logged) if no staging pages came in time; StagingError if these blocks cannot be gathered."""
+        if self._asleep:
+            bump(self.counters.failures, "asleep")
+            logger.error("transfer %s: not sent, this prefiller is asleep (vLLM sleep mode)", transfer_id)
+            return None
         out = self._open.pop(transfer_id, None)
         if out is None:
             out = self._staged(transfer_id, receiver, token_ids, num_tokens)
@@ -178,6 +183,33 @@ class PDProducer:
             raise
         _after_all(out.writes + ([out.grant] if out.grant is not None else []), lambda: self._last(out, result))
         return result
+
+    def suspend(self) -> None:
+        """vLLM sleep mode, before the staging memory is unmapped: prompts still computing are
+        cancelled, every write that reads staging ends (done, or cut at its lease), then the
+        staging pages are deregistered from NIXL. Idempotent."""
+        if self._asleep:
+            return
+        self._asleep = True
+        for tid in list(self._open):
+            self.cancel(tid)
+        deadline = time.monotonic() + self._staging_lease
+        while not self.staging.fully_free():
+            if time.monotonic() >= deadline:
+                logger.warning("prefiller going to sleep: staging pages still held after %.0fs; deregistering "
+                               "anyway (no write outlives its lease)", self._staging_lease)
+                break
+            time.sleep(0.005)
+        self.sender.suspend()
+        logger.info("prefiller asleep: staging deregistered from NIXL")
+
+    def resume(self) -> None:
+        """After vLLM remapped the memory: register the staging pages again. Idempotent."""
+        if not self._asleep:
+            return
+        self.sender.resume()
+        self._asleep = False
+        logger.info("prefiller awake: staging registered again")
 
     def cancel(self, transfer_id: str) -> None:
         """The prompt will not finish computing (its request ended): give its pages back."""

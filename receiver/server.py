@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import queue
 import random
 import threading
 import time
@@ -123,6 +124,10 @@ class KVReceiver:
         self._start_error: BaseException | None = None
         self.nixl_health = LoopHealth("receiver NIXL thread")
         self.counters = ReceiverCounters()
+        # vLLM sleep mode (suspend/resume): allocs are refused while the pd_buffer is not registered.
+        self._asleep = False
+        self._sleep_lock = threading.Lock()  # an alloc is either refused or seen by suspend()'s drain
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for the NIXL thread (agent calls)
 
     # ---- lifecycle ----
     def start(self) -> KVReceiver:
@@ -155,6 +160,79 @@ class KVReceiver:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.table.close()
         self.buffer.deregister()
+
+    # ---- vLLM sleep mode ----
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def suspend(self) -> int:
+        """Before vLLM frees or remaps the pd_buffer's memory: refuse new allocs, quarantine the
+        transfers not arrived yet, wait until no WRITE can land in any page (each arrives or its
+        lease ends; bounded by pd_lease_seconds), then deregister the pd_buffer from NIXL.
+        Returns how many transfers were quarantined; idempotent."""
+        with self._sleep_lock:
+            if self._asleep:
+                return 0
+            self._asleep = True
+        self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
+        why = "the decoder went to sleep (vLLM sleep mode)"
+        n = self.table.quarantine_unarrived(why)
+        deadline = time.monotonic() + self.cfg.lease_seconds + 2 * SWEEP_S + 1.0
+        while self._allocating or self.table.writes_may_land():
+            if time.monotonic() >= deadline:
+                raise ReceiverError(f"receiver {self.receiver_id}: writes still in flight after pd_lease_seconds "
+                                    f"({self.cfg.lease_seconds:.0f}s); the pd_buffer stays registered")
+            self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
+            n += self.table.quarantine_unarrived(why)  # an alloc granted while this began
+            self.table.sweep()
+            time.sleep(0.01)
+        self._on_nixl(self._deregister)
+        logger.info("receiver %s asleep: pd_buffer deregistered from NIXL (%d transfers in flight were "
+                    "quarantined and drained)", self.receiver_id, n)
+        return n
+
+    def resume(self) -> None:
+        """After vLLM remapped the memory: register the pd_buffer again and take a new epoch, so
+        every sender handshakes again and loads the new registration. Idempotent."""
+        with self._sleep_lock:
+            if not self._asleep:
+                return
+        self._on_nixl(self._register)
+        with self._sleep_lock:
+            self.epoch = random.SystemRandom().randrange(1, 1 << 62)
+            self._asleep = False
+        logger.info("receiver %s awake: pd_buffer registered again (epoch %d)", self.receiver_id, self.epoch)
+
+    def _deregister(self) -> None:
+        self.buffer.deregister()
+        self._agent_metadata = self._agent.get_agent_metadata()
+
+    def _register(self) -> None:
+        self.buffer.register(self._agent)
+        self._agent_metadata = self._agent.get_agent_metadata()
+
+    def _on_nixl(self, fn: Callable[[], object], timeout: float = 30.0) -> None:
+        """Run `fn` on the NIXL thread, the agent's only user (inline when that thread is not running)."""
+        alive = [t for t in self._threads if t.name == "kvf-recv-nixl" and t.is_alive()]
+        if not alive:
+            fn()
+            return
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        self._kick.set()
+        fut.result(timeout)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
 
     def __enter__(self) -> KVReceiver:
         return self.start()
@@ -262,7 +340,14 @@ class KVReceiver:
         if why is not None:
             await peering.reply(sock, ident, error("duplicate", why))
             return
-        self._allocating.add(tid)
+        with self._sleep_lock:
+            asleep = self._asleep
+            if not asleep:
+                self._allocating.add(tid)
+        if asleep:
+            await peering.reply(sock, ident, error("asleep", f"receiver {self.receiver_id} is asleep (vLLM sleep "
+                                                   "mode): its pd_buffer is not registered; the request recomputes"))
+            return
         try:
             reply = await self._reserve(req, ident, arrival)
         finally:
@@ -318,6 +403,7 @@ class KVReceiver:
         next_sweep = time.monotonic() + SWEEP_S
         try:
             while not self._stop.is_set():
+                self._run_calls()
                 for _agent, msgs in self._agent.get_new_notifs().items():
                     for raw in msgs:
                         self._on_notif(raw, proxy)

@@ -210,6 +210,19 @@ class TransferTable:
                 self.counters["quarantined"] += 1
             return True
 
+    def quarantine_unarrived(self, why: str) -> int:
+        """Abort every transfer whose data has not arrived (vLLM sleep mode): its pages are
+        quarantined, as for any abort, until no WRITE can land in them. Returns how many."""
+        with self._cond:
+            todo = [(i.transfer_id, i.res.generation) for i in self._live.values() if not i.arrived]
+        return sum(self.abort(tid, gen, why) for tid, gen in todo)
+
+    def writes_may_land(self) -> bool:
+        """Whether a sender may still WRITE into some page: a transfer reserved and not arrived,
+        or a quarantined one."""
+        with self._cond:
+            return self._expecting > 0 or bool(self._quarantine)
+
     def renew(self, transfer_id: str, generation: int, conn: bytes) -> float | None:
         """Restart the lease of a transfer still being computed (see messages.RenewLease): its
         new length, or None if it is gone, arrived, or not `conn`'s."""

@@ -126,7 +126,9 @@ class KVSender:
         self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}")
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
+        self._tensors: list = []  # what is registered: registered again after vLLM sleep mode
         self._ranges: list[tuple[int, int]] = []
+        self._asleep = False
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
         self._nixl = nixl_agent.NixlThread(self._agent, self._loop, POLL_S)
@@ -142,9 +144,33 @@ class KVSender:
     def register(self, tensor) -> None:  # torch.Tensor
         """Register local memory that chunks will be sent from (e.g. this worker's staging pages)."""
         self._regs.append(self._call(self._agent.register_memory, tensor))
+        self._tensors.append(tensor)
         self._metadata = self._call(self._agent.get_agent_metadata)
         start = tensor.data_ptr()
         self._ranges.append((start, start + tensor.numel() * tensor.element_size()))
+
+    def suspend(self) -> None:
+        """vLLM sleep mode: deregister every region from NIXL; the caller drained the writes that
+        read them. Sends are refused until resume(). Idempotent."""
+        if self._asleep:
+            return
+        self._asleep = True
+        for descs in self._regs:
+            self._call(self._agent.deregister_memory, descs)
+        self._regs.clear()
+        self._metadata = self._call(self._agent.get_agent_metadata)
+
+    def resume(self) -> None:
+        """Register the same regions again (vLLM remapped them at the same addresses). Idempotent."""
+        if not self._asleep:
+            return
+        self._regs = [self._call(self._agent.register_memory, t) for t in self._tensors]
+        self._metadata = self._call(self._agent.get_agent_metadata)
+        self._asleep = False
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
 
     def _call(self, fn, *args):
         """Run `fn` on the NIXL thread from a caller's thread, and wait (bounded) for it."""
@@ -218,6 +244,9 @@ class KVSender:
     def _check_open(self, transfer_id: str) -> None:
         if not self._thread.is_alive():
             raise SendError(f"transfer {transfer_id}: this sender is closed")
+        if self._asleep:
+            raise SendError(f"transfer {transfer_id}: this sender is asleep (vLLM sleep mode): its staging "
+                            "memory is not registered")
 
     def close(self) -> None:
         if not self._thread.is_alive():

@@ -39,7 +39,8 @@ class WriteFailed(SendError):
 # Receivers' refusal codes and the sender's own failure kinds: a metric label never carries a
 # string a peer made up.
 FAILURE_REASONS = frozenset({"send_failed", "handshake", "fingerprint", "buffer_full", "too_large", "timeout",
-                             "stale_epoch", "aborted", "duplicate", "bad_message", "lease_expired", "write"})
+                             "stale_epoch", "aborted", "duplicate", "bad_message", "lease_expired", "write",
+                             "asleep"})
 
 
 def failure_reason(e: BaseException) -> str:
