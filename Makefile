@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup model redis chromium demo test lint clean
+.PHONY: setup model redis chromium demo test lint clean vllm-compat
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -67,6 +67,13 @@ chromium:
 
 test: setup model redis chromium
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):
+# the installed vLLM from its files, the others from their wheels, downloaded once (~340 MB each) into
+# ~/.cache/kvferry/wheels and read without installing. Not part of `make test`: the downloads cost CI
+# minutes and network. `make test` checks the installed vLLM and any wheel already in that cache.
+vllm-compat: setup
+	$(PY) benchmarks/vllm_compat.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -33,3 +33,10 @@ def test_transfer_bench_runs() -> None:
     (row,) = out["rows"]
     assert row["chunk_bytes"] == 1 << 20 and row["batch"] == 2
     assert row["raw_nixl_write_gbps"] > 0 and row["kvferry_gbps"] > 0 and row["kvferry_secret_gbps"] > 0
+
+
+def test_vllm_compat_bench_runs_for_the_installed_vllm() -> None:
+    """The API check's script (make vllm-compat), without downloads: the installed vLLM only."""
+    out = run_bench("benchmarks/vllm_compat.py", "--installed-only")
+    (row,) = out["releases"]
+    assert out["ok"] and row["version"] == out["installed"] and row["how"] == "installed" and row["problems"] == []
