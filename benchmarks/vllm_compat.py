@@ -14,7 +14,6 @@ tests check the installed vLLM and any wheel already in the cache.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,20 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str, path: Path):
-    """A connector module by path: importing kvferry.connector would import vLLM itself."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-api_compat = _load("kvferry_api_compat", REPO / "connector" / "api_compat.py")
-vllm_version = _load("kvferry_vllm_version", REPO / "connector" / "vllm_version.py")
+from kvferry.connector import api_compat, vllm_version  # neither imports vLLM
 
 
 def default_cache() -> Path:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import queue
 import random
 import threading
 import time
@@ -43,6 +42,7 @@ from kvferry.common.counters import Counters
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise_thread
+from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
 
 logger = get_logger(__name__)
@@ -96,7 +96,7 @@ class ReceiverError(UnavailableError, RuntimeError):
     """The receiver cannot start (port taken, NIXL missing); the message names the fix."""
 
 
-class KVReceiver:
+class KVReceiver(ReceiverSleep):
     """Serves one TP rank's pd_buffer to senders; hands arrived transfers to the engine."""
 
     def __init__(self, cfg: ReceiverConfig, buffer: PDBuffer, fingerprint: m.LayoutFingerprint, *,
@@ -124,10 +124,7 @@ class KVReceiver:
         self._start_error: BaseException | None = None
         self.nixl_health = LoopHealth("receiver NIXL thread")
         self.counters = ReceiverCounters()
-        # vLLM sleep mode (suspend/resume): allocs are refused while the pd_buffer is not registered.
-        self._asleep = False
-        self._sleep_lock = threading.Lock()  # an alloc is either refused or seen by suspend()'s drain
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for the NIXL thread (agent calls)
+        self._init_sleep()  # vLLM sleep mode: receiver/sleep.py
 
     # ---- lifecycle ----
     def start(self) -> KVReceiver:
@@ -160,79 +157,6 @@ class KVReceiver:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.table.close()
         self.buffer.deregister()
-
-    # ---- vLLM sleep mode ----
-    @property
-    def asleep(self) -> bool:
-        return self._asleep
-
-    def suspend(self) -> int:
-        """Before vLLM frees or remaps the pd_buffer's memory: refuse new allocs, quarantine the
-        transfers not arrived yet, wait until no WRITE can land in any page (each arrives or its
-        lease ends; bounded by pd_lease_seconds), then deregister the pd_buffer from NIXL.
-        Returns how many transfers were quarantined; idempotent."""
-        with self._sleep_lock:
-            if self._asleep:
-                return 0
-            self._asleep = True
-        self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
-        why = "the decoder went to sleep (vLLM sleep mode)"
-        n = self.table.quarantine_unarrived(why)
-        deadline = time.monotonic() + self.cfg.lease_seconds + 2 * SWEEP_S + 1.0
-        while self._allocating or self.table.writes_may_land():
-            if time.monotonic() >= deadline:
-                raise ReceiverError(f"receiver {self.receiver_id}: writes still in flight after pd_lease_seconds "
-                                    f"({self.cfg.lease_seconds:.0f}s); the pd_buffer stays registered")
-            self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
-            n += self.table.quarantine_unarrived(why)  # an alloc granted while this began
-            self.table.sweep()
-            time.sleep(0.01)
-        self._on_nixl(self._deregister)
-        logger.info("receiver %s asleep: pd_buffer deregistered from NIXL (%d transfers in flight were "
-                    "quarantined and drained)", self.receiver_id, n)
-        return n
-
-    def resume(self) -> None:
-        """After vLLM remapped the memory: register the pd_buffer again and take a new epoch, so
-        every sender handshakes again and loads the new registration. Idempotent."""
-        with self._sleep_lock:
-            if not self._asleep:
-                return
-        self._on_nixl(self._register)
-        with self._sleep_lock:
-            self.epoch = random.SystemRandom().randrange(1, 1 << 62)
-            self._asleep = False
-        logger.info("receiver %s awake: pd_buffer registered again (epoch %d)", self.receiver_id, self.epoch)
-
-    def _deregister(self) -> None:
-        self.buffer.deregister()
-        self._agent_metadata = self._agent.get_agent_metadata()
-
-    def _register(self) -> None:
-        self.buffer.register(self._agent)
-        self._agent_metadata = self._agent.get_agent_metadata()
-
-    def _on_nixl(self, fn: Callable[[], object], timeout: float = 30.0) -> None:
-        """Run `fn` on the NIXL thread, the agent's only user (inline when that thread is not running)."""
-        alive = [t for t in self._threads if t.name == "kvf-recv-nixl" and t.is_alive()]
-        if not alive:
-            fn()
-            return
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, fut))
-        self._kick.set()
-        fut.result(timeout)
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
 
     def __enter__(self) -> KVReceiver:
         return self.start()

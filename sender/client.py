@@ -53,6 +53,7 @@ from kvferry.sender.grants import (
     renew_until_done,
     send_abort,
 )
+from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
 
@@ -116,7 +117,7 @@ def _grant_result(grant: Grant, called: float, posted: float, done: float) -> Se
                       phases, posted)
 
 
-class KVSender:
+class KVSender(SenderSleep):
     """Sends chunks from this worker's registered memory to receivers; one per prefiller TP rank."""
 
     def __init__(self, cfg: SenderConfig, fingerprint: m.LayoutFingerprint, device: str = "cpu") -> None:
@@ -148,29 +149,6 @@ class KVSender:
         self._metadata = self._call(self._agent.get_agent_metadata)
         start = tensor.data_ptr()
         self._ranges.append((start, start + tensor.numel() * tensor.element_size()))
-
-    def suspend(self) -> None:
-        """vLLM sleep mode: deregister every region from NIXL; the caller drained the writes that
-        read them. Sends are refused until resume(). Idempotent."""
-        if self._asleep:
-            return
-        self._asleep = True
-        for descs in self._regs:
-            self._call(self._agent.deregister_memory, descs)
-        self._regs.clear()
-        self._metadata = self._call(self._agent.get_agent_metadata)
-
-    def resume(self) -> None:
-        """Register the same regions again (vLLM remapped them at the same addresses). Idempotent."""
-        if not self._asleep:
-            return
-        self._regs = [self._call(self._agent.register_memory, t) for t in self._tensors]
-        self._metadata = self._call(self._agent.get_agent_metadata)
-        self._asleep = False
-
-    @property
-    def asleep(self) -> bool:
-        return self._asleep
 
     def _call(self, fn, *args):
         """Run `fn` on the NIXL thread from a caller's thread, and wait (bounded) for it."""
