@@ -401,6 +401,44 @@ class PeerRelease(Msg, tag="peer_release"):
     lease_id: Id
 
 
+# ---- discovery (common/discovery.py): what an instance registers in etcd or a watched file ----
+Role = Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
+Ports = Annotated[list[Port], msgspec.Meta(max_length=64)]
+
+
+class InstanceRecord(Msg, tag="instance"):
+    """One serving instance, as every proxy sees it (docs/deploy.md "Discovery")."""
+
+    instance_id: Id
+    role: Role
+    model: Text  # the served model name clients ask for
+    url: Text  # its OpenAI server, http://host:port as proxies reach it
+    receiver_host: Text = ""  # decoder: the receiver's advertised host (init/alloc ports)
+    init_ports: Ports = []  # decoder: one per TP rank
+    alloc_ports: Ports = []
+    kv_events: Text = ""  # vLLM's KV event publisher as proxies reach it (tcp://...), or ""
+    kv_events_replay: Text = ""
+    fingerprint: Text = ""  # KV layout fingerprint, else model|dtype|tp (discovery.fingerprint)
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    kvferry_version: Text = ""
+    lease: NonNeg = 0  # the etcd lease it was written with (0: a file entry); a copy under another is refused
+
+
+class DrainMark(Msg, tag="drain"):
+    """An instance every proxy must stop sending new requests to (admin API, `kvferry drain`)."""
+
+    instance_id: Id
+    by: Text = ""
+
+
+class SignedEntry(Msg, tag="signed"):
+    """What a discovery key holds: an encoded InstanceRecord or DrainMark and its HMAC with the
+    cluster secret over (key, body) (empty without a secret: loopback-only clusters)."""
+
+    body: Blob
+    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
+
 Message = Union[
     Hello,
     Welcome,
@@ -436,6 +474,9 @@ Message = Union[
     PeerFetch,
     PeerChunks,
     PeerRelease,
+    InstanceRecord,
+    DrainMark,
+    SignedEntry,
 ]
 
 
