@@ -14,6 +14,9 @@ TTL 2 s). Per round a third prefiller joins and its sidecar is then SIGKILLed:
   time, to two prefillers that compute one request at a time (``--max-running 1``, 20 ms each):
   the most requests one prefiller got over the fewest; target <= 1.3. The same load with the
   proxies' /metrics scrapes off (each sees only its own requests) is ``balance_no_scrape``.
+- ``pinned_balance_*``: the same, but the first proxy's requests all go to one prefiller (one
+  affinity key: what cache hits on one instance do); the second proxy, seeing the engines' queues,
+  should send its requests to the other one. With scrapes off it cannot know.
 """
 
 from __future__ import annotations
@@ -114,17 +117,20 @@ class Watch:
         return next(t for t, k, kk in self.events if t >= after and k == kind and kk == key)
 
 
-async def send_load(proxies: list[str], requests: int, concurrency: int) -> int:
+async def send_load(proxies: list[str], requests: int, concurrency: int, pinned: bool) -> int:
+    """`pinned`: the first proxy's requests all carry one affinity key (one prefiller takes them
+    all, as cache hits on one instance would); the second proxy's are routed by load."""
     errors = 0
     async with httpx.AsyncClient(timeout=30) as client:
-        async def worker(proxy: str, n: int) -> None:
+        async def worker(proxy: str, n: int, headers: dict) -> None:
             nonlocal errors
             for _ in range(n):
-                r = await client.post(f"{proxy}/v1/completions",
+                r = await client.post(f"{proxy}/v1/completions", headers=headers,
                                       json={"model": "stub", "prompt": "balance", "max_tokens": 2})
                 errors += r.status_code != 200
         per = requests // concurrency
-        await asyncio.gather(*(worker(px, per) for px in proxies for _ in range(concurrency)))
+        await asyncio.gather(*(worker(px, per, {"x-session": "one"} if pinned and i == 0 else {})
+                               for i, px in enumerate(proxies) for _ in range(concurrency)))
     return errors
 
 
@@ -172,7 +178,7 @@ def main() -> int:
 
         for name, role in (("p1", "prefiller"), ("p2", "prefiller"), ("d1", "decoder")):
             join(name, role)
-        pxs = proxies("main")
+        pxs = proxies("main", "--affinity-header", "x-session")
         until(lambda: all({"p1", "p2", "d1"} <= set(instances(p)) for p in pxs), 15)
 
         join_s, expiry_s, kill_s = [], [], []
@@ -192,17 +198,20 @@ def main() -> int:
             expiry_s.append(t_gone - t_exp)
             kill_s.append(t_gone - t_kill)
 
-        def balance(pxs: list[str]) -> tuple[float, dict, int]:
+        def balance(pxs: list[str], pinned: bool = False) -> tuple[float, dict, int]:
             for s in ("p1", "p2"):
                 httpx.post(f"{stubs[s]}/stub/reset", timeout=5)
-            errors = asyncio.run(send_load(pxs, a.requests, a.concurrency))
+            errors = asyncio.run(send_load(pxs, a.requests, a.concurrency, pinned))
             counts = {s: len(httpx.get(f"{stubs[s]}/stub/log", timeout=5).json()["requests"]) for s in ("p1", "p2")}
             return max(counts.values()) / max(1, min(counts.values())), counts, errors
 
         bal, counts, errors = balance(pxs)
-        blind = proxies("blind", "--load-interval", "0")
+        pin, pin_counts, e2 = balance(pxs, pinned=True)
+        blind = proxies("blind", "--load-interval", "0", "--affinity-header", "x-session")
         until(lambda: all({"p1", "p2", "d1"} <= set(instances(p)) for p in blind), 15)
-        bal0, counts0, errors0 = balance(blind)
+        bal0, counts0, e3 = balance(blind)
+        pin0, pin_counts0, e4 = balance(blind, pinned=True)
+        errors += e2 + e3 + e4
         watch._stop = True
         result = {
             "join_to_routed_p50_s": round(statistics.median(join_s), 3),
@@ -214,7 +223,11 @@ def main() -> int:
             "balance_requests": counts,
             "balance_no_scrape": round(bal0, 3),
             "balance_no_scrape_requests": counts0,
-            "errors": errors + errors0,
+            "pinned_balance_max_over_min": round(pin, 3),
+            "pinned_balance_requests": pin_counts,
+            "pinned_balance_no_scrape": round(pin0, 3),
+            "pinned_balance_no_scrape_requests": pin_counts0,
+            "errors": errors,
             "rounds": a.rounds,
             "requests_per_proxy": a.requests,
             "concurrency_per_proxy": a.concurrency,
