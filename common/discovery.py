@@ -408,7 +408,7 @@ async def set_drain(target: Target, secret: ClusterSecret | None, instance_id: s
     try:
         key = drain_key(target.prefix, instance_id)
         if draining:
-            await etcd.put(key, sign(secret, key, m.DrainMark(instance_id=instance_id, by=by)))
+            await etcd.put(key, sign(secret, key, m.DrainMark(instance_id=instance_id)))
         else:
             await etcd.delete(key)
     finally:

@@ -401,43 +401,27 @@ class PeerRelease(Msg, tag="peer_release"):
     lease_id: Id
 
 
-# ---- discovery (common/discovery.py): what an instance registers in etcd or a watched file ----
-Role = Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
-Ports = Annotated[list[Port], msgspec.Meta(max_length=64)]
-
-
-class InstanceRecord(Msg, tag="instance"):
-    """One serving instance, as every proxy sees it (docs/deploy.md "Discovery")."""
-
+class InstanceRecord(Msg, tag="instance"):  # discovery (common/discovery.py): one instance's registration
     instance_id: Id
-    role: Role
-    model: Text  # the served model name clients ask for
-    url: Text  # its OpenAI server, http://host:port as proxies reach it
-    receiver_host: Text = ""  # decoder: the receiver's advertised host (init/alloc ports)
-    init_ports: Ports = []  # decoder: one per TP rank
-    alloc_ports: Ports = []
-    kv_events: Text = ""  # vLLM's KV event publisher as proxies reach it (tcp://...), or ""
-    kv_events_replay: Text = ""
-    fingerprint: Text = ""  # KV layout fingerprint, else model|dtype|tp (discovery.fingerprint)
+    role: Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
+    model: Text  # the served model name
+    url: Text  # its OpenAI server as proxies reach it
+    receiver_host: Text = ""  # decoder: the receiver's advertised host ("": the URL's)
+    init_ports: Annotated[list[Port], msgspec.Meta(max_length=64)] = []  # decoder: one per TP rank
+    alloc_ports: Annotated[list[Port], msgspec.Meta(max_length=64)] = []
+    kv_events: Annotated[list[Text], msgspec.Meta(max_length=2)] = []  # vLLM's event publisher [, replay socket]
+    fingerprint: Text = ""  # discovery.fingerprint(): KV layout, else model|dtype
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     kvferry_version: Text = ""
-    lease: NonNeg = 0  # the etcd lease it was written with (0: a file entry); a copy under another is refused
+    lease: NonNeg = 0  # the etcd lease it is written under (0: a file entry); held under another: refused
 
 
-class DrainMark(Msg, tag="drain"):
-    """An instance every proxy must stop sending new requests to (admin API, `kvferry drain`)."""
-
+class DrainMark(Msg, tag="drain"):  # every proxy drains this instance
     instance_id: Id
-    by: Text = ""
 
-
-class SignedEntry(Msg, tag="signed"):
-    """What a discovery key holds: an encoded InstanceRecord or DrainMark and its HMAC with the
-    cluster secret over (key, body) (empty without a secret: loopback-only clusters)."""
-
+class SignedEntry(Msg, tag="signed"):  # body: an encoded InstanceRecord or DrainMark; sig: HMAC(key, body)
     body: Blob
     sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
-
 
 Message = Union[
     Hello,
@@ -474,9 +458,7 @@ Message = Union[
     PeerFetch,
     PeerChunks,
     PeerRelease,
-    InstanceRecord,
-    DrainMark,
-    SignedEntry,
+    InstanceRecord, DrainMark, SignedEntry,
 ]
 
 

@@ -287,8 +287,7 @@ def run(args: argparse.Namespace) -> int:
         ports = {"receiver_host": advertise, "init_ports": [inst.init_port], "alloc_ports": [inst.alloc_port]}
     rec = m.InstanceRecord(instance_id=args.instance_id or f"{args.role}-{socket.gethostname()}-{port}",
                            role=args.role, model=served, url=f"http://{hostport}:{port}",
-                           kv_events=pub if loopback(advertise) else "",
-                           kv_events_replay=replay if loopback(advertise) else "",
+                           kv_events=[pub, replay] if loopback(advertise) else [],
                            fingerprint=disc.fingerprint(served, args.dtype), tp_size=args.tp,
                            kvferry_version=version(), **ports)
     print(f"kvferry join: starting the {args.role} {rec.instance_id} on port {port}; log {inst.log_path}",
@@ -318,8 +317,7 @@ def _attach(args: argparse.Namespace, target: disc.Target, secret, advertise: st
     served = args.served_model_name or args.model or "tiny"
     rec = m.InstanceRecord(instance_id=args.instance_id or f"{args.role}-{url.split('://', 1)[1]}",
                            role=args.role, model=served, url=url, receiver_host=args.advertise_host or "",
-                           init_ports=init, alloc_ports=alloc, kv_events=ev[0] if ev else "",
-                           kv_events_replay=ev[1] if len(ev) > 1 else "",
+                           init_ports=init, alloc_ports=alloc, kv_events=ev,
                            fingerprint=disc.fingerprint(served, args.dtype), tp_size=args.tp,
                            kvferry_version=version())
     return asyncio.run(_serve(args, target, Member(rec, f"{url}/health"), secret, lambda: None))

@@ -290,7 +290,7 @@ class Cluster:
             ports = {"receiver_host": s.host, "init_ports": [s.init_port], "alloc_ports": [s.alloc_port]} \
                 if isinstance(s, Decoder) else {}
             rec = m.InstanceRecord(instance_id=f"up-{os.getpid()}-{role}-{i}", role=role, model=self.p["served"],
-                                   url=s.url, kv_events=pub, kv_events_replay=replay,
+                                   url=s.url, kv_events=[pub, replay],
                                    fingerprint=disc.fingerprint(self.p["served"]), tp_size=self.args.tp,
                                    kvferry_version=version(), **ports)
             members.append(Member(rec, f"{s.url}/health"))

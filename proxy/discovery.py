@@ -48,9 +48,10 @@ def spec_of(rec: m.InstanceRecord) -> tuple[InstanceSpec, tuple[str, str | None]
         spec = InstanceSpec("prefiller", url)
     ev = None
     if rec.kv_events:
-        if not rec.kv_events.startswith(("tcp://", "ipc://")):
-            raise OptionError(f"discovery record {rec.instance_id}: kv_events {rec.kv_events!r} is not tcp:// or ipc://")
-        ev = (rec.kv_events, rec.kv_events_replay or None)
+        if not all(e.startswith(("tcp://", "ipc://")) for e in rec.kv_events):
+            raise OptionError(f"discovery record {rec.instance_id}: kv_events {rec.kv_events!r} are not tcp:// or "
+                              "ipc:// endpoints")
+        ev = (rec.kv_events[0], rec.kv_events[1] if len(rec.kv_events) > 1 else None)
     return spec, ev
 
 
