@@ -148,7 +148,7 @@ class Proxy:
 
     async def _discovery_loop(self) -> None:
         assert self.discovery is not None
-        await self.discovery.run(self.loops["discovery"].recovered)
+        await self.discovery.run(self.loops["discovery"])
 
     async def _load_loop(self) -> None:
         health = self.loops["load_scrape"]

@@ -9,20 +9,25 @@ once, counted). Static --prefiller/--decoder instances are left alone.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
+from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse_url
 from kvferry.proxy.registry import Instance
 from kvferry.proxy.routing import Router
 
 logger = get_logger(__name__)
+
+RETRY_S = 1.0  # after an etcd error or a bad discovery file
 
 
 def is_loopback(host: str) -> bool:
@@ -146,8 +151,18 @@ class Discovery:
             self.metrics.discovery_instances.labels(role).set(sum(1 for i, _ in self.active.values()
                                                                   if i.role == role))
 
-    async def run(self, healthy: Callable[[], None]) -> None:
-        await self.source.run(healthy)
+    async def run(self, health: LoopHealth) -> None:
+        """Forever; an unreachable etcd or a bad file is logged (rate-limited), shown on /health,
+        and tried again every RETRY_S (the last good view stays in use meanwhile)."""
+        while True:
+            try:
+                await self.source.run(health.recovered)
+            except (EtcdError, disc.DiscoveryError) as e:
+                if health.ok:
+                    logger.warning("discovery %s: %s; keeping the %d instances known, trying again every %gs",
+                                   self.target, e, len(self.active), RETRY_S)
+                health.failed(e)
+                await asyncio.sleep(RETRY_S)
 
     async def close(self) -> None:
         await self.source.close()

@@ -378,3 +378,11 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
                       timeout=10).status_code == 503
     disc.edit_file(str(path), lambda d: d.update(instances=[i for i in d["instances"] if i["instance_id"] != "p1"]))
     until(lambda: "p1" not in _instances(px), 2, "p1 removed")
+    # A broken file keeps the last good view and shows on /health; the fixed one is read within 2 s.
+    path.write_text("instances: [{instance_id: p1, role: cook}]")
+    until(lambda: not httpx.get(f"{px}/health", headers=ADMIN).json()["background"]["discovery"]["ok"], 2,
+          "the bad file on /health")
+    assert "role" in httpx.get(f"{px}/health", headers=ADMIN).json()["background"]["discovery"]["last_error"]
+    assert "d1" in _instances(px)
+    path.write_text(json.dumps(rec))
+    until(lambda: "p1" in _instances(px), 2, "p1 back")
