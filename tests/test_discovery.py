@@ -386,3 +386,61 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     assert "d1" in _instances(px)
     path.write_text(json.dumps(rec))
     until(lambda: "p1" in _instances(px), 2, "p1 back")
+
+
+def test_discovery_join_help_and_errors() -> None:
+    """`kvferry join --help` works; a missing secret beyond loopback is one line naming the fix."""
+    kv = [sys.executable, "-m", "kvferry.launcher", "join"]
+    r = subprocess.run([*kv, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--discovery" in r.stdout and "--attach" in r.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_CLUSTER_SECRET")}
+    r = subprocess.run([*kv, "--discovery", "etcd://10.1.2.3:2379/x", "--role", "decoder", "--attach",
+                        "http://127.0.0.1:1"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "cluster secret" in r.stderr and "--cluster-secret-file" in r.stderr
+    r = subprocess.run([*kv, "--discovery", "zk://h:1", "--role", "decoder"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2 and "etcd://HOST:PORT/PREFIX or file://PATH" in r.stderr
+
+
+def test_discovery_needs_the_secret_beyond_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.proxy.app import Proxy
+    from kvferry.proxy.options import OptionError, parse
+    monkeypatch.delenv("KVFERRY_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("KVFERRY_CLUSTER_SECRET_FILE", raising=False)
+    for argv in (["--discovery", "etcd://10.1.2.3:2379/k"],
+                 ["--discovery", "etcd://127.0.0.1:2379/k", "--host", "0.0.0.0", "--admin-key", "k" * 20]):
+        with pytest.raises(OptionError, match="needs the cluster secret.*--cluster-secret-file"):
+            Proxy(parse(argv))
+    Proxy(parse(["--discovery", "etcd://10.1.2.3:2379/k", "--insecure-discovery"]))
+    with pytest.raises(OptionError, match="--load-interval"):
+        parse(["--discovery", "file:///x", "--load-interval", "-1"])
+
+
+def test_discovery_load_every_proxy_sees(tmp_path: Path, procs: list[Proc]) -> None:
+    """Requests a proxy did not send (another proxy's, here sent to the engine directly) count in its
+    routing load: the engine's running + waiting, scraped from /metrics."""
+    port = free_port()
+    stub = f"http://127.0.0.1:{port}"
+    _start(procs, tmp_path, "p1", ["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--max-running", "1",
+                                   "--prompt-delay", "1"], f"{stub}/health")
+    d1 = _stub(procs, tmp_path, "d1")
+    px_port = free_port()
+    px = f"http://127.0.0.1:{px_port}"
+    _start(procs, tmp_path, "proxy", ["-m", "kvferry.proxy", "--port", str(px_port), "--prefiller", stub,
+                                      "--decoder", f"{d1},{free_port()},{free_port()}", "--load-interval", "0.1",
+                                      "--admin-key", "admin-key-for-tests"], f"{px}/metrics")
+
+    async def others() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            await asyncio.gather(*(c.post(f"{stub}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                                   for _ in range(3)))
+    import threading
+    t = threading.Thread(target=lambda: asyncio.run(others()))
+    t.start()
+    try:
+        def load() -> int | None:
+            insts = httpx.get(f"{px}/admin/instances", headers=ADMIN, timeout=5).json()["instances"]
+            return next(i for i in insts if i["role"] == "prefiller").get("engine_load")
+        until(lambda: load() == 3, 3, "the proxy to see 1 running + 2 waiting on the prefiller")
+    finally:
+        t.join(30)
