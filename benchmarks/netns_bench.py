@@ -43,6 +43,7 @@ from tests.netns import NetnsCluster, unavailable_reason  # noqa: E402
 from tests.netns_pd import (  # noqa: E402
     NsProxy,
     decoder_flag,
+    kv_bytes_per_token,
     metric,
     ns_env,
     place,
@@ -69,11 +70,6 @@ def stream(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -
                     marks.append(time.perf_counter() - t0)
     assert len(marks) >= 2, f"{url}: {len(marks)} tokens streamed"
     return marks[0], marks[1], time.perf_counter() - t0
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    c = json.loads((model / "config.json").read_text())
-    return c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 2  # K and V, bf16
 
 
 def main() -> None:

@@ -252,6 +252,10 @@ class NetnsCluster:
     def run(self, i: int, argv: Sequence[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(self.wrap(i, argv), capture_output=True, text=True, timeout=timeout)
 
+    def kill_all(self, i: int) -> None:
+        """SIGKILL every process in namespace i at once (a machine that dies)."""
+        _kill_ns_processes(self.names[i])
+
     def pids(self, i: int) -> list[int]:
         """Every process in namespace i."""
         r = ip("netns", "pids", self.names[i], check=False)

@@ -132,12 +132,19 @@ class NsProxy:
             stop_group(self.proc, 10)
 
 
+def kv_bytes_per_token(model: Path) -> int:
+    """Every layer's K and V of one token (bf16), as the KV crosses the link."""
+    import json
+    c = json.loads((model / "config.json").read_text())
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 2
+
+
 def relay_pairs(net: NetnsCluster, i: int, tcp_ports: Sequence[int]) -> list[tuple[str, int, str, int]]:
     """delay_relay pairs: namespace i's ports on its delay address -> its own address."""
     return [(net.delay_addr(i), p, net.addr(i), p) for p in tcp_ports]
 
 
-def metric(server: VLLMServer, name: str) -> float:
+def metric(server: VLLMServer | NsJoin, name: str) -> float:
     """The sum of a metric's samples on the server's /metrics (0 when absent)."""
     total = 0.0
     for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
@@ -146,7 +153,7 @@ def metric(server: VLLMServer, name: str) -> float:
     return total
 
 
-def pages_all_free(d: VLLMServer, timeout: float = 30) -> bool:
+def pages_all_free(d: VLLMServer | NsJoin, timeout: float = 30) -> bool:
     """The decoder's kvferry:pd_buffer_free_pages gauge equals its page count (bounded wait)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -155,3 +162,98 @@ def pages_all_free(d: VLLMServer, timeout: float = 30) -> bool:
             return True
         time.sleep(0.5)
     return False
+
+
+def start_etcd_in(net: NetnsCluster, i: int, work: Path) -> tuple[subprocess.Popen, str]:
+    """A one-member etcd in namespace i, its client port on the namespace's address (its peer port on
+    the namespace's loopback); returns the process and `HOST:PORT`."""
+    from kvferry.launcher.stores import etcd_binary
+    exe = etcd_binary()
+    assert exe is not None, "etcd not installed: run `make etcd`"
+    port, peer = free_port(), free_port()
+    client, peer_url = f"http://{net.addr(i)}:{port}", f"http://127.0.0.1:{peer}"
+    work.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "--name", "netns", "--data-dir", str(work / f"etcd-{port}"), "--listen-client-urls", client,
+            "--advertise-client-urls", client, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
+            peer_url, "--initial-cluster", f"netns={peer_url}", "--logger", "zap", "--log-level", "warn"]
+    with open(work / f"etcd-{port}.log", "ab") as out:
+        proc = subprocess.Popen(net.wrap(i, argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
+    net.procs.append(proc)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"etcd exited: {(work / f'etcd-{port}.log').read_text()[-2000:]}"
+        try:
+            if httpx.get(f"{client}/health", timeout=1).status_code == 200:
+                return proc, f"{net.addr(i)}:{port}"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("etcd did not answer /health in 30 s")
+
+
+def start_stub_in(net: NetnsCluster, i: int, log: Path) -> int:
+    """kvferry's stub engine (proxy/stub_engine.py) in namespace i; returns its port once it answers."""
+    port = free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(net.wrap(i, [sys.executable, "-m", "kvferry.proxy.stub_engine", "--host", net.addr(i),
+                                             "--port", str(port)]),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    net.procs.append(proc)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            if httpx.get(f"http://{net.addr(i)}:{port}/health", timeout=1).status_code == 200:
+                return port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"stub engine in namespace {i} did not answer in 30 s")
+
+
+class NsJoin:
+    """`kvferry join` in namespace i: one vLLM with the connector (the tiny model), listening on and
+    advertising that namespace's address, registered in `discovery` with a `ttl`-second lease; with
+    `attach_port`, the server already listening on that port of the namespace's address instead."""
+
+    def __init__(self, net: NetnsCluster, i: int, discovery: str, role: str, log_dir: Path, secret: str,
+                 cores: str, ttl: int, instance_id: str, attach_port: int | None = None) -> None:
+        import os
+        self.net, self.ns, self.role, self.instance_id = net, i, role, instance_id
+        self.port = attach_port or free_port()
+        self.url = f"http://{net.addr(i)}:{self.port}"
+        self.log_dir = log_dir / f"join-{instance_id}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "kvferry.launcher", "join", "--discovery", discovery, "--role", role,
+                "--port", str(self.port), "--bind-host", net.addr(i), "--advertise-host", net.addr(i),
+                "--instance-id", instance_id, "--lease-ttl", str(ttl), "--log-dir", str(self.log_dir)]
+        if attach_port:  # register a server already running there (a stub engine) instead of starting vLLM
+            argv = [a for a in argv if a not in ("--port", str(self.port))]
+            argv += ["--attach", self.url, "--model", "stub"]
+            if role == "decoder":
+                argv += ["--init-ports", str(free_port()), "--alloc-ports", str(free_port())]
+        env = {**os.environ, **ns_env(secret), "VLLM_CPU_OMP_THREADS_BIND": cores}
+        with open(self.log_dir / "join.log", "ab") as out:
+            self.proc = subprocess.Popen(net.wrap(i, argv), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=die_with_parent)
+        net.procs.append(self.proc)
+
+    def wait_ready(self, timeout: float = 400) -> NsJoin:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvferry join {self.instance_id} exited {self.proc.returncode}: "
+                                   f"{(self.log_dir / 'join.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.instance_id} ({self.url}) not healthy after {timeout:.0f}s; logs in {self.log_dir}")
+
+    def stop(self, timeout: float = 15) -> None:
+        from kvferry.launcher.vllm_proc import stop_group
+        if self.proc.poll() is None:
+            stop_group(self.proc, timeout)
