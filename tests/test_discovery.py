@@ -184,6 +184,13 @@ def test_discovery_file_reload(tmp_path: Path) -> None:
     assert list(views[-1].records) == ["p1"]
     with pytest.raises(disc.DiscoveryError, match="etcd://HOST:PORT"):
         disc.parse_target("etcd://nohost")
+    # `kvferry join --discovery file://` adds and removes its own entry (under the file's lock).
+    path.write_text("instances: []\n")
+    reg = disc.Registration(disc.parse_target(f"file://{path}"), _record("p9", "decoder"), None)
+    asyncio.run(reg.register())
+    assert fw.poll() and list(views[-1].records) == ["p9"] and views[-1].records["p9"].init_ports
+    asyncio.run(reg.withdraw())
+    assert fw.poll() and views[-1].records == {}
 
 
 # ---- proxies in their own processes, stub engines, `kvferry join --attach` registrars ----
