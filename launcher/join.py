@@ -175,6 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alloc-ports", default=None, help="with --attach, a decoder's receiver alloc ports")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT[,REPLAY]",
                    help="with --attach, the server's KV event publisher as proxies reach it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
+                   help="after --: more arguments for vLLM (e.g. -- --gpu-memory-utilization 0.8)")
 
 
 class JoinError(ValueError):
@@ -241,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     hostport = f"[{advertise}]" if ":" in advertise else advertise
     if args.attach:
+        if args.vllm_args:
+            print("kvferry join: error: --attach starts nothing: vLLM arguments after -- do not apply",
+                  file=sys.stderr)
+            return 2
         return _attach(args, target, secret, advertise)
     from kvferry.launcher.pd_instances import Decoder, Prefiller
     from kvferry.launcher.up import UpError, model_of
@@ -271,12 +277,17 @@ def run(args: argparse.Namespace) -> int:
         extra += ["--host", args.bind_host]  # vLLM takes the last --host
     if args.tp > 1:
         extra += ["--tensor-parallel-size", str(args.tp)]
+    from kvferry.launcher.up import gpu_count
+    if gpu_count():
+        keys.setdefault("pd_buffer_device", "cuda")
     pub, replay = (f"ipc://{log_dir}/kv-events-{port}{s}.sock" for s in ("", "-replay"))
     if loopback(advertise):  # tcp events beyond loopback wait for authenticated KV events (docs/deploy.md)
         import json
         extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                     "endpoint": pub, "replay_endpoint": replay}),
                   "--enable-prompt-tokens-details"]
+    rest = list(args.vllm_args or [])
+    extra += rest[1:] if rest[:1] == ["--"] else rest
     server = {"served_name": served, "max_model_len": max_len, "kv_cache_gb": args.kv_cache_gb,
               "die_with_parent": True, "extra_args": extra}
     if args.role == "prefiller":

@@ -33,3 +33,10 @@ def test_transfer_bench_runs() -> None:
     (row,) = out["rows"]
     assert row["chunk_bytes"] == 1 << 20 and row["batch"] == 2
     assert row["raw_nixl_write_gbps"] > 0 and row["kvferry_gbps"] > 0 and row["kvferry_secret_gbps"] > 0
+
+
+def test_discovery_bench_runs(etcd_available) -> None:
+    out = run_bench("benchmarks/discovery_bench.py", "--json", "--rounds", "1", "--requests", "40",
+                    "--concurrency", "4")
+    assert out["errors"] == 0 and 0 < out["join_to_routed_p50_s"] < 5 and out["balance_max_over_min"] >= 1
+    assert sum(out["balance_requests"].values()) == 80

@@ -184,6 +184,13 @@ def test_discovery_file_reload(tmp_path: Path) -> None:
     assert list(views[-1].records) == ["p1"]
     with pytest.raises(disc.DiscoveryError, match="etcd://HOST:PORT"):
         disc.parse_target("etcd://nohost")
+    # `kvferry join --discovery file://` adds and removes its own entry (under the file's lock).
+    path.write_text("instances: []\n")
+    reg = disc.Registration(disc.parse_target(f"file://{path}"), _record("p9", "decoder"), None)
+    asyncio.run(reg.register())
+    assert fw.poll() and list(views[-1].records) == ["p9"] and views[-1].records["p9"].init_ports
+    asyncio.run(reg.withdraw())
+    assert fw.poll() and views[-1].records == {}
 
 
 # ---- proxies in their own processes, stub engines, `kvferry join --attach` registrars ----
@@ -362,8 +369,9 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     """kvferry-proxy --discovery file://: instances added, drained and removed by editing the file."""
     p1, d1 = (_stub(procs, tmp_path, n) for n in ("p1", "d1"))
     path = tmp_path / "cluster.json"
-    rec = {"instances": [msgspec.to_builtins(_record("p1", url=p1)), msgspec.to_builtins(_record("d1", "decoder", d1))],
-           "drain": []}
+    events = [f"ipc://{tmp_path}/p1-events.sock", f"ipc://{tmp_path}/p1-replay.sock"]
+    rec = {"instances": [msgspec.to_builtins(_record("p1", url=p1, kv_events=events)),
+                         msgspec.to_builtins(_record("d1", "decoder", d1))], "drain": []}
     path.write_text(json.dumps(rec))
     port = free_port()
     px = f"http://127.0.0.1:{port}"
@@ -376,8 +384,13 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     until(lambda: _instances(px)["p1"]["draining"], 2, "p1 drained")
     assert httpx.post(f"{px}/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 2},
                       timeout=10).status_code == 503
+    local = _instances(px)["p1"]["id"]  # its KV-event subscription runs (nothing publishes: it is stale)
+    health = httpx.get(f"{px}/health", headers=ADMIN).json()
+    assert f"kv_events_{local}" in health["background"]
+    assert next(i for i in health["instances"] if i["id"] == local)["kv_events"]["endpoint"] == events[0]
     disc.edit_file(str(path), lambda d: d.update(instances=[i for i in d["instances"] if i["instance_id"] != "p1"]))
     until(lambda: "p1" not in _instances(px), 2, "p1 removed")
+    assert f"kv_events_{local}" not in httpx.get(f"{px}/health", headers=ADMIN).json()["background"]
     # A broken file keeps the last good view and shows on /health; the fixed one is read within 2 s.
     path.write_text("instances: [{instance_id: p1, role: cook}]")
     until(lambda: not httpx.get(f"{px}/health", headers=ADMIN).json()["background"]["discovery"]["ok"], 2,
