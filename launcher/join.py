@@ -305,10 +305,16 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     inst.start()
     try:
-        return asyncio.run(_serve(args, target, Member(rec, f"{inst.url}/health"), secret,
+        return asyncio.run(_serve(args, target, Member(rec, _local_health(args.bind_host, port)), secret,
                                   lambda: inst.proc.poll() if inst.proc else 0))
     finally:
         inst.stop()
+
+
+def _local_health(bind_host: str, port: int) -> str:
+    """vLLM's /health as this machine reaches it: the bind address (loopback for a wildcard)."""
+    host = "127.0.0.1" if bind_host in ("0.0.0.0", "") else "::1" if bind_host == "::" else bind_host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/health"
 
 
 def _attach(args: argparse.Namespace, target: disc.Target, secret, advertise: str) -> int:
