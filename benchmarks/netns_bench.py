@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import secrets
 import statistics
@@ -78,6 +77,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20, help="per proxy")
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--delay-ms", type=float, default=1.0)
+    ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (their folder on stderr)")
     args = ap.parse_args()
     if (why := unavailable_reason()) is not None:
         sys.exit(f"netns_bench: {why}")
@@ -153,7 +153,9 @@ def main() -> None:
             s.stop(timeout=5)
         net.close()
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
-    if os.environ.get("KVFERRY_BENCH_KEEP_LOGS") is None:
+    if args.keep_logs:
+        print(f"logs: {log_dir}", file=sys.stderr)
+    else:
         import shutil
         shutil.rmtree(log_dir, ignore_errors=True)
 
