@@ -29,15 +29,42 @@ def _split(hostport: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-    """Copy reader -> writer, each chunk `delay` after it arrived (order kept)."""
+class Link:
+    """One listener's settings and counters: the delay (changeable while it runs) and, over its
+    connections, how many there were and how many request/response exchanges they carried (a
+    chunk toward the client after one toward the target: one round trip)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.connections = 0
+        self.exchanges = 0
+
+    def reset(self) -> None:
+        self.connections = self.exchanges = 0
+
+
+class _Conn:
+    def __init__(self, link: Link) -> None:
+        self.link, self.last = link, ""
+
+    def saw(self, direction: str) -> None:
+        if direction == "down" and self.last == "up":
+            self.link.exchanges += 1
+        self.last = direction
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link, conn: _Conn | None = None,
+                direction: str = "up") -> None:
+    """Copy reader -> writer, each chunk `link.delay` after it arrived (order kept)."""
     queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
 
     async def read() -> None:
         try:
             while True:
                 data = await reader.read(CHUNK)
-                queue.put_nowait((time.monotonic() + delay, data or None))
+                if data and conn is not None:
+                    conn.saw(direction)
+                queue.put_nowait((time.monotonic() + link.delay, data or None))
                 if not data:
                     return
         except (ConnectionError, OSError):
@@ -64,8 +91,9 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
         reading.cancel()
 
 
-async def _serve_one(target: tuple[str, int], delay: float, c_reader: asyncio.StreamReader,
+async def _serve_one(target: tuple[str, int], link: Link, c_reader: asyncio.StreamReader,
                      c_writer: asyncio.StreamWriter) -> None:
+    link.connections += 1
     try:
         t_reader, t_writer = await asyncio.wait_for(asyncio.open_connection(*target), 10)
     except (TimeoutError, OSError):
@@ -76,8 +104,9 @@ async def _serve_one(target: tuple[str, int], delay: float, c_reader: asyncio.St
         if sock is not None:
             import socket
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    up = asyncio.ensure_future(_pipe(c_reader, t_writer, delay))
-    down = asyncio.ensure_future(_pipe(t_reader, c_writer, delay))
+    conn = _Conn(link)
+    up = asyncio.ensure_future(_pipe(c_reader, t_writer, link, conn, "up"))
+    down = asyncio.ensure_future(_pipe(t_reader, c_writer, link, conn, "down"))
     try:
         done, pending = await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
         if any(t.exception() for t in done if not t.cancelled()):
@@ -93,13 +122,55 @@ async def _serve_one(target: tuple[str, int], delay: float, c_reader: asyncio.St
                 w.close()
 
 
+async def _start(pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]],
+                 links: Sequence[Link]) -> list[asyncio.Server]:
+    return [await asyncio.start_server(lambda r, w, t=target, k=link: _serve_one(t, k, r, w), listen[0], listen[1],
+                                       reuse_address=True)
+            for (listen, target), link in zip(pairs, links, strict=True)]
+
+
 async def serve(pairs: Sequence[tuple[tuple[str, int], tuple[str, int]]], delay: float) -> None:
-    servers = []
-    for listen, target in pairs:
-        servers.append(await asyncio.start_server(
-            lambda r, w, t=target: _serve_one(t, delay, r, w), listen[0], listen[1], reuse_address=True))
+    servers = await _start(pairs, [Link(delay) for _ in pairs])
     print("ready", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+class RelayThread:
+    """The relay inside this process (a thread with its own event loop): `links[i]` is pair i's
+    delay and counters, readable and settable while it runs."""
+
+    def __init__(self, delay_ms: float, pairs: Sequence[tuple[str, int, str, int]]) -> None:
+        import threading
+        self.links = [Link(delay_ms / 1000) for _ in pairs]
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        spec = [((lh, lp), (th, tp)) for lh, lp, th, tp in pairs]
+
+        def body() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._servers = self._loop.run_until_complete(_start(spec, self.links))
+            started.set()
+            self._loop.run_forever()
+        self._thread = threading.Thread(target=body, name="delay-relay", daemon=True)
+        self._thread.start()
+        if not started.wait(15):
+            raise RuntimeError("delay relay did not start")
+
+    def set_delay(self, delay_ms: float) -> None:
+        for link in self.links:
+            link.delay = delay_ms / 1000
+
+    def reset(self) -> None:
+        for link in self.links:
+            link.reset()
+
+    def stop(self) -> None:
+        def close() -> None:
+            for s in self._servers:
+                s.close()
+            self._loop.stop()
+        self._loop.call_soon_threadsafe(close)
+        self._thread.join(10)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.delay_relay import start_relay
+from tests.delay_relay import RelayThread, start_relay
 from tests.netns import NetnsCluster, ours, pid_running, sweep_stale, unavailable_reason
 from tests.polling import until
 
@@ -81,6 +81,17 @@ def test_netns_harness_links_counters_relay_delay_and_cleanup(tmp_path) -> None:
             relay.wait(5)
         assert delayed >= 0.004 > direct, (direct, delayed)
         assert delayed < 0.004 + 0.05
+        # the in-process relay: its delay can change while it runs, and it counts the exchanges
+        relay = RelayThread(0.0, [(net.delay_addr(1), port, net.addr(1), port)])
+        try:
+            relay.set_delay(1.5)
+            r = net.run(0, [sys.executable, "-c", CLIENT, net.delay_addr(1), str(port), "1000"])
+            assert r.returncode == 0, r.stderr
+            assert float(r.stdout) >= 0.003
+            link = relay.links[0]
+            assert link.connections == 1 and 20 <= link.exchanges <= 22  # 20 pings, the blob's echo
+        finally:
+            relay.stop()
         pids = net.pids(1)
         assert pids
     assert ours(net.pid) == ([], [])  # namespaces, veths and bridge gone
