@@ -165,11 +165,15 @@ class RelayThread:
             link.reset()
 
     def stop(self) -> None:
-        def close() -> None:
+        async def close() -> None:
             for s in self._servers:
                 s.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self._loop.stop()
-        self._loop.call_soon_threadsafe(close)
+        asyncio.run_coroutine_threadsafe(close(), self._loop)
         self._thread.join(10)
 
 
