@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup model redis chromium demo test lint clean vllm-compat
+.PHONY: setup model redis etcd chromium demo test lint clean vllm-compat
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -53,6 +53,18 @@ redis:
 			"(apt-get install libibverbs1)"; fi; \
 	fi
 
+# etcd for the discovery tests (Debian's etcd-server; same rules as redis).
+etcd:
+	@if ! command -v etcd >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing etcd-server (apt-get; about 20 s)"; \
+			{ apt-get install -y --no-install-recommends etcd-server || { apt-get update && \
+			  apt-get install -y --no-install-recommends etcd-server; }; } > /tmp/kvferry-etcd-install.log 2>&1 \
+			|| { tail -20 /tmp/kvferry-etcd-install.log; exit 1; }; \
+		else echo "etcd not found and apt-get not usable: the discovery tests will skip" \
+			"(install etcd-server yourself)"; fi; \
+	fi
+
 # Headless Chromium for the controller web page's screenshot test (same rules as redis).
 chromium:
 	@if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then \
@@ -65,7 +77,7 @@ chromium:
 			"(install chromium yourself)"; fi; \
 	fi
 
-test: setup model redis chromium
+test: setup model redis etcd chromium
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):

@@ -401,6 +401,28 @@ class PeerRelease(Msg, tag="peer_release"):
     lease_id: Id
 
 
+class InstanceRecord(Msg, tag="instance"):  # discovery (common/discovery.py): one instance's registration
+    instance_id: Id
+    role: Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
+    model: Text  # the served model name
+    url: Text  # its OpenAI server as proxies reach it
+    receiver_host: Text = ""  # decoder: the receiver's advertised host ("": the URL's)
+    init_ports: Annotated[list[Port], msgspec.Meta(max_length=64)] = []  # decoder: one per TP rank
+    alloc_ports: Annotated[list[Port], msgspec.Meta(max_length=64)] = []
+    kv_events: Annotated[list[Text], msgspec.Meta(max_length=2)] = []  # vLLM's event publisher [, replay socket]
+    fingerprint: Text = ""  # discovery.fingerprint(): KV layout, else model|dtype
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    kvferry_version: Text = ""
+    lease: NonNeg = 0  # the etcd lease it is written under (0: a file entry); held under another: refused
+
+
+class DrainMark(Msg, tag="drain"):  # every proxy drains this instance
+    instance_id: Id
+
+class SignedEntry(Msg, tag="signed"):  # body: an encoded InstanceRecord or DrainMark; sig: HMAC(key, body)
+    body: Blob
+    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
 Message = Union[
     Hello,
     Welcome,
@@ -436,6 +458,7 @@ Message = Union[
     PeerFetch,
     PeerChunks,
     PeerRelease,
+    InstanceRecord, DrainMark, SignedEntry,
 ]
 
 

@@ -1,4 +1,4 @@
-"""`kvferry` command: `up` (a local xPyD cluster), `secret` (a new cluster secret) and `make-tiny-model`."""
+"""`kvferry` command: `up` (a local xPyD cluster), `join` (one instance joined through discovery), `secret` (a new cluster secret) and `make-tiny-model`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def _up(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _join(args: argparse.Namespace) -> int:
+    from kvferry.launcher.join import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -57,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvferry.launcher.up import add_arguments
     add_arguments(p)
     p.set_defaults(func=_up)
+    p = sub.add_parser("join", help="start one vLLM instance with the connector and join it to a cluster through "
+                                    "discovery (docs/deploy.md)")
+    from kvferry.launcher.join import add_arguments as join_arguments
+    join_arguments(p)
+    p.set_defaults(func=_join)
     args = parser.parse_args(argv)
     return args.func(args)
 

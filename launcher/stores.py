@@ -245,3 +245,26 @@ class MooncakeMaster(Proc):
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         wait_port(self.proc, self.port, self.what, self.log)
         wait_port(self.proc, self.metadata_port, self.what, self.log)
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd")
+
+
+def start_etcd(work: Path, port: int | None = None) -> Proc:
+    """A one-member etcd (Debian: ``apt-get install etcd-server``; ``make etcd`` does it) on
+    loopback, its data in `work` (removed with it): discovery's engine for tests, benchmarks and
+    ``kvferry up --discovery etcd``."""
+    exe = etcd_binary()
+    if exe is None:
+        raise StoreStartError("etcd not found: install it (Debian/Ubuntu: apt-get install etcd-server; "
+                              "`make etcd` does it)")
+    port = port or free_port()
+    peer = free_port()
+    d = work / f"etcd-{port}"
+    d.mkdir(parents=True, exist_ok=True)
+    client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
+    return Proc("etcd", [exe, "--name", "kvferry", "--data-dir", str(d / "data"), "--listen-client-urls", client,
+                         "--advertise-client-urls", client, "--listen-peer-urls", peer_url,
+                         "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"kvferry={peer_url}",
+                         "--logger", "zap", "--log-level", "warn"], port, work / f"etcd-{port}.log")

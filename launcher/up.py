@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the cluster secret for every port (default: a new one in the log folder)")
     p.add_argument("--policy", choices=("cache", "load", "round_robin"), default="cache",
                    help="the proxy's routing policy (docs/proxy.md \"Routing\")")
+    p.add_argument("--discovery", default=None, metavar="etcd|etcd://HOST:PORT/PREFIX|file://PATH",
+                   help="register the instances in discovery and have the proxy watch it (etcd: start a local "
+                        "etcd); more proxies and `kvferry join` instances can then join (docs/deploy.md)")
+    p.add_argument("--lease-ttl", type=int, default=5, help="with --discovery: seconds a killed instance stays "
+                                                            "registered (default 5)")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
 
@@ -76,6 +81,21 @@ def gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def model_of(arg: str | None) -> tuple[str, str, int | None]:
+    """(model path or name, served name, max model length) for --model (None: the tiny test model)."""
+    if arg is None:
+        from kvferry.launcher import tiny_model
+        print("using the tiny test model (built on first use)", flush=True)
+        return str(tiny_model.ensure()), "tiny", 8192
+    model = arg
+    looks_local = arg.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(arg))
+    if looks_local and not Path(os.path.expanduser(arg)).exists():
+        raise UpError(f"--model {arg}: no such path")
+    if looks_local:
+        model = str(Path(os.path.expanduser(arg)).resolve())
+    return model, arg, None
+
+
 def plan(args: argparse.Namespace) -> dict:
     """Check everything that can be checked before anything starts."""
     if args.num_prefillers < 1 or args.num_decoders < 1:
@@ -85,6 +105,19 @@ def plan(args: argparse.Namespace) -> dict:
                       "torch==2.13.0) or 'kvferry[cuda]' on a GPU host")
     if not port_is_free(args.port):
         raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
+    if getattr(args, "discovery", None) is not None:
+        if args.discovery == "etcd":
+            if stores.etcd_binary() is None:
+                raise UpError("--discovery etcd: etcd not found: apt-get install etcd-server (`make etcd`), or "
+                              "give a running one: --discovery etcd://HOST:PORT/PREFIX")
+        else:
+            from kvferry.common.discovery import DiscoveryError, parse_target
+            try:
+                parse_target(args.discovery)
+            except DiscoveryError as e:
+                raise UpError(str(e)) from None
+        if args.lease_ttl < 2:
+            raise UpError(f"--lease-ttl {args.lease_ttl}: at least 2 seconds")
     if args.local_prefill_tokens < 0:
         raise UpError(f"--local-prefill-tokens must be 0 or more, got {args.local_prefill_tokens}")
     keys: dict = {}
@@ -112,17 +145,7 @@ def plan(args: argparse.Namespace) -> dict:
         if args.pd_buffer_size <= 0:
             raise UpError(f"--pd-buffer-size must be a positive number of bytes, got {args.pd_buffer_size}")
         keys["pd_buffer_size"] = args.pd_buffer_size
-    if args.model is None:
-        from kvferry.launcher import tiny_model
-        print("using the tiny test model (built on first use)", flush=True)
-        model, served, max_len = str(tiny_model.ensure()), "tiny", 8192
-    else:
-        model, served, max_len = args.model, args.model, None
-        looks_local = args.model.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(args.model))
-        if looks_local and not Path(os.path.expanduser(args.model)).exists():
-            raise UpError(f"--model {args.model}: no such path")
-        if looks_local:
-            model = str(Path(os.path.expanduser(args.model)).resolve())
+    model, served, max_len = model_of(args.model)
     n = args.num_prefillers + args.num_decoders
     gpus = gpu_count()
     if gpus:
@@ -162,6 +185,12 @@ class Cluster:
             secret.write_file(self.secret_file, secret.generate())
         keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
         self.store: stores.Proc | None = None
+        self.etcd: stores.Proc | None = None
+        self.registrar = None  # launcher.join.Registrar with --discovery
+        self.discovery: str | None = getattr(args, "discovery", None)
+        if self.discovery == "etcd":  # a local one-member etcd for this cluster
+            self.etcd = stores.start_etcd(self.log_dir)
+            self.discovery = f"etcd://127.0.0.1:{self.etcd.port}/kvferry"
         if args.remote == "mooncake":  # prefillers share computed prompts through it
             self.store = stores.MooncakeMaster(self.log_dir)
             keys.update(remote_url=self.store.url, extra_config=self.store.extra_config())
@@ -218,7 +247,12 @@ class Cluster:
                 "--local-prefill-tokens", str(self.args.local_prefill_tokens)]
         if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
             args += ["--tokenizer", self.p["model"]]
+        if self.discovery is not None:
+            self._register()
+            args += ["--discovery", self.discovery]
         for s, (pub, replay) in zip(self.instances, self.kv_events, strict=True):
+            if self.discovery is not None:
+                break  # the proxy finds them in discovery
             if isinstance(s, Prefiller):
                 args += ["--prefiller", s.url]
             else:
@@ -244,6 +278,25 @@ class Cluster:
                               f"{log_tail(self.proxy_log)}")
             time.sleep(0.2)
 
+    def _register(self) -> None:
+        """Every instance into discovery, kept there while its /health passes (launcher/join.py)."""
+        from kvferry.common import discovery as disc
+        from kvferry.common import messages as m
+        from kvferry.launcher.join import Member, Registrar, version
+        target = disc.parse_target(self.discovery)
+        members = []
+        for i, (s, (pub, replay)) in enumerate(zip(self.instances, self.kv_events, strict=True)):
+            role = "prefiller" if isinstance(s, Prefiller) else "decoder"
+            ports = {"receiver_host": s.host, "init_ports": [s.init_port], "alloc_ports": [s.alloc_port]} \
+                if isinstance(s, Decoder) else {}
+            rec = m.InstanceRecord(instance_id=f"up-{os.getpid()}-{role}-{i}", role=role, model=self.p["served"],
+                                   url=s.url, kv_events=[pub, replay],
+                                   fingerprint=disc.fingerprint(self.p["served"]), tp_size=self.args.tp,
+                                   kvferry_version=version(), **ports)
+            members.append(Member(rec, f"{s.url}/health"))
+        self.registrar = Registrar(target, secret.from_file(self.secret_file, "cluster secret"), self.args.lease_ttl)
+        self.registrar.start_thread(members)
+
     def write_state(self) -> Path:
         """`cluster.json` in the log folder: every process, URL and port (for scripts and tests)."""
         inst = []
@@ -256,7 +309,7 @@ class Cluster:
             inst.append(d)
         state = {"proxy": {"url": f"http://127.0.0.1:{self.args.port}", "port": self.args.port,
                            "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
-                 "launcher_pid": os.getpid(), "instances": inst,
+                 "launcher_pid": os.getpid(), "instances": inst, "discovery": self.discovery,
                  "cluster_secret_file": str(Path(self.secret_file).resolve())}  # the path only, never the secret
         path = self.log_dir / "cluster.json"
         path.write_text(json.dumps(state, indent=2))
@@ -271,6 +324,9 @@ class Cluster:
         lines = [f"kvferry is up: {self.args.num_prefillers} prefiller(s), {self.args.num_decoders} decoder(s), "
                  f"model {self.p['served']}",
                  f"  proxy        {url}    log {self.proxy_log}"]
+        if self.discovery is not None:
+            lines.append(f"  discovery    {self.discovery}    (more instances: kvferry join --discovery "
+                         f"{self.discovery} --cluster-secret-file {self.secret_file} --role ...)")
         if self.store is not None:
             lines.append(f"  store        {self.store.url}    log {self.store.log}")
         for s in self.instances:
@@ -302,6 +358,8 @@ class Cluster:
     def stop(self) -> None:
         """Every process group told at once (proxy first), all gone within STOP_SECONDS."""
         deadline = time.monotonic() + STOP_SECONDS - 3
+        if self.registrar is not None:
+            self.registrar.stop(timeout=5)  # withdrawn first: no proxy sends them anything new
         if self.proxy is not None:
             signal_group(self.proxy, signal.SIGTERM)
         for s in self.instances:
@@ -313,6 +371,8 @@ class Cluster:
             s.stop(timeout=deadline - time.monotonic())  # waits on what is still running, then kills
         if self.store is not None:
             self.store.stop(timeout=max(1.0, deadline - time.monotonic()))
+        if self.etcd is not None:
+            self.etcd.stop(timeout=5)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -88,13 +88,24 @@ class Admin:
         return inst
 
     async def drain(self, request: web.Request) -> web.Response:
-        inst = self._inst(request)
-        inst.draining = True
-        return json_response(inst.describe())
+        return await self._set_drain(self._inst(request), True)
 
     async def undrain(self, request: web.Request) -> web.Response:
-        inst = self._inst(request)
-        inst.draining = False
+        return await self._set_drain(self._inst(request), False)
+
+    async def _set_drain(self, inst: Instance, draining: bool) -> web.Response:
+        """A discovered instance is drained through discovery (etcd or the file), so every proxy
+        drains it; a static one on this proxy only."""
+        disc = self.ctx.router.discovery
+        if inst.discovery_id is not None and disc is not None:
+            from kvferry.common.discovery import DiscoveryError
+            from kvferry.common.etcd import EtcdError
+            try:
+                await disc.set_drain(inst, draining)
+            except (EtcdError, DiscoveryError, OSError) as e:
+                raise ProxyError(503, f"cannot {'drain' if draining else 'undrain'} {inst.id} through "
+                                      f"discovery: {e}", "discovery_unavailable") from None
+        inst.draining = draining
         return json_response(inst.describe())
 
     async def remove(self, request: web.Request) -> web.Response:

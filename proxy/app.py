@@ -17,15 +17,19 @@ from kvferry.proxy.body import BodyReader
 from kvferry.proxy.chat import Chat
 from kvferry.proxy.completions import Completions
 from kvferry.proxy.context import Context
+from kvferry.proxy.discovery import Discovery, is_loopback
 from kvferry.proxy.errors import ProxyError, error_body, json_response
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
+from kvferry.proxy.registry import Instance
 from kvferry.proxy.routing import Router
 from kvferry.proxy.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers, notify_host
 from kvferry.proxy.upstream import UpstreamClient
 
 logger = get_logger(__name__)
+
+PROBE_S = 2.0  # one /metrics scrape at most
 
 
 class Proxy:
@@ -45,6 +49,10 @@ class Proxy:
             self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
         except cluster_secret.SecretError as e:
             raise OptionError(str(e)) from None
+        self._streams: dict[str, asyncio.Task] = {}  # discovered instance id -> its KV-event loop
+        self.discovery = None if opts.discovery is None else Discovery(
+            opts, self.router, self.metrics, self.trust.secret, self._attach, self._detach)
+        self.router.discovery = self.discovery
         self._check_exposure()
         self.transfers = Transfers(opts, self.trust, self.metrics)
         self._tasks: list[asyncio.Task] = []
@@ -52,6 +60,12 @@ class Proxy:
         if opts.proxy_port:
             self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
         self.gate = limits.Gate(opts.max_in_flight)
+        if self.discovery is not None:
+            self.loops["discovery"] = LoopHealth(f"discovery ({self.discovery.target})")
+        self.load_interval = opts.load_interval if opts.load_interval is not None else \
+            0.5 if opts.discovery else 0.0
+        if self.load_interval:
+            self.loops["load_scrape"] = LoopHealth("engine load scrapes (/metrics)")
         for iid in self.router.cache.streams:
             self.loops[f"kv_events_{iid}"] = LoopHealth(f"KV events of {iid}")
         try:
@@ -75,6 +89,12 @@ class Proxy:
                                o.require_cluster_secret, "an admin key", "anyone who reaches it can add, drain and "
                                "remove instances, and so choose where prompts and their KV go",
                                "Set --admin-key (or --no-admin)")
+            if self.discovery is not None and self.trust.secret is None and not o.insecure_discovery:
+                beyond = [h for h in (o.host, self.discovery.target.host) if h and not is_loopback(h)]
+                if beyond:
+                    raise OptionError(f"--discovery with {beyond[0]} beyond loopback needs the cluster secret: "
+                                      "entries are trusted only when signed with it. Set --cluster-secret-file "
+                                      "(or KVFERRY_CLUSTER_SECRET_FILE), or --insecure-discovery")
             if o.proxy_port:
                 zsock.check_exposure(self.notify_host, "--proxy-port", self.trust,
                                      fix="Set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
@@ -99,17 +119,52 @@ class Proxy:
         self._tasks.append(asyncio.ensure_future(supervise(self.loops["health_checks"], self._health_loop)))
         if self.opts.proxy_port:
             self._tasks.append(asyncio.ensure_future(supervise(self.loops["notifications"], self._notifications)))
+        if self.discovery is not None:
+            self._tasks.append(asyncio.ensure_future(supervise(self.loops["discovery"], self._discovery_loop)))
+        if self.load_interval:
+            self._tasks.append(asyncio.ensure_future(supervise(self.loops["load_scrape"], self._load_loop)))
         probe = max(0.2, self.opts.kv_events_stale_after / 4)
-        for iid, stream in self.router.cache.streams.items():
+        for iid, stream in list(self.router.cache.streams.items()):
+            if iid in self._streams:
+                continue
             self._tasks.append(asyncio.ensure_future(
                 supervise(self.loops[f"kv_events_{iid}"], lambda s=stream: s.run(probe))))
 
+    def _attach(self, inst: Instance) -> None:
+        """A discovered instance joined: follow its KV events (once the app runs)."""
+        stream = self.router.cache.streams.get(inst.id)
+        if stream is None:
+            return
+        health = self.loops[f"kv_events_{inst.id}"] = LoopHealth(f"KV events of {inst.id}")
+        probe = max(0.2, self.opts.kv_events_stale_after / 4)
+        self._streams[inst.id] = asyncio.ensure_future(supervise(health, lambda s=stream: s.run(probe)))
+
+    def _detach(self, inst: Instance) -> None:
+        """A discovered instance left: its KV-event loop stops (the router drops stream and index)."""
+        self.loops.pop(f"kv_events_{inst.id}", None)
+        task = self._streams.pop(inst.id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _discovery_loop(self) -> None:
+        assert self.discovery is not None
+        await self.discovery.run(self.loops["discovery"])
+
+    async def _load_loop(self) -> None:
+        health = self.loops["load_scrape"]
+        while True:
+            await self.router.scrape_load(min(PROBE_S, self.load_interval * 2))
+            health.recovered()
+            await asyncio.sleep(self.load_interval)
+
     async def _stop(self, app: web.Application) -> None:
-        tasks = [*self._tasks, *self.router.probes()]
+        tasks = [*self._tasks, *self._streams.values(), *self.router.probes()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         self.transfers.close()
         for stream in self.router.cache.streams.values():
             stream.close()

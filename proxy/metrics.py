@@ -48,6 +48,12 @@ class ProxyMetrics:
                                  "replayed, gap, reset (index cleared), bad", ["instance", "result"], registry=r)
         self.index_blocks = Gauge("kvferry_proxy_prefix_index_blocks", "Blocks in an instance's prefix index",
                                   ["instance"], registry=r)
+        self.discovery_rejected = Counter("kvferry_proxy_discovery_rejected", "Discovery entries not used, by "
+                                          "reason: unsigned, bad_signature, lease, key, malformed, model, "
+                                          "fingerprint, insecure, duplicate (each key counted once)", ["reason"],
+                                          registry=r)
+        self.discovery_instances = Gauge("kvferry_proxy_discovery_instances", "Instances in use from discovery",
+                                         ["role"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
 

@@ -25,10 +25,11 @@ class InstanceSpec:
     alloc_port: int | None = None
     init_ports: tuple[int, ...] = ()
     alloc_ports: tuple[int, ...] = ()
+    receiver_host: str | None = None  # decoder: the receiver's advertised host (default: the URL's host)
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
+        return self.receiver_host or urlsplit(self.url).hostname or "127.0.0.1"
 
 
 @dataclass
@@ -65,6 +66,13 @@ class ProxyOptions:
     load_tokens_per_request: int = 128  # the cost of one request in flight on a prefiller, in prompt tokens
     kv_events_stale_after: float = 10.0  # an event stream silent this long (probes unanswered) is ignored
     prefix_index_max_blocks: int = 200_000  # per instance; least recently used blocks are forgotten first
+    # Discovery (docs/deploy.md "Discovery"): instances from etcd or a watched file, beside the static ones.
+    discovery: str | None = None  # etcd://HOST:PORT/PREFIX | file://PATH
+    discovery_model: str | None = None  # use only instances serving this model (default: the first seen)
+    discovery_fingerprint: str | None = None  # ... with this layout fingerprint (default: the first seen)
+    insecure_discovery: bool = False  # discovery beyond loopback without a cluster secret (not recommended)
+    load_interval: float | None = None  # seconds between /metrics scrapes of every engine (None: 0.5 with
+    # discovery, off without; 0: off)
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -186,6 +194,18 @@ def parser() -> argparse.ArgumentParser:
     a("--max-n", type=int, default=None, help="largest n (samples per request) accepted (default 16)")
     a("--upstream-connections", type=int, default=None, help="connections the proxy opens to each instance "
                                                               "(default 512); more requests wait for one")
+    a("--discovery", default=None, metavar="etcd://HOST:PORT/PREFIX|file://PATH",
+      help="watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file (docs/deploy.md)")
+    a("--discovery-model", default=None, help="with --discovery: use only instances serving this model name "
+                                              "(default: the model of the first instance seen)")
+    a("--discovery-fingerprint", default=None, help="with --discovery: use only instances with this KV layout "
+                                                    "fingerprint (default: the first instance's)")
+    a("--insecure-discovery", action="store_true",
+      help="allow --discovery beyond loopback without a cluster secret (anyone who can write to etcd can then "
+           "register a decoder that receives prompts)")
+    a("--load-interval", type=float, default=None,
+      help="seconds between scrapes of every engine's /metrics (running + waiting requests: load that every proxy "
+           "sees); default 0.5 with --discovery, 0 (off) without")
     a("--log-level", default=None)
     return ap
 
@@ -196,7 +216,8 @@ _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefiller
               "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
               "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
               "upstream_connections", "kv_events", "tokenizer", "local_prefill_tokens", "local_prefill_fraction",
-              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks"}
+              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks", "discovery",
+              "discovery_model", "discovery_fingerprint", "insecure_discovery", "load_interval"}
 POLICIES = ("cache", "load", "round_robin")
 
 
@@ -221,7 +242,7 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             vals.setdefault(key, v)
     o = ProxyOptions()
     for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "log_level",
-                "tokenizer"):
+                "tokenizer", "discovery", "discovery_model", "discovery_fingerprint"):
         if key in vals:
             setattr(o, key, str(vals[key]))
     for key in ("port", "proxy_port"):
@@ -253,9 +274,23 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             if v < 1:
                 raise OptionError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
             setattr(o, key, v)
-    for key in ("no_admin", "require_cluster_secret"):
+    for key in ("no_admin", "require_cluster_secret", "insecure_discovery"):
         if not isinstance(vals.get(key, False), bool):
             raise OptionError(f"--config: {key} must be true or false, got {vals[key]!r}")
+    o.insecure_discovery = vals.get("insecure_discovery", False)
+    if "load_interval" in vals:
+        try:
+            o.load_interval = float(vals["load_interval"])
+        except (TypeError, ValueError):
+            raise OptionError(f"--load-interval must be a number of seconds, got {vals['load_interval']!r}") from None
+        if not 0 <= o.load_interval <= 3600:
+            raise OptionError(f"--load-interval must be 0 (off) to 3600 seconds, got {o.load_interval}")
+    if o.discovery is not None:
+        from kvferry.common.discovery import DiscoveryError, parse_target
+        try:
+            parse_target(o.discovery)
+        except DiscoveryError as e:
+            raise OptionError(str(e)) from None
     o.admin = not vals.get("no_admin", False)
     o.require_cluster_secret = vals.get("require_cluster_secret", False)
     if "cluster_secret_file" in vals:
@@ -292,9 +327,10 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
         o.decoders = [InstanceSpec("decoder", parse_url("--decoder-host", f"{h}:{p}"), i, a, (i,), (a,))
                       for (h, p), i, a in zip(dc, init, alloc, strict=True)]
     o.decoders += [decoder_from("--decoder", d) for d in _list(vals.get("decoder"))]
-    if not o.prefillers:
-        raise OptionError("no prefiller: give --prefiller-host/--prefiller-port (or --prefiller URL)")
-    if not o.decoders:
+    if not o.prefillers and o.discovery is None:
+        raise OptionError("no prefiller: give --prefiller-host/--prefiller-port (or --prefiller URL), or "
+                          "--discovery")
+    if not o.decoders and o.discovery is None:
         raise OptionError("no decoder: give --decoder-host/--decoder-port with --decoder-init-port and "
                           "--decoder-alloc-port (or --decoder URL,init_port,alloc_port)")
     for d in o.decoders:

@@ -25,6 +25,17 @@ class Instance:
     served: int = 0
     errors: int = 0
     kv_usage: float | None = None  # decoder: vLLM's vllm:kv_cache_usage_perc at the last health check
+    discovery_id: str | None = None  # its instance_id in discovery (etcd or file); None: a static flag
+    engine_load: int | None = None  # vLLM's running + waiting requests at the last /metrics scrape
+    own_at_scrape: int = 0  # this proxy's in-flight requests then
+
+    @property
+    def load(self) -> int:
+        """Requests on the engine from every proxy: its own count at the last scrape, plus this
+        proxy's requests started (less those ended) since. Without a scrape, this proxy's own."""
+        if self.engine_load is None:
+            return self.active
+        return max(self.active, self.engine_load + self.active - self.own_at_scrape)
 
     @property
     def role(self) -> str:
@@ -64,6 +75,10 @@ class Instance:
              "errors": self.errors}
         if self.kv_usage is not None:
             d["kv_cache_usage"] = self.kv_usage
+        if self.engine_load is not None:
+            d["engine_load"] = self.engine_load
+        if self.discovery_id is not None:
+            d["instance_id"] = self.discovery_id
         if ports and self.role == "decoder":
             d["init_ports"], d["alloc_ports"] = list(self.spec.init_ports), list(self.spec.alloc_ports)
         return d
@@ -106,8 +121,8 @@ class Registry:
         if self.policy == "round_robin":
             return pool[next(self._rr.setdefault(role, itertools.count())) % len(pool)]
         a, b = random.sample(pool, 2)  # power of two choices on the role's load measure
-        return min((a, b), key=(lambda i: (i.queued_tokens, i.active)) if role == "prefiller"
-                   else (lambda i: (i.active, i.queued_tokens)))
+        return min((a, b), key=(lambda i: (i.queued_tokens, i.load)) if role == "prefiller"
+                   else (lambda i: (i.load, i.queued_tokens)))
 
     def ready(self) -> bool:
         return any(i.usable for i in self.of("prefiller")) and any(i.usable for i in self.of("decoder"))

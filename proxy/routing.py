@@ -31,9 +31,11 @@ class Router:
         self._gauges: dict[str, Gauge] = {}
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
         self.cache = CacheView(opts, metrics)
+        self.discovery = None  # proxy.discovery.Discovery when --discovery is set (the admin API drains through it)
 
-    def register(self, spec: InstanceSpec) -> Instance:
+    def register(self, spec: InstanceSpec, discovery_id: str | None = None) -> Instance:
         inst = self.registry.add(spec)
+        inst.discovery_id = discovery_id
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
         self.cache.add(inst)
         return inst
@@ -160,6 +162,43 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
             return None
         return None
+
+    async def engine_load(self, inst: Instance, seconds: float) -> tuple[int | None, float | None]:
+        """(running + waiting requests, KV cache usage 0..1) from vLLM's /metrics, summed over its
+        engines; (None, None) when it cannot be read."""
+        timeout = aiohttp.ClientTimeout(total=seconds)
+        load, usage, seen = 0.0, None, False
+        try:
+            async with self.client.session.get(f"{inst.url}/metrics", timeout=timeout,
+                                               headers=self.client.headers) as r:
+                if r.status != 200:
+                    return None, None
+                async for raw in r.content:  # line by line: no whole page in memory
+                    if raw.startswith((b"vllm:num_requests_running", b"vllm:num_requests_waiting")):
+                        name = raw.split(b"{", 1)[0].split(b" ", 1)[0]
+                        if name in (b"vllm:num_requests_running", b"vllm:num_requests_waiting"):
+                            v = float(raw.rsplit(b" ", 1)[1])
+                            if not 0 <= v < 1e9:
+                                return None, None
+                            load += v
+                            seen = True
+                    elif raw.startswith(b"vllm:kv_cache_usage_perc"):
+                        v = float(raw.rsplit(b" ", 1)[1])
+                        usage = v if 0.0 <= v <= 1.0 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
+            return None, None
+        return (round(load) if seen else None), usage
+
+    async def scrape_load(self, seconds: float) -> None:
+        """One round of /metrics scrapes: every proxy sees the same engine counts (docs/proxy.md
+        "Load across proxies")."""
+        insts = [i for i in self.registry.instances.values() if i.healthy]
+        owns = [i.active for i in insts]
+        results = await asyncio.gather(*(self.engine_load(i, seconds) for i in insts))
+        for inst, own, (load, usage) in zip(insts, owns, results, strict=True):
+            inst.engine_load, inst.own_at_scrape = load, own
+            if usage is not None and inst.role == "decoder":
+                inst.kv_usage = usage
 
     async def check_all(self) -> None:
         """One round of health checks over every instance; a change of state is logged."""

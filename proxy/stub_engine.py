@@ -14,7 +14,9 @@ Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next reque
 vLLM's error event and [DONE], then dead), both until ``POST /stub/reset``; ``GET /stub/log``
 returns the request bodies it saw, the text it generated for each, and how many streams the
 client cut. ``{"answer": {...}}`` makes the next answer that object verbatim (200, as an engine
-with a different API shape would); ``--no-token-ids`` plays an engine that ignores
+with a different API shape would); ``GET /metrics`` gives vLLM's ``vllm:num_requests_running`` /
+``vllm:num_requests_waiting`` (``--max-running`` bounds the first, the rest wait; ``--prompt-delay``
+adds seconds to each completion) for the proxy's load scrapes; ``--no-token-ids`` plays an engine that ignores
 ``return_token_ids`` (an older vLLM, another engine behind the same API).
 """
 
@@ -56,8 +58,12 @@ def render_chat(messages: list[dict]) -> str:
 
 
 class Stub:
-    def __init__(self, token_delay: float, salt: int = 1, token_ids: bool = True) -> None:
+    def __init__(self, token_delay: float, salt: int = 1, token_ids: bool = True, prompt_delay: float = 0.0,
+                 max_running: int = 0) -> None:
         self.token_delay = token_delay
+        self.prompt_delay = prompt_delay
+        self.slots = asyncio.Semaphore(max_running) if max_running > 0 else None
+        self.waiting = 0
         self.token_ids = token_ids
         self.verbatim: list[object] = []
         self.active = self.max_active = 0  # completions being answered at once, and the most seen
@@ -75,6 +81,7 @@ class Stub:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", lambda r: web.Response(text="", status=503 if self.dead else 200))
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/stub/fail", self.set_fail)
         app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log, "answers": self.answers,
                                                                       "cut_streams": self.cut_streams,
@@ -133,13 +140,29 @@ class Stub:
             return web.json_response(self.verbatim.pop(0))
         return None
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = [f'vllm:num_requests_running{{engine="0",model_name="stub"}} {float(self.active)}',
+                 f'vllm:num_requests_waiting{{engine="0",model_name="stub"}} {float(self.waiting)}',
+                 'vllm:kv_cache_usage_perc{engine="0",model_name="stub"} 0.0']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if self.slots is not None:
+            self.waiting += 1
+            try:
+                await self.slots.acquire()
+            finally:
+                self.waiting -= 1
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
+            if self.prompt_delay:
+                await asyncio.sleep(self.prompt_delay)
             return await self._completions(request)
         finally:
             self.active -= 1
+            if self.slots is not None:
+                self.slots.release()
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -265,6 +288,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--salt", type=int, default=None, help="mixed into unseeded sampled tokens (default: the port)")
+    ap.add_argument("--prompt-delay", type=float, default=0.0, help="seconds added to every completion")
+    ap.add_argument("--max-running", type=int, default=0, help="completions computed at once (0: no limit); "
+                                                                "the rest wait")
     ap.add_argument("--no-token-ids", action="store_true", help="ignore return_token_ids, as an older engine does")
     args = ap.parse_args()
     try:
@@ -273,7 +299,7 @@ def main() -> None:
     except ImportError:
         pass
     web.run_app(Stub(args.token_delay, args.port if args.salt is None else args.salt,
-                     not args.no_token_ids).app(), host=args.host, port=args.port, access_log=None, print=None,
+                     not args.no_token_ids, args.prompt_delay, args.max_running).app(), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True)
 
 

@@ -61,3 +61,26 @@ def redis_available() -> None:
         if os.environ.get("CI") == "true":  # not a KVFERRY_* variable: those are config keys
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def etcd_available() -> None:
+    """etcd must be installed (`make etcd`); under CI=true (.ci/run) a missing one fails instead
+    of skipping."""
+    from kvferry.launcher.stores import etcd_binary
+    if etcd_binary() is None:
+        msg = "etcd not installed: run `make etcd` (apt-get install etcd-server)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(etcd_available: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One real etcd for the session's discovery tests (each test uses its own key prefix)."""
+    from kvferry.launcher.stores import start_etcd
+    proc = start_etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -40,3 +40,10 @@ def test_vllm_compat_bench_runs_for_the_installed_vllm() -> None:
     out = run_bench("benchmarks/vllm_compat.py", "--installed-only")
     (row,) = out["releases"]
     assert out["ok"] and row["version"] == out["installed"] and row["how"] == "installed" and row["problems"] == []
+
+
+def test_discovery_bench_runs(etcd_available) -> None:
+    out = run_bench("benchmarks/discovery_bench.py", "--json", "--rounds", "1", "--requests", "40",
+                    "--concurrency", "4")
+    assert out["errors"] == 0 and 0 < out["join_to_routed_p50_s"] < 5 and out["balance_max_over_min"] >= 1
+    assert sum(out["balance_requests"].values()) == 80

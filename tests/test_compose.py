@@ -101,9 +101,41 @@ def test_every_command_flag_and_config_key_exists(compose: Path) -> None:
             _vllm(argv, cfg_path)
         elif argv[0] == "mooncake_master":
             _mooncake_master(argv)
+        elif argv[:2] == ["kvferry", "join"]:
+            _join(argv, service, compose)
+        elif argv[0] == "etcd":
+            _etcd(argv)
         else:
             raise AssertionError(f"{compose}: service {name} runs {argv[0]!r}, not a kvferry, vLLM or Mooncake command")
 
 
 def test_both_seed_deployments_are_here() -> None:
-    assert {p.parent.name for p in FILES} == {"lm-server", "mooncake-pd"}
+    assert {p.parent.name for p in FILES} == {"lm-server", "mooncake-pd", "multihost"}
+
+
+def _join(argv: list[str], service: dict, compose: Path) -> None:
+    """`kvferry join`: its flags parse, its --config file (through the volumes) loads and holds only
+    what join takes from it, and it joins through etcd with the cluster secret."""
+    from kvferry.common import discovery
+    from kvferry.launcher import cli
+    args = _parse_only(cli.main, argv[1:])
+    assert args.cmd == "join" and args.role in ("prefiller", "decoder")
+    discovery.parse_target(args.discovery)
+    assert args.cluster_secret_file and args.cluster_secret_file.startswith("/run/secrets/")
+    assert args.cluster_secret_file.rsplit("/", 1)[1] in service["secrets"]
+    mounts = {target: host for host, _, target in (v.partition(":") for v in service["volumes"])}
+    cfg = compose.parent / mounts[args.config]
+    load_config(path=str(cfg), env={})
+    assert set(yaml.safe_load(cfg.read_text())) <= {"pd_buffer_size", "pd_buffer_device", "chunk_size",
+                                                    "pd_chunk_format"}
+
+
+def _etcd(argv: list[str]) -> None:
+    from kvferry.launcher.stores import etcd_binary
+    exe = etcd_binary()
+    if exe is None:
+        pytest.skip("etcd not installed (make etcd)")
+    helptext = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30).stdout
+    for arg in argv[1:]:
+        if arg.startswith("--"):
+            assert f"  {arg} " in helptext or f"  {arg}\n" in helptext, f"etcd has no flag {arg}"

@@ -53,6 +53,11 @@ SAMPLES = [
     m.PeerChunks(request_id="r1", lease_id="l1", addrs=[1 << 40], sizes=[1 << 20], lease_seconds=10.0,
                  metadata=[b"md"], spans=[m.Span(addr=1 << 40, nbytes=1 << 20)], tags=[bytes(16)]),
     m.PeerRelease(lease_id="l1"),
+    m.InstanceRecord(instance_id="d-1", role="decoder", model="tiny", url="http://10.0.0.2:8000",
+                     receiver_host="10.0.0.2", init_ports=[7100], alloc_ports=[7101],
+                     kv_events=["tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558"], fingerprint="ab12", lease=7),
+    m.DrainMark(instance_id="d-1"),
+    m.SignedEntry(body=b"\x81", sig=b"s" * 32),
 ]
 
 
