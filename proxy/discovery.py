@@ -122,11 +122,13 @@ class Discovery:
             wanted[iid] = (rec, spec, ev)
         for iid, (inst, _rec) in list(self.active.items()):
             w = wanted.get(iid)
-            if w is not None and w[1] == inst.spec and self.opts.kv_events.get(inst.url) == w[2]:
+            present = self.router.registry.instances.get(inst.id) is inst
+            if present and w is not None and w[1] == inst.spec and self.opts.kv_events.get(inst.url) == w[2]:
                 continue
             del self.active[iid]
             self.on_removed(inst)
-            self.router.remove(inst)
+            if present:
+                self.router.remove(inst)
             self.opts.kv_events.pop(inst.url, None)
             logger.info("discovery: %s %s (%s) %s", inst.role, iid, inst.url, "changed" if w else "left")
         for iid, (rec, spec, ev) in wanted.items():

@@ -351,6 +351,8 @@ def test_discovery_etcd_two_proxies_join_expire_drain(etcd_server, cluster_secre
     local_b = _instances(b)["p2"]["id"]
     assert httpx.post(f"{b}/admin/instances/{local_b}/undrain", headers=ADMIN, timeout=5).status_code == 200
     until(lambda: not _instances(a)["p2"]["draining"], 2.0, "proxy a to undrain p2")
+    r = httpx.delete(f"{a}/admin/instances/{local}", headers=ADMIN, timeout=5)
+    assert r.status_code == 409 and "kvferry join" in r.text  # discovery owns it
 
     # p2's registrar is killed (SIGKILL: no withdrawal): both proxies drop p2 within the 2 s lease,
     # and no request fails or reaches it afterwards.
