@@ -305,7 +305,9 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     inst.start()
     try:
-        return asyncio.run(_serve(args, target, Member(rec, f"{inst.url}/health"), secret,
+        local = "127.0.0.1" if args.bind_host in ("0.0.0.0", "::", "127.0.0.1") else args.bind_host
+        local = f"[{local}]" if ":" in local else local
+        return asyncio.run(_serve(args, target, Member(rec, f"http://{local}:{port}/health"), secret,
                                   lambda: inst.proc.poll() if inst.proc else 0))
     finally:
         inst.stop()

@@ -373,7 +373,10 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     path = tmp_path / "cluster.json"
     events = [f"ipc://{tmp_path}/p1-events.sock", f"ipc://{tmp_path}/p1-replay.sock"]
     rec = {"instances": [msgspec.to_builtins(_record("p1", url=p1, kv_events=events)),
-                         msgspec.to_builtins(_record("d1", "decoder", d1))], "drain": []}
+                         msgspec.to_builtins(_record("d1", "decoder", d1)),
+                         {"instance_id": "x1", "role": "prefiller", "model": "other", "url": "http://127.0.0.1:2"},
+                         {**msgspec.to_builtins(_record("x2", url="http://127.0.0.1:3")), "fingerprint": "ffff"}],
+           "drain": []}
     path.write_text(json.dumps(rec))
     port = free_port()
     px = f"http://127.0.0.1:{port}"
@@ -382,6 +385,8 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     until(lambda: _http_ok(f"{px}/health") and httpx.get(f"{px}/health").status_code == 200, 5, "the proxy ready")
     _complete(px, 2)
     assert _served(p1) == 2
+    assert set(_instances(px)) == {"p1", "d1"}  # another model, another KV layout: not used
+    assert _rejected(px) == {"model": 1, "fingerprint": 1}
     disc.edit_file(str(path), lambda d: d["drain"].append("p1"))
     until(lambda: _instances(px)["p1"]["draining"], 2, "p1 drained")
     assert httpx.post(f"{px}/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 2},
