@@ -464,3 +464,40 @@ def test_discovery_load_every_proxy_sees(tmp_path: Path, procs: list[Proc]) -> N
         until(lambda: load() == 3, 3, "the proxy to see 1 running + 2 waiting on the prefiller")
     finally:
         t.join(30)
+
+
+def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluster_secret, tmp_path: Path,
+                                                          procs: list[Proc]) -> None:
+    """etcd dies: the proxy keeps its instances (and says so on /health); a new etcd on the same
+    address: the sidecars register again (their lease is unknown there) and the proxy lists it."""
+    from kvferry.launcher import stores
+    secret_file, _ = cluster_secret
+    etcd = stores.start_etcd(tmp_path / "e1")
+    try:
+        target = f"etcd://127.0.0.1:{etcd.port}/outage"
+        p1, d1 = (_stub(procs, tmp_path, n) for n in ("p1", "d1"))
+        _join(procs, tmp_path, "p1", target, "prefiller", p1, secret_file)
+        _join(procs, tmp_path, "d1", target, "decoder", d1, secret_file)
+        px = _proxy(procs, tmp_path, "proxy", target, secret_file)
+        until(lambda: {"p1", "d1"} <= set(_instances(px)), 10, "the proxy to see p1 and d1")
+        etcd.kill()
+
+        def discovery_ok() -> bool:
+            return httpx.get(f"{px}/health", headers=ADMIN, timeout=5).json()["background"]["discovery"]["ok"]
+        until(lambda: not discovery_ok(), 5, "the outage on /health")
+        _complete(px, 2)  # still serving what it knew
+        assert {"p1", "d1"} <= set(_instances(px))
+        etcd = stores.start_etcd(tmp_path / "e2", port=etcd.port)
+
+        async def keys() -> int:
+            e = Etcd(f"http://127.0.0.1:{etcd.port}")
+            try:
+                return len((await e.get_prefix(b"/outage/"))[0])
+            finally:
+                await e.close()
+        until(lambda: asyncio.run(keys()) == 2, 10, "the sidecars to register in the new etcd")
+        until(discovery_ok, 5, "the proxy to list the new etcd")
+        assert {"p1", "d1"} <= set(_instances(px))
+        _complete(px, 2)
+    finally:
+        etcd.stop()
