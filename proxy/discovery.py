@@ -135,15 +135,13 @@ class Discovery:
             if iid in self.active:
                 self.active[iid] = (self.active[iid][0], rec)
                 continue
+            other = next((i for i in self.router.registry.instances.values() if i.url == spec.url), None)
+            if other is not None:
+                self._skip(rec, "duplicate", f"{spec.url} is already {other.id}")
+                continue
             if ev is not None:
                 self.opts.kv_events[spec.url] = ev
-            try:
-                inst = self.router.register(spec, discovery_id=iid)
-            except ValueError as e:
-                if ev is not None:
-                    self.opts.kv_events.pop(spec.url, None)
-                self._skip(rec, "duplicate", str(e))
-                continue
+            inst = self.router.register(spec, discovery_id=iid)
             self.active[iid] = (inst, rec)
             self.on_added(inst)
             logger.info("discovery: %s %s joined as %s (%s)", rec.role, iid, inst.id, rec.url)
