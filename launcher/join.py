@@ -81,7 +81,7 @@ class Registrar:
         """Until `stop`: register once healthy, renew, withdraw after FAILS_TO_WITHDRAW failed checks."""
         reg = disc.Registration(self.target, member.record, self.secret, self.ttl)
         iid = member.record.instance_id
-        fails, registered, beat = 0, False, None
+        fails, registered, beat, warned = 0, False, None, False
         async with httpx.AsyncClient() as client:
             try:
                 while not stop.is_set():
@@ -102,8 +102,11 @@ class Registrar:
                             registered = False
                             logger.warning("discovery: %s withdrawn: %s does not answer /health", iid,
                                            member.health_url)
+                        warned = False
                     except (EtcdError, disc.DiscoveryError, OSError) as e:
-                        logger.warning("discovery: %s: %s; trying again", iid, e)
+                        if not warned:  # once per outage
+                            logger.warning("discovery: %s: %s; trying again every %gs", iid, e, self.interval)
+                        warned = True
                     self.registered[iid] = registered
                     try:
                         await asyncio.wait_for(stop.wait(), self.interval)

@@ -325,8 +325,11 @@ class Cluster:
                  f"model {self.p['served']}",
                  f"  proxy        {url}    log {self.proxy_log}"]
         if self.discovery is not None:
-            lines.append(f"  discovery    {self.discovery}    (more instances: kvferry join --discovery "
-                         f"{self.discovery} --cluster-secret-file {self.secret_file} --role ...)")
+            lines += [f"  discovery    {self.discovery}; more instances and proxies:",
+                      f"    kvferry join --discovery {self.discovery} --cluster-secret-file {self.secret_file} "
+                      "--role decoder",
+                      f"    kvferry-proxy --discovery {self.discovery} --cluster-secret-file {self.secret_file} "
+                      "--port 9001"]
         if self.store is not None:
             lines.append(f"  store        {self.store.url}    log {self.store.log}")
         for s in self.instances:

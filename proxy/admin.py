@@ -110,5 +110,8 @@ class Admin:
 
     async def remove(self, request: web.Request) -> web.Response:
         inst = self._inst(request)
+        if inst.discovery_id is not None:
+            raise ProxyError(409, f"{inst.id} is {inst.discovery_id!r} in discovery: drain it (every proxy), or "
+                                  "withdraw it there (stop its kvferry join)", "discovered_instance")
         self.ctx.router.remove(inst)
         return json_response(inst.describe())

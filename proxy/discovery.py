@@ -122,26 +122,26 @@ class Discovery:
             wanted[iid] = (rec, spec, ev)
         for iid, (inst, _rec) in list(self.active.items()):
             w = wanted.get(iid)
-            if w is not None and w[1] == inst.spec and self.opts.kv_events.get(inst.url) == w[2]:
+            present = self.router.registry.instances.get(inst.id) is inst
+            if present and w is not None and w[1] == inst.spec and self.opts.kv_events.get(inst.url) == w[2]:
                 continue
             del self.active[iid]
             self.on_removed(inst)
-            self.router.remove(inst)
+            if present:
+                self.router.remove(inst)
             self.opts.kv_events.pop(inst.url, None)
             logger.info("discovery: %s %s (%s) %s", inst.role, iid, inst.url, "changed" if w else "left")
         for iid, (rec, spec, ev) in wanted.items():
             if iid in self.active:
                 self.active[iid] = (self.active[iid][0], rec)
                 continue
+            other = next((i for i in self.router.registry.instances.values() if i.url == spec.url), None)
+            if other is not None:
+                self._skip(rec, "duplicate", f"{spec.url} is already {other.id}")
+                continue
             if ev is not None:
                 self.opts.kv_events[spec.url] = ev
-            try:
-                inst = self.router.register(spec, discovery_id=iid)
-            except ValueError as e:
-                if ev is not None:
-                    self.opts.kv_events.pop(spec.url, None)
-                self._skip(rec, "duplicate", str(e))
-                continue
+            inst = self.router.register(spec, discovery_id=iid)
             self.active[iid] = (inst, rec)
             self.on_added(inst)
             logger.info("discovery: %s %s joined as %s (%s)", rec.role, iid, inst.id, rec.url)

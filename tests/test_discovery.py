@@ -351,6 +351,8 @@ def test_discovery_etcd_two_proxies_join_expire_drain(etcd_server, cluster_secre
     local_b = _instances(b)["p2"]["id"]
     assert httpx.post(f"{b}/admin/instances/{local_b}/undrain", headers=ADMIN, timeout=5).status_code == 200
     until(lambda: not _instances(a)["p2"]["draining"], 2.0, "proxy a to undrain p2")
+    r = httpx.delete(f"{a}/admin/instances/{local}", headers=ADMIN, timeout=5)
+    assert r.status_code == 409 and "kvferry join" in r.text  # discovery owns it
 
     # p2's registrar is killed (SIGKILL: no withdrawal): both proxies drop p2 within the 2 s lease,
     # and no request fails or reaches it afterwards.
@@ -371,7 +373,10 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     path = tmp_path / "cluster.json"
     events = [f"ipc://{tmp_path}/p1-events.sock", f"ipc://{tmp_path}/p1-replay.sock"]
     rec = {"instances": [msgspec.to_builtins(_record("p1", url=p1, kv_events=events)),
-                         msgspec.to_builtins(_record("d1", "decoder", d1))], "drain": []}
+                         msgspec.to_builtins(_record("d1", "decoder", d1)),
+                         {"instance_id": "x1", "role": "prefiller", "model": "other", "url": "http://127.0.0.1:2"},
+                         {**msgspec.to_builtins(_record("x2", url="http://127.0.0.1:3")), "fingerprint": "ffff"}],
+           "drain": []}
     path.write_text(json.dumps(rec))
     port = free_port()
     px = f"http://127.0.0.1:{port}"
@@ -380,6 +385,8 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     until(lambda: _http_ok(f"{px}/health") and httpx.get(f"{px}/health").status_code == 200, 5, "the proxy ready")
     _complete(px, 2)
     assert _served(p1) == 2
+    assert set(_instances(px)) == {"p1", "d1"}  # another model, another KV layout: not used
+    assert _rejected(px) == {"model": 1, "fingerprint": 1}
     disc.edit_file(str(path), lambda d: d["drain"].append("p1"))
     until(lambda: _instances(px)["p1"]["draining"], 2, "p1 drained")
     assert httpx.post(f"{px}/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 2},
@@ -457,3 +464,40 @@ def test_discovery_load_every_proxy_sees(tmp_path: Path, procs: list[Proc]) -> N
         until(lambda: load() == 3, 3, "the proxy to see 1 running + 2 waiting on the prefiller")
     finally:
         t.join(30)
+
+
+def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluster_secret, tmp_path: Path,
+                                                          procs: list[Proc]) -> None:
+    """etcd dies: the proxy keeps its instances (and says so on /health); a new etcd on the same
+    address: the sidecars register again (their lease is unknown there) and the proxy lists it."""
+    from kvferry.launcher import stores
+    secret_file, _ = cluster_secret
+    etcd = stores.start_etcd(tmp_path / "e1")
+    try:
+        target = f"etcd://127.0.0.1:{etcd.port}/outage"
+        p1, d1 = (_stub(procs, tmp_path, n) for n in ("p1", "d1"))
+        _join(procs, tmp_path, "p1", target, "prefiller", p1, secret_file)
+        _join(procs, tmp_path, "d1", target, "decoder", d1, secret_file)
+        px = _proxy(procs, tmp_path, "proxy", target, secret_file)
+        until(lambda: {"p1", "d1"} <= set(_instances(px)), 10, "the proxy to see p1 and d1")
+        etcd.kill()
+
+        def discovery_ok() -> bool:
+            return httpx.get(f"{px}/health", headers=ADMIN, timeout=5).json()["background"]["discovery"]["ok"]
+        until(lambda: not discovery_ok(), 5, "the outage on /health")
+        _complete(px, 2)  # still serving what it knew
+        assert {"p1", "d1"} <= set(_instances(px))
+        etcd = stores.start_etcd(tmp_path / "e2", port=etcd.port)
+
+        async def keys() -> int:
+            e = Etcd(f"http://127.0.0.1:{etcd.port}")
+            try:
+                return len((await e.get_prefix(b"/outage/"))[0])
+            finally:
+                await e.close()
+        until(lambda: asyncio.run(keys()) == 2, 10, "the sidecars to register in the new etcd")
+        until(discovery_ok, 5, "the proxy to list the new etcd")
+        assert {"p1", "d1"} <= set(_instances(px))
+        _complete(px, 2)
+    finally:
+        etcd.stop()

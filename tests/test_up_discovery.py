@@ -32,6 +32,8 @@ def test_up_discovery_etcd_second_proxy_join_and_a_dead_decoder(tmp_path: Path, 
     try:
         target = state["discovery"]
         assert target.startswith("etcd://127.0.0.1:"), state
+        out = (tmp_path / "up.out").read_text()
+        assert f"kvferry join --discovery {target}" in out and f"kvferry-proxy --discovery {target}" in out
         a = state["proxy"]["url"]
         body = {"model": "tiny", "prompt": "Tell me a story about the king", "max_tokens": 8, "temperature": 0}
         first = httpx.post(f"{a}/v1/completions", json=body, timeout=120)
