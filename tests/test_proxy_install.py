@@ -2,7 +2,7 @@
 vLLM) gives a working `kvferry-proxy`, which starts and answers /health in front of a stub engine.
 
 pip resolves the core dependencies from its configured index and cache (warm after `make setup`:
-about half a minute). Where no index answers, the test skips and says so; any other pip failure
+about a minute on a busy 2-core machine). Where no index answers, the test skips and says so; any other pip failure
 fails it. KVFERRY_SKIP_PROXY_INSTALL=1 skips it on purpose (say, a machine without network and
 without a pip cache)."""
 
@@ -31,15 +31,16 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.environ.get("KVFERRY_SKIP_PROXY_INSTALL"):
         pytest.skip("KVFERRY_SKIP_PROXY_INSTALL is set")
     root = tmp_path_factory.mktemp("proxy-venv")
-    venv.EnvBuilder(with_pip=True).create(root / "venv")
+    # No pip of its own (ensurepip alone costs as much as the install): this venv's pip installs
+    # into it (--python). A wheel of this tree built here (no build isolation: this venv has
+    # setuptools), installed there with its dependencies: what `pip install 'kvferry[proxy]'` gives.
+    venv.EnvBuilder(with_pip=False).create(root / "venv")
     py = root / "venv" / "bin" / "python"
-    # A wheel of this tree built here (no build isolation: this venv has setuptools), installed
-    # there with its dependencies: exactly what a proxy machine gets from `pip install 'kvferry[proxy]'`.
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(root / "dist"), str(REPO)], check=True, capture_output=True, text=True, timeout=300)
     wheel = next((root / "dist").glob("kvferry-*.whl"))
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[proxy]"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", f"{wheel}[proxy]"],
+                       capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         if any(s in r.stdout + r.stderr for s in OFFLINE):
             pytest.skip(f"pip cannot reach a package index here (offline?): {(r.stderr or r.stdout)[-300:]}")
