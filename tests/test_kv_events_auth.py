@@ -124,3 +124,40 @@ def test_kv_events_auth_relay_beyond_loopback_needs_the_secret(tmp_path: Path,
     with pytest.raises(zsock.BindError, match="replay_endpoint"):
         KVEventsRelay(RelaySpec(f"ipc://{tmp_path}/ev.sock", None, "127.0.0.1", free_port(), free_port()),
                       zsock.PLAIN).start()
+
+
+def test_kv_events_auth_connector_starts_the_relay_from_its_config(tmp_path: Path) -> None:
+    """The scheduler side's relay (connector/kv_events.start_relay) from vLLM's own KVEventsConfig."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVEventsConfig
+
+    from kvferry.common.config import ConfigError, load_config
+    from kvferry.connector.kv_events import start_relay
+
+    port, rport = free_port(), free_port()
+    cfg = load_config(env={"KVFERRY_KV_EVENTS_RELAY_PORT": str(port), "KVFERRY_KV_EVENTS_RELAY_REPLAY_PORT": str(rport),
+                           "KVFERRY_CLUSTER_SECRET": "kv-events-secret-for-tests"})
+    on = SimpleNamespace(kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/ev.sock",
+        replay_endpoint=f"ipc://{tmp_path}/replay.sock"))
+    assert start_relay(load_config(env={}), on) is None  # not configured: no relay
+    with pytest.raises(ConfigError, match="kv_events_relay_port relays vLLM's KV events"):
+        start_relay(cfg, SimpleNamespace(kv_events_config=None))
+    pub = kv.ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/replay.sock")
+    relay = start_relay(cfg, on)
+    assert relay is not None
+    ctx = zmq.Context()
+    try:
+        sub = zsock.connect(ctx, zmq.SUB, SECRET, zsock.tcp("127.0.0.1", port))
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
+        assert sub.poll(5000), "nothing relayed"
+        assert len(sub.recv_multipart()) == 3
+    finally:
+        ctx.destroy(linger=0)
+        relay.close()
+        pub.shutdown()
+    with pytest.raises(ConfigError, match="kv_events_relay_port"):
+        load_config(env={"KVFERRY_KV_EVENTS_RELAY_REPLAY_PORT": "5558"})

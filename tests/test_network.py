@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import threading
 import time
@@ -220,3 +221,70 @@ def test_transfer_wait_has_one_sample_per_transfer_whichever_comes_first() -> No
         assert 'result="unknown"' not in text
     finally:
         ctx.destroy(linger=0)
+
+
+@needs_ipv6
+def test_ipv6_kv_transfer_over_ipv6_loopback_with_the_secret() -> None:
+    """A real receiver bound to ::1 and a real sender (NIXL, CurveZMQ) dialling it there."""
+    pytest.importorskip("nixl._api")
+    import torch
+
+    from kvferry.sender.client import KVSender, SenderConfig
+    from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint
+    from tests.transfer_helpers import trust as trust_of
+
+    key = "an-ipv6-cluster-secret-for-tests"
+    r = ReceiverProc(pages=4, opts={"host": "::1", "secret": key}).start()
+    s = KVSender(SenderConfig("p6", trust=trust_of(key)), fingerprint())
+    try:
+        src = torch.randint(0, 256, (2 * PAGE,), dtype=torch.uint8)
+        s.register(src)
+        assert r.addr.host == "::1"
+        res = s.send("t6", r.addr, [b"k6-0" * 4, b"k6-1" * 4],
+                     [(src.data_ptr() + i * PAGE, PAGE) for i in range(2)], 64).result(30)
+        assert res.sent_chunks == 2 and res.handshook
+        kind, num_tokens, data = r.ask("claim", "t6", 10)
+        assert kind == "ok" and num_tokens == 64
+        assert [data[i] for i in range(2)] == [bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(2)]
+        assert r.wait_fully_free(5)
+    finally:
+        s.close()
+        r.stop()
+
+
+def test_advertise_launcher_binds_host_and_advertises_another(tmp_path) -> None:
+    """`kvferry up --host/--advertise-host`: vLLM and the receiver bind --host, the proxy is told
+    the advertised address (constructors only: nothing starts)."""
+    from kvferry.launcher.pd_instances import Decoder
+    from kvferry.launcher.vllm_proc import VLLMServer
+
+    d = Decoder("m", tmp_path, None, tmp_path, host="0.0.0.0", advertise_host="10.20.30.40",
+                server={"host": "0.0.0.0", "advertise_host": "10.20.30.40"})
+    assert d.url.startswith("http://10.20.30.40:") and d.local_url.startswith("http://127.0.0.1:")
+    assert d.args[d.args.index("--host") + 1] == "0.0.0.0"
+    assert d.disagg_spec()["receiver_host"] == "10.20.30.40"
+    text = d.config_path.read_text()
+    assert "pd_peer_host: 0.0.0.0" in text and "pd_peer_advertise_host: 10.20.30.40" in text
+    v6 = VLLMServer("m", 8000, tmp_path / "x.log", host="::1")
+    assert v6.url == "http://[::1]:8000" and v6.args[v6.args.index("--host") + 1] == "::1"
+    # The default stays loopback.
+    d = Decoder("m", tmp_path, None, tmp_path)
+    assert d.url.startswith("http://127.0.0.1:") and d.receiver_host == "127.0.0.1"
+    wild = Decoder("m", tmp_path, None, tmp_path, host="0.0.0.0")
+    assert wild.receiver_host == (netutil.machine_address() or "127.0.0.1")
+
+
+def test_advertise_nixl_net_devices_becomes_ucx_net_devices(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from kvferry.buffer.nixl_agent import use_net_devices
+    from kvferry.common.config import load_config
+
+    assert load_config(env={"LMCACHE_NIXL_NET_DEVICES": "eth1"}).nixl_net_devices == "eth1"
+    monkeypatch.setenv("UCX_NET_DEVICES", "placeholder")
+    monkeypatch.delenv("UCX_NET_DEVICES")  # unset here, restored after the test
+    use_net_devices("eth1")
+    assert os.environ["UCX_NET_DEVICES"] == "eth1"
+    caplog.set_level(logging.WARNING)
+    use_net_devices("mlx5_0:1")  # the environment wins, with a warning
+    assert os.environ["UCX_NET_DEVICES"] == "eth1"
+    assert any("UCX_NET_DEVICES" in r.getMessage() for r in caplog.records)
