@@ -288,3 +288,35 @@ def test_advertise_nixl_net_devices_becomes_ucx_net_devices(monkeypatch: pytest.
     use_net_devices("mlx5_0:1")  # the environment wins, with a warning
     assert os.environ["UCX_NET_DEVICES"] == "eth1"
     assert any("UCX_NET_DEVICES" in r.getMessage() for r in caplog.records)
+
+
+@needs_ipv6
+def test_ipv6_lm_server_listens_on_ipv6_loopback() -> None:
+    """kvferry-server (lm://) binds an IPv6 address (it was IPv4 only) and a client connects there."""
+    import asyncio
+
+    from kvferry.launcher.lm_server import LMServer
+
+    async def go() -> None:
+        server = LMServer("::1", 0, 1 << 20, 1 << 16)
+        await server.start()
+        try:
+            assert server._lsock is not None and server._lsock.family == socket.AF_INET6
+            socket.create_connection(("::1", server.port), timeout=2).close()
+        finally:
+            server._lsock.close()
+    asyncio.run(go())
+
+
+def test_advertise_host_name_on_loopback_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """The classic trap: the machine's own name maps to 127.x in /etc/hosts while it has another
+    address; binding or advertising that name would keep peers out."""
+    name = socket.gethostname()
+    addrs = netutil.resolve(name)
+    if not addrs or not all(a.startswith("127.") or a == "::1" for a in addrs) or netutil.machine_address() is None:
+        pytest.skip(f"this machine's name {name!r} does not resolve to loopback only ({addrs}) while it has "
+                    "another address")
+    caplog.set_level(logging.WARNING, logger="kvferry.common.netutil")
+    assert netutil.advertised(name, None, "config key pd_peer_host (test)") == name
+    assert any("resolves to loopback only" in r.getMessage() and "pd_peer_host (test)" in r.getMessage()
+               for r in caplog.records)
