@@ -92,11 +92,17 @@ def hostport(host: str, port: int) -> str:
     return f"{bracket(host)}:{port}"
 
 
+def local_host(host: str) -> str:
+    """Where this machine reaches a port bound on `host`: a wildcard on loopback (``::`` on ``::1``)."""
+    host = unbracket(host)
+    if host in WILDCARDS:
+        return "::1" if host == "::" else "127.0.0.1"
+    return host
+
+
 def http_url(host: str, port: int, scheme: str = "http") -> str:
     """``http://host:port``; a wildcard bind address is reached on loopback."""
-    if unbracket(host) in WILDCARDS:
-        host = "::1" if unbracket(host) == "::" else "127.0.0.1"
-    return f"{scheme}://{hostport(host, port)}"
+    return f"{scheme}://{hostport(local_host(host), port)}"
 
 
 def resolve(host: str) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.netutil import WILDCARDS, advertised, http_url, port_is_free, unbracket
+from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import (
@@ -89,7 +89,7 @@ def plan(args: argparse.Namespace) -> dict:
     if importlib.util.find_spec("vllm") is None:
         raise UpError("vLLM is not installed: pip install 'kvferry[cpu]' on a CPU host (vLLM's CPU build, after "
                       "torch==2.13.0) or 'kvferry[cuda]' on a GPU host")
-    if not port_is_free(args.port, args.host if unbracket(args.host) not in WILDCARDS else "127.0.0.1"):
+    if not port_is_free(args.port, local_host(args.host)):
         raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
     if args.local_prefill_tokens < 0:
         raise UpError(f"--local-prefill-tokens must be 0 or more, got {args.local_prefill_tokens}")
@@ -281,8 +281,7 @@ class Cluster:
     @property
     def local_proxy_url(self) -> str:
         """The proxy from this machine (loopback when it binds every interface)."""
-        host = self.args.host if unbracket(self.args.host) not in WILDCARDS else "127.0.0.1"
-        return http_url(host, self.args.port)
+        return http_url(self.args.host, self.args.port)
 
     def name(self, s: VLLMServer) -> str:
         kind = [x for x in self.instances if type(x) is type(s)]

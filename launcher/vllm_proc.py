@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvferry.common.errors import UnavailableError
-from kvferry.common.netutil import WILDCARDS, advertised, http_url, unbracket
+from kvferry.common.netutil import advertised, http_url, unbracket
 
 
 def die_with_parent() -> None:
@@ -73,7 +73,7 @@ class VLLMServer:
         self.advertise_host = advertised(host, advertise_host, f"vLLM's HTTP server (port {port})")
         self.url = http_url(self.advertise_host, port)
         # Health checks from this machine: loopback when vLLM binds every interface.
-        self.local_url = http_url(host if unbracket(host) not in WILDCARDS else "127.0.0.1", port)
+        self.local_url = http_url(host, port)
         self.served_name = served_name
         self.die_with_parent = die_with_parent
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
