@@ -425,6 +425,11 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
                       "set: set controller_pull_url (e.g. localhost:8300)")
         if c.lmcache_worker_ports is None:
             raise err("lmcache_worker_ports", "enable_controller is true but the worker port is not set")
+    for key in ("pd_peer_advertise_host", "p2p_advertise_host"):
+        v = getattr(c, key)
+        if v is not None and (v.strip("[]") in ("", "*", "0.0.0.0", "::") or any(ch in v for ch in "/ ,")):
+            raise err(key, f"{v!r} is not an address peers can dial: give this machine's address or name "
+                      "(0.0.0.0 and :: go in the bind key)")
     for key in ("kv_events_relay_port", "kv_events_relay_replay_port"):
         v = getattr(c, key)
         if v is not None and not 0 < v < 65536:

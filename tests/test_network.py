@@ -117,6 +117,15 @@ def test_advertise_receiver_host_is_carried_not_the_url_host() -> None:
             parse(["--prefiller", "http://p:1", *bad])
 
 
+def test_advertise_config_keys_refuse_a_wildcard() -> None:
+    from kvferry.common.config import ConfigError, load_config
+
+    assert load_config(env={"KVFERRY_PD_PEER_ADVERTISE_HOST": "fd00::2"}).pd_peer_advertise_host == "fd00::2"
+    for key in ("PD_PEER_ADVERTISE_HOST", "P2P_ADVERTISE_HOST"):
+        with pytest.raises(ConfigError, match=f"{key.lower()}.*not an address peers can dial"):
+            load_config(env={f"KVFERRY_{key}": "0.0.0.0"})
+
+
 def test_advertise_wildcard_bind_picks_this_machine_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvferry.common.netutil")
     assert netutil.advertised("10.1.1.1", "203.0.113.5", "k") == "203.0.113.5"

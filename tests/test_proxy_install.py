@@ -9,6 +9,7 @@ without a pip cache)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,8 +37,12 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # setuptools), installed there with its dependencies: what `pip install 'kvferry[proxy]'` gives.
     venv.EnvBuilder(with_pip=False).create(root / "venv")
     py = root / "venv" / "bin" / "python"
+    # Built from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    src = root / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "logs",
+                                                             "__pycache__", ".*_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(root / "dist"), str(REPO)], check=True, capture_output=True, text=True, timeout=300)
+                    str(root / "dist"), str(src)], check=True, capture_output=True, text=True, timeout=300)
     wheel = next((root / "dist").glob("kvferry-*.whl"))
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", f"{wheel}[proxy]"],
                        capture_output=True, text=True, timeout=600)
