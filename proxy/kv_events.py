@@ -120,8 +120,12 @@ class EventStream:
             if fresh:
                 logger.warning("KV events of %s (%s) are back: routing it by its cache again", self.name, self.endpoint)
             else:
-                logger.warning("KV events of %s (%s) stopped (nothing for %gs): routing it by load only",
-                               self.name, self.endpoint, self.stale_after)
+                hint = ""
+                if self.last_heard is None and self.trust.secret is not None and self.endpoint.startswith("tcp://"):
+                    hint = (" (never heard: with a cluster secret a tcp:// endpoint must be kvferry's relay, "
+                            "kv_events_relay_port, not vLLM's own publisher; docs/deploy.md \"Network\")")
+                logger.warning("KV events of %s (%s) stopped (nothing for %gs): routing it by load only%s",
+                               self.name, self.endpoint, self.stale_after, hint)
         return fresh
 
     def apply(self, seq: int, payload: bytes) -> None:
