@@ -160,11 +160,13 @@ class BindError(UnavailableError, RuntimeError):
 def zmq_host(host: str) -> str:
     """`host` as a ZMQ tcp endpoint takes it: "*" for every interface, a name resolved to its
     first address in either family (ZMQ binds to interface names or addresses, not host names
-    like "localhost"), an IPv6 address in brackets."""
+    like "localhost"; IPv4 preferred), an IPv6 address in brackets."""
     host = net.unbracket(host)
     if host in net.WILDCARDS:
         return "*"
-    addrs = net.resolve(host)
+    # IPv4 first when a name has both (as gethostbyname did: "localhost" keeps meaning 127.0.0.1
+    # on both ends); a name with only IPv6 addresses gets its first.
+    addrs = sorted(net.resolve(host), key=net.is_ipv6)
     return net.bracket(addrs[0] if addrs else host)
 
 
