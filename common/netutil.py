@@ -61,6 +61,21 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+def tcp_listener(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket on `host`'s first address in either family: an IPv6
+    address binds AF_INET6, "::" every interface; OSError (gaierror included) when it cannot."""
+    infos = socket.getaddrinfo(unbracket(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(addr)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def _family(host: str) -> int:
     return socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
 

@@ -44,7 +44,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.common.netutil import unbracket
+from kvferry.common.netutil import tcp_listener
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.byte_budget import ByteBudget
@@ -140,17 +140,7 @@ class LMServer:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        # Either family: the host's first address (an IPv6 one binds AF_INET6; "::" every interface).
-        host = unbracket(self.host)
-        infos = socket.getaddrinfo(host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = infos[0]
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError:
-            s.close()
-            raise
+        s = tcp_listener(self.host, self.port)  # either family: "::1" and "::" work
         s.listen(128)
         s.setblocking(False)
         self._lsock, self.port = s, s.getsockname()[1]
