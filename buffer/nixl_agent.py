@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 import time
@@ -26,11 +27,28 @@ class NixlUnavailable(UnavailableError, RuntimeError):
     """nixl is not installed or has no UCX plugin."""
 
 
-def make_agent(name: str) -> Any:
-    """A `nixl_agent` named `name` with the UCX backend and no progress thread.
+def use_net_devices(devices: str | None) -> None:
+    """UCX_NET_DEVICES for this process's NIXL agents (config key nixl_net_devices): which NIC(s)
+    UCX moves KV over. The environment wins: a value already set there is kept (and a differing
+    key is logged). UCX reads it when an agent is made, so this comes first."""
+    if not devices:
+        return
+    have = os.environ.get("UCX_NET_DEVICES")
+    if have is None:
+        os.environ["UCX_NET_DEVICES"] = devices
+        logger.info("UCX_NET_DEVICES=%s (config key nixl_net_devices)", devices)
+    elif have != devices:
+        logger.warning("nixl_net_devices is %r but UCX_NET_DEVICES=%r is set in the environment: UCX uses "
+                       "the environment's", devices, have)
+
+
+def make_agent(name: str, net_devices: str | None = None) -> Any:
+    """A `nixl_agent` named `name` with the UCX backend and no progress thread; `net_devices`:
+    see use_net_devices.
 
     The agent is not thread-safe (sync mode NONE): callers use it from one thread only.
     """
+    use_net_devices(net_devices)
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:

@@ -75,7 +75,11 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pd_role: str | None = None  # "sender" (prefiller) | "receiver" (decoder)
     pd_buffer_size: int = 1 << 30  # bytes
     pd_buffer_device: str | None = None  # unset: the KV cache's device; set: must name that device
-    pd_peer_host: str | None = None
+    pd_peer_host: str | None = None  # where the decoder's receiver binds (LMCache's key)
+    # the address prefillers dial for it (kvferry; default pd_peer_host, or this machine's address
+    # when that is 0.0.0.0 / ::): what discovery registers; a static proxy takes it per decoder
+    # (--decoder URL,INIT,ALLOC,HOST)
+    pd_peer_advertise_host: str | None = None
     pd_peer_init_port: Ports = None  # one per decoder TP rank
     pd_peer_alloc_port: Ports = None
     pd_proxy_host: str | None = None
@@ -96,7 +100,8 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # --- P2P sharing and controller ---
     enable_p2p: bool = False
-    p2p_host: str | None = None
+    p2p_host: str | None = None  # where the P2P ports bind
+    p2p_advertise_host: str | None = None  # the address peers are told (default p2p_host, as above)
     p2p_init_ports: Ports = None
     p2p_lookup_ports: Ports = None
     enable_controller: bool = False
@@ -107,6 +112,17 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lmcache_worker_ports: Ports = None
     lmcache_worker_heartbeat_time: float = 10.0
     lmcache_worker_heartbeat_timeout: float = 30.0
+
+    # --- network (docs/deploy.md "Network") ---
+    # the NIC UCX (NIXL's transport) uses, e.g. "eth1" or "mlx5_0:1": becomes UCX_NET_DEVICES for
+    # kvferry's NIXL agents when that is not set in the environment
+    nixl_net_devices: str | None = None
+    # vLLM's KV events (plain ZMQ: keep vLLM's --kv-events-config endpoint on ipc:// or loopback)
+    # relayed by kvferry on ports that speak CurveZMQ with the cluster secret; the proxy's
+    # --kv-events names these (common/kv_events_relay.py)
+    kv_events_relay_host: str | None = None  # bind address (default 127.0.0.1)
+    kv_events_relay_port: int | None = None
+    kv_events_relay_replay_port: int | None = None
 
     # --- trust (DESIGN.md "Trust", docs/security.md) ---
     cluster_secret: str | None = None  # or cluster_secret_file; never logged
@@ -413,6 +429,18 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
                       "set: set controller_pull_url (e.g. localhost:8300)")
         if c.lmcache_worker_ports is None:
             raise err("lmcache_worker_ports", "enable_controller is true but the worker port is not set")
+    for key in ("pd_peer_advertise_host", "p2p_advertise_host"):
+        v = getattr(c, key)
+        if v is not None and (v.strip("[]") in ("", "*", "0.0.0.0", "::") or any(ch in v for ch in "/ ,")):
+            raise err(key, f"{v!r} is not an address peers can dial: give this machine's address or name "
+                      "(0.0.0.0 and :: go in the bind key)")
+    for key in ("kv_events_relay_port", "kv_events_relay_replay_port"):
+        v = getattr(c, key)
+        if v is not None and not 0 < v < 65536:
+            raise err(key, f"{v} is not a port number (1-65535)")
+    if c.kv_events_relay_replay_port is not None and c.kv_events_relay_port is None:
+        raise err("kv_events_relay_port", "kv_events_relay_replay_port is set without it: set both (the relay's "
+                  "event port and its replay port)")
     if c.enable_controller and not c.enable_p2p:
         raise err("enable_p2p", "kvferry's controller coordinates P2P sharing: set enable_p2p: true with "
                   "p2p_host, p2p_init_ports and p2p_lookup_ports (or enable_controller: false)")

@@ -11,6 +11,7 @@ loopback; a port bound beyond loopback logs one warning naming ``cluster_secret`
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import socket as _socket
@@ -21,6 +22,7 @@ import zmq
 from zmq.utils import z85
 
 from kvferry.common import messages as m
+from kvferry.common import netutil as net
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.errors import ConfigurationError, UnavailableError
 from kvferry.common.log import get_logger
@@ -61,7 +63,8 @@ def curve_keys(secret: ClusterSecret, role: str) -> tuple[bytes, bytes]:
 
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1, and names that resolve there; "*", "0.0.0.0" and "" are every interface."""
-    if host in ("", "*", "0.0.0.0", "::"):
+    host = net.unbracket(host)
+    if host in net.WILDCARDS:
         return False
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -100,6 +103,7 @@ def socket(ctx: zmq.Context, kind: int, trust: Trust, *, server: bool, max_bytes
     """A socket with no linger, a frame bound, and CurveZMQ when `trust` has a secret."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IPV6, 1)  # both families: IPv6 endpoints work, IPv4 ones still do
     s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if trust.secret is not None:
         spub, ssec = curve_keys(trust.secret, "server")
@@ -117,12 +121,29 @@ def listen(ctx: zmq.Context, kind: int, trust: Trust, host: str, port: int, what
     check_exposure(host, what, trust)
     s = socket(ctx, kind, trust, server=True, max_bytes=max_bytes)
     try:
-        s.bind(f"tcp://{zmq_host(host)}:{port}")
+        s.bind(tcp(host, port))
     except zmq.ZMQError as e:
         s.close()
-        raise BindError(f"{what}: cannot listen on {host}:{port} ({e}): the port is in use or the address is "
-                        "not this machine's; choose another") from None
+        raise BindError(f"{what}: cannot listen on {net.hostport(host, port)}: {bind_cause(e.errno, host, port)}") from None
     return s
+
+
+def bind_cause(err: int | None, host: str, port: int) -> str:
+    """Why a bind failed, in words that name the fix (the errno decides; ZMQ's own text follows)."""
+    reason = errno.errorcode.get(err or 0, "")
+    text = zmq.strerror(err) if err else "unknown error"
+    if err == errno.EADDRINUSE:
+        return f"port {port} is in use ({text}): choose another port, or stop what holds it"
+    if err == errno.EADDRNOTAVAIL:
+        return (f"{host} is not an address of this machine ({text}): bind one of its own addresses "
+                "(or 0.0.0.0 / :: for every interface) and advertise the address peers dial")
+    if err in (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT):
+        return f"this machine does not support {host}'s address family ({text})"
+    if err in (errno.EACCES, errno.EPERM):
+        return f"not allowed to bind port {port} ({text}): use a port above 1023 or run with the right to"
+    if err == errno.ENODEV or err == errno.EINVAL:
+        return f"{host!r} is not an address or interface this machine has ({text})"
+    return f"{text}{' (' + reason + ')' if reason else ''}"
 
 
 def connect(ctx: zmq.Context, kind: int, trust: Trust, url: str, max_bytes: int = MAX_BYTES) -> zmq.Socket:
@@ -138,16 +159,19 @@ class BindError(UnavailableError, RuntimeError):
 
 def zmq_host(host: str) -> str:
     """`host` as a ZMQ tcp endpoint takes it: "*" for every interface, a name resolved to its
-    address (ZMQ binds to interface names or addresses, not host names like "localhost")."""
-    if host in ("0.0.0.0", "*", ""):
+    first address in either family (ZMQ binds to interface names or addresses, not host names
+    like "localhost"; IPv4 preferred), an IPv6 address in brackets."""
+    host = net.unbracket(host)
+    if host in net.WILDCARDS:
         return "*"
-    try:
-        return _socket.gethostbyname(host)
-    except OSError:
-        return host
+    # IPv4 first when a name has both (as gethostbyname did: "localhost" keeps meaning 127.0.0.1
+    # on both ends); a name with only IPv6 addresses gets its first.
+    addrs = sorted(net.resolve(host), key=net.is_ipv6)
+    return net.bracket(addrs[0] if addrs else host)
 
 
 def tcp(host: str, port: int) -> str:
+    """``tcp://host:port`` for ZMQ (``tcp://[::1]:5555`` for IPv6)."""
     return f"tcp://{zmq_host(host)}:{port}"
 
 

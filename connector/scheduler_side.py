@@ -14,7 +14,7 @@ from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.connector.block_table import BlockTable
-from kvferry.connector.kv_events import to_vllm
+from kvferry.connector.kv_events import start_relay, to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.roles import Roles, salt
@@ -54,6 +54,8 @@ class SchedulerSide:
         self._pins: list[str] = []  # consumer: to tell the workers in the next step
         self._unpins: list[str] = []
         self._events_failed = RateLimitedLog(logger, 60.0)
+        # vLLM's KV events onto a port with the cluster secret (config keys kv_events_relay_*)
+        self.relay = start_relay(roles.cfg, vllm_config)
 
     def on_new(self, request: Request) -> None:
         """A decoder's request is in vLLM's queue now: its KV must wait for it (see the module docstring)."""
@@ -200,6 +202,8 @@ class SchedulerSide:
     def close(self) -> None:
         if self.offload is not None:
             self.offload.close()
+        if self.relay is not None:
+            self.relay.close()
 
 
 def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadPlanner:

@@ -1,4 +1,5 @@
-"""`kvferry` command: `up` (a local xPyD cluster), `join` (one instance joined through discovery), `secret` (a new cluster secret) and `make-tiny-model`."""
+"""`kvferry` command: `up` (a local xPyD cluster), `join` (one instance joined through discovery), `secret`
+(a new cluster secret), `kv-events-relay` (vLLM's KV events onto an authenticated port) and `make-tiny-model`."""
 
 from __future__ import annotations
 
@@ -36,6 +37,30 @@ def _secret(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relay(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvferry.common import secret, zsock
+    from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
+
+    try:
+        trust = zsock.Trust(secret.from_env(args.cluster_secret_file), args.require_cluster_secret)
+        relay = KVEventsRelay(RelaySpec(dialable(args.upstream), dialable(args.upstream_replay)
+                                        if args.upstream_replay else None, args.host, args.port, args.replay_port),
+                              trust).start()
+    except (secret.SecretError, zsock.BindError, zsock.ExposureError) as e:
+        print(f"kvferry kv-events-relay: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"relaying {args.upstream} on {zsock.tcp(args.host, args.port)}", flush=True)
+    stop.wait()
+    relay.close()
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     from kvferry.launcher.up import run
 
@@ -59,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write it to this file, readable by its owner only (default: print it)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=_secret)
+    p = sub.add_parser("kv-events-relay", help="relay one vLLM's KV events onto ports with the cluster secret "
+                                               "(docs/deploy.md \"Network\")")
+    p.add_argument("--from", dest="upstream", required=True,
+                   help="vLLM's --kv-events-config endpoint (ipc://PATH or tcp://127.0.0.1:PORT)")
+    p.add_argument("--replay-from", dest="upstream_replay", default=None, help="vLLM's replay_endpoint")
+    p.add_argument("--host", default="127.0.0.1", help="where the relay binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True, help="the relay's event port (the proxy's --kv-events)")
+    p.add_argument("--replay-port", type=int, default=None, help="the relay's replay port")
+    p.add_argument("--cluster-secret-file", default=None, help="else env KVFERRY_CLUSTER_SECRET[_FILE]")
+    p.add_argument("--require-cluster-secret", action="store_true",
+                   help="refuse to listen beyond loopback without a cluster secret")
+    p.set_defaults(func=_relay)
     p = sub.add_parser("up", help="run a local xPyD cluster (vLLM + connector + proxy)")
     from kvferry.launcher.up import add_arguments
     add_arguments(p)

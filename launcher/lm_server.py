@@ -44,6 +44,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.netutil import tcp_listener
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.byte_budget import ByteBudget
@@ -139,13 +140,7 @@ class LMServer:
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((self.host, self.port))
-        except OSError:
-            s.close()
-            raise
+        s = tcp_listener(self.host, self.port)  # either family: "::1" and "::" work
         s.listen(128)
         s.setblocking(False)
         self._lsock, self.port = s, s.getsockname()[1]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from kvferry.common.netutil import free_port
+from kvferry.common.netutil import advertised, free_port
 from kvferry.launcher.vllm_proc import VLLMServer
 
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.connector"}
@@ -45,9 +45,14 @@ class Decoder(VLLMServer):
 
     def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
                  host: str = "127.0.0.1", init_port: int | None = None, alloc_port: int | None = None,
-                 server: dict | None = None, **keys: object) -> None:
+                 server: dict | None = None, advertise_host: str | None = None, **keys: object) -> None:
+        """`host`: where the receiver binds (pd_peer_host); `advertise_host`: the address prefillers
+        dial (pd_peer_advertise_host; default: `host`, or this machine's address for a wildcard)."""
         port = port or free_port()
-        self.host, self.init_port, self.alloc_port = host, init_port or free_port(), alloc_port or free_port()
+        self.init_port, self.alloc_port = init_port or free_port(), alloc_port or free_port()
+        self.receiver_host = advertised(host, advertise_host, "the decoder's receiver (pd_peer_host)")
+        if advertise_host:
+            keys = {**keys, "pd_peer_advertise_host": advertise_host}
         self.config_path = write_pd_config(conf_dir / f"decoder-{port}.yaml", "receiver", pd_peer_host=host,
                                            pd_peer_init_port=self.init_port, pd_peer_alloc_port=self.alloc_port,
                                            **keys)
@@ -58,7 +63,7 @@ class Decoder(VLLMServer):
 
     def disagg_spec(self) -> dict:
         """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""
-        return {"receiver_host": self.host, "receiver_init_port": [self.init_port],
+        return {"receiver_host": self.receiver_host, "receiver_init_port": [self.init_port],
                 "receiver_alloc_port": [self.alloc_port]}
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.netutil import port_is_free
+from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import (
@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-decoders", type=int, default=1)
     p.add_argument("--model", default=None, help="model path or name (default: the tiny test model)")
     p.add_argument("--port", type=int, default=9000, help="the proxy's port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address every port binds: vLLM, receivers, the proxy (default 127.0.0.1; 0.0.0.0 or :: "
+                        "for every interface)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address peers dial for those ports (default: --host; for 0.0.0.0 or ::, this "
+                        "machine's address, logged)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every instance (GPU only)")
     p.add_argument("--pd-buffer-size", type=int, default=None, help="bytes of pd_buffer per instance")
     p.add_argument("--config", default=None, help="a kvferry/LMCache config file merged into every instance's")
@@ -103,7 +109,7 @@ def plan(args: argparse.Namespace) -> dict:
     if importlib.util.find_spec("vllm") is None:
         raise UpError("vLLM is not installed: pip install 'kvferry[cpu]' on a CPU host (vLLM's CPU build, after "
                       "torch==2.13.0) or 'kvferry[cuda]' on a GPU host")
-    if not port_is_free(args.port):
+    if not port_is_free(args.port, local_host(args.host)):
         raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
     if getattr(args, "discovery", None) is not None:
         if args.discovery == "etcd":
@@ -197,13 +203,18 @@ class Cluster:
         n = args.num_prefillers + args.num_decoders
         self.kv_events: list[tuple[str, str]] = []  # each instance's event publisher and replay socket
         for i in range(n):
-            cls = Prefiller if i < args.num_prefillers else Decoder
-            self.instances.append(cls(p["model"], self.log_dir, p["cores"][i], self.log_dir,
-                                      server=self._server_kw(i), **keys))
+            if i < args.num_prefillers:
+                inst: VLLMServer = Prefiller(p["model"], self.log_dir, p["cores"][i], self.log_dir,
+                                             server=self._server_kw(i), **keys)
+            else:
+                inst = Decoder(p["model"], self.log_dir, p["cores"][i], self.log_dir, server=self._server_kw(i),
+                               host=args.host, advertise_host=args.advertise_host, **keys)
+            self.instances.append(inst)
 
     def _server_kw(self, i: int) -> dict:
         kw = dict(self.p["placement"][i])
-        kw.update(served_name=self.p["served"], max_model_len=self.p["max_len"], die_with_parent=True)
+        kw.update(served_name=self.p["served"], max_model_len=self.p["max_len"], die_with_parent=True,
+                  host=self.args.host, advertise_host=self.args.advertise_host)
         extra = ["--tensor-parallel-size", str(self.args.tp)] if self.args.tp > 1 else []
         # KV cache events for the proxy's cache-aware routing, on Unix sockets in the (private) log
         # folder: they carry prompts' token ids. vLLM binds an ipc:// endpoint (a tcp one only with
@@ -242,7 +253,7 @@ class Cluster:
                 last = time.monotonic()
             if waiting:
                 self.stopping.wait(0.5)
-        args = [sys.executable, "-m", "kvferry.proxy", "--host", "127.0.0.1", "--port", str(self.args.port),
+        args = [sys.executable, "-m", "kvferry.proxy", "--host", self.args.host, "--port", str(self.args.port),
                 "--cluster-secret-file", self.secret_file, "--policy", self.args.policy,
                 "--local-prefill-tokens", str(self.args.local_prefill_tokens)]
         if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
@@ -256,7 +267,7 @@ class Cluster:
             if isinstance(s, Prefiller):
                 args += ["--prefiller", s.url]
             else:
-                args += ["--decoder", f"{s.url},{s.init_port},{s.alloc_port}"]
+                args += ["--decoder", f"{s.url},{s.init_port},{s.alloc_port},{s.receiver_host}"]
             args += ["--kv-events", f"{s.url}={pub},{replay}"]
         log = open(self.proxy_log, "ab")
         self.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -268,7 +279,7 @@ class Cluster:
                 raise UpError(f"the proxy exited with {self.proxy.returncode}; its log ({self.proxy_log}):\n"
                               f"{log_tail(self.proxy_log)}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.args.port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.local_proxy_url}/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except (urllib.error.URLError, OSError):
@@ -287,7 +298,7 @@ class Cluster:
         members = []
         for i, (s, (pub, replay)) in enumerate(zip(self.instances, self.kv_events, strict=True)):
             role = "prefiller" if isinstance(s, Prefiller) else "decoder"
-            ports = {"receiver_host": s.host, "init_ports": [s.init_port], "alloc_ports": [s.alloc_port]} \
+            ports = {"receiver_host": s.receiver_host, "init_ports": [s.init_port], "alloc_ports": [s.alloc_port]} \
                 if isinstance(s, Decoder) else {}
             rec = m.InstanceRecord(instance_id=f"up-{os.getpid()}-{role}-{i}", role=role, model=self.p["served"],
                                    url=s.url, kv_events=[pub, replay],
@@ -307,7 +318,7 @@ class Cluster:
             if isinstance(s, Decoder):
                 d.update(init_port=s.init_port, alloc_port=s.alloc_port)
             inst.append(d)
-        state = {"proxy": {"url": f"http://127.0.0.1:{self.args.port}", "port": self.args.port,
+        state = {"proxy": {"url": self.proxy_url, "port": self.args.port,
                            "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
                  "launcher_pid": os.getpid(), "instances": inst, "discovery": self.discovery,
                  "cluster_secret_file": str(Path(self.secret_file).resolve())}  # the path only, never the secret
@@ -315,12 +326,22 @@ class Cluster:
         path.write_text(json.dumps(state, indent=2))
         return path
 
+    @property
+    def proxy_url(self) -> str:
+        """The proxy as clients dial it (its advertised address)."""
+        return http_url(advertised(self.args.host, self.args.advertise_host, "the proxy (--host)"), self.args.port)
+
+    @property
+    def local_proxy_url(self) -> str:
+        """The proxy from this machine (loopback when it binds every interface)."""
+        return http_url(self.args.host, self.args.port)
+
     def name(self, s: VLLMServer) -> str:
         kind = [x for x in self.instances if type(x) is type(s)]
         return f"{'prefiller' if isinstance(s, Prefiller) else 'decoder'} {kind.index(s)}"
 
     def banner(self) -> str:
-        url = f"http://127.0.0.1:{self.args.port}"
+        url = self.proxy_url
         lines = [f"kvferry is up: {self.args.num_prefillers} prefiller(s), {self.args.num_decoders} decoder(s), "
                  f"model {self.p['served']}",
                  f"  proxy        {url}    log {self.proxy_log}"]

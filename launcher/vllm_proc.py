@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvferry.common.errors import UnavailableError
+from kvferry.common.netutil import advertised, http_url, unbracket
 
 
 def die_with_parent() -> None:
@@ -63,13 +64,20 @@ class VLLMServer:
     def __init__(self, model: str, port: int, log_path: Path, *, served_name: str = "tiny",
                  cores: str | None = None, kv_transfer_config: Mapping | None = None,
                  env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 kv_cache_gb: int = 1, max_model_len: int | None = 8192, die_with_parent: bool = False) -> None:
+                 kv_cache_gb: int = 1, max_model_len: int | None = 8192, die_with_parent: bool = False,
+                 host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
+        """`host`: the address vLLM's HTTP server binds (loopback by default); `advertise_host`:
+        the one others dial (default: `host`, or this machine's address when `host` is a wildcard)."""
         self.model, self.port, self.log_path = model, port, Path(log_path)
-        self.url = f"http://127.0.0.1:{port}"
+        self.host = host
+        self.advertise_host = advertised(host, advertise_host, f"vLLM's HTTP server (port {port})")
+        self.url = http_url(self.advertise_host, port)
+        # Health checks from this machine: loopback when vLLM binds every interface.
+        self.local_url = http_url(host, port)
         self.served_name = served_name
         self.die_with_parent = die_with_parent
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", served_name, "--host", unbracket(host), "--port", str(port),
                 "--enforce-eager", "--disable-uvicorn-access-log"]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]
@@ -96,7 +104,7 @@ class VLLMServer:
 
     def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as r:
+            with urllib.request.urlopen(f"{self.local_url}/health", timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -38,6 +39,11 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.client = UpstreamClient(opts)
         self.router = Router(opts, self.metrics, self.client)
+        try:
+            self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
+        except cluster_secret.SecretError as e:
+            raise OptionError(str(e)) from None
+        self.router.cache.trust = self.trust  # before the streams: tcp:// KV events speak CurveZMQ with it
         for spec in [*opts.prefillers, *opts.decoders]:
             try:
                 self.router.register(spec)
@@ -45,10 +51,6 @@ class Proxy:
                 raise OptionError(f"--{spec.role}: {e}") from None
         # Checked in constant time (common/secret.authorized); /admin/* falls back to the API key.
         self._admin_auth = opts.admin_key or opts.api_key
-        try:
-            self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
-        except cluster_secret.SecretError as e:
-            raise OptionError(str(e)) from None
         self._streams: dict[str, asyncio.Task] = {}  # discovered instance id -> its KV-event loop
         self.discovery = None if opts.discovery is None else Discovery(
             opts, self.router, self.metrics, self.trust.secret, self._attach, self._detach)
@@ -98,6 +100,15 @@ class Proxy:
             if o.proxy_port:
                 zsock.check_exposure(self.notify_host, "--proxy-port", self.trust,
                                      fix="Set --cluster-secret-file (or KVFERRY_CLUSTER_SECRET_FILE)")
+            for url, eps in o.kv_events.items():
+                for ep in eps:
+                    if ep and ep.startswith("tcp://"):
+                        zsock.warn_exposed(
+                            urlsplit(ep).hostname or "", f"the KV event publisher of {url} (--kv-events {ep})",
+                            self.trust.secret is not None, o.require_cluster_secret, "a cluster secret",
+                            "prompts' token ids cross the network in the clear, and anyone can feed this proxy's "
+                            "routing", "Relay them with the instance's kv_events_relay_port and set the cluster "
+                            "secret on both sides (docs/deploy.md \"Network\")")
         except zsock.ExposureError as e:
             raise OptionError(str(e)) from None
 

@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvferry.common import zsock
 from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
@@ -44,6 +45,7 @@ class CacheView:
     def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics) -> None:
         self.opts, self.metrics = opts, metrics
         self.streams: dict[str, EventStream] = {}  # instance id -> its stream
+        self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
 
     def add(self, inst: Instance) -> EventStream | None:
         ev = self.opts.kv_events.get(inst.url)
@@ -54,7 +56,7 @@ class CacheView:
         def count(result: str, n: int = 1, iid: str = inst.id) -> None:
             counter.labels(iid, result).inc(n)
         stream = EventStream(f"{inst.role} {inst.url}", ev[0], ev[1], PrefixIndex(self.opts.prefix_index_max_blocks),
-                             self.opts.kv_events_stale_after, count)
+                             self.opts.kv_events_stale_after, count, self.trust)
         self.streams[inst.id] = stream
         return stream
 

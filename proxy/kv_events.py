@@ -11,6 +11,11 @@ The replay socket doubles as a heartbeat: every probe asks for the last seq seen
 publisher answers (with that batch); a restarted one (its seq began again) answers with another
 batch or none, and the index is cleared; one that does not answer at all goes stale, and the
 instance is routed by load only until it answers again.
+
+With a cluster secret, a ``tcp://`` endpoint is kvferry's relay of vLLM's events
+(common/kv_events_relay.py): the proxy speaks CurveZMQ to it, as to every other kvferry port, and
+a publisher without the secret is never heard. An ``ipc://`` endpoint (vLLM's own publisher on
+this machine, as ``kvferry up`` runs it) is plain: the file's permissions guard it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from kvferry.common import zsock
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.prefix_index import GPU, PrefixIndex
@@ -84,8 +90,9 @@ class EventStream:
     """Subscribes to one instance's events and keeps its index; `fresh` says whether to trust it."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None, index: PrefixIndex,
-                 stale_after: float, counter=None) -> None:
+                 stale_after: float, counter=None, trust: zsock.Trust = zsock.PLAIN) -> None:
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
+        self.trust = trust
         self.index, self.stale_after = index, stale_after
         self.count = counter if counter is not None else (lambda result, n=1: None)  # (result, n): kvferry_proxy_kv_events_total
         self.last_seq: int | None = None
@@ -113,8 +120,12 @@ class EventStream:
             if fresh:
                 logger.warning("KV events of %s (%s) are back: routing it by its cache again", self.name, self.endpoint)
             else:
-                logger.warning("KV events of %s (%s) stopped (nothing for %gs): routing it by load only",
-                               self.name, self.endpoint, self.stale_after)
+                hint = ""
+                if self.last_heard is None and self.trust.secret is not None and self.endpoint.startswith("tcp://"):
+                    hint = (" (never heard: with a cluster secret a tcp:// endpoint must be kvferry's relay, "
+                            "kv_events_relay_port, not vLLM's own publisher; docs/deploy.md \"Network\")")
+                logger.warning("KV events of %s (%s) stopped (nothing for %gs): routing it by load only%s",
+                               self.name, self.endpoint, self.stale_after, hint)
         return fresh
 
     def apply(self, seq: int, payload: bytes) -> None:
@@ -167,9 +178,7 @@ class EventStream:
                 raise
 
     async def _run(self, probe_interval: float) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sub = self._socket(zmq.SUB, self.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self.endpoint)
         try:
@@ -236,9 +245,8 @@ class EventStream:
 
     async def _request(self, start: int, timeout: float = 2.0) -> list[tuple[int, bytes]] | None:
         """The replay socket's answer to `start`, or None when it did not answer in time."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        assert self.replay_endpoint is not None
+        sock = self._socket(zmq.DEALER, self.replay_endpoint)
         sock.connect(self.replay_endpoint)
         out: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + timeout
@@ -263,6 +271,12 @@ class EventStream:
                     return None
         finally:
             sock.close(linger=0)
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        """A socket toward `endpoint`: with the cluster secret (CurveZMQ client) for tcp://, plain for
+        ipc://."""
+        trust = self.trust if endpoint.startswith("tcp://") else zsock.PLAIN
+        return zsock.socket(self._ctx, kind, trust, server=False, max_bytes=MAX_FRAME_BYTES + 1024)
 
     def close(self) -> None:
         self.closed = True

@@ -24,7 +24,9 @@ class ProxyMetrics:
                                      "(no such transfer in flight), bad (not a valid notification)", ["result"],
                                      registry=r)
         self.kv_wait = Histogram("kvferry_proxy_kv_transfer_wait_seconds",
-                                 "From the prefiller's answer to the decoder's KV-arrived notification",
+                                 "How long the KV was still on its way after the prefiller answered: from its answer to "
+                                 "the decoder's KV-arrived notification, 0 when the notification came first; one "
+                                 "sample per transfer that arrived",
                                  buckets=_LAT, registry=r)
         self.decoder_first = Histogram("kvferry_proxy_decoder_first_token_seconds",
                                        "From the decode leg's start to its first chunk", buckets=_LAT, registry=r)

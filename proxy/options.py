@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvferry.common import netutil as net
 from kvferry.common.errors import ConfigurationError
 
 
@@ -25,11 +26,18 @@ class InstanceSpec:
     alloc_port: int | None = None
     init_ports: tuple[int, ...] = ()
     alloc_ports: tuple[int, ...] = ()
-    receiver_host: str | None = None  # decoder: the receiver's advertised host (default: the URL's host)
+    # decoder: the address prefillers dial for its receiver (pd_peer_advertise_host); unset: the
+    # URL's host (LMCache's convention: receiver and HTTP server on one address)
+    receiver_host: str | None = None
 
     @property
     def host(self) -> str:
-        return self.receiver_host or urlsplit(self.url).hostname or "127.0.0.1"
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def kv_host(self) -> str:
+        """Where the decoder's receiver is dialled: its advertised host, else the URL's."""
+        return self.receiver_host or self.host
 
 
 @dataclass
@@ -40,6 +48,7 @@ class ProxyOptions:
     decoders: list[InstanceSpec] = field(default_factory=list)
     proxy_host: str | None = None  # where receivers PUSH "KV arrived" notifications
     proxy_port: int | None = None
+    proxy_bind_host: str | None = None  # where the notify socket binds when not --proxy-host (e.g. 0.0.0.0)
     policy: str = "cache"  # "cache" (docs/proxy.md "Routing") | "load" (power of two choices) | "round_robin"
     affinity_header: str | None = None
     api_key: str | None = None
@@ -118,14 +127,25 @@ def parse_url(flag: str, raw: str) -> str:
     parts = urlsplit(u)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
         raise OptionError(f"{flag}: {raw!r} is not http://host:port")
-    return f"{parts.scheme}://{parts.hostname}:{parts.port}"
+    return f"{parts.scheme}://{net.hostport(parts.hostname, parts.port)}"
+
+
+def receiver_host(flag: str, raw: str) -> str:
+    """A receiver's advertised host as given: an address or name, IPv6 with or without brackets."""
+    host = net.unbracket(raw.strip())
+    if not host or host in net.WILDCARDS or any(c in host for c in "/@ ,"):
+        raise OptionError(f"{flag}: {raw!r} is not the address prefillers dial (a host name or an IP address; "
+                          "not 0.0.0.0 or ::)")
+    return host
 
 
 def decoder_from(flag: str, raw: str) -> InstanceSpec:
-    """`URL[,init_port,alloc_port]` (init/alloc may be `a+b` lists for TP ranks)."""
+    """`URL[,init_port,alloc_port[,receiver_host]]` (init/alloc may be `a+b` lists for TP ranks;
+    receiver_host: the receiver's advertised address, when it is not the URL's host)."""
     url, *ports = [p.strip() for p in raw.split(",")]
+    host = receiver_host(flag, ports.pop()) if len(ports) == 3 else None
     if len(ports) not in (0, 2):
-        raise OptionError(f"{flag}: expected URL or URL,init_port,alloc_port, got {raw!r}")
+        raise OptionError(f"{flag}: expected URL or URL,init_port,alloc_port[,receiver_host], got {raw!r}")
     if not ports:
         return InstanceSpec("decoder", parse_url(flag, url))
     try:
@@ -135,7 +155,7 @@ def decoder_from(flag: str, raw: str) -> InstanceSpec:
         raise OptionError(f"{flag}: ports must be numbers, got {raw!r}") from None
     if len(init) != len(alloc):
         raise OptionError(f"{flag}: as many init ports as alloc ports (one per TP rank), got {raw!r}")
-    return InstanceSpec("decoder", parse_url(flag, url), init[0], alloc[0], init, alloc)
+    return InstanceSpec("decoder", parse_url(flag, url), init[0], alloc[0], init, alloc, host)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -152,10 +172,18 @@ def parser() -> argparse.ArgumentParser:
     a("--decoder-init-port", default=None, help="receiver init ports, one per decoder")
     a("--decoder-alloc-port", default=None, help="receiver alloc ports, one per decoder")
     a("--num-decoders", type=int, default=None)
+    a("--decoder-receiver-host", default=None,
+      help="the address prefillers dial for each decoder's receiver (its pd_peer_advertise_host), one per "
+           "decoder or one for all; default: the decoder's --decoder-host")
     a("--proxy-host", default=None, help="where decoders' receivers send KV-arrived notifications")
     a("--proxy-port", type=int, default=None)
+    a("--proxy-bind-host", default=None,
+      help="bind the notification socket here (e.g. 0.0.0.0 or ::) while decoders send to --proxy-host "
+           "(their pd_proxy_host); default: --proxy-host")
     a("--prefiller", action="append", default=[], metavar="URL", help="a prefiller (repeatable)")
-    a("--decoder", action="append", default=[], metavar="URL[,INIT,ALLOC]", help="a decoder (repeatable)")
+    a("--decoder", action="append", default=[], metavar="URL[,INIT,ALLOC[,RECEIVER_HOST]]",
+      help="a decoder (repeatable); RECEIVER_HOST: the address prefillers dial for its receiver, when it is "
+           "not the URL's host")
     a("--config", default=None, help="YAML file with any of these options (flags win)")
     a("--policy", choices=POLICIES, default=None,
       help="cache (default: fewest uncached + queued tokens, from the engines' KV events), load, round_robin")
@@ -211,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefillers", "decoder_host", "decoder_port",
-              "decoder_init_port", "decoder_alloc_port", "num_decoders", "proxy_host", "proxy_port", "prefiller",
+              "decoder_init_port", "decoder_alloc_port", "num_decoders", "decoder_receiver_host", "proxy_host", "proxy_bind_host", "proxy_port", "prefiller",
               "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
               "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
               "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
@@ -241,8 +269,8 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
                 v = ",".join(str(x) for x in v)
             vals.setdefault(key, v)
     o = ProxyOptions()
-    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "log_level",
-                "tokenizer", "discovery", "discovery_model", "discovery_fingerprint"):
+    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "proxy_bind_host",
+                "log_level", "tokenizer", "discovery", "discovery_model", "discovery_fingerprint"):
         if key in vals:
             setattr(o, key, str(vals[key]))
     for key in ("port", "proxy_port"):
@@ -307,7 +335,7 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
 
     pf = _expand("prefiller", _csv("--prefiller-host", vals.get("prefiller_host")),
                  _csv("--prefiller-port", vals.get("prefiller_port"), int), vals.get("num_prefillers"))
-    o.prefillers = [InstanceSpec("prefiller", parse_url("--prefiller-host", f"{h}:{p}")) for h, p in pf]
+    o.prefillers = [InstanceSpec("prefiller", parse_url("--prefiller-host", net.hostport(h, p))) for h, p in pf]
     o.prefillers += [InstanceSpec("prefiller", parse_url("--prefiller", u)) for u in _list(vals.get("prefiller"))]
     dc = _expand("decoder", _csv("--decoder-host", vals.get("decoder_host")),
                  _csv("--decoder-port", vals.get("decoder_port"), int), vals.get("num_decoders"))
@@ -324,8 +352,19 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
                 raise OptionError(f"{flag}: {len(ports)} ports for {len(dc)} decoders")
             for p in ports:
                 _port(flag, p)
-        o.decoders = [InstanceSpec("decoder", parse_url("--decoder-host", f"{h}:{p}"), i, a, (i,), (a,))
-                      for (h, p), i, a in zip(dc, init, alloc, strict=True)]
+        rh = [receiver_host("--decoder-receiver-host", h) for h in _csv("--decoder-receiver-host",
+                                                                        vals.get("decoder_receiver_host"))]
+        if len(rh) == 1:
+            rh *= len(dc)
+        if rh and len(rh) != len(dc):
+            raise OptionError(f"--decoder-receiver-host: {len(rh)} hosts for {len(dc)} decoders: give one per "
+                              "decoder, or one for all")
+        o.decoders = [InstanceSpec("decoder", parse_url("--decoder-host", net.hostport(h, p)), i, a, (i,), (a,),
+                                   rh[n] if rh else None)
+                      for n, ((h, p), i, a) in enumerate(zip(dc, init, alloc, strict=True))]
+    elif vals.get("decoder_receiver_host"):
+        raise OptionError("--decoder-receiver-host goes with --decoder-host/--decoder-port (with --decoder, "
+                          "give URL,init_port,alloc_port,receiver_host)")
     o.decoders += [decoder_from("--decoder", d) for d in _list(vals.get("decoder"))]
     if not o.prefillers and o.discovery is None:
         raise OptionError("no prefiller: give --prefiller-host/--prefiller-port (or --prefiller URL), or "

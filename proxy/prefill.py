@@ -29,6 +29,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
         tid = f"kvf-{uuid.uuid4().hex}"
         leg = prefill_leg(body, tid, decoder)
         t0 = time.perf_counter()
+        ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
         try:
             with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
                 out = await up.json(path, leg, kind)

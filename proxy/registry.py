@@ -64,7 +64,8 @@ class Instance:
         self.healthy = False
 
     def disagg_spec(self) -> dict:
-        return {"receiver_host": self.spec.host, "receiver_init_port": list(self.spec.init_ports),
+        # The receiver's advertised host, carried explicitly: not necessarily the HTTP URL's.
+        return {"receiver_host": self.spec.kv_host, "receiver_init_port": list(self.spec.init_ports),
                 "receiver_alloc_port": list(self.spec.alloc_ports)}
 
     def describe(self, ports: bool = True) -> dict:

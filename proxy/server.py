@@ -25,6 +25,8 @@ import sys
 
 from aiohttp import web
 
+from kvferry.common import netutil as net
+from kvferry.common import zsock
 from kvferry.common.log import get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.errors import ProxyError
@@ -40,14 +42,15 @@ async def serve(opts: ProxyOptions) -> None:
     proxy = Proxy(opts)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, opts.host, opts.port, reuse_address=True)
+    site = web.TCPSite(runner, net.unbracket(opts.host), opts.port, reuse_address=True)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise OptionError(f"--host/--port: cannot listen on {opts.host}:{opts.port}: {e.strerror}") from None
-    logger.info("kvferry proxy on http://%s:%d: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
-                opts.host, opts.port, len(opts.prefillers), len(opts.decoders), opts.policy,
+        raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
+                          f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
+    logger.info("kvferry proxy on %s: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
+                "http://" + net.hostport(opts.host, opts.port), len(opts.prefillers), len(opts.decoders), opts.policy,
                 "off" if not opts.admin else "behind --admin-key" if opts.admin_key else "open (no --admin-key)",
                 "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None else "without a cluster secret")
     stop = asyncio.Event()

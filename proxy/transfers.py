@@ -1,6 +1,10 @@
 """The proxy's side of KV transfers: it tells a decoder's receiver to drop a transfer nobody
 will read, and (with --proxy-port) reads the receivers' "KV arrived" notifications to time the
-transfer wait."""
+transfer wait.
+
+The wait is how long the KV was still on its way after the prefiller answered: one sample per
+transfer whichever comes first. With pages reserved early the decoder's arrival notice usually
+beats the prefiller's answer: that transfer's wait is 0 (nothing was left to wait for)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from collections import OrderedDict
 import zmq
 
 from kvferry.common import messages as m
+from kvferry.common import netutil as net
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
@@ -25,9 +30,9 @@ NOTIFY_MAX_BYTES = 1 << 16
 
 
 def notify_host(opts: ProxyOptions) -> str:
-    """Where the notification socket binds: --proxy-host (the address receivers PUSH to), else
-    loopback; never every interface unless asked."""
-    return opts.proxy_host or "127.0.0.1"
+    """Where the notification socket binds: --proxy-bind-host, else --proxy-host (the address
+    receivers PUSH to, their pd_proxy_host), else loopback; never every interface unless asked."""
+    return opts.proxy_bind_host or opts.proxy_host or "127.0.0.1"
 
 
 class Transfers:
@@ -37,21 +42,51 @@ class Transfers:
         self._abort_socks: dict[str, zmq.Socket] = {}
         self._note_ctx: zmq.Context | None = None
         self._note_sock: zmq.Socket | None = None
-        # transfer_id -> when the prefiller answered; kept only while notifications are read, and
-        # bounded: a notification that never comes must not grow it forever.
-        self._arrivals: OrderedDict[str, float] = OrderedDict()
+        # transfer_id -> when the prefiller answered (a float), or None while its prefill is still
+        # running; kept only while notifications are read, and bounded: a notification that never
+        # comes must not grow it forever.
+        self._arrivals: OrderedDict[str, float | None] = OrderedDict()
+        # transfers whose arrival notice came before the prefiller's answer (same bound)
+        self._early: OrderedDict[str, None] = OrderedDict()
         self._bad_notes = RateLimitedLog(logger, 10.0)
 
     @property
     def notify_host(self) -> str:
         return notify_host(self.opts)
 
-    def prefilled(self, tid: str) -> None:
-        """The prefiller answered for `tid`: its arrival notification is timed from now."""
+    def started(self, tid: str) -> None:
+        """The prefill leg of `tid` is about to be sent: an arrival notice may come from now on."""
         if self.opts.proxy_port:
-            self._arrivals[tid] = time.perf_counter()
-            if len(self._arrivals) > MAX_TRACKED_ARRIVALS:
-                self._arrivals.popitem(last=False)
+            self._track(self._arrivals, tid, None)
+
+    def prefilled(self, tid: str) -> None:
+        """The prefiller answered for `tid`: a notice that came first is a wait of 0; else the
+        notice is timed from now."""
+        if not self.opts.proxy_port:
+            return
+        if self._early.pop(tid, 0) is None:
+            self._arrivals.pop(tid, None)
+            self.metrics.kv_wait.observe(0.0)
+            return
+        self._track(self._arrivals, tid, time.perf_counter())
+
+    def arrived(self, tid: str) -> bool:
+        """A receiver's notice for `tid`: True when the proxy sent that transfer (its wait is
+        observed now, or at the prefiller's answer when that has not come yet)."""
+        if tid not in self._arrivals:
+            return False
+        t = self._arrivals.pop(tid)
+        if t is None:
+            self._track(self._early, tid, None)
+        else:
+            self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
+        return True
+
+    @staticmethod
+    def _track(d: OrderedDict, tid: str, value) -> None:
+        d[tid] = value
+        if len(d) > MAX_TRACKED_ARRIVALS:
+            d.popitem(last=False)
 
     def abort(self, decoder: Instance, tid: str, why: str) -> None:
         """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
@@ -62,13 +97,14 @@ class Transfers:
             # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.
             sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
             sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.connect(f"tcp://{decoder.spec.host}:{decoder.spec.alloc_port}")
+            sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, decoder.spec.alloc_port)}")
             self._abort_socks[decoder.id] = sock
         with contextlib.suppress(zmq.ZMQError):
             # Generation 0 (any), never final: the proxy cannot know whether a WRITE is in flight.
             sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=0, reason=why, final=False)),
                       zmq.NOBLOCK)
         self._arrivals.pop(tid, None)
+        self._early.pop(tid, None)
 
     def bind(self) -> zmq.Socket:
         """The notification socket on --proxy-port (bound at start-up, so a port in use is a
@@ -98,12 +134,10 @@ class Transfers:
                 self.metrics.notifications.labels("bad").inc()
                 self._bad_notes.warning("dropped a bad frame on --proxy-port (%s)", e)
                 continue
-            t = self._arrivals.pop(note.transfer_id, None)
-            if t is None:
+            if not self.arrived(note.transfer_id):
                 self.metrics.notifications.labels("unknown").inc()
                 continue
             self.metrics.notifications.labels("arrived").inc()
-            self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
 
     def close(self) -> None:
         if self._note_sock is not None:

@@ -41,6 +41,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise_thread
 from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
@@ -65,6 +66,8 @@ class ReceiverConfig:
     max_waiting_allocs: int = 64
     queue_seconds: float = 600.0  # pd_queue_seconds
     trust: zsock.Trust = zsock.PLAIN
+    net_devices: str | None = None  # nixl_net_devices
+    advertise_host: str | None = None  # pd_peer_advertise_host
 
 
 def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
@@ -76,7 +79,8 @@ def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
     return ReceiverConfig(cfg.pd_peer_host or "0.0.0.0", init[tp_rank], alloc[tp_rank],
                           alloc_timeout=cfg.pd_alloc_timeout, lease_seconds=cfg.pd_lease_seconds,
                           kv_ready_timeout=cfg.pd_kv_ready_timeout, proxy_host=cfg.pd_proxy_host,
-                          proxy_port=cfg.pd_proxy_port, queue_seconds=cfg.pd_queue_seconds, trust=zsock.trust_of(cfg))
+                          proxy_port=cfg.pd_proxy_port, queue_seconds=cfg.pd_queue_seconds, trust=zsock.trust_of(cfg),
+                          net_devices=cfg.nixl_net_devices, advertise_host=cfg.pd_peer_advertise_host)
 
 
 @dataclass
@@ -112,7 +116,7 @@ class KVReceiver(ReceiverSleep):
         self.receiver_id = receiver_id or f"{cfg.host}:{cfg.init_port}"
         self.table = TransferTable(buffer, cfg.lease_seconds, cfg.queue_seconds)
         self._allocating: set[str] = set()  # ids between an alloc's arrival and its table entry
-        self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}")
+        self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}", cfg.net_devices)
         self._agent_metadata = b""
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the NIXL thread out of its idle wait
@@ -192,6 +196,9 @@ class KVReceiver(ReceiverSleep):
                 except zsock.BindError as e:
                     raise ReceiverError(str(e)) from None
             init, alloc = socks
+            logger.info("receiver listening on %s (init %d, alloc %d); prefillers dial %s",
+                        self.cfg.host, self.cfg.init_port, self.cfg.alloc_port,
+                        advertised(self.cfg.host, self.cfg.advertise_host, "the receiver (pd_peer_host)"))
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)

@@ -78,11 +78,12 @@ class SenderConfig:
     tp_rank: int = 0
     trust: zsock.Trust = zsock.PLAIN
     max_receivers: int = peering.MAX_PEERS
+    net_devices: str | None = None  # nixl_net_devices
 
 
 def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> SenderConfig:
     return SenderConfig(sender_id, handshake_timeout=cfg.pd_handshake_timeout, alloc_timeout=cfg.pd_alloc_timeout,
-                        tp_rank=tp_rank, trust=zsock.trust_of(cfg))
+                        tp_rank=tp_rank, trust=zsock.trust_of(cfg), net_devices=cfg.nixl_net_devices)
 
 
 @dataclass
@@ -124,7 +125,7 @@ class KVSender(SenderSleep):
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.device = device
-        self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}")
+        self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}", cfg.net_devices)
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
         self._tensors: list = []  # what is registered: registered again after vLLM sleep mode

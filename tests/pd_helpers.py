@@ -142,10 +142,13 @@ class RawPeer:
 
 
 @contextlib.contextmanager
-def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder]) -> Iterator[str]:
-    """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy."""
+def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_port: int | None = None) -> Iterator[str]:
+    """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy.
+    `proxy_port`: its KV-arrived notification port (the decoders' pd_proxy_port)."""
     port = free_port()
     args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port)]
+    if proxy_port:
+        args += ["--proxy-host", "127.0.0.1", "--proxy-port", str(proxy_port)]
     for p in prefillers:
         args += ["--prefiller", p.url]
     for d in decoders:

@@ -19,6 +19,7 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
+from kvferry.common.netutil import free_port
 from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.roles import connector_config
 from kvferry.launcher.pd_instances import Decoder, Prefiller
@@ -37,7 +38,9 @@ from tests.pd_helpers import (
 from tests.polling import until
 
 # Short bounds so the failure tests finish quickly; the defaults are in the README.
-DECODER_KEYS = {"pd_kv_ready_timeout": 6.0, "pd_lease_seconds": 15.0, "pd_alloc_timeout": 3.0}
+NOTE_PORT = free_port()  # the module proxy's --proxy-port: decoders push "KV arrived" there
+DECODER_KEYS = {"pd_kv_ready_timeout": 6.0, "pd_lease_seconds": 15.0, "pd_alloc_timeout": 3.0,
+                "pd_proxy_host": "127.0.0.1", "pd_proxy_port": NOTE_PORT}
 VOCAB_LO, VOCAB_HI = 10, 4000
 REPO = Path(__file__).resolve().parent.parent
 
@@ -333,7 +336,7 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
 @pytest.fixture(scope="module")
 def pd_proxy(pd) -> Iterator[str]:
     """kvferry's proxy in front of the module's prefiller and decoder."""
-    with running_proxy([pd[0]], [pd[1]]) as url:
+    with running_proxy([pd[0]], [pd[1]], proxy_port=NOTE_PORT) as url:
         yield url
 
 
@@ -365,6 +368,31 @@ def test_through_the_proxy_completions_and_chat_equal_one_plain_instance(pd, pd_
                 for c in json.loads(line[6:])["choices"]:
                     content += c["delta"].get("content") or ""
     assert content == want["choices"][0]["message"]["content"]
+    assert peer.fully_free()
+
+
+@pytest.mark.vllm
+def test_transfer_wait_has_one_sample_per_transfer_through_the_proxy(pd, pd_proxy, peer) -> None:
+    """The decoder's arrival notice usually beats the prefiller's answer (pages reserved early):
+    every transfer still gets its kvferry_proxy_kv_transfer_wait_seconds sample."""
+    for n in (30, 300, 600):
+        body = {"model": "tiny", "prompt": prompt(n, seed=4000 + n), "max_tokens": 3, "temperature": 0}
+        assert httpx.post(pd_proxy + "/v1/completions", json=body, timeout=120).status_code == 200
+
+    def counts() -> tuple[float, float]:
+        text = httpx.get(pd_proxy + "/metrics", timeout=10).text
+        served = waits = 0.0
+        for line in text.splitlines():
+            if line.startswith('kvferry_proxy_served_total{mode="disaggregated"}'):
+                served = float(line.split()[-1])
+            elif line.startswith("kvferry_proxy_kv_transfer_wait_seconds_count"):
+                waits = float(line.split()[-1])
+        return served, waits
+    deadline = time.monotonic() + 10
+    while counts()[1] < counts()[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    served, waits = counts()
+    assert served >= 3 and waits == served, f"{waits} wait samples for {served} transfers"
     assert peer.fully_free()
 
 

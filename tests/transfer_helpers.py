@@ -57,7 +57,8 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
     torch.set_num_threads(1)
     fp = fingerprint(**opts.pop("fingerprint", {}))
     buf = PDBuffer(pages * PAGE, "cpu", PAGE)
-    cfg = ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
+    host = opts.pop("host", "127.0.0.1")
+    cfg = ReceiverConfig(host, init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
     with KVReceiver(cfg, buf, fp) as r:
         conn.send(("ready", r.epoch, os.getpid()))
         while True:
@@ -118,7 +119,7 @@ class ReceiverProc:
     @property
     def addr(self):
         from kvferry.sender.client import ReceiverAddr
-        return ReceiverAddr("127.0.0.1", self.init_port, self.alloc_port)
+        return ReceiverAddr(self.opts.get("host", "127.0.0.1"), self.init_port, self.alloc_port)
 
     def stop(self) -> None:
         if self.proc.is_alive():

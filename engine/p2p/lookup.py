@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import zmq
 
 from kvferry.common import messages as m
-from kvferry.common import zsock
+from kvferry.common import netutil, zsock
 from kvferry.common.backoff import Backoff
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
@@ -17,7 +17,11 @@ logger = get_logger(__name__)
 
 
 def zmq_url(hostport: str) -> str:
-    return hostport if "://" in hostport else f"tcp://{hostport}"
+    """``host:port`` (``[v6]:port``) as a ZMQ endpoint; a URL as it is."""
+    if "://" in hostport:
+        return hostport
+    host, _, port = hostport.rpartition(":")
+    return f"tcp://{netutil.hostport(host, int(port))}" if host and port.isdigit() else f"tcp://{hostport}"
 
 
 class ControllerLookup:

@@ -37,6 +37,7 @@ from kvferry.common import chunk_mac, zsock
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.engine.p2p.commands import ControllerCommands
 from kvferry.engine.p2p.fetching import PeerFetcher
@@ -65,7 +66,8 @@ class P2PWorker:
         self.trust = zsock.trust_of(cfg)
         self.epoch = uuid.uuid4().hex[:12]
         self.info = m.WorkerInfo(
-            instance_id=cfg.lmcache_instance_id, worker_id=tp_rank, epoch=self.epoch, host=cfg.p2p_host,
+            instance_id=cfg.lmcache_instance_id, worker_id=tp_rank, epoch=self.epoch,
+            host=advertised(cfg.p2p_host, cfg.p2p_advertise_host, "config key p2p_host"),
             worker_port=work[tp_rank], p2p_init_port=init[tp_rank], p2p_lookup_port=look[tp_rank],
             tp_size=tp_size, salt=salt, chunk_size=cfg.chunk_size, partial_chunks=cfg.save_unfull_chunk,
             heartbeat_timeout=cfg.lmcache_worker_heartbeat_timeout, cpu_capacity=cpu.capacity)
@@ -93,7 +95,7 @@ class P2PWorker:
     async def _start(self) -> None:
         self.ctx = zmq.asyncio.Context()
         me = self.info.instance_id
-        self.agent = nixl_agent.make_agent(f"kvf-p2p-{me}-{self.rank}-{self.epoch}")
+        self.agent = nixl_agent.make_agent(f"kvf-p2p-{me}-{self.rank}-{self.epoch}", self.cfg.nixl_net_devices)
         self.nixl = nixl_agent.NixlThread(self.agent, self.loop, POLL_S, name=f"kvf-p2p-nixl-{self.rank}")
         self.lender = ChunkLender(self.cpu, self.nixl, self.fp, me, random.SystemRandom().randrange(1, 1 << 62),
                                   2 * self.cfg.blocking_timeout_secs, mac=self.mac)
