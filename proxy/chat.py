@@ -14,7 +14,7 @@ import time
 from aiohttp import web
 
 from kvferry.proxy import body as bodies
-from kvferry.proxy import streaming
+from kvferry.proxy import migrate, streaming
 from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
@@ -102,12 +102,25 @@ class Chat:
             ctx.transfers.abort(d, tid, "the first token ended the request")
             first.pop("kv_transfer_params", None)
             return first
-        try:
-            with ctx.router.upstream(d) as up:
-                out = await up.json(PATH, chat_decode_leg(body, tid), "chat")
-            d.served += 1
-        except BaseException:
-            ctx.transfers.abort(d, tid, "decode leg failed")
-            raise
+        leg = chat_decode_leg(body, tid)
+        mig = migrate.Migration(ctx, ctx.opts.max_migrations)
+        while True:
+            try:
+                with ctx.router.upstream(d) as up:
+                    out = await up.json(PATH, leg, "chat")
+                d.served += 1
+                break
+            except ProxyError as e:
+                # Nothing reached the client: the conversation runs again, whole, on another decoder.
+                if "kv_transfer_params" in leg:
+                    ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
+                nd = mig.next_decoder(d, e) if mig.can_move(e) else None
+                if nd is None:
+                    raise
+                d, leg = nd, dict(body)
+            except BaseException:
+                if "kv_transfer_params" in leg:
+                    ctx.transfers.abort(d, tid, "decode leg failed")
+                raise
         out.pop("kv_transfer_params", None)
         return out

@@ -48,6 +48,9 @@ class ProxyMetrics:
                                  "replayed, gap, reset (index cleared), bad", ["instance", "result"], registry=r)
         self.index_blocks = Gauge("kvferry_proxy_prefix_index_blocks", "Blocks in an instance's prefix index",
                                   ["instance"], registry=r)
+        self.migrations = Counter("kvferry_proxy_migrations", "Requests moved to another decoder after their "
+                                  "decode leg failed mid-stream, by the failure's kind (stream_broken, "
+                                  "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
 

@@ -65,6 +65,10 @@ class ProxyOptions:
     load_tokens_per_request: int = 128  # the cost of one request in flight on a prefiller, in prompt tokens
     kv_events_stale_after: float = 10.0  # an event stream silent this long (probes unanswered) is ignored
     prefix_index_max_blocks: int = 200_000  # per instance; least recently used blocks are forgotten first
+    # Failures mid-request (docs/proxy.md "Failures"): a decode stream silent this long counts as failed,
+    # and a request moves to another decoder at most this many times.
+    stall_timeout: float = 60.0
+    max_migrations: int = 2
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -186,6 +190,11 @@ def parser() -> argparse.ArgumentParser:
     a("--max-n", type=int, default=None, help="largest n (samples per request) accepted (default 16)")
     a("--upstream-connections", type=int, default=None, help="connections the proxy opens to each instance "
                                                               "(default 512); more requests wait for one")
+    a("--stall-timeout", type=float, default=None,
+      help="seconds a decode stream may send nothing before it counts as failed and moves to another "
+           "decoder (default 60)")
+    a("--max-migrations", type=int, default=None,
+      help="how many times one request may move to another decoder after its stream broke (default 2; 0: never)")
     a("--log-level", default=None)
     return ap
 
@@ -196,7 +205,8 @@ _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefiller
               "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
               "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
               "upstream_connections", "kv_events", "tokenizer", "local_prefill_tokens", "local_prefill_fraction",
-              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks"}
+              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks",
+              "stall_timeout", "max_migrations"}
 POLICIES = ("cache", "load", "round_robin")
 
 
@@ -228,13 +238,13 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
         if key in vals:
             setattr(o, key, _port(f"--{key.replace('_', '-')}", int(vals[key])))
     for key in ("connect_timeout", "read_timeout", "health_interval", "kv_events_stale_after",
-                "local_prefill_fraction"):
+                "local_prefill_fraction", "stall_timeout"):
         if key in vals:
             v = float(vals[key])
             if v <= 0:
                 raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
             setattr(o, key, v)
-    for key in ("local_prefill_tokens", "load_tokens_per_request"):
+    for key in ("local_prefill_tokens", "load_tokens_per_request", "max_migrations"):
         if key in vals:
             try:
                 v = int(vals[key])

@@ -1,0 +1,100 @@
+"""A decode leg that fails after the client's stream started continues on another decoder.
+
+The proxy keeps the token ids it sent to the client (the decode leg always asks vLLM for them).
+When the leg's stream breaks (connection reset, engine gone, vLLM's error event, a 5xx) or sends
+nothing for `--stall-timeout` seconds, another healthy decoder gets the prompt plus every token
+already sent as its prompt and `max_tokens` less what was sent; it computes that prompt's KV
+itself (no prefill leg: nothing is waiting on a prefiller, and the re-prefill is one decoder
+forward pass). The client's stream goes on under the same id and `created`, with no duplicate and
+no gap; usage counts the tokens the client received. At most `--max-migrations` moves a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+from kvferry.common.log import get_logger
+from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.registry import Instance
+from kvferry.proxy.upstream import Upstream
+
+logger = get_logger(__name__)
+
+# Failures after which a request moves: the instance's, never the request's (a 4xx, a bad answer).
+MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", "unreachable", "upstream_5xx"})
+# vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
+# does not match: its key has no quote before "token_ids").
+TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
+
+
+def token_ids_in(data: bytes) -> list[int] | None:
+    """The `token_ids` of one raw stream chunk, None when it has none."""
+    m = TOKEN_IDS.search(data)
+    if m is None:
+        return None
+    inner = m.group(1).strip()
+    return [int(x) for x in inner.split(b",")] if inner else []
+
+
+def strip_token_ids(data: bytes) -> bytes:
+    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not)."""
+    return TOKEN_IDS.sub(b'"token_ids":null', data, count=1)
+
+
+async def stalled(events: AsyncIterator[list[bytes]], seconds: float, up: Upstream) -> AsyncIterator[list[bytes]]:
+    """`events`, failing as a "stall" when nothing arrives for `seconds` (the connection is then
+    closed: a frozen engine cannot hold the client longer than that)."""
+    it = aiter(events)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(seconds):
+                    batch = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise up.fail("stall", 504, f"{up.inst.role} {up.inst.url} sent nothing for {seconds:g}s "
+                                            f"(--stall-timeout)") from None
+            yield batch
+    finally:
+        await it.aclose()
+
+
+class Migration:
+    """One request's moves: which decoders failed it, how many moves are left."""
+
+    def __init__(self, ctx, limit: int) -> None:  # ctx: proxy.context.Context (it imports routing)
+        self.ctx = ctx
+        self.limit = limit
+        self.moves = 0
+        self.failed: list[Instance] = []
+
+    def can_move(self, e: ProxyError) -> bool:
+        return e.kind in MIGRATE_KINDS and self.moves < self.limit
+
+    def next_decoder(self, failed: Instance, e: ProxyError) -> Instance | None:
+        """Another usable decoder (fewest active sequences first), or None; counts the move."""
+        self.failed.append(failed)
+        pool = [i for i in self.ctx.router.registry.of("decoder") if i.usable and i not in self.failed]
+        if not pool:
+            logger.warning("cannot migrate a request off %s %s (%s): no other healthy decoder", failed.id,
+                           failed.url, e.kind)
+            return None
+        d = min(pool, key=lambda i: (i.active, i.queued_tokens))
+        self.moves += 1
+        self.ctx.metrics.migrations.labels(e.kind).inc()
+        logger.warning("migrating a request from decoder %s (%s: %s) to %s %s (move %d of at most %d)", failed.id,
+                       e.kind, e.message[:160], d.id, d.url, self.moves, self.limit)
+        return d
+
+
+def continuation_leg(leg: dict, prompt: list[int], sent: list[int], max_tokens: int, min_tokens: int | None) -> dict:
+    """A completion leg that goes on after `sent`: prompt + sent as its prompt, the rest of the
+    token budget, no transfer (the new decoder computes that prompt's KV itself)."""
+    out = dict(leg, prompt=list(prompt) + list(sent), max_tokens=max_tokens)
+    out.pop("kv_transfer_params", None)
+    if min_tokens:
+        out["min_tokens"] = max(0, min_tokens - len(sent))
+    return out
