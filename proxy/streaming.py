@@ -51,6 +51,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     # proxy knows the prompt's token ids); None once a chunk came without its token ids.
     sent: list[int] | None = [] if mode == "ids" else None
     mig = migrate.Migration(ctx, ctx.opts.max_migrations)
+    fingerprint = None  # vLLM's system_fingerprint, on the usage chunk as vLLM puts it
     up = ctx.router.upstream(d)
     finished = done
     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -63,9 +64,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             c0 = {"index": 0, "text": echo + (choice.get("text") or ""), "logprobs": choice.get("logprobs"),
                   "finish_reason": choice.get("finish_reason") if done else None,
                   "stop_reason": choice.get("stop_reason") if done else None}
-            if want_ids:
-                c0["token_ids"] = choice.get("token_ids")
-                c0["prompt_token_ids"] = prompt_ids(first)
+            # vLLM writes both keys on every chunk, null unless return_token_ids asked for them.
+            c0["prompt_token_ids"] = prompt_ids(first) if want_ids else None
+            c0["token_ids"] = choice.get("token_ids") if want_ids else None
             await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [c0]}))
             metrics.ttft.observe(time.perf_counter() - t0)
@@ -96,6 +97,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
                                     if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
+                                        fingerprint = u.get("system_fingerprint") or fingerprint
                                         if sent is None:
                                             completion_tokens += u["usage"].get("completion_tokens") or 0
                                         if mode == "regen":
@@ -111,7 +113,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 if b'"finish_reason":null' not in data and b'"finish_reason"' in data:
                                     ended = True
                                 if (swap[0] in data and swap[2] in data and not parse_lp
-                                        and b'"prompt_token_ids"' not in data):
+                                        and b'"prompt_token_ids":[' not in data):
                                     # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
                                     data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
                                     if not want_ids:
@@ -120,13 +122,13 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     chunk = up.chunk(data)
                                     chunk["id"], chunk["created"] = rid, created
                                     for c in chunk.get("choices", []):
-                                        c.pop("prompt_token_ids", None)  # the decode leg's, not the client's
-                                        if not want_ids:
-                                            c.pop("token_ids", None)
+                                        if "prompt_token_ids" in c:  # the decode leg's, not the client's
+                                            c["prompt_token_ids"] = None
+                                        if not want_ids and "token_ids" in c:
+                                            c["token_ids"] = None
                                         if parse_lp:
                                             shift_offsets(c, shift)
                                             next_off = offset_after(c.get("logprobs")) or next_off
-                                    chunk.pop("prompt_token_ids", None)
                                     data = limits.dumps(chunk)
                                 out.append(b"data: " + data + b"\n\n")
                             if out:
@@ -164,10 +166,12 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
         completion_tokens = 1 + len(sent)  # what the client received, whatever happened upstream
     tail = b""
     if include_usage:
-        tail = sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                             "completion_tokens": completion_tokens,
-                                             "total_tokens": prompt_tokens + completion_tokens}})
+        u = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [], "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                                      "completion_tokens": completion_tokens}}
+        if fingerprint:
+            u["system_fingerprint"] = fingerprint
+        tail = sse(u)
     await resp.write_eof(tail + b"data: [DONE]\n\n")
     metrics.total.observe(time.perf_counter() - t0)
     return resp
