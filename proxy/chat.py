@@ -9,6 +9,7 @@ otherwise the client gets the decoder's whole answer.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
@@ -71,6 +72,9 @@ class Chat:
                                                first_text=fast, first=first)
                 d.served += 1
                 return r
+        except (asyncio.CancelledError, ConnectionResetError):
+            migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
+            raise
         except BaseException:
             ctx.transfers.abort(d, tid, "decode leg failed")
             raise

@@ -4,6 +4,7 @@ the decoder is sure to repeat it); a finished chat answer written as a stream.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -56,6 +57,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     finished = done
     resp = web.StreamResponse(headers=SSE_HEADERS)
     first_leg = True
+    leg_open = False  # the decode leg's request went out: the decoder may hold it
     try:
         # The first token goes out before the decode leg starts: sending both at once
         # measured slower here (an extra task and two writers on one loop).
@@ -76,6 +78,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                 leg["stream_options"] = {"include_usage": True}
             else:
                 leg["return_token_ids"] = True  # the proxy counts and keeps what the client got
+            leg_open = True
             while True:
                 t1 = last = time.perf_counter()
                 swap = None
@@ -159,6 +162,11 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     except ProxyError as e:
         # Headers are out: tell the client in the stream, OpenAI-style, then end it.
         await resp.write(sse(error_body(e.status, e.message, e.kind)))
+    except (asyncio.CancelledError, ConnectionResetError):
+        if not finished and first_leg and leg_open:  # the client left: the decoder drops the request
+            migrate.client_left(ctx, d, tid)
+            first_leg = False
+        raise
     finally:
         if not finished and first_leg:
             ctx.transfers.abort(d, tid, "decode leg did not finish")

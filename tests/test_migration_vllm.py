@@ -140,6 +140,36 @@ def _migrations(url: str) -> dict[str, float]:
     return out
 
 
+def _engine_idle(url: str) -> bool:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster: dict) -> None:
+    """The decoder drops the request (vLLM aborts it when the proxy's connection closes) and its
+    connector never loads nor recomputes the prompt for a client that is gone."""
+    logs = {d["url"]: Path(d["log"]) for d in cluster["decoders"]}
+    start = {u: p.stat().st_size for u, p in logs.items()}
+    for i in range(4):
+        body = {"model": "tiny", "prompt": f"{PROMPTS[i % 2]} {i}", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", cluster["url"] + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token: the client leaves
+    deadline = time.monotonic() + 15
+    while not all(_engine_idle(u) for u in logs):
+        assert time.monotonic() < deadline, "a decoder still runs a request whose client left"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a recompute would be logged by now
+    for u, p in logs.items():
+        with open(p, "rb") as f:
+            f.seek(start[u])
+            new = f.read().decode(errors="replace")
+        assert "cannot be loaded" not in new and "recomputing" not in new, new[-2000:]
+
+
 def test_stall_a_sigstopped_decoders_streams_migrate_after_the_stall_timeout(cluster: dict, plain_vllm) -> None:
     before = _migrations(cluster["url"]).get("stall", 0)
     t0 = time.monotonic()
