@@ -53,7 +53,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                 pass
             assert px.poll() is None and time.monotonic() < deadline, (tmp / "proxy.log").read_text()
             time.sleep(0.2)
-        yield {"url": url, "state": state, "log": tmp / "proxy.log",
+        yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
                "decoders": [i for i in state["instances"] if i["role"] == "decoder"]}
     finally:
         os.killpg(px.pid, signal.SIGTERM)
@@ -185,3 +185,26 @@ def test_migrate_a_sigkilled_decoders_streams_finish_on_the_other(cluster: dict,
     streams = _run_and_break(cluster, plain_vllm, signal.SIGKILL)
     _check(streams, plain_vllm)
     assert sum(_migrations(cluster["url"]).values()) == m0 + 1
+
+
+def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> None:
+    """After the SIGKILL above, `kvferry up` starts decoder 0 again (cluster.json counts it) and
+    the proxy routes to it again once it is healthy."""
+    state_file = Path(cluster["state_file"])
+    d0 = cluster["decoders"][0]["url"]
+    deadline = time.monotonic() + 300
+    while True:
+        inst = {i["url"]: i for i in json.loads(state_file.read_text())["instances"]}
+        if inst[d0]["restarts"] >= 1 and _healthy_decoders(cluster["url"]) == 2:
+            break
+        assert time.monotonic() < deadline, inst[d0]
+        time.sleep(1)
+    served = 0
+    for i in range(4):  # round robin over both decoders
+        r = httpx.post(cluster["url"] + "/v1/completions", json={"model": "tiny", "prompt": f"again {i}",
+                                                                 "max_tokens": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    for line in httpx.get(d0 + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            served += float(line.rsplit(" ", 1)[1])
+    assert served >= 1
