@@ -113,3 +113,98 @@ def client_left(ctx, decoder: Instance, tid: str) -> None:
     if tid:
         asyncio.get_running_loop().call_later(CLIENT_LEFT_GRACE_S, ctx.transfers.abort, decoder, tid,
                                               "client disconnected")
+
+
+# Chat sampling settings a completions continuation carries over (tools, response_format and
+# reasoning are chat-only: such requests are not moved).
+CHAT_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logit_bias",
+                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "bad_words", "allowed_token_ids")
+
+
+def chat_movable(body: dict) -> bool:
+    """A chat request whose stream can continue as plain text on another decoder."""
+    return not any(body.get(k) for k in ("tools", "functions", "response_format", "structured_outputs",
+                                         "guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
+
+class ChatMove:
+    """A streamed chat request's state for a move: the prompt's token ids and every token id the
+    client received (the proxy asks both legs for them)."""
+
+    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None, prompt: list[int] | None) -> None:
+        self.ctx, self.body, self.tid = ctx, body, tid
+        self.mig = Migration(ctx, ctx.opts.max_migrations)
+        self.want_ids = bool(body.get("return_token_ids"))
+        self.prompt: list[int] | None = list(prompt) if prompt else None  # the prefiller's, else the decoder's
+        self.first = list(first_ids or [])  # the prefiller's token, sent before the decoder's
+        self.got: list[int] = []
+        self.ok = True  # False once a chunk came without token ids, or with tool calls or reasoning
+        self.ended = False
+        self.moved = False
+
+    @property
+    def sent(self) -> list[int]:
+        return self.first + self.got
+
+    def track(self, chunk: dict) -> None:
+        """Note a chunk about to go to the client; take out the ids the client did not ask for."""
+        if chunk.get("prompt_token_ids"):
+            self.prompt = self.prompt or list(chunk["prompt_token_ids"])
+            if not self.want_ids:
+                chunk["prompt_token_ids"] = None
+        for c in chunk.get("choices") or []:
+            delta = c.get("delta") or {}
+            if any(delta.get(k) for k in ("tool_calls", "reasoning", "reasoning_content", "function_call")):
+                self.ok = False
+            ids = c.get("token_ids")
+            if ids is None:
+                if delta.get("content"):
+                    self.ok = False
+            else:
+                self.got += ids
+                if not self.want_ids:
+                    c["token_ids"] = None
+            if c.get("finish_reason"):
+                self.ended = True
+
+    def can_move(self, e: ProxyError) -> bool:
+        return self.ok and not self.ended and self.prompt is not None and self.mig.can_move(e)
+
+    def leg(self) -> dict | None:
+        """The completions request that continues the answer, or None when nothing is left to make."""
+        b, sent = self.body, self.sent
+        leg = {k: b[k] for k in CHAT_SAMPLING if k in b}
+        mx = b.get("max_completion_tokens") or b.get("max_tokens")
+        if mx is not None and mx - len(sent) <= 0:
+            return None
+        leg.update(model=b.get("model"), prompt=list(self.prompt or []) + sent, stream=True,
+                   stream_options={"include_usage": True}, return_token_ids=True,
+                   max_tokens=None if mx is None else mx - len(sent))
+        if b.get("logprobs"):
+            leg["logprobs"] = b.get("top_logprobs") or 0
+        if b.get("min_tokens"):
+            leg["min_tokens"] = max(0, b["min_tokens"] - len(sent))
+        return leg
+
+    def chat_chunk(self, c: dict, head: dict) -> dict:
+        """A continuation's completion choice as a chat chunk (logprobs in chat's shape)."""
+        out = {"index": 0, "delta": {"content": c.get("text") or ""}, "logprobs": None,
+               "finish_reason": c.get("finish_reason")}
+        lp = c.get("logprobs")
+        if self.body.get("logprobs") and isinstance(lp, dict):
+            k = self.body.get("top_logprobs") or 0
+            content = []
+            for i, tok in enumerate(lp.get("tokens") or []):
+                top = (lp.get("top_logprobs") or [None] * (i + 1))[i] or {}
+                content.append({"token": tok, "logprob": max((lp.get("token_logprobs") or [])[i], -9999.0),
+                                "bytes": list(tok.encode("utf-8", errors="replace")),
+                                "top_logprobs": [{"token": t, "logprob": max(v, -9999.0),
+                                                  "bytes": list(t.encode("utf-8", errors="replace"))}
+                                                 for t, v in list(top.items())[:k]]})
+            out["logprobs"] = {"content": content}
+        if c.get("finish_reason"):
+            out["stop_reason"] = c.get("stop_reason")
+        out["token_ids"] = c.get("token_ids")
+        return dict(head, choices=[out])

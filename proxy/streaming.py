@@ -17,6 +17,7 @@ from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
+from kvferry.proxy.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
@@ -214,7 +215,8 @@ def drop_first_token(c: dict) -> None:
 
 
 async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
-                     first_text: str | None = None, first: dict | None = None) -> web.StreamResponse:
+                     first_text: str | None = None, first: dict | None = None,
+                     move: migrate.ChatMove | None = None) -> web.StreamResponse:
     """Stream a chat leg to the client; with `first_text`, send the prefiller's first token at
     once (role chunk, then the token with its logprobs and id, as plain vLLM streams them) and
     drop the decoder's repeat of it."""
@@ -229,12 +231,13 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
         rid, created, model = first.get("id"), first.get("created"), first.get("model")
         await resp.prepare(request)
         started = repeat = True
-        await resp.write(first_chat_chunks(first, first_text, body))
+        # The client's own request says which fields it asked for (the leg asks for token ids).
+        await resp.write(first_chat_chunks(first, first_text, move.body if move is not None else body))
         metrics.ttft.observe(time.perf_counter() - t0)
     # Without the prefiller's first token, nothing is rewritten (id, created and model come
     # from the stream itself): each chunk goes out as the engine wrote it, as a completion
     # stream's do; parsing and re-encoding each one would cost CPU on every token.
-    raw = rid is None and not skip
+    raw = rid is None and not skip and move is None
     try:
         async for batch in events:
             out = []
@@ -267,6 +270,8 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
                             not any(k for k in delta if k != "content") and not c.get("token_ids") and \
                             not (c.get("logprobs") or {}).get("content"):
                         continue
+                if move is not None:
+                    move.track(chunk)
                 out.append(sse(chunk))
             if not out:
                 continue
@@ -278,12 +283,54 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     except ProxyError as e:
         if not started:
             raise
-        await resp.write(sse(error_body(e.status, e.message, e.kind)))
+        if move is not None and move.can_move(e):
+            await _continue_chat(ctx, resp, up.inst, move, e, {"id": rid, "object": "chat.completion.chunk",
+                                                                "created": created, "model": model})
+        else:
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
     if not started:
         await resp.prepare(request)
     await resp.write_eof(b"data: [DONE]\n\n")
     metrics.total.observe(time.perf_counter() - t0)
     return resp
+
+
+async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, move: migrate.ChatMove,
+                         e: ProxyError, head: dict) -> None:
+    """A chat stream whose decoder failed goes on as a completion of prompt + tokens sent on
+    another decoder, its chunks written as chat chunks (proxy/migrate.py); then the usage."""
+    ctx.transfers.abort(d, move.tid, f"decode leg failed: {e.kind}")
+    while True:
+        leg = move.leg()
+        nd = move.mig.next_decoder(d, e) if leg is not None else None
+        if nd is None:
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
+            return
+        move.moved = True
+        up = ctx.router.upstream(nd)
+        try:
+            with up:
+                async for batch in migrate.stalled(up.events("/v1/completions", leg), ctx.opts.stall_timeout, up):
+                    out = []
+                    for data in batch:
+                        ch = up.chunk(data)
+                        if ch.get("choices"):
+                            cc = move.chat_chunk(ch["choices"][0], head)
+                            move.track(cc)
+                            out.append(sse(cc))
+                    if out:
+                        await resp.write(b"".join(out))
+            nd.served += 1
+            break
+        except ProxyError as e2:
+            if not move.can_move(e2):
+                await resp.write(sse(error_body(e2.status, e2.message, e2.kind)))
+                return
+            d, e = nd, e2
+    if (move.body.get("stream_options") or {}).get("include_usage"):
+        n, p = len(move.sent), len(move.prompt or [])
+        await resp.write(sse(dict(head, choices=[], usage={"prompt_tokens": p, "total_tokens": p + n,
+                                                             "completion_tokens": n})))
 
 
 async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: dict, t0: float

@@ -143,3 +143,36 @@ def test_no_migration_past_the_limit() -> None:
     finally:
         for p in (px, p0, d0, ref):
             p.stop()
+
+
+def test_a_chat_stream_whose_decoder_dies_migrates_as_a_completion_of_what_was_sent() -> None:
+    """Streamed chat: the continuation is a completion of the conversation's token ids plus the
+    tokens sent, written back as chat chunks; content, token ids and usage as one engine's."""
+    p0, d0, d1, ref = stubs(0, 0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "move this chat"}], "max_tokens": 8,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        want = post(ref.url, "/v1/chat/completions", dict(chat, stream=False)).json()
+        httpx.post(d0.url + "/stub/fail", json={"die_mid_stream": True})
+        for _ in range(2):  # round robin: one of these starts on d0, which dies after one token
+            ev = events(px.url, "/v1/chat/completions", chat)
+            assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+            chunks = ev[:-1]
+            assert len({c["id"] for c in chunks}) == 1
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+            assert text == want["choices"][0]["message"]["content"]
+            assert ids == want["choices"][0]["token_ids"]
+            assert chunks[-1]["usage"] == want["usage"]
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        moved = [q for q in log(d1)["requests"] if "prompt" in q]
+        assert moved and moved[-1]["max_tokens"] < 8
+        # Without return_token_ids the client gets vLLM's nulls, never the ids the proxy asked for.
+        ev = events(px.url, "/v1/chat/completions", dict(chat, return_token_ids=False))
+        assert all(c["choices"][0].get("token_ids") is None for c in ev[:-1] if c["choices"]), ev
+        assert all(c.get("prompt_token_ids") is None for c in ev[:-1])
+    finally:
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
