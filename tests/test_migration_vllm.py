@@ -62,28 +62,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         stop(proc)
 
 
-def _plain(plain_vllm, prompt: str) -> list[int]:
-    r = httpx.post(plain_vllm.url + "/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True}, timeout=300)
+def _body(prompt: str, chat: bool) -> dict:
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if chat:
+        return dict(body, messages=[{"role": "user", "content": prompt}])
+    return dict(body, prompt=prompt)
+
+
+def _plain(plain_vllm, prompt: str, chat: bool = False) -> list[int]:
+    r = httpx.post(plain_vllm.url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                   json=_body(prompt, chat), timeout=300)
     return r.json()["choices"][0]["token_ids"]
 
 
 class Stream(threading.Thread):
     """One streamed completion read in the background: its token ids, chunks and errors."""
 
-    def __init__(self, url: str, prompt: str) -> None:
+    def __init__(self, url: str, prompt: str, chat: bool = False) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt = url, prompt
+        self.url, self.prompt, self.chat = url, prompt, chat
         self.ids: list[int] = []
         self.chunks: list[dict] = []
         self.done = False
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+        body = dict(_body(self.prompt, self.chat), stream=True, stream_options={"include_usage": True})
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        with httpx.stream("POST", self.url + path, json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     self.done = True
@@ -106,7 +112,7 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
     while _healthy_decoders(url) < 2:
         assert time.monotonic() < deadline, "a decoder did not come back"
         time.sleep(0.5)
-    streams = [Stream(url, p) for p in PROMPTS]
+    streams = [Stream(url, PROMPTS[0]), Stream(url, PROMPTS[1], chat=True)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 120
@@ -127,7 +133,7 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
 def _check(streams: list[Stream], plain_vllm) -> None:
     for s in streams:
         assert s.done and not any("error" in c for c in s.chunks), s.chunks[-3:]
-        assert s.ids == _plain(plain_vllm, s.prompt)  # greedy: the same tokens as one plain vLLM
+        assert s.ids == _plain(plain_vllm, s.prompt, s.chat)  # greedy: the same tokens as one plain vLLM
         assert len({c["id"] for c in s.chunks}) == 1
         assert s.chunks[-1]["usage"]["completion_tokens"] == len(s.ids) == MAX_TOKENS
 
