@@ -182,7 +182,7 @@ def test_stall_a_sigstopped_decoders_streams_migrate_after_the_stall_timeout(clu
     streams = _run_and_break(cluster, plain_vllm, signal.SIGSTOP)
     assert time.monotonic() - t0 < 60
     _check(streams, plain_vllm)
-    assert _migrations(cluster["url"]).get("stall", 0) == before + 1
+    assert _migrations(cluster["url"]).get("stall", 0) >= before + 1
     assert "migrating a request from decoder" in Path(cluster["log"]).read_text()
 
 
@@ -190,7 +190,7 @@ def test_migrate_a_sigkilled_decoders_streams_finish_on_the_other(cluster: dict,
     m0 = sum(_migrations(cluster["url"]).values())
     streams = _run_and_break(cluster, plain_vllm, signal.SIGKILL)
     _check(streams, plain_vllm)
-    assert sum(_migrations(cluster["url"]).values()) == m0 + 1
+    assert sum(_migrations(cluster["url"]).values()) >= m0 + 1
 
 
 def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> None:
