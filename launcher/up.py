@@ -30,6 +30,7 @@ from kvferry.common.errors import ConfigurationError
 from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.restarts import Restarts
 from kvferry.launcher.vllm_proc import (
     VLLMServer,
     die_with_parent,
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                             "registered (default 5)")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="an instance that dies is started again, with back-off, at most this many times (0: never)")
 
 
 def gpu_count() -> int:
@@ -185,6 +188,7 @@ class Cluster:
         self.proxy: subprocess.Popen | None = None
         self.proxy_log = self.log_dir / "proxy.log"
         self.stopping = threading.Event()
+        self.restarts: dict[int, int] = {}  # id(instance) -> times started again (restarts.py)
         self.secret_file = args.cluster_secret_file
         if self.secret_file is None:  # a new secret per cluster, readable by its owner only
             self.secret_file = str(self.log_dir / "cluster.secret")
@@ -317,6 +321,7 @@ class Cluster:
                  "config": str(s.config_path)}
             if isinstance(s, Decoder):
                 d.update(init_port=s.init_port, alloc_port=s.alloc_port)
+            d["restarts"] = self.restarts.get(id(s), 0)
             inst.append(d)
         state = {"proxy": {"url": self.proxy_url, "port": self.args.port,
                            "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
@@ -366,14 +371,11 @@ class Cluster:
         return "\n".join(lines)
 
     def watch(self) -> None:
-        """Until told to stop: report children that die (the proxy ejects dead instances)."""
-        dead: set[int] = set()
-        while not self.stopping.wait(1.0):
-            for s in self.instances:
-                if s.proc is not None and s.proc.poll() is not None and id(s) not in dead:
-                    dead.add(id(s))
-                    print(f"kvferry: {self.name(s)} ({s.url}) exited with {s.proc.returncode}; the proxy routes "
-                          f"around it. Log: {s.log_path}", file=sys.stderr, flush=True)
+        """Until told to stop: start instances that die again (launcher/restarts.py); the proxy
+        routes around a dead one and takes it back once its health checks pass."""
+        keeper = Restarts(self, self.args.max_restarts)
+        while not self.stopping.wait(0.5):
+            keeper.tick()
             if self.proxy is not None and self.proxy.poll() is not None:
                 print(f"kvferry: the proxy exited with {self.proxy.returncode}; stopping. Log: {self.proxy_log}",
                       file=sys.stderr, flush=True)

@@ -9,12 +9,13 @@ otherwise the client gets the decoder's whole answer.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
 
 from kvferry.proxy import body as bodies
-from kvferry.proxy import streaming
+from kvferry.proxy import migrate, streaming
 from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
@@ -67,10 +68,20 @@ class Chat:
                 fast = msg.get("content") if (same_first_token(body) and msg.get("content")
                                               and not msg.get("tool_calls")
                                               and not msg.get("reasoning_content")) else None
-                r = await streaming.relay_chat(ctx, request, up, PATH, chat_decode_leg(body, tid), t0,
-                                               first_text=fast, first=first)
+                leg = chat_decode_leg(body, tid)
+                move = None
+                if migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
+                    # Both legs give token ids, so a failed stream can continue elsewhere.
+                    move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
+                                            first.get("prompt_token_ids"))
+                    leg["return_token_ids"] = True
+                r = await streaming.relay_chat(ctx, request, up, PATH, leg, t0, first_text=fast, first=first,
+                                               move=move)
                 d.served += 1
                 return r
+        except (asyncio.CancelledError, ConnectionResetError):
+            migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
+            raise
         except BaseException:
             ctx.transfers.abort(d, tid, "decode leg failed")
             raise
@@ -82,7 +93,9 @@ class Chat:
 
     async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str]:
-        first, tid, _ = await prefill(self.ctx, request, PATH, chat_prefill_leg(body, max_key), route, ntok, "chat")
+        # Token ids from the prefiller: the first token's, for a stream that moves (proxy/migrate.py).
+        leg = dict(chat_prefill_leg(body, max_key), return_token_ids=True)
+        first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
         return first, tid
 
     async def one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
@@ -101,13 +114,30 @@ class Chat:
         if first["choices"][0].get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
             first.pop("kv_transfer_params", None)
+            if not body.get("return_token_ids"):  # the proxy asked for them; vLLM's nulls for the client
+                first["prompt_token_ids"] = None
+                for c in first.get("choices") or []:
+                    c["token_ids"] = None
             return first
-        try:
-            with ctx.router.upstream(d) as up:
-                out = await up.json(PATH, chat_decode_leg(body, tid), "chat")
-            d.served += 1
-        except BaseException:
-            ctx.transfers.abort(d, tid, "decode leg failed")
-            raise
+        leg = chat_decode_leg(body, tid)
+        mig = migrate.Migration(ctx, ctx.opts.max_migrations)
+        while True:
+            try:
+                with ctx.router.upstream(d) as up:
+                    out = await up.json(PATH, leg, "chat")
+                d.served += 1
+                break
+            except ProxyError as e:
+                # Nothing reached the client: the conversation runs again, whole, on another decoder.
+                if "kv_transfer_params" in leg:
+                    ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
+                nd = mig.next_decoder(d, e) if mig.can_move(e) else None
+                if nd is None:
+                    raise
+                d, leg = nd, dict(body)
+            except BaseException:
+                if "kv_transfer_params" in leg:
+                    ctx.transfers.abort(d, tid, "decode leg failed")
+                raise
         out.pop("kv_transfer_params", None)
         return out

@@ -11,7 +11,7 @@ import time
 from aiohttp import web
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy import answers, streaming
+from kvferry.proxy import answers, migrate, streaming
 from kvferry.proxy import body as bodies
 from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.context import Context
@@ -125,16 +125,30 @@ class Completions:
         if pre.mode == "done":
             out = first
         else:
-            try:
-                with ctx.router.upstream(d) as up:
-                    t1 = time.perf_counter()
-                    rest = await up.json("/v1/completions", completion_decode_leg(
-                        body, first if pre.mode == "ids" else None, pre.tid, max_tokens, False), "completion")
-                    ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
-                d.served += 1
-            except BaseException:
-                ctx.transfers.abort(d, pre.tid, "decode leg failed")
-                raise
+            leg = completion_decode_leg(body, first if pre.mode == "ids" else None, pre.tid, max_tokens, False)
+            mig = migrate.Migration(ctx, ctx.opts.max_migrations)
+            while True:
+                try:
+                    with ctx.router.upstream(d) as up:
+                        t1 = time.perf_counter()
+                        rest = await up.json("/v1/completions", leg, "completion")
+                        ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
+                    d.served += 1
+                    break
+                except ProxyError as e:
+                    # Nothing reached the client yet: the whole decode leg runs again on another
+                    # decoder, which computes the prompt's KV itself.
+                    if leg.get("kv_transfer_params"):
+                        ctx.transfers.abort(d, pre.tid, f"decode leg failed: {e.kind}")
+                    nd = mig.next_decoder(d, e) if pre.mode == "ids" and mig.can_move(e) else None
+                    if nd is None:
+                        raise
+                    d = nd
+                    leg = migrate.continuation_leg(leg, leg["prompt"], [], leg["max_tokens"], leg.get("min_tokens"))
+                except BaseException:
+                    if leg.get("kv_transfer_params"):
+                        ctx.transfers.abort(d, pre.tid, "decode leg failed")
+                    raise
             try:
                 out = merge_completion(first, rest) if pre.mode == "ids" else rest
             except BadAnswer as e:

@@ -56,6 +56,9 @@ class ProxyMetrics:
                                           registry=r)
         self.discovery_instances = Gauge("kvferry_proxy_discovery_instances", "Instances in use from discovery",
                                          ["role"], registry=r)
+        self.migrations = Counter("kvferry_proxy_migrations", "Requests moved to another decoder after their "
+                                  "decode leg failed mid-stream, by the failure's kind (stream_broken, "
+                                  "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
 

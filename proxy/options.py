@@ -82,6 +82,10 @@ class ProxyOptions:
     insecure_discovery: bool = False  # discovery beyond loopback without a cluster secret (not recommended)
     load_interval: float | None = None  # seconds between /metrics scrapes of every engine (None: 0.5 with
     # discovery, off without; 0: off)
+    # Failures mid-request (docs/proxy.md "Failures"): a decode stream silent this long counts as failed,
+    # and a request moves to another decoder at most this many times.
+    stall_timeout: float = 60.0
+    max_migrations: int = 2
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -234,6 +238,11 @@ def parser() -> argparse.ArgumentParser:
     a("--load-interval", type=float, default=None,
       help="seconds between scrapes of every engine's /metrics (running + waiting requests: load that every proxy "
            "sees); default 0.5 with --discovery, 0 (off) without")
+    a("--stall-timeout", type=float, default=None,
+      help="seconds a decode stream may send nothing before it counts as failed and moves to another "
+           "decoder (default 60)")
+    a("--max-migrations", type=int, default=None,
+      help="how many times one request may move to another decoder after its stream broke (default 2; 0: never)")
     a("--log-level", default=None)
     return ap
 
@@ -245,7 +254,8 @@ _YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefiller
               "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
               "upstream_connections", "kv_events", "tokenizer", "local_prefill_tokens", "local_prefill_fraction",
               "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks", "discovery",
-              "discovery_model", "discovery_fingerprint", "insecure_discovery", "load_interval"}
+              "discovery_model", "discovery_fingerprint", "insecure_discovery", "load_interval",
+              "stall_timeout", "max_migrations"}
 POLICIES = ("cache", "load", "round_robin")
 
 
@@ -277,13 +287,13 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
         if key in vals:
             setattr(o, key, _port(f"--{key.replace('_', '-')}", int(vals[key])))
     for key in ("connect_timeout", "read_timeout", "health_interval", "kv_events_stale_after",
-                "local_prefill_fraction"):
+                "local_prefill_fraction", "stall_timeout"):
         if key in vals:
             v = float(vals[key])
             if v <= 0:
                 raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
             setattr(o, key, v)
-    for key in ("local_prefill_tokens", "load_tokens_per_request"):
+    for key in ("local_prefill_tokens", "load_tokens_per_request", "max_migrations"):
         if key in vals:
             try:
                 v = int(vals[key])

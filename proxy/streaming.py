@@ -4,6 +4,7 @@ the decoder is sure to repeat it); a finished chat answer written as a stream.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -11,11 +12,12 @@ from typing import Any
 from aiohttp import web
 
 from kvferry.common.log import get_logger
-from kvferry.proxy import answers, limits
+from kvferry.proxy import answers, limits, migrate
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
+from kvferry.proxy.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
@@ -29,7 +31,8 @@ def sse(obj: Any) -> bytes:
 
 async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefilled, echo: str, max_tokens: int,
                      t0: float) -> web.StreamResponse:
-    """A completion stream after its prefill leg: the first token, then the decoder's chunks."""
+    """A completion stream after its prefill leg: the first token, then the decoder's chunks; a
+    decode leg that fails mid-stream continues on another decoder (proxy/migrate.py)."""
     metrics = ctx.metrics
     first, tid, d, mode = pre.first, pre.tid, pre.decoder, pre.mode
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -44,108 +47,197 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     # Plain vLLM's text offsets run on across chunks: the decoder's start at 0 again.
     lp = choice.get("logprobs") if mode == "ids" and body.get("logprobs") is not None else None
     shift = offset_after(lp)
+    parse_lp = lp is not None  # every chunk's offsets are moved on, and the next one's start kept
+    next_off = shift
+    # The tokens the client got, to continue elsewhere if the decoder fails ("ids" mode only: the
+    # proxy knows the prompt's token ids); None once a chunk came without its token ids.
+    sent: list[int] | None = [] if mode == "ids" else None
+    mig = migrate.Migration(ctx, ctx.opts.max_migrations)
+    fingerprint = None  # vLLM's system_fingerprint, on the usage chunk as vLLM puts it
     up = ctx.router.upstream(d)
     finished = done
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    with up:
-        try:
-            # The first token goes out before the decode leg starts: sending both at once
-            # measured slower here (an extra task and two writers on one loop).
-            await resp.prepare(request)
-            if mode != "regen":
-                c0 = {"index": 0, "text": echo + (choice.get("text") or ""), "logprobs": choice.get("logprobs"),
-                      "finish_reason": choice.get("finish_reason") if done else None,
-                      "stop_reason": choice.get("stop_reason") if done else None}
-                if want_ids:
-                    c0["token_ids"] = choice.get("token_ids")
-                    c0["prompt_token_ids"] = prompt_ids(first)
-                await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [c0]}))
-                metrics.ttft.observe(time.perf_counter() - t0)
-            if not done:
-                leg = completion_decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
-                if mode == "regen":
-                    leg["stream_options"] = {"include_usage": True}
+    first_leg = True
+    leg_open = False  # the decode leg's request went out: the decoder may hold it
+    try:
+        # The first token goes out before the decode leg starts: sending both at once
+        # measured slower here (an extra task and two writers on one loop).
+        await resp.prepare(request)
+        if mode != "regen":
+            c0 = {"index": 0, "text": echo + (choice.get("text") or ""), "logprobs": choice.get("logprobs"),
+                  "finish_reason": choice.get("finish_reason") if done else None,
+                  "stop_reason": choice.get("stop_reason") if done else None}
+            # vLLM writes both keys on every chunk, null unless return_token_ids asked for them.
+            c0["prompt_token_ids"] = prompt_ids(first) if want_ids else None
+            c0["token_ids"] = choice.get("token_ids") if want_ids else None
+            await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [c0]}))
+            metrics.ttft.observe(time.perf_counter() - t0)
+        if not done:
+            leg = completion_decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
+            if mode == "regen":
+                leg["stream_options"] = {"include_usage": True}
+            else:
+                leg["return_token_ids"] = True  # the proxy counts and keeps what the client got
+            leg_open = True
+            while True:
                 t1 = last = time.perf_counter()
                 swap = None
-                async for batch in up.events("/v1/completions", leg):
-                    out = []
-                    for data in batch:
-                        if swap is None:
-                            chunk = up.chunk(data)
-                            swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
-                                    f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
-                            metrics.decoder_first.observe(time.perf_counter() - t1)
-                            if mode == "regen":
-                                metrics.ttft.observe(time.perf_counter() - t0)
-                        if b'"usage"' in data:
-                            u = up.chunk(data)
-                            if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
-                                completion_tokens += u["usage"].get("completion_tokens") or 0
-                                if mode == "regen":
-                                    prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
-                                continue
-                        if (swap[0] in data and swap[2] in data and (want_ids or b'"token_ids"' not in data)
-                                and not shift):
-                            # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
-                            data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
-                        else:
-                            chunk = up.chunk(data)
-                            chunk["id"], chunk["created"] = rid, created
-                            for c in chunk.get("choices", []):
-                                if not want_ids:
-                                    c.pop("token_ids", None)
-                                    c.pop("prompt_token_ids", None)
-                                if shift:
-                                    shift = shift_offsets(c, shift)
-                            data = limits.dumps(chunk)
-                        out.append(b"data: " + data + b"\n\n")
-                    if out:
-                        await resp.write(b"".join(out))
-                    now = time.perf_counter()
-                    metrics.itl.observe(now - last)
-                    last = now
-                finished = True
-                d.served += 1
-        except ProxyError as e:
-            # Headers are out: tell the client in the stream, OpenAI-style, then end it.
-            await resp.write(sse(error_body(e.status, e.message, e.kind)))
-        finally:
-            if not finished:
-                ctx.transfers.abort(d, tid, "decode leg did not finish")
+                ended = False  # a chunk with a finish_reason went out
+                try:
+                    with up:
+                        async for batch in migrate.stalled(up.events("/v1/completions", leg),
+                                                           ctx.opts.stall_timeout, up):
+                            out = []
+                            for data in batch:
+                                if swap is None:
+                                    chunk = up.chunk(data)
+                                    swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                            f'"created":{chunk.get("created")}'.encode(),
+                                            f'"created":{created}'.encode())
+                                    metrics.decoder_first.observe(time.perf_counter() - t1)
+                                    if mode == "regen" and first_leg:
+                                        metrics.ttft.observe(time.perf_counter() - t0)
+                                if b'"usage"' in data:
+                                    u = up.chunk(data)
+                                    if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
+                                        fingerprint = u.get("system_fingerprint") or fingerprint
+                                        if sent is None:
+                                            completion_tokens += u["usage"].get("completion_tokens") or 0
+                                        if mode == "regen":
+                                            prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
+                                        continue
+                                if sent is not None:
+                                    ids = migrate.token_ids_in(data)
+                                    if ids is None:
+                                        sent = None  # an engine that ignores return_token_ids: no moving
+                                        completion_tokens = 1
+                                    else:
+                                        sent += ids
+                                if b'"finish_reason":null' not in data and b'"finish_reason"' in data:
+                                    ended = True
+                                if (swap[0] in data and swap[2] in data and not parse_lp
+                                        and b'"prompt_token_ids":[' not in data):
+                                    # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
+                                    data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                                    if not want_ids:
+                                        data = migrate.strip_token_ids(data)
+                                else:
+                                    chunk = up.chunk(data)
+                                    chunk["id"], chunk["created"] = rid, created
+                                    for c in chunk.get("choices", []):
+                                        if "prompt_token_ids" in c:  # the decode leg's, not the client's
+                                            c["prompt_token_ids"] = None
+                                        if not want_ids and "token_ids" in c:
+                                            c["token_ids"] = None
+                                        if parse_lp:
+                                            shift_offsets(c, shift)
+                                            next_off = offset_after(c.get("logprobs")) or next_off
+                                    data = limits.dumps(chunk)
+                                out.append(b"data: " + data + b"\n\n")
+                            if out:
+                                await resp.write(b"".join(out))
+                            now = time.perf_counter()
+                            metrics.itl.observe(now - last)
+                            last = now
+                    finished = True
+                    d.served += 1
+                    break
+                except ProxyError as e:
+                    if ended:  # the client has the whole answer: only the stream's end was lost
+                        finished = True
+                        break
+                    if sent is None or not mig.can_move(e):
+                        raise
+                    if first_leg:
+                        ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
+                        first_leg = False
+                    left = max_tokens - 1 - len(sent)
+                    nd = mig.next_decoder(d, e) if left > 0 else None
+                    if nd is None:
+                        raise
+                    d, up = nd, ctx.router.upstream(nd)
+                    shift = next_off
+                    leg = migrate.continuation_leg(leg, prompt_ids(first) + list(choice["token_ids"]), sent, left,
+                                                   body.get("min_tokens") and body["min_tokens"] - 1)
+    except ProxyError as e:
+        # Headers are out: tell the client in the stream, OpenAI-style, then end it.
+        await resp.write(sse(error_body(e.status, e.message, e.kind)))
+    except (asyncio.CancelledError, ConnectionResetError):
+        if not finished and first_leg and leg_open:  # the client left: the decoder drops the request
+            migrate.client_left(ctx, d, tid)
+            first_leg = False
+        raise
+    finally:
+        if not finished and first_leg:
+            ctx.transfers.abort(d, tid, "decode leg did not finish")
+    if sent is not None:
+        completion_tokens = 1 + len(sent)  # what the client received, whatever happened upstream
     tail = b""
     if include_usage:
-        tail = sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                             "completion_tokens": completion_tokens,
-                                             "total_tokens": prompt_tokens + completion_tokens}})
+        u = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [], "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                                      "completion_tokens": completion_tokens}}
+        if fingerprint:
+            u["system_fingerprint"] = fingerprint
+        tail = sse(u)
     await resp.write_eof(tail + b"data: [DONE]\n\n")
     metrics.total.observe(time.perf_counter() - t0)
     return resp
 
 
+def first_chat_chunks(first: dict, first_text: str, body: dict) -> bytes:
+    """The prefiller's first token as plain vLLM streams it: a role chunk (with the prompt's
+    token ids when `return_token_ids` asked for them), then the token's chunk with its logprobs
+    and token id taken from the prefiller's non-streamed answer."""
+    choice = first["choices"][0]
+    head = {"id": first.get("id"), "object": "chat.completion.chunk", "created": first.get("created"),
+            "model": first.get("model")}
+    want_ids = bool(body.get("return_token_ids"))
+    role = dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}],
+                prompt_token_ids=first.get("prompt_token_ids") if want_ids else None, prompt_text=None)
+    token = dict(head, choices=[{"index": 0, "delta": {"content": first_text},
+                                 "logprobs": choice.get("logprobs") if body.get("logprobs") else None,
+                                 "finish_reason": None,
+                                 "token_ids": choice.get("token_ids") if want_ids else None}])
+    return sse(role) + sse(token)
+
+
+def drop_first_token(c: dict) -> None:
+    """Take the first token out of a decoder chunk's choice: its logprob entry and token id (the
+    client already has the prefiller's)."""
+    if c.get("token_ids"):
+        c["token_ids"] = c["token_ids"][1:]
+    lp = c.get("logprobs")
+    if isinstance(lp, dict) and lp.get("content"):
+        lp["content"] = lp["content"][1:]
+
+
 async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
-                     first_text: str | None = None, first: dict | None = None) -> web.StreamResponse:
+                     first_text: str | None = None, first: dict | None = None,
+                     move: migrate.ChatMove | None = None) -> web.StreamResponse:
     """Stream a chat leg to the client; with `first_text`, send the prefiller's first token at
-    once and drop the decoder's repeat of it."""
+    once (role chunk, then the token with its logprobs and id, as plain vLLM streams them) and
+    drop the decoder's repeat of it."""
     metrics = ctx.metrics
     events = up.events(path, body)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     started = False
     rid = created = model = None
     skip = first_text or ""
+    repeat = False  # the decoder's repeat of the first token is still to come
     if first_text is not None and first is not None:
         rid, created, model = first.get("id"), first.get("created"), first.get("model")
         await resp.prepare(request)
-        started = True
-        await resp.write(sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": first_text},
-                                           "logprobs": None, "finish_reason": None}]}))
+        started = repeat = True
+        # The client's own request says which fields it asked for (the leg asks for token ids).
+        await resp.write(first_chat_chunks(first, first_text, move.body if move is not None else body))
         metrics.ttft.observe(time.perf_counter() - t0)
     # Without the prefiller's first token, nothing is rewritten (id, created and model come
     # from the stream itself): each chunk goes out as the engine wrote it, as a completion
     # stream's do; parsing and re-encoding each one would cost CPU on every token.
-    raw = rid is None and not skip
+    raw = rid is None and not skip and move is None
     try:
         async for batch in events:
             out = []
@@ -157,20 +249,29 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
                 if rid is None:
                     rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
                 chunk["id"], chunk["created"], chunk["model"] = rid, created, model
-                if skip and chunk.get("choices"):
-                    delta = chunk["choices"][0].get("delta") or {}
-                    delta.pop("role", None)
+                if repeat and chunk.get("choices"):
+                    c = chunk["choices"][0]
+                    delta = c.get("delta") or {}
+                    if delta.pop("role", None) is not None:
+                        chunk.pop("prompt_token_ids", None)  # the client had them with our role chunk
+                        chunk.pop("prompt_text", None)
                     text = delta.get("content")
                     if text:
                         n = min(len(skip), len(text))
                         if text[:n] != skip[:n]:
                             logger.warning("decoder's first token differs from the prefiller's; streaming on")
-                            skip = ""
+                            skip, repeat = "", False
                         else:
                             delta["content"], skip = text[n:], skip[n:]
-                    if not delta.get("content") and not chunk["choices"][0].get("finish_reason") and \
-                            not any(k for k in delta if k != "content"):
+                            if not skip:
+                                drop_first_token(c)
+                                repeat = False
+                    if not delta.get("content") and not c.get("finish_reason") and \
+                            not any(k for k in delta if k != "content") and not c.get("token_ids") and \
+                            not (c.get("logprobs") or {}).get("content"):
                         continue
+                if move is not None:
+                    move.track(chunk)
                 out.append(sse(chunk))
             if not out:
                 continue
@@ -182,12 +283,54 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     except ProxyError as e:
         if not started:
             raise
-        await resp.write(sse(error_body(e.status, e.message, e.kind)))
+        if move is not None and move.can_move(e):
+            await _continue_chat(ctx, resp, up.inst, move, e, {"id": rid, "object": "chat.completion.chunk",
+                                                                "created": created, "model": model})
+        else:
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
     if not started:
         await resp.prepare(request)
     await resp.write_eof(b"data: [DONE]\n\n")
     metrics.total.observe(time.perf_counter() - t0)
     return resp
+
+
+async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, move: migrate.ChatMove,
+                         e: ProxyError, head: dict) -> None:
+    """A chat stream whose decoder failed goes on as a completion of prompt + tokens sent on
+    another decoder, its chunks written as chat chunks (proxy/migrate.py); then the usage."""
+    ctx.transfers.abort(d, move.tid, f"decode leg failed: {e.kind}")
+    while True:
+        leg = move.leg()
+        nd = move.mig.next_decoder(d, e) if leg is not None else None
+        if nd is None:
+            await resp.write(sse(error_body(e.status, e.message, e.kind)))
+            return
+        move.moved = True
+        up = ctx.router.upstream(nd)
+        try:
+            with up:
+                async for batch in migrate.stalled(up.events("/v1/completions", leg), ctx.opts.stall_timeout, up):
+                    out = []
+                    for data in batch:
+                        ch = up.chunk(data)
+                        if ch.get("choices"):
+                            cc = move.chat_chunk(ch["choices"][0], head)
+                            move.track(cc)
+                            out.append(sse(cc))
+                    if out:
+                        await resp.write(b"".join(out))
+            nd.served += 1
+            break
+        except ProxyError as e2:
+            if not move.can_move(e2):
+                await resp.write(sse(error_body(e2.status, e2.message, e2.kind)))
+                return
+            d, e = nd, e2
+    if (move.body.get("stream_options") or {}).get("include_usage"):
+        n, p = len(move.sent), len(move.prompt or [])
+        await resp.write(sse(dict(head, choices=[], usage={"prompt_tokens": p, "total_tokens": p + n,
+                                                             "completion_tokens": n})))
 
 
 async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: dict, t0: float

@@ -251,25 +251,29 @@ class Stub:
         if isinstance(kvp, dict) and kvp.get("disagg_spec"):
             extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
                                            "num_tokens": len(ids)}
+        rti = bool(body.get("return_token_ids") and self.token_ids)
         if not body.get("stream"):
             await asyncio.sleep(self.token_delay * len(toks))
             return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": "stub",
                                       "choices": [{"index": 0, "message": {"role": "assistant",
                                                                            "content": "".join(texts)},
-                                                   "logprobs": None, "finish_reason": finish}],
-                                      "usage": usage, **extra})
+                                                   "logprobs": None, "finish_reason": finish,
+                                                   "token_ids": toks if rti else None}],
+                                      "usage": usage, "prompt_token_ids": ids if rti else None, **extra})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": "stub"}
         try:
             await resp.write(b"data: " + _dumps(dict(head, choices=[{"index": 0, "delta": {
-                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])).encode() + b"\n\n")
+                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                prompt_token_ids=ids if rti else None)).encode() + b"\n\n")
             for i, x in enumerate(texts):
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 await resp.write(b"data: " + _dumps(dict(head, choices=[{
                     "index": 0, "delta": {"content": x}, "logprobs": None,
-                    "finish_reason": finish if i == len(texts) - 1 else None}])).encode() + b"\n\n")
+                    "finish_reason": finish if i == len(texts) - 1 else None,
+                    "token_ids": [toks[i]] if rti else None}])).encode() + b"\n\n")
                 if self.die_mid_stream:
                     await self._die(resp)
                     return resp

@@ -1,0 +1,210 @@
+"""A decode leg that fails after the client's stream started continues on another decoder.
+
+The proxy keeps the token ids it sent to the client (the decode leg always asks vLLM for them).
+When the leg's stream breaks (connection reset, engine gone, vLLM's error event, a 5xx) or sends
+nothing for `--stall-timeout` seconds, another healthy decoder gets the prompt plus every token
+already sent as its prompt and `max_tokens` less what was sent; it computes that prompt's KV
+itself (no prefill leg: nothing is waiting on a prefiller, and the re-prefill is one decoder
+forward pass). The client's stream goes on under the same id and `created`, with no duplicate and
+no gap; usage counts the tokens the client received. At most `--max-migrations` moves a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+from kvferry.common.log import get_logger
+from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.registry import Instance
+from kvferry.proxy.upstream import Upstream
+
+logger = get_logger(__name__)
+
+# A client that left while the decoder holds its decode request: the transfer's abort waits this
+# long (see client_left).
+CLIENT_LEFT_GRACE_S = 5.0
+# Failures after which a request moves: the instance's, never the request's (a 4xx, a bad answer).
+MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", "unreachable", "upstream_5xx"})
+# vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
+# does not match: its key has no quote before "token_ids").
+TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
+
+
+def token_ids_in(data: bytes) -> list[int] | None:
+    """The `token_ids` of one raw stream chunk, None when it has none."""
+    m = TOKEN_IDS.search(data)
+    if m is None:
+        return None
+    inner = m.group(1).strip()
+    return [int(x) for x in inner.split(b",")] if inner else []
+
+
+def strip_token_ids(data: bytes) -> bytes:
+    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not)."""
+    return TOKEN_IDS.sub(b'"token_ids":null', data, count=1)
+
+
+async def stalled(events: AsyncIterator[list[bytes]], seconds: float, up: Upstream) -> AsyncIterator[list[bytes]]:
+    """`events`, failing as a "stall" when nothing arrives for `seconds` (the connection is then
+    closed: a frozen engine cannot hold the client longer than that)."""
+    it = aiter(events)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(seconds):
+                    batch = await anext(it)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise up.fail("stall", 504, f"{up.inst.role} {up.inst.url} sent nothing for {seconds:g}s "
+                                            f"(--stall-timeout)") from None
+            yield batch
+    finally:
+        await it.aclose()
+
+
+class Migration:
+    """One request's moves: which decoders failed it, how many moves are left."""
+
+    def __init__(self, ctx, limit: int) -> None:  # ctx: proxy.context.Context (it imports routing)
+        self.ctx = ctx
+        self.limit = limit
+        self.moves = 0
+        self.failed: list[Instance] = []
+
+    def can_move(self, e: ProxyError) -> bool:
+        return e.kind in MIGRATE_KINDS and self.moves < self.limit
+
+    def next_decoder(self, failed: Instance, e: ProxyError) -> Instance | None:
+        """Another usable decoder (fewest active sequences first), or None; counts the move."""
+        self.failed.append(failed)
+        pool = [i for i in self.ctx.router.registry.of("decoder") if i.usable and i not in self.failed]
+        if not pool:
+            logger.warning("cannot migrate a request off %s %s (%s): no other healthy decoder", failed.id,
+                           failed.url, e.kind)
+            return None
+        d = min(pool, key=lambda i: (i.active, i.queued_tokens))
+        self.moves += 1
+        self.ctx.metrics.migrations.labels(e.kind).inc()
+        logger.warning("migrating a request from decoder %s (%s: %s) to %s %s (move %d of at most %d)", failed.id,
+                       e.kind, e.message[:160], d.id, d.url, self.moves, self.limit)
+        return d
+
+
+def continuation_leg(leg: dict, prompt: list[int], sent: list[int], max_tokens: int, min_tokens: int | None) -> dict:
+    """A completion leg that goes on after `sent`: prompt + sent as its prompt, the rest of the
+    token budget, no transfer (the new decoder computes that prompt's KV itself)."""
+    out = dict(leg, prompt=list(prompt) + list(sent), max_tokens=max_tokens)
+    out.pop("kv_transfer_params", None)
+    if min_tokens:
+        out["min_tokens"] = max(0, min_tokens - len(sent))
+    return out
+
+
+def client_left(ctx, decoder: Instance, tid: str) -> None:
+    """The client left while its decode leg was open. Closing that connection makes vLLM abort the
+    request, and the decoder's connector then stops waiting for its KV and frees the pages when they
+    land: nothing is recomputed. Aborting the transfer at once instead would reach the connector
+    first (a ZMQ message beats vLLM's abort through its engine loop), and the connector would load
+    nothing and recompute the prompt for a client that is gone. The abort still follows, after
+    CLIENT_LEFT_GRACE_S, for a decode request that never reached the decoder."""
+    if tid:
+        asyncio.get_running_loop().call_later(CLIENT_LEFT_GRACE_S, ctx.transfers.abort, decoder, tid,
+                                              "client disconnected")
+
+
+# Chat sampling settings a completions continuation carries over (tools, response_format and
+# reasoning are chat-only: such requests are not moved).
+CHAT_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logit_bias",
+                 "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "bad_words", "allowed_token_ids")
+
+
+def chat_movable(body: dict) -> bool:
+    """A chat request whose stream can continue as plain text on another decoder."""
+    return not any(body.get(k) for k in ("tools", "functions", "response_format", "structured_outputs",
+                                         "guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+
+
+class ChatMove:
+    """A streamed chat request's state for a move: the prompt's token ids and every token id the
+    client received (the proxy asks both legs for them)."""
+
+    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None, prompt: list[int] | None) -> None:
+        self.ctx, self.body, self.tid = ctx, body, tid
+        self.mig = Migration(ctx, ctx.opts.max_migrations)
+        self.want_ids = bool(body.get("return_token_ids"))
+        self.prompt: list[int] | None = list(prompt) if prompt else None  # the prefiller's, else the decoder's
+        self.first = list(first_ids or [])  # the prefiller's token, sent before the decoder's
+        self.got: list[int] = []
+        self.ok = True  # False once a chunk came without token ids, or with tool calls or reasoning
+        self.ended = False
+        self.moved = False
+
+    @property
+    def sent(self) -> list[int]:
+        return self.first + self.got
+
+    def track(self, chunk: dict) -> None:
+        """Note a chunk about to go to the client; take out the ids the client did not ask for."""
+        if chunk.get("prompt_token_ids"):
+            self.prompt = self.prompt or list(chunk["prompt_token_ids"])
+            if not self.want_ids:
+                chunk["prompt_token_ids"] = None
+        for c in chunk.get("choices") or []:
+            delta = c.get("delta") or {}
+            if any(delta.get(k) for k in ("tool_calls", "reasoning", "reasoning_content", "function_call")):
+                self.ok = False
+            ids = c.get("token_ids")
+            if ids is None:
+                if delta.get("content"):
+                    self.ok = False
+            else:
+                self.got += ids
+                if not self.want_ids:
+                    c["token_ids"] = None
+            if c.get("finish_reason"):
+                self.ended = True
+
+    def can_move(self, e: ProxyError) -> bool:
+        return self.ok and not self.ended and self.prompt is not None and self.mig.can_move(e)
+
+    def leg(self) -> dict | None:
+        """The completions request that continues the answer, or None when nothing is left to make."""
+        b, sent = self.body, self.sent
+        leg = {k: b[k] for k in CHAT_SAMPLING if k in b}
+        mx = b.get("max_completion_tokens") or b.get("max_tokens")
+        if mx is not None and mx - len(sent) <= 0:
+            return None
+        leg.update(model=b.get("model"), prompt=list(self.prompt or []) + sent, stream=True,
+                   stream_options={"include_usage": True}, return_token_ids=True,
+                   max_tokens=None if mx is None else mx - len(sent))
+        if b.get("logprobs"):
+            leg["logprobs"] = b.get("top_logprobs") or 0
+        if b.get("min_tokens"):
+            leg["min_tokens"] = max(0, b["min_tokens"] - len(sent))
+        return leg
+
+    def chat_chunk(self, c: dict, head: dict) -> dict:
+        """A continuation's completion choice as a chat chunk (logprobs in chat's shape)."""
+        out = {"index": 0, "delta": {"content": c.get("text") or ""}, "logprobs": None,
+               "finish_reason": c.get("finish_reason")}
+        lp = c.get("logprobs")
+        if self.body.get("logprobs") and isinstance(lp, dict):
+            k = self.body.get("top_logprobs") or 0
+            content = []
+            for i, tok in enumerate(lp.get("tokens") or []):
+                top = (lp.get("top_logprobs") or [None] * (i + 1))[i] or {}
+                content.append({"token": tok, "logprob": max((lp.get("token_logprobs") or [])[i], -9999.0),
+                                "bytes": list(tok.encode("utf-8", errors="replace")),
+                                "top_logprobs": [{"token": t, "logprob": max(v, -9999.0),
+                                                  "bytes": list(t.encode("utf-8", errors="replace"))}
+                                                 for t, v in list(top.items())[:k]]})
+            out["logprobs"] = {"content": content}
+        if c.get("finish_reason"):
+            out["stop_reason"] = c.get("stop_reason")
+        out["token_ids"] = c.get("token_ids")
+        return dict(head, choices=[out])

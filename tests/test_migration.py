@@ -1,0 +1,178 @@
+"""Failures mid-request, with stub engines (the proxy's logic; tests/test_migration_vllm.py runs
+the same on real vLLM): a decode stream that breaks, dies or stalls continues on another decoder
+with no duplicate, no gap and usage equal to what the client received."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from kvferry.proxy.migrate import strip_token_ids, token_ids_in
+from tests.test_proxy import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+
+BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1, "return_token_ids": True}
+
+
+def _folded(ev: list) -> dict:
+    """A stream folded: text, token ids, logprob tokens, the usage; no error events (the stubs'
+    text offsets are not vLLM's: tests/test_migration_vllm.py compares those)."""
+    assert ev[-1] == "[DONE]", ev
+    chunks = ev[:-1]
+    assert not any("error" in c for c in chunks), chunks
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    out = {"text": "", "token_ids": [], "tokens": [], "finish_reason": None}
+    for c in chunks:
+        for ch in c["choices"]:
+            out["text"] += ch["text"]
+            out["token_ids"] += ch.get("token_ids") or []
+            if ch.get("logprobs"):
+                out["tokens"] += ch["logprobs"]["tokens"]
+            out["finish_reason"] = ch["finish_reason"] or out["finish_reason"]
+    out["usage"] = chunks[-1]["usage"]
+    return out
+
+
+def _reference(ref, body: dict) -> dict:
+    want = post(ref.url, "/v1/completions", dict(body, stream=False)).json()
+    c = want["choices"][0]
+    return {"text": c["text"], "token_ids": c["token_ids"], "tokens": c["logprobs"]["tokens"],
+            "finish_reason": c["finish_reason"], "usage": want["usage"]}
+
+
+def test_token_ids_are_read_and_stripped_from_a_raw_chunk() -> None:
+    raw = b'{"id":"x","choices":[{"index":0,"text":"a","token_ids":[5, 7],"prompt_token_ids":[1,2]}]}'
+    assert token_ids_in(raw) == [5, 7]
+    assert token_ids_in(b'{"choices":[{"prompt_token_ids":[1,2]}]}') is None
+    assert token_ids_in(b'{"token_ids":[]}') == []
+    assert strip_token_ids(raw) == raw.replace(b"[5, 7]", b"null")
+
+
+def test_a_stream_whose_decoder_dies_migrates_with_no_gap_and_true_usage() -> None:
+    """vLLM's error event mid-stream (EngineCore died): the stream goes on on the other decoder."""
+    p0, d0, d1, ref = stubs(0, 0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
+    try:
+        want = _reference(ref, BODY)
+        httpx.post(d0.url + "/stub/fail", json={"die_mid_stream": True})
+        for _ in range(2):  # round robin: one of these starts on d0, which dies after one token
+            got = _folded(events(px.url, "/v1/completions", BODY))
+            assert got == want
+        moved = [q for q in log(d1)["requests"] if "kv_transfer_params" not in q]
+        assert moved, "no continuation reached the other decoder"
+        orig = log(d0)["requests"][0]  # the decode leg: prompt + first token, the transfer's id
+        assert "kv_transfer_params" in orig
+        sent = len(moved[-1]["prompt"]) - len(orig["prompt"])
+        assert moved[-1]["prompt"][:len(orig["prompt"])] == orig["prompt"]
+        assert moved[-1]["max_tokens"] == orig["max_tokens"] - sent
+        assert 'kvferry_proxy_migrations_total{reason="stream_error"}' in httpx.get(px.url + "/metrics").text
+    finally:
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
+
+
+def test_a_sigkilled_decoder_mid_stream_migrates() -> None:
+    p0, d0, d1, ref = stubs(0, 0.2, 0.2, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
+    try:
+        body = dict(BODY, max_tokens=10)
+        want = _reference(ref, body)
+        result: dict = {}
+
+        def run() -> None:
+            result["ev"] = events(px.url, "/v1/completions", body)
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.9)  # a few tokens out, on d0 (round robin starts there)
+        assert log(d0)["requests"], "the stream did not start on d0"
+        os.killpg(d0.proc.pid, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive()
+        assert _folded(result["ev"]) == want
+    finally:
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
+
+
+def test_a_stalled_decoder_migrates_after_the_stall_timeout() -> None:
+    p0, d0, d1, ref = stubs(0, 0.2, 0.2, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60", "--stall-timeout", "1")
+    stopped = False
+    try:
+        body = dict(BODY, max_tokens=10)
+        want = _reference(ref, body)
+        result: dict = {}
+
+        def run() -> None:
+            result["ev"] = events(px.url, "/v1/completions", body)
+        t = threading.Thread(target=run)
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.9)
+        assert log(d0)["requests"]
+        os.killpg(d0.proc.pid, signal.SIGSTOP)
+        stopped = True
+        t.join(30)
+        assert not t.is_alive()
+        assert _folded(result["ev"]) == want
+        assert time.monotonic() - t0 < 10
+        assert 'kvferry_proxy_migrations_total{reason="stall"} 1.0' in httpx.get(px.url + "/metrics").text
+    finally:
+        if stopped:
+            os.killpg(d0.proc.pid, signal.SIGCONT)
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
+
+
+def test_no_migration_past_the_limit() -> None:
+    """--max-migrations 0: a broken stream is an error event, as before, and usage counts what was sent."""
+    p0, d0, ref = stubs(0, 0, 0)
+    px = proxy([p0], [d0], "--health-interval", "60", "--max-migrations", "0")
+    try:
+        httpx.post(d0.url + "/stub/fail", json={"die_mid_stream": True})
+        ev = events(px.url, "/v1/completions", BODY)
+        assert ev[-1] == "[DONE]"
+        assert ["failed mid-stream" in e["error"]["message"] for e in ev[:-1] if "error" in e] == [True]
+        usage = [e for e in ev[:-1] if e.get("usage")][-1]["usage"]
+        sent = sum(len(ch.get("token_ids") or []) for e in ev[:-1] if e.get("choices") for ch in e["choices"])
+        assert usage["completion_tokens"] == sent >= 1  # what the client got, not the decoder's count
+    finally:
+        for p in (px, p0, d0, ref):
+            p.stop()
+
+
+def test_a_chat_stream_whose_decoder_dies_migrates_as_a_completion_of_what_was_sent() -> None:
+    """Streamed chat: the continuation is a completion of the conversation's token ids plus the
+    tokens sent, written back as chat chunks; content, token ids and usage as one engine's."""
+    p0, d0, d1, ref = stubs(0, 0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "move this chat"}], "max_tokens": 8,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        want = post(ref.url, "/v1/chat/completions", dict(chat, stream=False)).json()
+        httpx.post(d0.url + "/stub/fail", json={"die_mid_stream": True})
+        for _ in range(2):  # round robin: one of these starts on d0, which dies after one token
+            ev = events(px.url, "/v1/chat/completions", chat)
+            assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+            chunks = ev[:-1]
+            assert len({c["id"] for c in chunks}) == 1
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+            assert text == want["choices"][0]["message"]["content"]
+            assert ids == want["choices"][0]["token_ids"]
+            assert chunks[-1]["usage"] == want["usage"]
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        moved = [q for q in log(d1)["requests"] if "prompt" in q]
+        assert moved and moved[-1]["max_tokens"] < 8
+        # Without return_token_ids the client gets vLLM's nulls, never the ids the proxy asked for.
+        ev = events(px.url, "/v1/chat/completions", dict(chat, return_token_ids=False))
+        assert all(c["choices"][0].get("token_ids") is None for c in ev[:-1] if c["choices"]), ev
+        assert all(c.get("prompt_token_ids") is None for c in ev[:-1])
+    finally:
+        for p in (px, p0, d0, d1, ref):
+            p.stop()

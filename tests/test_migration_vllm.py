@@ -1,0 +1,216 @@
+"""Failures mid-request on real vLLM: a `kvferry up` cluster (1 prefiller, 2 decoders) behind a
+proxy with a short --stall-timeout. A decoder SIGKILLed or SIGSTOPped with streams on it: the
+streams finish on the other decoder with plain vLLM's greedy tokens, no error event, and usage
+equal to the tokens the client received."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvferry.common.netutil import free_port
+from tests.test_up import start_up, stop
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The history of the old kingdom by the sea begins", "Once upon a time in a quiet village there"]
+MAX_TOKENS = 96
+STALL_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """kvferry up 1P2D, and a second proxy in front of it with --stall-timeout 3 s."""
+    tmp = tmp_path_factory.mktemp("migrate")
+    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "2")
+    port = free_port()
+    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
+            "--cluster-secret-file", state["cluster_secret_file"], "--stall-timeout", str(STALL_S),
+            "--health-interval", "0.5"]
+    for i in state["instances"]:
+        args += (["--prefiller", i["url"]] if i["role"] == "prefiller" else
+                 ["--decoder", f"{i['url']},{i['init_port']},{i['alloc_port']}"])
+    log = open(tmp / "proxy.log", "wb")
+    px = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert px.poll() is None and time.monotonic() < deadline, (tmp / "proxy.log").read_text()
+            time.sleep(0.2)
+        yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
+               "decoders": [i for i in state["instances"] if i["role"] == "decoder"]}
+    finally:
+        os.killpg(px.pid, signal.SIGTERM)
+        px.wait(30)
+        log.close()
+        stop(proc)
+
+
+def _body(prompt: str, chat: bool) -> dict:
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if chat:
+        return dict(body, messages=[{"role": "user", "content": prompt}])
+    return dict(body, prompt=prompt)
+
+
+def _plain(plain_vllm, prompt: str, chat: bool = False) -> list[int]:
+    r = httpx.post(plain_vllm.url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                   json=_body(prompt, chat), timeout=300)
+    return r.json()["choices"][0]["token_ids"]
+
+
+class Stream(threading.Thread):
+    """One streamed completion read in the background: its token ids, chunks and errors."""
+
+    def __init__(self, url: str, prompt: str, chat: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.chat = url, prompt, chat
+        self.ids: list[int] = []
+        self.chunks: list[dict] = []
+        self.done = False
+
+    def run(self) -> None:
+        body = dict(_body(self.prompt, self.chat), stream=True, stream_options={"include_usage": True})
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        with httpx.stream("POST", self.url + path, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    self.done = True
+                elif line.startswith("data: "):
+                    c = json.loads(line[6:])
+                    self.chunks.append(c)
+                    for ch in c.get("choices") or []:
+                        self.ids += ch.get("token_ids") or []
+
+
+def _healthy_decoders(url: str) -> int:
+    return sum(1 for i in httpx.get(url + "/health", timeout=5).json()["instances"]
+               if i["role"] == "decoder" and i["healthy"])
+
+
+def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Stream]:
+    """Two streams (round robin: one per decoder); once both have tokens, `sig` to decoder 0."""
+    url = cluster["url"]
+    deadline = time.monotonic() + 60
+    while _healthy_decoders(url) < 2:
+        assert time.monotonic() < deadline, "a decoder did not come back"
+        time.sleep(0.5)
+    streams = [Stream(url, PROMPTS[0]), Stream(url, PROMPTS[1], chat=True)]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 120
+    while not all(len(s.ids) >= 4 for s in streams):
+        assert time.monotonic() < deadline and all(s.is_alive() for s in streams), [s.ids for s in streams]
+        time.sleep(0.01)
+    victim = cluster["decoders"][0]["pid"]
+    os.killpg(victim, sig)
+    try:
+        for s in streams:
+            s.join(120)
+    finally:
+        if sig == signal.SIGSTOP:
+            os.killpg(victim, signal.SIGCONT)
+    return streams
+
+
+def _check(streams: list[Stream], plain_vllm) -> None:
+    for s in streams:
+        assert s.done and not any("error" in c for c in s.chunks), s.chunks[-3:]
+        assert s.ids == _plain(plain_vllm, s.prompt, s.chat)  # greedy: the same tokens as one plain vLLM
+        assert len({c["id"] for c in s.chunks}) == 1
+        assert s.chunks[-1]["usage"]["completion_tokens"] == len(s.ids) == MAX_TOKENS
+
+
+def _migrations(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("kvferry_proxy_migrations_total{"):
+            out[line.split('reason="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _engine_idle(url: str) -> bool:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return all(float(line.rsplit(" ", 1)[1]) == 0 for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster: dict) -> None:
+    """The decoder drops the request (vLLM aborts it when the proxy's connection closes) and its
+    connector never loads nor recomputes the prompt for a client that is gone."""
+    logs = {d["url"]: Path(d["log"]) for d in cluster["decoders"]}
+    start = {u: p.stat().st_size for u, p in logs.items()}
+    for i in range(4):
+        body = {"model": "tiny", "prompt": f"{PROMPTS[i % 2]} {i}", "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", cluster["url"] + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token: the client leaves
+    deadline = time.monotonic() + 15
+    while not all(_engine_idle(u) for u in logs):
+        assert time.monotonic() < deadline, "a decoder still runs a request whose client left"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a recompute would be logged by now
+    for u, p in logs.items():
+        with open(p, "rb") as f:
+            f.seek(start[u])
+            new = f.read().decode(errors="replace")
+        assert "cannot be loaded" not in new and "recomputing" not in new, new[-2000:]
+
+
+def test_stall_a_sigstopped_decoders_streams_migrate_after_the_stall_timeout(cluster: dict, plain_vllm) -> None:
+    before = _migrations(cluster["url"]).get("stall", 0)
+    t0 = time.monotonic()
+    streams = _run_and_break(cluster, plain_vllm, signal.SIGSTOP)
+    assert time.monotonic() - t0 < 60
+    _check(streams, plain_vllm)
+    assert _migrations(cluster["url"]).get("stall", 0) >= before + 1
+    assert "migrating a request from decoder" in Path(cluster["log"]).read_text()
+
+
+def test_migrate_a_sigkilled_decoders_streams_finish_on_the_other(cluster: dict, plain_vllm) -> None:
+    m0 = sum(_migrations(cluster["url"]).values())
+    streams = _run_and_break(cluster, plain_vllm, signal.SIGKILL)
+    _check(streams, plain_vllm)
+    assert sum(_migrations(cluster["url"]).values()) >= m0 + 1
+
+
+def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> None:
+    """After the SIGKILL above, `kvferry up` starts decoder 0 again (cluster.json counts it) and
+    the proxy routes to it again once it is healthy."""
+    state_file = Path(cluster["state_file"])
+    d0 = cluster["decoders"][0]["url"]
+    deadline = time.monotonic() + 300
+    while True:
+        inst = {i["url"]: i for i in json.loads(state_file.read_text())["instances"]}
+        if inst[d0]["restarts"] >= 1 and _healthy_decoders(cluster["url"]) == 2:
+            break
+        assert time.monotonic() < deadline, inst[d0]
+        time.sleep(1)
+    served = 0
+    for i in range(4):  # round robin over both decoders
+        r = httpx.post(cluster["url"] + "/v1/completions", json={"model": "tiny", "prompt": f"again {i}",
+                                                                 "max_tokens": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    for line in httpx.get(d0 + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            served += float(line.rsplit(" ", 1)[1])
+    assert served >= 1
