@@ -222,8 +222,10 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict:
     if arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **ARCH}
     return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
-            **DEEPSEEK_ARCH, "n_routed_experts": None, "n_shared_experts": None, "first_k_dense_replace": 0,
-            "moe_layer_freq": 1, "topk_method": "greedy", "rope_scaling": None}
+            **DEEPSEEK_ARCH, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
+            "moe_intermediate_size": 256, "moe_layer_freq": 1, "topk_method": "greedy",
+            # Every layer dense (MLP, no experts): the MoE fields above are never instantiated.
+            "first_k_dense_replace": DEEPSEEK_ARCH["num_hidden_layers"]}
 
 
 def build(out: Path, arch: str = "llama") -> Path:
