@@ -1,0 +1,95 @@
+"""MLA (DeepSeek-V2 architecture) through PD on real vLLM CPU servers (CPU_MLA backend, block size 16).
+
+The tiny DeepSeek model's KV is one 576-wide latent per token per layer. A prefiller sends it to a
+decoder (TP 1 -> TP 1): greedy ids and logprobs equal one plain instance, the decoder computes one
+prompt token per request, and every pd_buffer page is free at the end."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvferry.common import messages as m
+from kvferry.engine.pd import KV_LAYOUT_NAMES
+from kvferry.launcher import tiny_model
+from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.vllm_proc import VLLMServer
+from tests.pd_helpers import RawPeer, disagg, plain, source_tokens
+
+VOCAB_LO, VOCAB_HI = 10, 4000
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+def mla_fingerprint(model: Path) -> m.LayoutFingerprint:
+    c = json.loads((model / "config.json").read_text())
+    latent, layers = c["kv_lora_rank"] + c["qk_rope_head_dim"], c["num_hidden_layers"]
+    return m.LayoutFingerprint(model=model.name, dtype="bfloat16", num_layers=layers, num_kv_heads=1,
+                               head_size=latent, block_size=16, kv_layout=KV_LAYOUT_NAMES["mla"],
+                               chunk_format="block", chunk_size=256, tp_size=1,
+                               page_bytes=layers * 256 * latent * 2, kv_kind="mla")
+
+
+@pytest.fixture(scope="module")
+def deepseek_model() -> Path:
+    return tiny_model.ensure(arch="deepseek")
+
+
+@pytest.fixture(scope="module")
+def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
+    """A prefiller (core 0), a decoder (core 1) and a plain instance (core 0) of the tiny DeepSeek."""
+    tmp = tmp_path_factory.mktemp("mla")
+    p = Prefiller(str(deepseek_model), log_dir, "0", tmp)
+    d = Decoder(str(deepseek_model), log_dir, "1", tmp, pd_kv_ready_timeout=20.0)
+    from kvferry.common.netutil import free_port
+    port = free_port()
+    ref = VLLMServer(str(deepseek_model), port, log_dir / f"vllm-mla-plain-{port}.log", cores="0")
+    servers = [p, d, ref]
+    for s in servers:
+        s.start()
+    try:
+        for s in servers:
+            s.wait_ready(timeout=480)
+        yield p, d, ref
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.vllm
+def test_mla_1p1d_same_tokens_and_logprobs_as_one_plain_instance(mla_pd, deepseek_model: Path) -> None:
+    p, d, ref = mla_pd
+    assert sum(source_tokens(d).values()) == 0
+    prompts = [prompt(n, seed=n) for n in (5, 255, 256, 257, 700)]
+    for pr in prompts:
+        want = plain(ref, pr, 6)
+        toks, lps, params = disagg(p, d, pr, 6)
+        assert toks == want[0], f"{len(pr)}-token prompt: tokens differ"
+        assert lps == want[1], f"{len(pr)}-token prompt: logprobs differ"
+        assert params["num_tokens"] == len(pr)
+    got = source_tokens(d)
+    # The decoder computed one prompt token per request (the last); the rest came over NIXL.
+    assert got.get("local_compute", 0) == len(prompts), got
+    assert got.get("external_kv_transfer", 0) == sum(map(len, prompts)) - len(prompts), got
+    peer = RawPeer(d, mla_fingerprint(deepseek_model), name="mla-test-peer")
+    try:
+        assert peer.fully_free(), "pd_buffer pages still held after all requests finished"
+    finally:
+        peer.close()
+
+
+@pytest.mark.vllm
+def test_mla_fingerprint_refuses_a_gqa_sender_naming_both_sides(mla_pd, tiny_model_path: Path) -> None:
+    """A Llama (K/V heads) sender at an MLA decoder is refused at the handshake, both sides named."""
+    from tests.pd_helpers import tiny_fingerprint
+    _, d, _ = mla_pd
+    with pytest.raises(AssertionError, match="kv_kind: 'mha' != 'mla'|kv_kind: 'mla' != 'mha'"):
+        RawPeer(d, tiny_fingerprint(tiny_model_path), name="gqa-test-peer")
