@@ -110,3 +110,40 @@ def test_a_prompt_computing_longer_than_the_lease_keeps_its_pages_and_arrives(pa
     assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"k"}
     assert rows(dst_caches, blocks, n - 1) == rows(src_caches, blocks, n - 1)
     assert producer.counters.early == 1 and not producer.counters.failures
+
+
+def test_mla_prompt_sent_in_pieces_arrives_byte_exact(tmp_path) -> None:
+    """The MLA layout (one latent per token per layer, no heads) through the same producer, NIXL
+    write and consumer: the decoder's latent rows equal the prefiller's."""
+    cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 16 * 16384, "pd_peer_host": "127.0.0.1",
+                       "pd_peer_init_port": free_port(), "pd_peer_alloc_port": free_port(),
+                       "pd_lease_seconds": 2.0, "pd_kv_ready_timeout": 5.0})
+    latent = 72  # elements per token (kv_lora_rank + qk_rope_head_dim of a small model)
+    src_caches = make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=1)
+    dst_caches = make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=2)
+    src, dst = PagedKV(src_caches, "mla"), PagedKV(dst_caches, "mla")
+    fp = fingerprint(src, "pieces-mla", CHUNK, "block")
+    assert fp.kv_kind == "mla" and fp.num_kv_heads == 1 and fp.page_bytes == LAYERS * CHUNK * latent * 2
+    consumer = PDConsumer(cfg, dst, fp)
+    producer = PDProducer(cfg, src, fp, "pieces-mla-sender")
+    addr = ReceiverAddr("127.0.0.1", cfg.pd_peer_init_port, cfg.pd_peer_alloc_port)
+    try:
+        n = 90
+        tokens = list(range(300, 300 + n))
+        src_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(5))[:6].tolist()
+        dst_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(6))[:6].tolist()
+        consumer.expect("m", "M", tokens, dst_blocks, n - 1)
+        producer.open("M", addr, tokens, n)
+        until(lambda: producer.progress("M", src_blocks[:4], 64) or producer.counters.pieces == 1, 10,
+              "the first piece")
+        assert producer.submit("M", addr, tokens, src_blocks, n).result(10).sent_chunks == 3
+        assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"m"}
+
+        def latent_rows(caches: list[torch.Tensor], blocks: list[int]) -> list[bytes]:
+            return [bytes(t[blocks[i // BS], i % BS].contiguous().view(torch.uint8).numpy())
+                    for t in caches for i in range(n - 1)]
+        assert latent_rows(dst_caches, dst_blocks) == latent_rows(src_caches, src_blocks)
+        until(lambda: producer.staging.fully_free() and consumer.buffer.fully_free(), 5, "every page back")
+    finally:
+        producer.close()
+        consumer.close()
