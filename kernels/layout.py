@@ -11,7 +11,9 @@ they index these views.
 - ``flash_hnd``: its permutation ``[2, num_blocks, kv_heads, block_size, head_size]``.
 - ``mla``: MLA models (DeepSeek-V2/V3): ``[num_blocks, block_size, head_size]``, one latent vector
   per token (kv_lora_rank + qk_rope_head_dim wide) and no K/V split: one "K" view with one head,
-  no V. The latent is the same on every TP rank. vLLM uses this shape on CPU and CUDA alike.
+  no V. The latent is the same on every TP rank. vLLM's CUDA backends use this shape; its CPU_MLA
+  backend adds a head dimension of 1 (``[num_blocks, 1, block_size, head_size]``, the same memory
+  order), which :meth:`KVLayout.canonical` squeezes away.
 
 Chunk formats:
 - ``block``: ``[layers, planes, blocks, block_bytes]`` bytes, whole blocks as they lie in memory.
@@ -78,6 +80,12 @@ class KVLayout:
         return {"cpu": (nb, h, bs, 2 * d), "flash_nhd": (2, nb, bs, h, d),
                 "flash_hnd": (2, nb, h, bs, d), "mla": (nb, bs, d)}[self.name]
 
+    def canonical(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in this layout's expected shape: vLLM CPU's 4-D MLA cache loses its 1-wide head dim."""
+        if self.is_mla and t.dim() == 4 and t.shape[1] == 1:
+            return t.squeeze(1)
+        return t
+
     def kv_views(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """K and V (or the MLA latent alone) as [num_blocks, block_size, kv_heads, head_size] views."""
         nb, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
@@ -114,11 +122,11 @@ def detect_layout(t: torch.Tensor, block_size: int, num_kv_heads: int, head_size
             continue  # an MLA cache has one latent "head"; a 3-D tensor of a multi-head model is no layout
         nb = shape[0] if name in ("cpu", "mla") else (shape[1] if len(shape) > 1 else 0)
         lay = KVLayout(name, nb, block_size, num_kv_heads, head_size, t.dtype)
-        if shape == lay.expected_shape():
+        if tuple(lay.canonical(t).shape) == lay.expected_shape():
             return lay
     raise LayoutError(
         f"KV cache tensor of shape {list(shape)} ({t.dtype}) matches none of kvferry's layouts for "
         f"block_size={block_size}, kv_heads={num_kv_heads}, head_size={head_size}: cpu "
         f"[blocks, kv_heads, block_size, 2*head_size], flash_nhd [2, blocks, block_size, kv_heads, "
-        f"head_size], flash_hnd [2, blocks, kv_heads, block_size, head_size], mla [blocks, block_size, "
+        f"head_size], flash_hnd [2, blocks, kv_heads, block_size, head_size], mla [blocks, (1,) block_size, "
         f"head_size] (kv_heads 1)")

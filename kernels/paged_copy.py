@@ -85,6 +85,8 @@ class PagedKV:
         t0 = kv_caches[0]
         if isinstance(layout, str):
             layout = from_tensor(layout, t0)
+        kv_caches = [layout.canonical(t) for t in kv_caches]
+        t0 = kv_caches[0]
         for i, t in enumerate(kv_caches):
             if tuple(t.shape) != layout.expected_shape() or t.dtype != layout.dtype:
                 raise LayoutError(f"layer {i} KV cache is {list(t.shape)} {t.dtype}, expected "
@@ -346,6 +348,8 @@ def from_tensor(name: str, t: torch.Tensor) -> KVLayout:
         return KVLayout(name, s[1], s[3], s[2], s[4], t.dtype)
     if name == "mla" and len(s) == 3:
         return KVLayout(name, s[0], s[1], 1, s[2], t.dtype)
+    if name == "mla" and len(s) == 4 and s[1] == 1:  # vLLM CPU_MLA's [blocks, 1, block_size, latent]
+        return KVLayout(name, s[0], s[2], 1, s[3], t.dtype)
     raise LayoutError(f"a tensor of shape {list(s)} cannot have layout {name!r}")
 
 

@@ -307,3 +307,21 @@ def test_the_library_name_follows_the_compiler(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(native, "_loaded", (False, None))
     assert native.row_copier() is not None
     assert len({p.name for p in tmp_path.rglob("rowcopy-*.so")} - first) == 1
+
+
+def test_mla_cpu_shape_with_a_head_dim_of_one_is_the_mla_layout() -> None:
+    """vLLM CPU_MLA hands out [blocks, 1, block_size, latent]: detected as mla, copied as the 3-D cache."""
+    caches = make_caches("mla", 2, 6, 16, 1, 576, torch.bfloat16)
+    cpu_shaped = [t.unsqueeze(1) for t in caches]
+    assert tuple(cpu_shaped[0].shape) == (6, 1, 16, 576)
+    lay = detect_layout(cpu_shaped[0], 16, 1, 576)
+    assert lay.name == "mla" and lay.num_blocks == 6
+    a, b = PagedKV(caches, "mla"), PagedKV(cpu_shaped, lay)
+    for fmt in ("block", "token"):
+        x = torch.empty(a.chunk_nbytes(fmt, 40), dtype=torch.uint8)
+        y = torch.empty_like(x)
+        a.gather([4, 0, 2], x, fmt, 40)
+        b.gather([4, 0, 2], y, fmt, 40)
+        assert torch.equal(x, y) and x.numpy().tobytes() == ref_gather(a.layout, caches, [4, 0, 2], fmt, 40)
+    with pytest.raises(LayoutError, match="matches none"):
+        detect_layout(torch.empty(6, 2, 16, 576), 16, 1, 576)
