@@ -1,8 +1,10 @@
-"""MLA (DeepSeek-V2 architecture) through PD on real vLLM CPU servers (CPU_MLA backend, block size 16).
+"""MLA (DeepSeek-V2 architecture) on real vLLM CPU servers (CPU_MLA backend, block size 16).
 
 The tiny DeepSeek model's KV is one 576-wide latent per token per layer. A prefiller sends it to a
 decoder (TP 1 -> TP 1): greedy ids and logprobs equal one plain instance, the decoder computes one
-prompt token per request, and every pd_buffer page is free at the end."""
+prompt token per request, and every pd_buffer page is free at the end. A kv_both server's CPU tier
+serves a shared prefix (vLLM CPU turns its own prefix cache off for MLA). All four servers load
+together (about 3 minutes on 2 cores); the offload server loads on its own."""
 
 from __future__ import annotations
 
@@ -14,11 +16,21 @@ from pathlib import Path
 import pytest
 
 from kvferry.common import messages as m
+from kvferry.common.netutil import free_port
 from kvferry.engine.pd import KV_LAYOUT_NAMES
 from kvferry.launcher import tiny_model
-from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.pd_instances import Decoder, OffloadServer, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, plain, source_tokens
+from tests.pd_helpers import (
+    RawPeer,
+    completion,
+    disagg,
+    plain,
+    source_tokens,
+    tier_value,
+    tokens_and_logprobs,
+)
+from tests.polling import until
 
 VOCAB_LO, VOCAB_HI = 10, 4000
 
@@ -49,7 +61,6 @@ def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
     tmp = tmp_path_factory.mktemp("mla")
     p = Prefiller(str(deepseek_model), log_dir, "0", tmp)
     d = Decoder(str(deepseek_model), log_dir, "1", tmp, pd_kv_ready_timeout=20.0)
-    from kvferry.common.netutil import free_port
     port = free_port()
     ref = VLLMServer(str(deepseek_model), port, log_dir / f"vllm-mla-plain-{port}.log", cores="0")
     servers = [p, d, ref]
@@ -57,11 +68,25 @@ def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
         s.start()
     try:
         for s in servers:
-            s.wait_ready(timeout=480)
+            s.wait_ready(timeout=600)
         yield p, d, ref
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_offload(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[OffloadServer]:
+    """A kv_both server with a CPU tier, in float32 (its loaded and computed paths then agree to 1e-3)."""
+    off = OffloadServer(str(deepseek_model), log_dir, "1", tmp_path_factory.mktemp("mla-offload"),
+                        server={"extra_args": ["--dtype", "float32"]}, local_cpu=True, max_local_cpu_size=0.1)
+    off.start()
+    try:
+        off.wait_ready(timeout=600)
+        yield off
+    finally:
+        off.stop()
 
 
 @pytest.mark.vllm
@@ -93,3 +118,20 @@ def test_mla_fingerprint_refuses_a_gqa_sender_naming_both_sides(mla_pd, tiny_mod
     _, d, _ = mla_pd
     with pytest.raises(AssertionError, match="kv_kind: 'mha' != 'mla'|kv_kind: 'mla' != 'mha'"):
         RawPeer(d, tiny_fingerprint(tiny_model_path), name="gqa-test-peer")
+
+
+@pytest.mark.vllm
+def test_mla_offload_cpu_tier_serves_a_prefix_with_the_same_answer(mla_offload: OffloadServer) -> None:
+    """A prompt computed whole stores its full chunks; asked again, its first 512 tokens come from
+    the CPU tier (vLLM CPU has no prefix cache for MLA) and the answer is the same."""
+    off = mla_offload
+    a = prompt(600, seed=41)
+    first = tokens_and_logprobs(completion(off, a, 6))
+    until(lambda: tier_value(off, "kvferry:cache_chunks", "cpu") >= 2, 30, "the two full chunks in the CPU tier")
+    src0 = source_tokens(off)
+    again = tokens_and_logprobs(completion(off, a, 6))
+    src = source_tokens(off)
+    assert src.get("external_kv_transfer", 0) - src0.get("external_kv_transfer", 0) == 512, (src0, src)
+    assert src.get("local_compute", 0) - src0.get("local_compute", 0) == len(a) - 512, (src0, src)
+    assert again[0] == first[0]
+    assert max(abs(x - y) for x, y in zip(again[1], first[1], strict=True)) < 1e-3
