@@ -90,10 +90,13 @@ def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutF
     """The one message for a layout mismatch, both sides' fields shown; None when they agree.
     `roles`/`names`: (this side, the other side), e.g. ("receiver", "sender")."""
     diff = mine.diff(theirs)
+    if mine.kv_kind == theirs.kv_kind == "mla":
+        # An MLA latent is the same on every TP rank: any rank's copy fits any rank (docs/pd.md).
+        diff = [d for d in diff if not d.startswith("tp_size:")]
     if not diff:
         return None
     fixes = dict.fromkeys(LAYOUT_FIXES[f] for f in mine.__struct_fields__
-                          if f in LAYOUT_FIXES and getattr(mine, f) != getattr(theirs, f))
+                          if f in LAYOUT_FIXES and any(d.startswith(f"{f}:") for d in diff))
     hint = f" Fix: {'; '.join(fixes)}." if fixes else ""
     return (f"KV layout mismatch between {roles[0]} {names[0]} and {roles[1]} {names[1]}: " + "; ".join(diff)
             + f".{hint} {roles[0]}: {mine}; {roles[1]}: {theirs}")

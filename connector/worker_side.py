@@ -150,6 +150,14 @@ class WorkerSide:
 
     def _receiver(self, op: OpenOp | SaveOp) -> ReceiverAddr | None:
         """This TP rank's receiver on the decoder."""
+        mla = self.producer is not None and self.producer.fp.kv_kind == "mla"
+        if mla and self.tp_rank == 0 and len(op.init_ports) > self.tp_size:
+            logger.error("transfer %s: the decoder has %d TP ranks, this MLA prefiller %d: decoder ranks from %d on "
+                         "get no KV and recompute (a prefiller needs at least the decoder's TP size, docs/pd.md)",
+                         op.transfer_id, len(op.init_ports), self.tp_size, self.tp_size)
+        if mla and self.tp_rank >= len(op.init_ports):
+            # MLA: the latent is the same on every rank; decoder rank d gets prefiller rank d's copy.
+            return None
         if self.tp_rank >= len(op.init_ports):
             logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
                          "decoder and prefiller need the same tensor-parallel size", op.transfer_id,

@@ -150,3 +150,23 @@ def test_hetero_mismatch_is_refused_naming_both_sides() -> None:
     m = ChunkGeometry(KVLayout("mla", 4, 16, 1, 64, torch.bfloat16), "block", 2)
     with pytest.raises(LayoutError, match="cannot be mapped"):
         chunk_runs(a, m, 4, 2, 0, 1, 0, 16)
+
+
+def test_hetero_tp_mla_handshake_accepts_another_tp_size_gqa_does_not() -> None:
+    """The MLA latent is the same on every rank, so an MLA prefiller of TP 2 may feed a decoder of
+    TP 1 (its rank 0's copy travels); a GQA one may not (its ranks hold different heads)."""
+    import msgspec
+
+    from kvferry.buffer.peering import layout_error
+    from kvferry.common import messages as msg
+
+    mla = msg.LayoutFingerprint(model="m", dtype="bfloat16", num_layers=8, num_kv_heads=1, head_size=576,
+                                block_size=16, kv_layout="mla", chunk_format="block", chunk_size=256, tp_size=1,
+                                page_bytes=8 * 256 * 576 * 2, kv_kind="mla")
+    roles, names = ("receiver", "sender"), ("d", "p")
+    assert layout_error(roles, names, mla, msgspec.structs.replace(mla, tp_size=2)) is None
+    err = layout_error(roles, names, mla, msgspec.structs.replace(mla, tp_size=2, block_size=32))
+    assert err is not None and "block_size: 16 != 32" in err and "tp_size" not in err.split(". Fix")[0]
+    gqa = msgspec.structs.replace(mla, kv_kind="mha", num_kv_heads=8, head_size=64, kv_layout="cpu")
+    err = layout_error(roles, names, gqa, msgspec.structs.replace(gqa, tp_size=2, num_kv_heads=4))
+    assert err is not None and "tp_size: 1 != 2" in err and "same --tensor-parallel-size" in err

@@ -3,8 +3,9 @@
 The tiny DeepSeek model's KV is one 576-wide latent per token per layer. A prefiller sends it to a
 decoder (TP 1 -> TP 1): greedy ids and logprobs equal one plain instance, the decoder computes one
 prompt token per request, and every pd_buffer page is free at the end. A kv_both server's CPU tier
-serves a shared prefix (vLLM CPU turns its own prefix cache off for MLA). All four servers load
-together (about 3 minutes on 2 cores); the offload server loads on its own."""
+serves a shared prefix (vLLM CPU turns its own prefix cache off for MLA). A TP=2 prefiller feeds the
+TP=1 decoder (hetero TP: one rank's copy of the latent travels). The four PD servers load together
+(about 4 minutes on 2 cores); the offload server loads on its own."""
 
 from __future__ import annotations
 
@@ -56,20 +57,22 @@ def deepseek_model() -> Path:
 
 @pytest.fixture(scope="module")
 def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
-    """A prefiller (core 0), a decoder (core 1) and a plain instance (core 0) of the tiny DeepSeek."""
+           ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer, Prefiller]]:
+    """A prefiller (core 0), a decoder (core 1), a plain instance (core 0) of the tiny DeepSeek, and
+    a TP=2 prefiller (cores 0 and 1) for the hetero-TP test."""
     tmp = tmp_path_factory.mktemp("mla")
     p = Prefiller(str(deepseek_model), log_dir, "0", tmp)
     d = Decoder(str(deepseek_model), log_dir, "1", tmp, pd_kv_ready_timeout=20.0)
     port = free_port()
     ref = VLLMServer(str(deepseek_model), port, log_dir / f"vllm-mla-plain-{port}.log", cores="0")
-    servers = [p, d, ref]
+    p2 = Prefiller(str(deepseek_model), log_dir, "0|1", tmp, server={"extra_args": ["--tensor-parallel-size", "2"]})
+    servers = [p, d, ref, p2]
     for s in servers:
         s.start()
     try:
         for s in servers:
             s.wait_ready(timeout=600)
-        yield p, d, ref
+        yield p, d, ref, p2
     finally:
         for s in servers:
             s.stop()
@@ -91,7 +94,7 @@ def mla_offload(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.Te
 
 @pytest.mark.vllm
 def test_mla_1p1d_same_tokens_and_logprobs_as_one_plain_instance(mla_pd, deepseek_model: Path) -> None:
-    p, d, ref = mla_pd
+    p, d, ref, _ = mla_pd
     assert sum(source_tokens(d).values()) == 0
     prompts = [prompt(n, seed=n) for n in (5, 255, 256, 257, 700)]
     for pr in prompts:
@@ -115,9 +118,32 @@ def test_mla_1p1d_same_tokens_and_logprobs_as_one_plain_instance(mla_pd, deepsee
 def test_mla_fingerprint_refuses_a_gqa_sender_naming_both_sides(mla_pd, tiny_model_path: Path) -> None:
     """A Llama (K/V heads) sender at an MLA decoder is refused at the handshake, both sides named."""
     from tests.pd_helpers import tiny_fingerprint
-    _, d, _ = mla_pd
+    d = mla_pd[1]
     with pytest.raises(AssertionError, match="kv_kind: 'mha' != 'mla'|kv_kind: 'mla' != 'mha'"):
         RawPeer(d, tiny_fingerprint(tiny_model_path), name="gqa-test-peer")
+
+
+@pytest.mark.vllm
+def test_mla_hetero_tp2_prefiller_to_tp1_decoder(mla_pd, deepseek_model: Path) -> None:
+    """P TP=2 -> D TP=1: the latent is the same on both prefiller ranks, so rank 0's copy travels and
+    rank 1 sends nothing; the decoder's answer equals one plain TP=1 instance."""
+    _, d, ref, p2 = mla_pd
+    before = source_tokens(d)
+    prompts = [prompt(n, seed=700 + n) for n in (9, 300)]
+    for pr in prompts:
+        want = plain(ref, pr, 5)
+        toks, lps, _ = disagg(p2, d, pr, 5)
+        assert toks == want[0], f"{len(pr)}-token prompt: tokens differ"
+        assert lps == want[1], f"{len(pr)}-token prompt: logprobs differ"
+    got = source_tokens(d)
+    assert got.get("local_compute", 0) - before.get("local_compute", 0) == len(prompts), (before, got)
+    assert (got.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+            == sum(map(len, prompts)) - len(prompts)), (before, got)
+    peer = RawPeer(d, mla_fingerprint(deepseek_model), name="mla-hetero-test-peer")
+    try:
+        assert peer.fully_free(), "pd_buffer pages still held after the hetero-TP requests"
+    finally:
+        peer.close()
 
 
 @pytest.mark.vllm
