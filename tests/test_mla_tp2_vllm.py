@@ -2,6 +2,7 @@
 one core per rank): the prefiller's one rank writes its latent to both decoder ranks (the latent
 is the same on every rank). Greedy ids and logprobs equal one plain TP=2 instance, the decoder
 computes one prompt token per request, and both decoder ranks' pd_buffers are free at the end.
+Float32, tokens identical and logprobs within 1e-3 across the TP sizes (see test_mla_vllm.py).
 
 Two TP=2 servers and one TP=1 server load together: about 4 minutes on 2 cores."""
 
@@ -20,9 +21,9 @@ from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import RawPeer, disagg, plain, source_tokens
-from tests.test_mla_vllm import mla_fingerprint
+from tests.test_mla_vllm import FP32, close_to, mla_fingerprint
 
-TP2 = ["--tensor-parallel-size", "2"]
+TP2 = ["--dtype", "float32", "--tensor-parallel-size", "2"]
 CORES = "0|1"
 
 
@@ -36,7 +37,7 @@ def mla_tp1_to_tp2(log_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer, Path]]:
     model = tiny_model.ensure(arch="deepseek")
     tmp = tmp_path_factory.mktemp("mla-tp2")
-    p = Prefiller(str(model), log_dir, "0", tmp)
+    p = Prefiller(str(model), log_dir, "0", tmp, server={"extra_args": FP32})
     d = Decoder(str(model), log_dir, CORES, tmp, server={"extra_args": TP2}, tp_size=2, pd_kv_ready_timeout=30.0)
     port = free_port()
     ref = VLLMServer(str(model), port, log_dir / f"vllm-tp2-plain-{port}.log", cores=CORES, extra_args=TP2)
@@ -58,13 +59,11 @@ def test_mla_hetero_tp1_prefiller_to_tp2_decoder(mla_tp1_to_tp2) -> None:
     assert d.disagg_spec()["receiver_init_port"] == d.init_ports and len(d.init_ports) == 2
     prompts = [prompt(n, seed=800 + n) for n in (7, 300)]
     for pr in prompts:
-        want = plain(ref, pr, 5)
         toks, lps, _ = disagg(p, d, pr, 5)
-        assert toks == want[0], f"{len(pr)}-token prompt: tokens differ"
-        assert lps == want[1], f"{len(pr)}-token prompt: logprobs differ"
+        close_to((toks, lps), plain(ref, pr, 5), f"{len(pr)}-token prompt")
     got = source_tokens(d)
     assert got.get("local_compute", 0) == len(prompts), got
-    assert got.get("external_kv_transfer", 0) == sum(map(len, prompts)) - len(prompts), got
+    assert got.get("external_kv_transfer", 0) == sum(map(len, prompts)), got
     fp = msgspec.structs.replace(mla_fingerprint(model), tp_size=2)
     for rank in range(2):
         addr = SimpleNamespace(host=d.host, init_port=d.init_ports[rank], alloc_port=d.alloc_ports[rank])
