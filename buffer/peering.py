@@ -72,15 +72,34 @@ def check_welcome(w: m.Welcome, where: str, me: str, others: set[str], max_metad
     return None
 
 
+# What to change when a field differs (docs/pd.md, "Compatibility matrix").
+LAYOUT_FIXES = {
+    "model": "serve the same model on both sides",
+    "kv_kind": "serve the same model on both sides (one is MLA, the other has K/V heads)",
+    "block_size": "start both sides with the same --block-size (vLLM CPU forces 16 for MLA models)",
+    "tp_size": "start both sides with the same --tensor-parallel-size (heterogeneous TP is not wired into "
+               "transfers yet, docs/pd.md)",
+    "num_kv_heads": "start both sides with the same --tensor-parallel-size (KV heads per rank differ)",
+    "chunk_size": "set the same chunk_size on both sides",
+    "chunk_format": "set the same pd_chunk_format on both sides",
+}
+
+
 def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutFingerprint,
                  theirs: m.LayoutFingerprint) -> str | None:
     """The one message for a layout mismatch, both sides' fields shown; None when they agree.
     `roles`/`names`: (this side, the other side), e.g. ("receiver", "sender")."""
     diff = mine.diff(theirs)
+    if mine.kv_kind == theirs.kv_kind == "mla":
+        # An MLA latent is the same on every TP rank: any rank's copy fits any rank (docs/pd.md).
+        diff = [d for d in diff if not d.startswith("tp_size:")]
     if not diff:
         return None
+    fixes = dict.fromkeys(LAYOUT_FIXES[f] for f in mine.__struct_fields__
+                          if f in LAYOUT_FIXES and any(d.startswith(f"{f}:") for d in diff))
+    hint = f" Fix: {'; '.join(fixes)}." if fixes else ""
     return (f"KV layout mismatch between {roles[0]} {names[0]} and {roles[1]} {names[1]}: " + "; ".join(diff)
-            + f". {roles[0]}: {mine}; {roles[1]}: {theirs}")
+            + f".{hint} {roles[0]}: {mine}; {roles[1]}: {theirs}")
 
 
 def welcome(hello: m.Hello, roles: tuple[str, str], me: str, mine: m.LayoutFingerprint, epoch: int,

@@ -64,6 +64,7 @@ class LayoutFingerprint(msgspec.Struct, kw_only=True, frozen=True):
     chunk_size: NonNeg
     tp_size: NonNeg = 1
     page_bytes: NonNeg = 0
+    kv_kind: Text = "mha"  # "mha": K and V per head (dense, GQA, MoE); "mla": one latent per token (DeepSeek)
 
     def diff(self, other: LayoutFingerprint) -> list[str]:
         """Field-by-field differences, for an error message that shows both sides."""

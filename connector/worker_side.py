@@ -102,8 +102,7 @@ class WorkerSide:
         if not isinstance(meta, KVFerryMetadata) or self.producer is None:
             return
         for op in meta.opens:
-            addr = self._receiver(op)
-            if addr is not None:
+            for addr in self._receivers(op):
                 self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens)
 
     def start_loads(self, meta: KVConnectorMetadata) -> None:
@@ -140,22 +139,25 @@ class WorkerSide:
                 logger.error("transfer %s: a piece not sent (the rest goes with the last one): %s",
                              piece.transfer_id, e)
         for op in meta.saves:
-            addr = self._receiver(op)
-            if addr is None:
-                continue
-            try:
-                self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
-            except KVFerryError as e:
-                logger.error("transfer %s: not sent: %s", op.transfer_id, e)
+            for addr in self._receivers(op):
+                try:
+                    self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
+                except KVFerryError as e:
+                    logger.error("transfer %s: not sent to %s: %s", op.transfer_id, addr, e)
 
-    def _receiver(self, op: OpenOp | SaveOp) -> ReceiverAddr | None:
-        """This TP rank's receiver on the decoder."""
-        if self.tp_rank >= len(op.init_ports):
+    def _receivers(self, op: OpenOp | SaveOp) -> list[ReceiverAddr]:
+        """The decoder ranks' receivers this TP rank sends to: the rank of the same index, or for an
+        MLA model (the latent is the same on every rank) every decoder rank d with d % tp_size ==
+        tp_rank, so each decoder rank gets one copy whatever the two TP sizes (docs/pd.md)."""
+        ports = list(zip(op.init_ports, op.alloc_ports, strict=True))
+        if self.producer is not None and self.producer.fp.kv_kind == "mla":
+            return [ReceiverAddr(op.host, i, a) for d, (i, a) in enumerate(ports) if d % self.tp_size == self.tp_rank]
+        if self.tp_rank >= len(ports):
             logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
                          "decoder and prefiller need the same tensor-parallel size", op.transfer_id,
-                         len(op.init_ports), self.tp_rank)
-            return None
-        return ReceiverAddr(op.host, op.init_ports[self.tp_rank], op.alloc_ports[self.tp_rank])
+                         len(ports), self.tp_rank)
+            return []
+        return [ReceiverAddr(op.host, *ports[self.tp_rank])]
 
     def results(self, finished: set[str], idle: bool) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

@@ -37,6 +37,7 @@ KV_LAYOUT_NAMES = {
     "cpu": "cpu:[blocks,kv_heads,block_size,2*head_size]",
     "flash_nhd": "flash_nhd:[2,blocks,block_size,kv_heads,head_size]",
     "flash_hnd": "flash_hnd:[2,blocks,kv_heads,block_size,head_size]",
+    "mla": "mla:[blocks,block_size,kv_lora_rank+qk_rope_head_dim]",
 }
 
 
@@ -54,13 +55,14 @@ def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_
         model=model, dtype=str(lay.dtype).removeprefix("torch."), num_layers=kv.num_layers,
         num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
         kv_layout=KV_LAYOUT_NAMES[lay.name], chunk_format=chunk_format, chunk_size=chunk_size,
-        tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size))
+        tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size),
+        kv_kind="mla" if lay.is_mla else "mha")
 
 
 def key_salt(fp: m.LayoutFingerprint) -> bytes:
     """Keys of different models or layouts never match."""
     return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
-                    fp.chunk_format, fp.chunk_size)
+                    fp.chunk_format, fp.chunk_size)  # kv_layout tells MLA from K/V caches
 
 
 class StagingError(BadDataError, ValueError):

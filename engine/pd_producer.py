@@ -120,13 +120,15 @@ class PDProducer:
         # the prompt's compute too), then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
         self._staging_hold = self._staging_lease + cfg.pd_queue_seconds  # an open prompt's: RenewLease's bound
-        self._open: dict[str, _Outgoing] = {}
+        # Open prompts by transfer id, then decoder rank's receiver: an MLA prefiller rank may feed
+        # several decoder ranks the same latent (docs/pd.md, "Different TP").
+        self._open: dict[str, dict[ReceiverAddr, _Outgoing]] = {}
         self.counters = ProducerCounters()
         self._asleep = False
 
     def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int) -> None:
         """The prompt is about to compute: take staging pages and ask the decoder for its pages now."""
-        if transfer_id in self._open or self._asleep:
+        if receiver in self._open.get(transfer_id, {}) or self._asleep:
             return
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
         try:
@@ -141,12 +143,17 @@ class PDProducer:
             logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
             self.staging.release(res)
             return
-        self._open[transfer_id] = out
+        self._open.setdefault(transfer_id, {})[receiver] = out
 
     def progress(self, transfer_id: str, block_ids: Sequence[int], computed_tokens: int) -> None:
-        """A step computed the prompt up to `computed_tokens`: write the chunks it completed."""
-        out = self._open.get(transfer_id)
-        if out is None or out.grant is None or not out.grant.done() or not _ok(out.grant):
+        """A step computed the prompt up to `computed_tokens`: write the chunks it completed (to every
+        receiver the prompt is open for)."""
+        for out in list(self._open.get(transfer_id, {}).values()):
+            self._progress(out, block_ids, computed_tokens)
+
+    def _progress(self, out: _Outgoing, block_ids: Sequence[int], computed_tokens: int) -> None:
+        transfer_id = out.transfer_id
+        if out.grant is None or not out.grant.done() or not _ok(out.grant):
             return  # the alloc is still on its way (or failed): submit() sends these chunks
         if any(w.done() and not _ok(w) for w in out.writes):
             return  # a piece failed: the grant is gone, submit() reports it
@@ -169,7 +176,10 @@ class PDProducer:
             bump(self.counters.failures, "asleep")
             logger.error("transfer %s: not sent, this prefiller is asleep (vLLM sleep mode)", transfer_id)
             return None
-        out = self._open.pop(transfer_id, None)
+        outs = self._open.get(transfer_id, {})
+        out = outs.pop(receiver, None)
+        if not outs:
+            self._open.pop(transfer_id, None)
         if out is None:
             out = self._staged(transfer_id, receiver, token_ids, num_tokens)
             if out is None:
@@ -213,8 +223,7 @@ class PDProducer:
 
     def cancel(self, transfer_id: str) -> None:
         """The prompt will not finish computing (its request ended): give its pages back."""
-        out = self._open.pop(transfer_id, None)
-        if out is not None:
+        for out in self._open.pop(transfer_id, {}).values():
             self._finish_after_writes(out)
 
     def _staged(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],

@@ -85,6 +85,8 @@ class PagedKV:
         t0 = kv_caches[0]
         if isinstance(layout, str):
             layout = from_tensor(layout, t0)
+        kv_caches = [layout.canonical(t) for t in kv_caches]
+        t0 = kv_caches[0]
         for i, t in enumerate(kv_caches):
             if tuple(t.shape) != layout.expected_shape() or t.dtype != layout.dtype:
                 raise LayoutError(f"layer {i} KV cache is {list(t.shape)} {t.dtype}, expected "
@@ -120,7 +122,7 @@ class PagedKV:
         k = self._kv[0][0]
         token_rows = (_dense(k[0, 0]) and k.stride(2) == k.shape[3]
                       and k.stride(0) == k.stride(1) * layout.block_size)
-        kvs = [self._kv[i][kv] for kv in range(2) for i in range(self.num_layers)]  # q = kv * L + l
+        kvs = [self._kv[i][kv] for kv in range(layout.kv_planes) for i in range(self.num_layers)]  # q = kv*L + l
         self._tables["token"] = (RowTable([v.data_ptr() for v in kvs], [v.stride(1) for v in kvs],
                                           layout.token_row_bytes).finish(lo) if token_rows else None)
         self._span: dict[tuple[int, int], torch.Tensor] = {}
@@ -305,7 +307,7 @@ class PagedKV:
     def token_copy_indexed(self, ids: torch.Tensor, buf: torch.Tensor, n: int, to_chunk: bool) -> int:
         """Token format for layouts whose token rows are not memory rows (HND, vLLM CPU)."""
         nbytes = self.chunk_nbytes("token", n)
-        chunk = self.chunk_bytes_view(buf, nbytes).view(2, self.num_layers, n, -1)
+        chunk = self.chunk_bytes_view(buf, nbytes).view(self.layout.kv_planes, self.num_layers, n, -1)
         bs = self.layout.block_size
         t = torch.arange(n, device=self.device)
         b, s = ids[t // bs], t % bs
@@ -344,6 +346,10 @@ def from_tensor(name: str, t: torch.Tensor) -> KVLayout:
         return KVLayout(name, s[1], s[2], s[3], s[4], t.dtype)
     if name == "flash_hnd" and len(s) == 5:
         return KVLayout(name, s[1], s[3], s[2], s[4], t.dtype)
+    if name == "mla" and len(s) == 3:
+        return KVLayout(name, s[0], s[1], 1, s[2], t.dtype)
+    if name == "mla" and len(s) == 4 and s[1] == 1:  # vLLM CPU_MLA's [blocks, 1, block_size, latent]
+        return KVLayout(name, s[0], s[2], 1, s[3], t.dtype)
     raise LayoutError(f"a tensor of shape {list(s)} cannot have layout {name!r}")
 
 

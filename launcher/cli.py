@@ -11,12 +11,12 @@ from pathlib import Path
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from kvferry.launcher import tiny_model
 
-    out = Path(args.out) if args.out else tiny_model.default_dir()
+    out = Path(args.out) if args.out else tiny_model.default_dir(args.arch)
     if tiny_model.is_current(out) and not args.force:
         print(f"tiny model already built: {out}")
         return 0
     print(f"building tiny model into {out} ...", flush=True)
-    tiny_model.build(out)
+    tiny_model.build(out, args.arch)
     print(f"tiny model ready: {out}")
     return 0
 
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-tiny-model", help="build the random-weight test model (no network)")
-    p.add_argument("--out", help="output directory (default ~/.cache/kvferry/tiny-llama)")
+    p.add_argument("--arch", choices=("llama", "deepseek"), default="llama",
+                   help="llama: dense GQA (default); deepseek: DeepSeek-V2 MLA (docs/pd.md)")
+    p.add_argument("--out", help="output directory (default ~/.cache/kvferry/tiny-<arch>)")
     p.add_argument("--force", action="store_true", help="rebuild even if a current one exists")
     p.set_defaults(func=_make_tiny_model)
     p = sub.add_parser("secret", help="make a new cluster secret (docs/security.md)")

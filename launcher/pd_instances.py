@@ -45,17 +45,23 @@ class Decoder(VLLMServer):
 
     def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
                  host: str = "127.0.0.1", init_port: int | None = None, alloc_port: int | None = None,
-                 server: dict | None = None, advertise_host: str | None = None, **keys: object) -> None:
+                 server: dict | None = None, advertise_host: str | None = None, tp_size: int = 1,
+                 **keys: object) -> None:
         """`host`: where the receiver binds (pd_peer_host); `advertise_host`: the address prefillers
-        dial (pd_peer_advertise_host; default: `host`, or this machine's address for a wildcard)."""
+        dial (pd_peer_advertise_host; default: `host`, or this machine's address for a wildcard).
+        `tp_size` > 1: one receiver per TP rank, on `init_ports` / `alloc_ports` (the first are
+        `init_port` / `alloc_port`); the server needs --tensor-parallel-size in `server`'s extra_args."""
         port = port or free_port()
-        self.init_port, self.alloc_port = init_port or free_port(), alloc_port or free_port()
+        self.host, self.init_port, self.alloc_port = host, init_port or free_port(), alloc_port or free_port()
+        self.init_ports = [self.init_port] + [free_port() for _ in range(tp_size - 1)]
+        self.alloc_ports = [self.alloc_port] + [free_port() for _ in range(tp_size - 1)]
+        ports = ({"pd_peer_init_port": self.init_port, "pd_peer_alloc_port": self.alloc_port} if tp_size == 1 else
+                 {"pd_peer_init_port": self.init_ports, "pd_peer_alloc_port": self.alloc_ports})
         self.receiver_host = advertised(host, advertise_host, "the decoder's receiver (pd_peer_host)")
         if advertise_host:
             keys = {**keys, "pd_peer_advertise_host": advertise_host}
         self.config_path = write_pd_config(conf_dir / f"decoder-{port}.yaml", "receiver", pd_peer_host=host,
-                                           pd_peer_init_port=self.init_port, pd_peer_alloc_port=self.alloc_port,
-                                           **keys)
+                                           **ports, **keys)
         kw = dict(server or {})
         env = {**kw.pop("env", {}), "KVFERRY_CONFIG_FILE": str(self.config_path)}
         super().__init__(model, port, log_dir / f"vllm-decoder-{port}.log", cores=cores,
@@ -63,8 +69,8 @@ class Decoder(VLLMServer):
 
     def disagg_spec(self) -> dict:
         """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""
-        return {"receiver_host": self.receiver_host, "receiver_init_port": [self.init_port],
-                "receiver_alloc_port": [self.alloc_port]}
+        return {"receiver_host": self.receiver_host, "receiver_init_port": list(self.init_ports),
+                "receiver_alloc_port": list(self.alloc_ports)}
 
 
 class OffloadServer(VLLMServer):

@@ -1,4 +1,9 @@
-"""A small random-weight Llama model with a locally trained tokenizer, for tests and the demo.
+"""Small random-weight models with a locally trained tokenizer, for tests and the demo.
+
+``llama`` (the default) is a dense GQA model; ``deepseek`` is a DeepSeek-V2-architecture MLA model
+(one 576-wide latent vector per token per layer: kv_lora_rank 512 + qk_rope_head_dim 64, the only
+shape vLLM's CPU_MLA decode kernel compiles for; vLLM CPU forces block_size 16 for it), all layers
+dense (no MoE experts) so it stays small.
 
 No network: the tokenizer is trained on seeded synthetic text and the weights are drawn from a
 seeded torch generator, so every machine builds the same files. Sized so vLLM's CPU build loads
@@ -61,8 +66,34 @@ _WORDS = (
 ).split()
 
 
-def default_dir() -> Path:
-    return cache_root() / "tiny-llama"
+# The MLA model: attention heads split over TP ranks (4 -> 2 per rank at TP=2); the latent cache is
+# the same on every rank. KV per token: 8 layers x 576 x bf16 = 9 KiB.
+DEEPSEEK_ARCH = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+ARCHES = ("llama", "deepseek")
+
+
+def default_dir(arch: str = "llama") -> Path:
+    _check_arch(arch)
+    return cache_root() / f"tiny-{arch}"
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in ARCHES:
+        raise ValueError(f"tiny model arch {arch!r} is not one of {ARCHES}")
 
 
 def _corpus(n_lines: int = 20000) -> list[str]:
@@ -142,8 +173,64 @@ def _write_weights(out: Path, vocab: int, eos_id: int) -> None:
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build(out: Path) -> Path:
-    """Write the tiny model into `out` (atomically) and return it."""
+def _write_deepseek_weights(out: Path, vocab: int, eos_id: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    a = DEEPSEEK_ARCH
+    g = torch.Generator().manual_seed(SEED)
+    h, inter, nh = a["hidden_size"], a["intermediate_size"], a["num_attention_heads"]
+    lora, rope, nope, vd = a["kv_lora_rank"], a["qk_rope_head_dim"], a["qk_nope_head_dim"], a["v_head_dim"]
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, h, std=1.0)}
+    for i in range(a["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        # Sharp attention (q and the latent's key part at 2x unit scale), as in the Llama model.
+        w[p + "self_attn.q_proj.weight"] = rnd(nh * (nope + rope), h, std=2.0 / h**0.5)
+        w[p + "self_attn.kv_a_proj_with_mqa.weight"] = rnd(lora + rope, h, std=2.0 / h**0.5)
+        w[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(lora, dtype=torch.bfloat16)
+        w[p + "self_attn.kv_b_proj.weight"] = rnd(nh * (nope + vd), lora, std=1.0 / lora**0.5)
+        w[p + "self_attn.o_proj.weight"] = rnd(h, nh * vd, std=1.0 / (nh * vd) ** 0.5)
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, h, std=1.0 / h**0.5)
+        w[p + "mlp.up_proj.weight"] = rnd(inter, h, std=1.0 / h**0.5)
+        w[p + "mlp.down_proj.weight"] = rnd(h, inter, std=1.0 / inter**0.5)
+    w["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    lm_head = rnd(vocab, h, std=1.0 / h**0.5)
+    lm_head[eos_id] = 0
+    w["lm_head.weight"] = lm_head
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict:
+    common = {
+        "vocab_size": vocab,
+        "bos_token_id": ids["<s>"],
+        "eos_token_id": ids["</s>"],
+        "pad_token_id": ids["<pad>"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "initializer_range": 0.02,
+    }
+    if arch == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **ARCH}
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
+            **DEEPSEEK_ARCH, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
+            "moe_intermediate_size": 256, "moe_layer_freq": 1, "topk_method": "greedy",
+            # Every layer dense (MLP, no experts): the MoE fields above are never instantiated.
+            "first_k_dense_replace": DEEPSEEK_ARCH["num_hidden_layers"]}
+
+
+def build(out: Path, arch: str = "llama") -> Path:
+    """Write the tiny model of architecture `arch` into `out` (atomically) and return it."""
+    _check_arch(arch)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
@@ -152,28 +239,14 @@ def build(out: Path) -> Path:
         tok = json.loads((tmp / "tokenizer.json").read_text())
         ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
         vocab = (tok_vocab + 63) // 64 * 64
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": vocab,
-            "bos_token_id": ids["<s>"],
-            "eos_token_id": ids["</s>"],
-            "pad_token_id": ids["<pad>"],
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "initializer_range": 0.02,
-            **ARCH,
-        }
+        config = _config(arch, vocab, ids)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
-        _write_weights(tmp, vocab, ids["</s>"])
+        (_write_weights if arch == "llama" else _write_deepseek_weights)(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
         (tmp / STAMP).write_text(json.dumps(
-            {"version": TINY_MODEL_VERSION, "seed": SEED, "weights_sha256": digest}, indent=2))
+            {"version": TINY_MODEL_VERSION, "arch": arch, "seed": SEED, "weights_sha256": digest}, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -190,11 +263,11 @@ def is_current(path: Path) -> bool:
         return False
 
 
-def ensure(path: Path | None = None) -> Path:
+def ensure(path: Path | None = None, arch: str = "llama") -> Path:
     """The tiny model's directory, built on first use (or when its version is stale)."""
     import fcntl
 
-    path = Path(path) if path else default_dir()
+    path = Path(path) if path else default_dir(arch)
     if is_current(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,5 +275,5 @@ def ensure(path: Path | None = None) -> Path:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_current(path):
-            build(path)
+            build(path, arch)
     return path

@@ -410,3 +410,26 @@ def test_vllm_bench_serve_through_the_proxy(pd_proxy, tiny_model_path: Path, tmp
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["completed"] == 8 and res.get("failed", 0) == 0, res
+
+
+@pytest.mark.parametrize("kind,p_tp,d_tp,want", [
+    ("mla", 2, 1, {0: [0], 1: []}),  # one rank's copy of the latent travels
+    ("mla", 1, 2, {0: [0, 1]}),  # the one prefiller rank feeds both decoder ranks
+    ("mla", 2, 4, {0: [0, 2], 1: [1, 3]}),
+    ("mha", 2, 2, {0: [0], 1: [1]}),
+    ("mha", 2, 1, {0: [0], 1: []}),  # GQA with another TP size: refused at the handshake, logged here
+])
+def test_hetero_tp_prefiller_ranks_address_these_decoder_ranks(kind: str, p_tp: int, d_tp: int,
+                                                                want: dict[int, list[int]]) -> None:
+    from kvferry.connector.metadata import OpenOp
+    from kvferry.connector.worker_side import WorkerSide
+
+    op = OpenOp(req_id="r", transfer_id="t", host="d", init_ports=tuple(7300 + d for d in range(d_tp)),
+                alloc_ports=tuple(7400 + d for d in range(d_tp)), token_ids=[1, 2], num_tokens=2)
+    for rank in range(p_tp):
+        w = object.__new__(WorkerSide)
+        w.tp_rank, w.tp_size = rank, p_tp
+        w.producer = SimpleNamespace(fp=SimpleNamespace(kv_kind=kind))
+        got = w._receivers(op)
+        assert [a.init_port - 7300 for a in got] == want[rank], (kind, p_tp, d_tp, rank)
+        assert all(a.alloc_port - 7400 == a.init_port - 7300 and a.host == "d" for a in got)

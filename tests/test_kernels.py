@@ -17,6 +17,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
 def make_caches(name: str, layers: int, nb: int, bs: int, h: int, d: int, dtype: torch.dtype,
                 device: str = "cpu", seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
+    if name == "mla":
+        h = 1  # one latent vector per token: no heads
     shape = KVLayout(name, nb, bs, h, d, dtype).expected_shape()
     nbytes = torch.empty((), dtype=dtype).element_size()
     return [torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), dtype=torch.uint8, generator=g)
@@ -33,6 +35,8 @@ def ref_token_rows(lay: KVLayout, t: torch.Tensor, blk: int, slot: int) -> tuple
         k = torch.stack([per_head[h].reshape(2 * lay.block_size, d)[slot] for h in range(lay.num_kv_heads)])
         v = torch.stack([per_head[h].reshape(2 * lay.block_size, d)[lay.block_size + slot]
                          for h in range(lay.num_kv_heads)])
+    elif lay.name == "mla":
+        return b[blk, slot].reshape(-1), torch.empty(0, dtype=torch.uint8)
     elif lay.name == "flash_nhd":
         k, v = b[0, blk, slot], b[1, blk, slot]
     else:
@@ -45,12 +49,12 @@ def ref_gather(lay: KVLayout, caches: list[torch.Tensor], ids: list[int], fmt: s
     if fmt == "block":
         for t in caches:
             b = t.cpu().view(torch.uint8)
-            planes = [b] if lay.name == "cpu" else [b[0], b[1]]
+            planes = [b] if lay.name in ("cpu", "mla") else [b[0], b[1]]
             for p in planes:
                 for i in ids:
                     out.append(p[i].reshape(-1))
     else:
-        for kv in range(2):
+        for kv in range(2 if lay.name != "mla" else 1):
             for t in caches:
                 for tok in range(n):
                     out.append(ref_token_rows(lay, t, ids[tok // lay.block_size], tok % lay.block_size)[kv])
@@ -69,7 +73,7 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 CASES = st.tuples(
-    st.sampled_from(["cpu", "flash_nhd", "flash_hnd"]),
+    st.sampled_from(["cpu", "flash_nhd", "flash_hnd", "mla"]),
     st.sampled_from(["block", "token"]),
     st.sampled_from(DTYPES),
     st.sampled_from([1, 4, 16, 32]),  # block size
@@ -108,13 +112,13 @@ def test_gather_matches_reference_and_scatter_round_trips(copy_path: str, case) 
     others = [i for i in range(nb) if i not in ids]
     for t, t0 in zip(fresh, before, strict=True):
         tb, t0b = t.view(torch.uint8), t0.view(torch.uint8)
-        if name == "cpu":
+        if name in ("cpu", "mla"):
             assert torch.equal(tb[others], t0b[others])
         else:
             assert torch.equal(tb[:, others], t0b[:, others])
 
 
-@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd"])
+@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd", "mla"])
 def test_full_round_trip_restores_the_cache(name: str) -> None:
     """gather every chunk of a sequence, wipe the cache, scatter back: identical cache."""
     caches = make_caches(name, 4, 12, 16, 2, 64, torch.bfloat16)
@@ -231,7 +235,7 @@ def test_the_compiled_copy_is_built_once_into_the_cache(monkeypatch: pytest.Monk
     assert libs[0].stat().st_mtime_ns == mtime, "rebuilt although the source did not change"
 
 
-@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd"])
+@pytest.mark.parametrize("name", ["cpu", "flash_nhd", "flash_hnd", "mla"])
 @pytest.mark.parametrize("first", [1, 2, 3])
 def test_scatter_blocks_writes_only_the_blocks_after_first(name: str, first: int) -> None:
     """A decoder whose prefix cache holds the first blocks of a chunk writes only the others."""
@@ -303,3 +307,21 @@ def test_the_library_name_follows_the_compiler(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(native, "_loaded", (False, None))
     assert native.row_copier() is not None
     assert len({p.name for p in tmp_path.rglob("rowcopy-*.so")} - first) == 1
+
+
+def test_mla_cpu_shape_with_a_head_dim_of_one_is_the_mla_layout() -> None:
+    """vLLM CPU_MLA hands out [blocks, 1, block_size, latent]: detected as mla, copied as the 3-D cache."""
+    caches = make_caches("mla", 2, 6, 16, 1, 576, torch.bfloat16)
+    cpu_shaped = [t.unsqueeze(1) for t in caches]
+    assert tuple(cpu_shaped[0].shape) == (6, 1, 16, 576)
+    lay = detect_layout(cpu_shaped[0], 16, 1, 576)
+    assert lay.name == "mla" and lay.num_blocks == 6
+    a, b = PagedKV(caches, "mla"), PagedKV(cpu_shaped, lay)
+    for fmt in ("block", "token"):
+        x = torch.empty(a.chunk_nbytes(fmt, 40), dtype=torch.uint8)
+        y = torch.empty_like(x)
+        a.gather([4, 0, 2], x, fmt, 40)
+        b.gather([4, 0, 2], y, fmt, 40)
+        assert torch.equal(x, y) and x.numpy().tobytes() == ref_gather(a.layout, caches, [4, 0, 2], fmt, 40)
+    with pytest.raises(LayoutError, match="matches none"):
+        detect_layout(torch.empty(6, 2, 16, 576), 16, 1, 576)

@@ -39,7 +39,7 @@ def scatter_tail(k, chunk, ids, first):
     return triton_copy.copy_rows(k, k.table("block"), torch.tensor(ids[first:]).numpy(), [len(ids) - first], [chunk],
                                  [len(k._planes) * len(ids) * rb], False, plane_rows=[len(ids)], first=[first])
 
-for name in ["cpu", "flash_nhd", "flash_hnd"]:
+for name in ["cpu", "flash_nhd", "flash_hnd", "mla"]:
     for fmt in ["block", "token"]:
         for dtype in [torch.bfloat16, torch.float8_e4m3fn]:
             ids, ns = [[3, 1, 7], [0, 9], [5]], [40, 32, 3]

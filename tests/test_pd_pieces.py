@@ -110,3 +110,89 @@ def test_a_prompt_computing_longer_than_the_lease_keeps_its_pages_and_arrives(pa
     assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"k"}
     assert rows(dst_caches, blocks, n - 1) == rows(src_caches, blocks, n - 1)
     assert producer.counters.early == 1 and not producer.counters.failures
+
+
+def test_mla_prompt_sent_in_pieces_arrives_byte_exact(tmp_path) -> None:
+    """The MLA layout (one latent per token per layer, no heads) through the same producer, NIXL
+    write and consumer: the decoder's latent rows equal the prefiller's."""
+    cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 16 * 16384, "pd_peer_host": "127.0.0.1",
+                       "pd_peer_init_port": free_port(), "pd_peer_alloc_port": free_port(),
+                       "pd_lease_seconds": 2.0, "pd_kv_ready_timeout": 5.0})
+    latent = 72  # elements per token (kv_lora_rank + qk_rope_head_dim of a small model)
+    src_caches = make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=1)
+    dst_caches = make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=2)
+    src, dst = PagedKV(src_caches, "mla"), PagedKV(dst_caches, "mla")
+    fp = fingerprint(src, "pieces-mla", CHUNK, "block")
+    assert fp.kv_kind == "mla" and fp.num_kv_heads == 1 and fp.page_bytes == LAYERS * CHUNK * latent * 2
+    consumer = PDConsumer(cfg, dst, fp)
+    producer = PDProducer(cfg, src, fp, "pieces-mla-sender")
+    addr = ReceiverAddr("127.0.0.1", cfg.pd_peer_init_port, cfg.pd_peer_alloc_port)
+    try:
+        n = 90
+        tokens = list(range(300, 300 + n))
+        src_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(5))[:6].tolist()
+        dst_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(6))[:6].tolist()
+        consumer.expect("m", "M", tokens, dst_blocks, n - 1)
+        producer.open("M", addr, tokens, n)
+        until(lambda: producer.progress("M", src_blocks[:4], 64) or producer.counters.pieces == 1, 10,
+              "the first piece")
+        assert producer.submit("M", addr, tokens, src_blocks, n).result(10).sent_chunks == 3
+        assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"m"}
+
+        def latent_rows(caches: list[torch.Tensor], blocks: list[int]) -> list[bytes]:
+            return [bytes(t[blocks[i // BS], i % BS].contiguous().view(torch.uint8).numpy())
+                    for t in caches for i in range(n - 1)]
+        assert latent_rows(dst_caches, dst_blocks) == latent_rows(src_caches, src_blocks)
+        until(lambda: producer.staging.fully_free() and consumer.buffer.fully_free(), 5, "every page back")
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_mla_hetero_tp1_to_tp2_one_prefiller_rank_feeds_both_decoder_ranks() -> None:
+    """P TP=1 -> D TP=2 for MLA: the prefiller rank opens the prompt for both decoder ranks'
+    receivers (the connector does this for d % P == r), pieces and the last write go to both, and
+    each decoder rank's cache gets the same latent rows; every page comes back on all three."""
+    latent = 72
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 16 * 16384, "pd_peer_host": "127.0.0.1",
+                       "pd_peer_init_port": [i for i, _ in ports], "pd_peer_alloc_port": [a for _, a in ports],
+                       "pd_lease_seconds": 2.0, "pd_kv_ready_timeout": 5.0})
+    src_caches = make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=1)
+    dsts = [make_caches("mla", LAYERS, NBLOCKS, BS, 1, latent, torch.bfloat16, seed=2 + r) for r in range(2)]
+    src = PagedKV(src_caches, "mla")
+    fp = fingerprint(src, "hetero-mla", CHUNK, "block", tp_size=1)
+    consumers = [PDConsumer(cfg, PagedKV(dsts[r], "mla"), fingerprint(PagedKV(dsts[r], "mla"), "hetero-mla",
+                                                                          CHUNK, "block", tp_size=2), r)
+                 for r in range(2)]
+    producer = PDProducer(cfg, src, fp, "hetero-mla-sender")
+    addrs = [ReceiverAddr("127.0.0.1", i, a) for i, a in ports]
+    try:
+        n = 90
+        tokens = list(range(500, 500 + n))
+        src_blocks = torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(7))[:6].tolist()
+        dst_blocks = [torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(8 + r))[:6].tolist()
+                      for r in range(2)]
+        for r in range(2):
+            consumers[r].expect(f"h{r}", "H", tokens, dst_blocks[r], n - 1)
+            producer.open("H", addrs[r], tokens, n)
+        until(lambda: producer.progress("H", src_blocks[:4], 64) or producer.counters.pieces == 2, 10,
+              "the first piece to both decoder ranks")
+        for r in range(2):
+            assert producer.submit("H", addrs[r], tokens, src_blocks, n).result(10).sent_chunks == 3
+        for r in range(2):
+            assert until(lambda r=r: consumers[r].poll(0.05)[0], 10, f"rank {r} loaded") == {f"h{r}"}
+
+        def latent_rows(caches: list[torch.Tensor], blocks: list[int]) -> list[bytes]:
+            return [bytes(t[blocks[i // BS], i % BS].contiguous().view(torch.uint8).numpy())
+                    for t in caches for i in range(n - 1)]
+        want = latent_rows(src_caches, src_blocks)
+        for r in range(2):
+            assert latent_rows(dsts[r], dst_blocks[r]) == want, f"decoder rank {r}: latent differs"
+        assert producer.counters.sent == 2 and not producer.counters.failures
+        until(lambda: producer.staging.fully_free() and all(c.buffer.fully_free() for c in consumers), 5,
+              "every page back")
+    finally:
+        producer.close()
+        for c in consumers:
+            c.close()

@@ -63,3 +63,26 @@ def test_vllm_serves_it_and_output_depends_on_context(plain_vllm: VLLMServer) ->
         "max_tokens": 8, "temperature": 0})
     r.raise_for_status()
     assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_tiny_deepseek_mla_is_what_vllm_cpu_mla_needs() -> None:
+    """`make-tiny-model --arch deepseek`: a DeepSeek-V2 config transformers accepts, a 576-wide
+    latent (kv_lora_rank 512 + qk_rope_head_dim 64: the only head size of vLLM's CPU_MLA decode
+    kernel), every layer dense, weights of the shapes vLLM's loader expects."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = tiny_model.ensure(arch="deepseek")
+    assert path.name == "tiny-deepseek"
+    c = AutoConfig.from_pretrained(str(path))
+    assert c.model_type == "deepseek_v2" and c.kv_lora_rank + c.qk_rope_head_dim == 576
+    assert c.first_k_dense_replace == c.num_hidden_layers and c.q_lora_rank is None
+    assert c.num_attention_heads % 2 == 0  # splits over TP 2
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_slice("model.layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape()) == (576, 512)
+    assert not any("experts" in n for n in names)
+    # Same tokenizer as the Llama model: prompts mean the same on both.
+    assert sha(path / "tokenizer.json") == sha(tiny_model.ensure() / "tokenizer.json")
+    with pytest.raises(ValueError, match="not one of"):
+        tiny_model.default_dir("gpt2")

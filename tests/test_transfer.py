@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -113,6 +114,21 @@ def test_fingerprint_mismatch_is_refused_showing_both(receiver, sender) -> None:
         s.send("t", r.addr, keys(1), chunks_of(src, 1), 32).result(30)
     assert "num_kv_heads: 2 != 4" in str(e.value) or "num_kv_heads: 4 != 2" in str(e.value)
     assert "sender:" in str(e.value) and "receiver:" in str(e.value)
+    assert r.state()[1]
+
+
+@pytest.mark.parametrize("field,value,fix", [("block_size", 16, "same --block-size"),
+                                             ("tp_size", 2, "same --tensor-parallel-size"),
+                                             ("kv_kind", "mla", "one is MLA")])
+def test_block_size_tp2_and_mla_mismatch_is_refused_naming_the_fix(receiver, sender, field: str, value: object,
+                                                                    fix: str) -> None:
+    """Different block sizes, TP sizes (until hetero TP is wired into transfers) or an MLA model on one
+    side only: refused at the handshake, both sides' values and the fix named."""
+    r = receiver()
+    s, src = sender(fp=msgspec.structs.replace(fingerprint(), **{field: value}))
+    with pytest.raises(FingerprintMismatch) as e:
+        s.send("t", r.addr, keys(1), chunks_of(src, 1), 32).result(30)
+    assert f"{field}: " in str(e.value) and repr(value) in str(e.value) and fix in str(e.value), str(e.value)
     assert r.state()[1]
 
 
