@@ -32,7 +32,7 @@ import msgspec
 import yaml
 
 from kvferry.common import messages as m
-from kvferry.common.errors import ConfigurationError
+from kvferry.common.errors import BadDataError, ConfigurationError
 from kvferry.common.etcd import KV, Etcd, EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
@@ -112,7 +112,7 @@ def sign(secret: ClusterSecret | None, key: bytes, msg: m.Msg) -> bytes:
     return m.encode(m.SignedEntry(body=body, sig=sig))
 
 
-class Rejected(ValueError):
+class Rejected(BadDataError, ValueError):
     """An entry that does not count; `reason` labels the metric."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -28,6 +28,7 @@ import httpx
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common import secret as cluster_secret
+from kvferry.common.errors import ConfigurationError
 from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
 
@@ -182,8 +183,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after --: more arguments for vLLM (e.g. -- --gpu-memory-utilization 0.8)")
 
 
-class JoinError(ValueError):
-    pass
+class JoinError(ConfigurationError, ValueError):
+    """A flag or setting `kvferry join` cannot use; the message names the fix."""
 
 
 def _ports(flag: str, raw: str | None) -> list[int]:
