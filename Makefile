@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup model redis etcd chromium demo test lint clean vllm-compat
+.PHONY: setup model redis etcd chromium demo test test-slow lint clean vllm-compat
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -78,7 +78,11 @@ chromium:
 	fi
 
 test: setup model redis etcd chromium
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 -m "not slow" $(PYTEST_ARGS)
+
+# The tests `make test` leaves out for CI's time budget (marked `slow`: TP=2 vLLM servers).
+test-slow: setup model redis etcd chromium
+	$(PY) -m pytest -q --durations=15 -m slow $(PYTEST_ARGS)
 
 # The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):
 # the installed vLLM from its files, the others from their wheels, downloaded once (~340 MB each) into

@@ -14,9 +14,8 @@ import msgspec
 from kvferry.common.errors import BadDataError
 
 # 2: one Hello/Welcome handshake for PD and P2P, AbortTransfer.final, lm:// server greeting.
-# 3: AllocResponse without `skip`; PeerChunks' `spans` (one per metadata entry) and `tags`, which
-#    a reader checks: a mixed cluster fails with "peer speaks protocol 2" instead of "malformed"
-#    frames or leases rejected as hostile.
+# 3: AllocResponse without `skip`; PeerChunks' `spans` and `tags` (a mixed cluster fails with
+#    "peer speaks protocol 2", not "malformed" frames or leases rejected as hostile).
 # 4: RenewLease / LeaseRenewed: a sender that reserved pages before its prompt computed keeps them.
 PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 4 << 20

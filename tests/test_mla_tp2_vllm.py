@@ -54,6 +54,7 @@ def mla_tp1_to_tp2(log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # a TP=2 server: ~4 minutes on 2 cores
 def test_mla_hetero_tp1_prefiller_to_tp2_decoder(mla_tp1_to_tp2) -> None:
     p, d, ref, model = mla_tp1_to_tp2
     assert d.disagg_spec()["receiver_init_port"] == d.init_ports and len(d.init_ports) == 2

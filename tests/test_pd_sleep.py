@@ -205,7 +205,7 @@ def test_sleep_waits_for_a_granted_write_then_deregisters_and_refuses_allocs(pai
     tokens = list(range(100, 196))
     blocks = list(range(6))
     producer.open("G", addr, tokens, 96)
-    until(lambda: producer._open["G"].grant.done(), 10, "the decoder's pages granted")
+    until(lambda: all(o.grant.done() for o in producer._open["G"].values()), 10, "the decoder's pages granted")
 
     t0 = time.monotonic()
     done = threading.Event()
