@@ -126,6 +126,7 @@ class Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request-reply at a time, where wanted
     state: dict[str, Any] = field(default_factory=dict)  # the owner's per-peer bookkeeping
     dropped: bool = False
+    watch: asyncio.Task | None = None  # drops the peer when its data-port connection closes
 
 
 class PeerTable:
@@ -136,7 +137,8 @@ class PeerTable:
                  me: str, timeout_key: str, on_drop: Callable[[Peer, str], None] | None = None,
                  max_peers: int = MAX_PEERS, error: type[PeerError] = PeerError,
                  fingerprint_error: type[PeerError] = FingerprintError,
-                 bad_error: type[PeerError] = BadPeerData, max_metadata: int | None = None) -> None:
+                 bad_error: type[PeerError] = BadPeerData, max_metadata: int | None = None,
+                 watch_disconnect: bool = False) -> None:
         self.ctx, self.trust, self.nixl = ctx, trust, nixl
         self.hello, self.fp, self.me, self.timeout_key = hello, fingerprint, me, timeout_key
         self.roles = roles  # (this side's, the servers'), e.g. ("sender", "receiver")
@@ -144,6 +146,8 @@ class PeerTable:
         self.on_drop, self.max_peers = on_drop, max_peers
         self.error, self.fingerprint_error, self.bad_error = error, fingerprint_error, bad_error
         self.max_metadata = max_metadata  # bytes of a peer's NIXL agent metadata (None: the frame's bound)
+        # A closed data-port connection drops the peer (see _watch()).
+        self.watch_disconnect = watch_disconnect
         self._peers: OrderedDict[tuple[str, int], Peer] = OrderedDict()
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
 
@@ -182,6 +186,8 @@ class PeerTable:
                                          f"{welcome.agent_name!r}")
                 sock = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, data_port))
                 peer = Peer(key, welcome, name, sock)
+                if self.watch_disconnect:
+                    peer.watch = asyncio.ensure_future(self._watch(peer))
                 self._make_room()
                 self._peers[key] = peer
                 return peer, True
@@ -211,8 +217,24 @@ class PeerTable:
         logger.debug("%s %s:%d dropped: %s", self.role, *peer.key, why)
         if self.on_drop is not None:
             self.on_drop(peer, why)
+        if peer.watch is not None and peer.watch is not _current_task():
+            peer.watch.cancel()
         peer.sock.close(linger=0)
         self.nixl.call(self._remove_agent, peer.agent)
+
+    async def _watch(self, peer: Peer) -> None:
+        """Drop `peer` once its data-port connection closes (the receiver died, restarted or gave
+        up on us): the receiver then frees the pages it reserved on that connection, so no write
+        may go into them from here any more (grants check `peer.dropped`). ZMQ would reconnect
+        silently, as a new connection the receiver knows nothing of."""
+        mon = peer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            await mon.recv_multipart()
+            self.drop(peer, "the connection closed")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                peer.sock.disable_monitor()
+            mon.close(linger=0)
 
     def _remove_agent(self, name: str) -> None:
         try:
@@ -253,14 +275,22 @@ class PeerTable:
         return reply
 
 
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None
+
+
 Handler = Callable[[zmq.asyncio.Socket, bytes, bytes], Awaitable[None]]
 
 
 async def serve(sock: zmq.asyncio.Socket, handler: Handler, port_name: str, on_bad: Callable[[str], None],
-                max_tasks: int = 1024) -> None:
+                max_tasks: int = 1024, on_seen: Callable[[bytes, int], None] | None = None) -> None:
     """Read a ROUTER port until cancelled: each [identity, body] frame is handled as its own task
     (so a slow request never holds up another), at most `max_tasks` at once; junk is reported to
-    `on_bad` and dropped. A handler that raises is logged, and the port reads on."""
+    `on_bad` and dropped. A handler that raises is logged, and the port reads on. `on_seen` gets
+    each request's identity and the file descriptor of the connection it came on."""
     tasks: set[asyncio.Task] = set()
     warn = RateLimitedLog(logger)
 
@@ -272,7 +302,12 @@ async def serve(sock: zmq.asyncio.Socket, handler: Handler, port_name: str, on_b
 
     try:
         while True:
-            frames = await sock.recv_multipart()
+            if on_seen is None:
+                frames = await sock.recv_multipart()
+            else:
+                parts = await sock.recv_multipart(copy=False)
+                frames = [p.bytes for p in parts]
+                on_seen(frames[0], parts[0].get(zmq.SRCFD))
             if len(frames) != 2:  # [identity, body] from a DEALER; anything else is junk
                 on_bad(f"a {len(frames) - 1}-part message")
                 continue

@@ -43,6 +43,7 @@ from kvferry.common.errors import UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise_thread
+from kvferry.receiver.conns import ConnWatch
 from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
 
@@ -51,6 +52,9 @@ logger = get_logger(__name__)
 ACTIVE_POLL_S = 0.00005
 IDLE_POLL_S = 0.02
 SWEEP_S = 0.5
+# After a sender's alloc connection closed, how long a write it posted before it saw the close
+# may still be landing (its process is gone, or it refuses new writes on that connection).
+WRITER_GONE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,12 @@ class KVReceiver(ReceiverSleep):
             self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
             self._ready.set()
             # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
-            readers = [asyncio.ensure_future(peering.serve(sock, handler, name, lambda why, n=name: self._bad_frame(why, n)))
-                       for sock, name, handler in ((init, "init", self._on_init), (alloc, "alloc", self._on_alloc))]
+            conns = ConnWatch(alloc, self.table.writer_gone, WRITER_GONE_GRACE_S)
+            readers = [asyncio.ensure_future(peering.serve(sock, handler, name, lambda why, n=name: self._bad_frame(why, n),
+                                                           on_seen=seen))
+                       for sock, name, handler, seen in ((init, "init", self._on_init, None),
+                                                         (alloc, "alloc", self._on_alloc, conns.seen))]
+            readers.append(asyncio.ensure_future(conns.run()))
             if self._stop.is_set():
                 stop.set()
             await stop.wait()

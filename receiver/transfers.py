@@ -13,7 +13,9 @@ No request ever reads another request's KV:
 - The pages of a transfer aborted before its data arrived are *quarantined*, not freed: its
   sender may still have a WRITE in flight into them. They come back when that write's
   notification arrives, when the sender that reserved them says it never wrote (a `final`
-  abort on the same connection), or at the lease's end, after which no sender posts a write.
+  abort on the same connection), when that connection closed (`writer_gone`: the sender died or
+  dropped it, and a sender posts no write into pages reserved on a closed connection), or at the
+  lease's end, after which no sender posts a write.
 - A transfer whose decode request the decoder's scheduler already holds is *pinned*: once its
   data arrived it is kept for `queue_seconds` (pd_queue_seconds) instead of the lease, so a
   request queued behind others loads its KV instead of recomputing the prompt.
@@ -85,8 +87,9 @@ class TransferTable:
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer_id -> why it ended
         self._quarantine: dict[str, Incoming] = {}  # aborted, pages held until no WRITE can land
         self._pins: OrderedDict[str, None] = OrderedDict()
+        self._gone: OrderedDict[bytes, None] = OrderedDict()  # closed connections: no new transfer on them
         self._expecting = 0  # live transfers not yet arrived; read by the NIXL thread every poll
-        self.counters = {"quarantined": 0, "late_writes": 0, "refused_ids": 0, "pinned": 0}
+        self.counters = {"quarantined": 0, "late_writes": 0, "refused_ids": 0, "pinned": 0, "writer_gone": 0}
 
     def __contains__(self, transfer_id: str) -> bool:
         with self._cond:
@@ -113,6 +116,8 @@ class TransferTable:
                 why = f"transfer {inc.transfer_id} is already in progress"
             elif inc.transfer_id in self._ended:
                 why = f"transfer {inc.transfer_id} ended before its pages were granted ({self._ended[inc.transfer_id]})"
+            elif inc.conn and inc.conn in self._gone:
+                why = f"transfer {inc.transfer_id}: its sender's connection closed while it waited for pages"
             if why is not None:
                 self.counters["refused_ids"] += 1
                 raise TransferError(why)
@@ -209,6 +214,31 @@ class TransferTable:
                 self._quarantine[transfer_id] = inc
                 self.counters["quarantined"] += 1
             return True
+
+    def writer_gone(self, conn: bytes) -> int:
+        """The connection that reserved pages closed (`conn`: its ZMQ identity), some time ago: its
+        sender died, or dropped the connection and refuses to write into grants made on it. Pages
+        it reserved that hold no arrived data come back now instead of at the lease's end; data
+        that arrived stays readable. Returns how many pages came back."""
+        if not conn:
+            return 0
+        with self._cond:
+            self._gone[conn] = None
+            while len(self._gone) > self.MAX_PINS:
+                self._gone.popitem(last=False)
+            freed = 0
+            for inc in [i for i in self._live.values() if i.conn == conn and not i.arrived]:
+                self._end_locked(inc, "its sender's connection closed before the data arrived")
+                freed += len(inc.res.pages)
+            for tid in [t for t, q in self._quarantine.items() if q.conn == conn]:
+                q = self._quarantine.pop(tid)
+                self.buffer.release(q.res)
+                freed += len(q.res.pages)
+            if freed:
+                self.counters["writer_gone"] += 1
+                logger.info("a sender's connection closed: %d pages it reserved and never finished writing are "
+                            "free again", freed)
+            return freed
 
     def quarantine_unarrived(self, why: str) -> int:
         """Abort every transfer whose data has not arrived (vLLM sleep mode): its pages are

@@ -137,7 +137,7 @@ class KVSender(SenderSleep):
         self._peers = peering.PeerTable(
             self._ctx, cfg.trust, self._nixl, self._hello, fingerprint, roles=("sender", "receiver"), me=cfg.sender_id,
             timeout_key="pd_handshake_timeout", on_drop=self._on_drop, max_peers=cfg.max_receivers,
-            error=HandshakeFailed, fingerprint_error=FingerprintMismatch)
+            error=HandshakeFailed, fingerprint_error=FingerprintMismatch, watch_disconnect=True)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
         self.counters = SenderCounters()

@@ -96,6 +96,10 @@ def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tupl
     if grant.generation < 0:
         return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
                          "more may be written into them"), ""
+    if grant.peer.dropped:
+        return SendError(f"transfer {grant.transfer_id}: the connection to receiver {grant.addr} closed; the "
+                         "receiver gives the pages it reserved on it back, so nothing more may be written into "
+                         "them"), "the connection to the receiver closed"
     region = grant.peer.welcome.region
     big = next((n for _, n in chunks if n > region.page_bytes), None)
     if big is not None:

@@ -19,7 +19,13 @@ pytest.importorskip("nixl._api")
 from kvferry.common import messages as m  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
 from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig  # noqa: E402
-from kvferry.sender.errors import AllocFailed, FingerprintMismatch, HandshakeFailed, LeaseExpired  # noqa: E402
+from kvferry.sender.errors import (  # noqa: E402
+    AllocFailed,
+    FingerprintMismatch,
+    HandshakeFailed,
+    LeaseExpired,
+    SendError,
+)
 from tests.polling import until  # noqa: E402
 from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
 
@@ -237,11 +243,66 @@ def test_sender_killed_mid_transfer_frees_pages_within_the_lease(receiver, sende
     t = time.monotonic()
     assert r.wait_fully_free(10), r.state()
     assert time.monotonic() - t < 2.0 + 1.5  # the lease plus the receiver's sweep period
-    assert r.state()[4] >= 1  # a lease expired
     # The receiver keeps serving others.
     s, src = sender()
     s.send("after", r.addr, keys(2, 9), chunks_of(src, 2), 64).result(30)
     assert r.ask("claim", "after", 10)[0] == "ok"
+
+
+def test_a_killed_senders_reserved_pages_come_back_when_its_connection_closes_not_at_the_lease(receiver) -> None:
+    r = receiver(pages=8, lease_seconds=60.0)
+    proc, conn = spawn_sender(r, 6)
+    try:
+        conn.send(("reserve", "held-1"))
+        assert conn.poll(30) and conn.recv() == ("reserved",)
+        assert r.state()[2] == 2  # 6 of 8 pages held, for up to a minute
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert r.wait_fully_free(5), r.state()  # the grace after the close, not the 60 s lease
+    st = r.state()
+    assert st[4] == 0  # no lease expired: the closed connection gave them back
+    assert r.ask("claim", "held-1", 1)[0] == "err"  # ended, not read
+
+
+def test_a_killed_senders_arrived_data_stays_readable(receiver) -> None:
+    r = receiver(pages=8, lease_seconds=60.0)
+    proc, conn = spawn_sender(r, 4)
+    try:
+        conn.send(("go", "landed-1"))
+        assert conn.poll(30) and conn.recv() == ("sent",)
+        assert conn.poll(30) and conn.recv() == ("done",)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    time.sleep(1.5)  # past the receiver's grace after the close
+    ok, num_tokens, data = r.ask("claim", "landed-1", 5)
+    assert ok == "ok" and num_tokens == 4 * 32
+    want = torch.arange(4 * PAGE, dtype=torch.int64).to(torch.uint8)
+    assert b"".join(data[i] for i in range(4)) == bytes(want.numpy())
+    assert r.wait_fully_free(5)
+
+
+def test_a_grant_on_a_closed_connection_is_never_written_and_its_pages_come_back(receiver, sender) -> None:
+    r = receiver(pages=8, lease_seconds=60.0)
+    s, src = sender()
+    grant = s.reserve("cut-1", r.addr, keys(4), 128).result(30)
+    assert r.state()[2] == 4
+    # The connection closes under a live sender (as a network reset would): the sender stops
+    # using it, and the receiver gives the pages back after its grace.
+    s._loop.call_soon_threadsafe(s._peers.drop, grant.peer, "test: connection reset")
+    until(lambda: grant.peer.dropped, 5, "the sender never saw its connection close")
+    with pytest.raises(SendError, match="connection to receiver .* closed"):
+        s.write(grant, chunks_of(src, 4), notify=True).result(10)
+    assert r.wait_fully_free(5), r.state()
+    assert r.state()[4] == 0
+    # A new connection serves the next transfer.
+    s.send("after-cut", r.addr, keys(2, 9), chunks_of(src, 2), 64).result(30)
+    assert r.ask("claim", "after-cut", 10)[0] == "ok"
 
 
 def test_unread_transfer_expires_and_cannot_be_read(receiver, sender) -> None:
@@ -615,3 +676,47 @@ def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_k
     with pytest.raises(LeaseExpired, match="pd_lease_seconds"):
         s.write(grant, chunks_of(src, 2), 0, notify=True).result(30)
     assert r.wait_fully_free(3), r.state()
+
+
+def test_a_closed_connection_is_told_from_a_live_one_on_a_reused_descriptor() -> None:
+    """ZMQ names only the closed descriptor; a live identity seen on that number (the kernel
+    reuses them) gets a probe and is not taken for gone."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from kvferry.receiver.conns import ConnWatch
+
+    async def main() -> tuple[list[bytes], bytes, bytes, bytes]:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        gone: list[bytes] = []
+        watch = ConnWatch(router, gone.append, grace=0.2)
+        runner = asyncio.ensure_future(watch.run())
+        a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        idents = []
+        for d in (a, b):
+            d.connect(f"tcp://127.0.0.1:{port}")
+            await d.send(b"hello")
+            parts = await router.recv_multipart(copy=False)
+            idents.append((parts[0].bytes, parts[0].get(zmq.SRCFD)))
+        (ia, fa), (ib, _) = idents
+        watch.seen(ia, fa)
+        watch.seen(ib, fa)  # as if b's connection had come on a's number after it closed
+        a.close(linger=0)
+        deadline = time.monotonic() + 5
+        while not gone and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        probe = await asyncio.wait_for(b.recv(), 5)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        b.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+        return gone, ia, ib, probe
+
+    gone, ia, ib, probe = asyncio.run(main())
+    assert gone == [ia]
+    reply = m.decode(probe, expect=m.ErrorReply)
+    assert reply.code == "probe" and reply.transfer_id is None

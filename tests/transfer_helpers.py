@@ -138,7 +138,8 @@ class ReceiverProc:
 
 
 def sender_main(conn, addr: tuple, pages: int) -> None:
-    """A sender that announces each step; the test kills it where it likes."""
+    """A sender that announces each step of ("go" | "reserve", transfer_id); the test kills it
+    where it likes."""
     import torch
 
     from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig
@@ -150,10 +151,14 @@ def sender_main(conn, addr: tuple, pages: int) -> None:
         cmd, tid = conn.recv()
         chunks = [(src.data_ptr() + i * PAGE, PAGE) for i in range(pages)]
         keys = [bytes([i + 1]) * 16 for i in range(pages)]
-        fut = s.send(tid, ReceiverAddr(*addr), keys, chunks, pages * 32)
-        conn.send(("sent",))
-        fut.result(60)
-        conn.send(("done",))
+        if cmd == "reserve":  # pages reserved, nothing written: as a prefiller still computing
+            s.reserve(tid, ReceiverAddr(*addr), keys, pages * 32).result(60)
+            conn.send(("reserved",))
+        else:
+            fut = s.send(tid, ReceiverAddr(*addr), keys, chunks, pages * 32)
+            conn.send(("sent",))
+            fut.result(60)
+            conn.send(("done",))
         try:
             conn.recv()  # wait to be killed; EOF when the test process is gone
         except EOFError:
