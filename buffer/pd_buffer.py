@@ -127,6 +127,7 @@ class PDBuffer:
         self._rids = itertools.count(1)
         self._generation = 0
         self._stats = BufferStats(pages_total=num_pages)
+        self.on_free: Callable[[int], None] | None = None  # told the free page count on each change
         self._agent: Any = None
         self._reg_descs: Any = None
 
@@ -171,6 +172,7 @@ class PDBuffer:
         now = self._clock()
         self._records[res.rid] = _Record(res, State.RESERVED, now + lease_seconds, lease_seconds, now)
         self._stats.reservations += 1
+        self._changed_locked()
         return res
 
     def _reap_locked(self) -> None:
@@ -184,7 +186,12 @@ class PDBuffer:
     def _drop_locked(self, rec: _Record) -> None:
         del self._records[rec.res.rid]
         self._free.extend(rec.res.pages)
+        self._changed_locked()
         self._serve_waiters_locked()
+
+    def _changed_locked(self) -> None:
+        if self.on_free is not None:
+            self.on_free(len(self._free))
 
     def _serve_waiters_locked(self) -> None:
         while self._waiters:

@@ -17,11 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvferry.common import live_gauges
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
-GAUGES = ("usage_bytes", "chunks", "pd_buffer_free_pages", "pd_buffer_pages")
+GAUGES = ("usage_bytes", "chunks", "pd_buffer_free_pages", "pd_buffer_pages", "pd_transfers_in_flight")
 
 TIER, REASON, RANK = "tier", "reason", "rank"
 
@@ -90,6 +91,8 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
     "pd_buffer_free_pages": ("kvferry:pd_buffer_free_pages", "Free pages of this instance's pd_buffer (a "
                              "prefiller's: its staging pages), by TP rank", RANK),
     "pd_buffer_pages": ("kvferry:pd_buffer_pages", "Pages of this instance's pd_buffer, by TP rank", RANK),
+    "pd_transfers_in_flight": ("kvferry:pd_transfers_in_flight", "Transfers this decoder reserved pages for whose "
+                               "KV has not arrived yet, by TP rank", RANK),
     "pd_quarantined": ("kvferry:pd_quarantined_transfers", "Aborted transfers whose pages waited for a write that "
                        "might still land", None),
     "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", None),
@@ -141,6 +144,30 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             kw = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
             self._metrics[key] = cls(name=name, documentation=doc,
                                      labelnames=labelnames + ([label] if label else []), **kw)
+        self._last: dict[tuple[str, str], float] = {}  # gauges as the stats pipeline last told them
+        self._read_live(vllm_config)
+
+    def _read_live(self, vllm_config: Any) -> None:
+        """The pd_buffer gauges are read from the workers' live files when scraped (see
+        common/live_gauges.py); the stats pipeline's last value stands in where none is written.
+        Only with one engine (its engine_id names the files) and plain prometheus_client gauges
+        (vLLM's multiprocess mode, with several API servers, reads its own files)."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        if ktc is None or not getattr(ktc, "engine_id", None) or len(self.per_engine_labelvalues) != 1:
+            return
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        labels = next(iter(self.per_engine_labelvalues.values()))
+        for key in ("pd_buffer_free_pages", "pd_transfers_in_flight"):
+            for rank in range(tp):
+                path = live_gauges.gauge_path(ktc.engine_id, rank)
+
+                def now(key: str = key, rank: str = str(rank), path: str = path) -> float:
+                    v = live_gauges.read(path, key)
+                    return float(v) if v is not None else self._last.get((key, rank), 0.0)
+                try:
+                    self._metrics[key].labels(*labels, str(rank)).set_function(now)
+                except (AttributeError, ValueError):  # not prometheus_client's Gauge, or multiprocess mode
+                    return
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         # Runs in vLLM's output handler, where an exception stops the server's outputs: never raise.
@@ -161,6 +188,7 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             child = metric.labels(*labels, *([value] if value else []))
             if name in GAUGES:
                 child.set(v)
+                self._last[(name, value)] = v
             elif v > 0:
                 child.inc(v)
 

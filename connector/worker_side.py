@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
+from kvferry.common.live_gauges import LiveGauges, gauge_path
 from kvferry.common.log import get_logger
 from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta, OpenOp, SaveOp
 from kvferry.connector.roles import Roles, model_name, salt
@@ -65,6 +66,7 @@ class WorkerSide:
         self.producer: PDProducer | None = None
         self.consumer: PDConsumer | None = None
         self.offload: OffloadWorker | None = None
+        self.live: LiveGauges | None = None
         self._load_blocks: dict[str, list[int]] = {}  # req -> blocks it loads into (reported on failure)
         self._errors: set[int] = set()
 
@@ -93,6 +95,10 @@ class WorkerSide:
             self.producer = PDProducer(cfg, kv, fp, sender_id, self.tp_rank)
         elif roles.pd:
             self.consumer = PDConsumer(cfg, kv, fp, self.tp_rank)
+        if roles.pd:
+            # vLLM's /metrics (its API server) reads these between engine steps: connector/stats.py.
+            self.live = LiveGauges(gauge_path(self.vc.kv_transfer_config.engine_id, self.tp_rank))
+            (self.producer or self.consumer).publish(self.live)
         logger.info("KVFerryConnector %s ready: %d layers, layout %s, %d-token chunks of %d bytes, tp rank %d/%d",
                     roles.kv_role, kv.num_layers, fp.kv_layout, fp.chunk_size, fp.page_bytes, self.tp_rank,
                     self.tp_size)
@@ -214,3 +220,5 @@ class WorkerSide:
             self.producer.close()
         if self.consumer is not None:
             self.consumer.close()
+        if self.live is not None:
+            self.live.close()

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvferry.buffer.pd_buffer import PDBuffer
+from kvferry.common import live_gauges
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.errors import BadDataError
@@ -130,6 +131,11 @@ class PDConsumer:
         # or fails them with pd_kv_timeout_action: fail).
         self.counters = ConsumerCounters()
 
+    def publish(self, live: live_gauges.LiveGauges) -> None:
+        """Keep `live` true as pages and transfers change: read when /metrics is scraped, between
+        engine steps too."""
+        self.receiver.publish(live)
+
     def pin(self, transfer_id: str) -> None:
         """The decoder's scheduler holds the request: keep its KV until it is scheduled (pd_queue_seconds)."""
         self.receiver.table.pin(transfer_id)
@@ -146,6 +152,7 @@ class PDConsumer:
             "pd_arrival_wait_seconds": c.arrival_wait_seconds, "pd_arrival_waits": c.arrival_waits,
             "pd_received": rx.arrivals, "pd_quarantined": self.receiver.table.counters["quarantined"],
             "pd_bad_frames": rx.bad_frames, "pd_loop_restarts": self.receiver.nixl_health.restarts,
+            f"pd_transfers_in_flight|{self.tp_rank}": self.receiver.table.expecting(),
             **buffer_gauges(self.buffer, self.tp_rank)}
         out.update({f"pd_recomputed|{k}": v for k, v in c.recomputed.items()})
         out.update({f"pd_alloc_refusals|{k}": v for k, v in dict(rx.refusals).items()})

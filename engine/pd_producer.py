@@ -34,6 +34,7 @@ from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
 from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
+from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
@@ -308,6 +309,11 @@ class PDProducer:
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
+
+    def publish(self, live: LiveGauges) -> None:
+        """Keep `live`'s free staging pages true as they change (read when /metrics is scraped)."""
+        self.staging.on_free = lambda n: live.set("pd_buffer_free_pages", n)
+        live.set("pd_buffer_free_pages", self.staging.free_pages)
 
     def stats(self) -> dict[str, float]:
         """Flat ``name`` / ``name|label`` counters and gauges for connector/stats.py."""

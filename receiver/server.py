@@ -40,6 +40,7 @@ from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.errors import UnavailableError
+from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise_thread
@@ -171,6 +172,14 @@ class KVReceiver(ReceiverSleep):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def publish(self, live: LiveGauges) -> None:
+        """Keep `live`'s free pages and transfers in flight true as they change (vLLM's /metrics
+        reads them when scraped, between engine steps too)."""
+        self.buffer.on_free = lambda n: live.set("pd_buffer_free_pages", n)
+        self.table.on_expecting = lambda n: live.set("pd_transfers_in_flight", n)
+        live.set("pd_buffer_free_pages", self.buffer.free_pages)
+        live.set("pd_transfers_in_flight", self.table.expecting())
 
     # ---- engine side ----
     @contextmanager

@@ -27,7 +27,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, ReservationGone
@@ -89,6 +89,7 @@ class TransferTable:
         self._pins: OrderedDict[str, None] = OrderedDict()
         self._gone: OrderedDict[bytes, None] = OrderedDict()  # closed connections: no new transfer on them
         self._expecting = 0  # live transfers not yet arrived; read by the NIXL thread every poll
+        self.on_expecting: Callable[[int], None] | None = None  # told each change (a live gauge)
         self.counters = {"quarantined": 0, "late_writes": 0, "refused_ids": 0, "pinned": 0, "writer_gone": 0}
 
     def __contains__(self, transfer_id: str) -> bool:
@@ -122,7 +123,7 @@ class TransferTable:
                 self.counters["refused_ids"] += 1
                 raise TransferError(why)
             self._live[inc.transfer_id] = inc
-            self._expecting += 1
+            self._expect_locked(1)
             self._cond.notify_all()
 
     def expecting(self) -> int:
@@ -164,13 +165,18 @@ class TransferTable:
     def _arrive_locked(self, inc: Incoming) -> None:
         inc.arrived = True
         inc.arrived_at = time.monotonic()
-        self._expecting -= 1
+        self._expect_locked(-1)
+
+    def _expect_locked(self, delta: int) -> None:
+        self._expecting += delta
+        if self.on_expecting is not None:
+            self.on_expecting(self._expecting)
 
     def _forget_locked(self, inc: Incoming, why: str) -> None:
         """Take `inc` out of the table (its pages are the caller's business)."""
         del self._live[inc.transfer_id]
         if not inc.arrived:
-            self._expecting -= 1
+            self._expect_locked(-1)
         self._pins.pop(inc.transfer_id, None)
         self._remember_locked(inc.transfer_id, why)
         self._cond.notify_all()
@@ -216,10 +222,8 @@ class TransferTable:
             return True
 
     def writer_gone(self, conn: bytes) -> int:
-        """The connection that reserved pages closed (`conn`: its ZMQ identity), some time ago: its
-        sender died, or dropped the connection and refuses to write into grants made on it. Pages
-        it reserved that hold no arrived data come back now instead of at the lease's end; data
-        that arrived stays readable. Returns how many pages came back."""
+        """The connection `conn` that reserved pages closed a grace ago (see the module docstring):
+        its pages without arrived data come back now; arrived data stays readable. Pages freed."""
         if not conn:
             return 0
         with self._cond:
@@ -236,8 +240,7 @@ class TransferTable:
                 freed += len(q.res.pages)
             if freed:
                 self.counters["writer_gone"] += 1
-                logger.info("a sender's connection closed: %d pages it reserved and never finished writing are "
-                            "free again", freed)
+                logger.info("a sender's connection closed: %d pages it reserved unwritten are free again", freed)
             return freed
 
     def quarantine_unarrived(self, why: str) -> int:

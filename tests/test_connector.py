@@ -167,8 +167,26 @@ def pd_metrics(server: VLLMServer) -> dict[str, float]:
              "pd_received_transfers_total", "pd_loaded_requests_total", "pd_received_bytes_total",
              "pd_arrival_waits_total", "pd_arrival_wait_seconds_total", "pd_send_failures_total",
              "pd_recomputed_requests_total", "pd_buffer_free_pages", "pd_buffer_pages", "pd_sent_early_requests_total",
-             "pd_sent_pieces_total"]
+             "pd_sent_pieces_total", "pd_transfers_in_flight"]
     return {n: sum(prom(server, f"kvferry:{n}").values()) for n in names}
+
+
+@pytest.mark.vllm
+def test_reserved_pages_show_on_the_decoders_metrics_at_once_between_engine_steps(pd, peer) -> None:
+    # The decoder is idle: no engine step reports anything, yet a scrape sees the reservation.
+    _, d, _ = pd
+    total = sum(prom(d, "kvferry:pd_buffer_pages").values())
+    until(lambda: sum(prom(d, "kvferry:pd_buffer_free_pages").values()) == total, 20, "an idle decoder")
+    tid = f"live-{uuid.uuid4().hex}"
+    reply = peer.alloc(tid, 3)
+    assert isinstance(reply, m.AllocResponse), reply
+    try:
+        assert sum(prom(d, "kvferry:pd_buffer_free_pages").values()) == total - 3
+        assert sum(prom(d, "kvferry:pd_transfers_in_flight").values()) == 1
+    finally:
+        peer.abort(tid, reply.generation)
+    until(lambda: sum(prom(d, "kvferry:pd_buffer_free_pages").values()) == total, 5, "the pages back on /metrics")
+    assert sum(prom(d, "kvferry:pd_transfers_in_flight").values()) == 0
 
 
 @pytest.mark.vllm

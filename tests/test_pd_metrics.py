@@ -5,7 +5,9 @@ real servers is test_connector's test_pd_metrics_count_one_transfer_on_both_side
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import time
 from types import SimpleNamespace
 
 import prometheus_client
@@ -75,3 +77,46 @@ def test_gauges_from_two_ranks_stay_apart() -> None:
     a.aggregate(KVFerryStats(data={"pd_buffer_free_pages|1": 6, "pd_sent": 1}))
     assert a.data == {"pd_buffer_free_pages|0": 4, "pd_buffer_free_pages|1": 6, "pd_sent": 2}
     assert "pd_buffer_free_pages" in GAUGES and "pd_buffer_pages" in GAUGES
+
+
+def test_free_pages_and_transfers_in_flight_are_true_when_scraped_between_engine_steps() -> None:
+    """A receiver in another process (as vLLM's worker is to its API server) reserves pages; no
+    stats reach the metrics object, yet a scrape shows them at once, and again once they are back."""
+    pytest.importorskip("nixl._api")
+    import uuid
+
+    import torch
+
+    from kvferry.common.live_gauges import gauge_path
+    from kvferry.sender.client import KVSender, SenderConfig
+    from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint
+
+    engine_id = f"test-{uuid.uuid4()}"
+    r = _Registry()
+    types = {prometheus_client.Gauge: r.cls(prometheus_client.Gauge),
+             prometheus_client.Counter: r.cls(prometheus_client.Counter),
+             prometheus_client.Histogram: r.cls(prometheus_client.Histogram)}
+    vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+                         parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    KVFerryPromMetrics(vc, types, ["engine"], {0: ["0"]})
+
+    def scrape(name: str) -> float | None:
+        return r.registry.get_sample_value(name, {"engine": "0", "rank": "0"})
+
+    rx = ReceiverProc(pages=16, opts={"live_path": gauge_path(engine_id, 0)}).start()
+    try:
+        assert scrape("kvferry:pd_buffer_free_pages") == 16 and scrape("kvferry:pd_transfers_in_flight") == 0
+        with KVSender(SenderConfig("p0"), fingerprint()) as s:
+            s.register(torch.zeros(4 * PAGE, dtype=torch.uint8))
+            grant = s.reserve("t-live", rx.addr, [bytes([i + 1]) * 8 for i in range(4)], 128).result(30)
+            assert scrape("kvferry:pd_buffer_free_pages") == 12
+            assert scrape("kvferry:pd_transfers_in_flight") == 1
+            s.release(grant, "test: not needed")
+            deadline = time.monotonic() + 5
+            while scrape("kvferry:pd_buffer_free_pages") != 16 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert scrape("kvferry:pd_buffer_free_pages") == 16
+            assert scrape("kvferry:pd_transfers_in_flight") == 0
+    finally:
+        rx.stop()
+    assert not os.path.exists(gauge_path(engine_id, 0))  # removed when the receiver stopped

@@ -58,12 +58,19 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
     fp = fingerprint(**opts.pop("fingerprint", {}))
     buf = PDBuffer(pages * PAGE, "cpu", PAGE)
     host = opts.pop("host", "127.0.0.1")
+    live = opts.pop("live_path", None)
     cfg = ReceiverConfig(host, init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
     with KVReceiver(cfg, buf, fp) as r:
+        if live:
+            from kvferry.common.live_gauges import LiveGauges
+            gauges = LiveGauges(live)
+            r.publish(gauges)
         conn.send(("ready", r.epoch, os.getpid()))
         while True:
             cmd, *args = conn.recv()
             if cmd == "stop":
+                if live:
+                    gauges.close()
                 conn.send(("stopped",))
                 return
             if cmd == "claim":
