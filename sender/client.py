@@ -49,6 +49,7 @@ from kvferry.sender.grants import (
     LEASE_MARGIN,
     Grant,
     check_ranges,
+    nothing_in_flight,
     refusal,
     renew_until_done,
     send_abort,
@@ -211,13 +212,14 @@ class KVSender(SenderSleep):
         notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation)) if notify else b""
         xf = self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
                              grant.peer.agent, notif, grant.deadline)
+        grant.writes.add(xf)
         nbytes = sum(n for _, n in chunks)
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
         return out
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (its pages are free at once
-        if nothing was written, else when the lease ends)."""
+        if no write can still land: none posted, or all done; else when the lease ends)."""
         asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True), self._loop)
 
     def _check_open(self, transfer_id: str) -> None:
@@ -378,7 +380,9 @@ class KVSender(SenderSleep):
                  f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
         """On the NIXL thread: a write of `grant` ended."""
         x = f.result()
+        grant.writes.discard(f)
         if x.state != "DONE":
+            grant.clean = False
             # A write was posted: it may still land until the lease ends, so the abort is not final.
             err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
                                 "the lease; raise pd_lease_seconds") if x.state == "EXPIRED"
@@ -406,7 +410,7 @@ class KVSender(SenderSleep):
             return
         peer = grant.peer
         if abort:
-            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=not grant.posted)
+            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))
         if drop:
             self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
         grant.generation = -1

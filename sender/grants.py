@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import zmq
@@ -37,14 +37,16 @@ class Grant:
     phases: dict[str, float]
     handshook: bool
     lease_seconds: float = 0.0
-    posted: bool = False  # a write was posted: an abort is no longer final
+    posted: bool = False  # a write was posted: an abort is final only if every write ended DONE
+    writes: set = field(default_factory=set)  # posted writes not yet ended (NIXL futures)
+    clean: bool = True  # every write that ended, ended DONE
     written: int = 0  # bytes written so far
     chunks: int = 0
     finishing: bool = False  # the notifying write was asked for: no more renewals
 
 
 async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
-    """Tell the receiver; `final` only when no write was posted (its pages are free at once then)."""
+    """Tell the receiver; `final` only when no write can still land (its pages are free at once then)."""
     try:
         await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
                                                       reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
@@ -88,6 +90,12 @@ def check_ranges(ranges: list[tuple[int, int]], chunks: Sequence[tuple[int, int]
     for addr, n in chunks:
         if not any(lo <= addr and addr + n <= hi for lo, hi in ranges):
             raise ChunkError(f"chunk at {addr:#x} (+{n}) is not in memory registered with this sender")
+
+
+def nothing_in_flight(grant: Grant) -> bool:
+    """No write of `grant` can land any more: none posted, or every one ended DONE (a write that
+    failed or was cut short by its lease may have left bytes on the way)."""
+    return not grant.posted or (not grant.writes and grant.clean)
 
 
 def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:

@@ -214,3 +214,48 @@ def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> 
         if line.startswith("vllm:request_success_total{"):
             served += float(line.rsplit(" ", 1)[1])
     assert served >= 1
+
+
+def _pages(url: str) -> tuple[float, float, float]:
+    """A decoder's (free pages, all pages, transfers in flight) as its /metrics says now."""
+    got = {"kvferry:pd_buffer_free_pages": 0.0, "kvferry:pd_buffer_pages": 0.0, "kvferry:pd_transfers_in_flight": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["kvferry:pd_buffer_free_pages"], got["kvferry:pd_buffer_pages"], got["kvferry:pd_transfers_in_flight"]
+
+
+def test_the_only_prefiller_killed_mid_prefill_503_at_once_and_the_decoders_pages_back_within_2s(
+        cluster: dict) -> None:
+    """Last in this module: it leaves the prefiller restarting. Its pages on the decoder were
+    reserved when the prompt was scheduled; they come back when its connection closes, not at
+    the lease's end (30 s)."""
+    decoders = [d["url"] for d in cluster["decoders"]]
+    deadline = time.monotonic() + 60
+    while _healthy_decoders(cluster["url"]) < 2 or any(_pages(u)[0] != _pages(u)[1] for u in decoders):
+        assert time.monotonic() < deadline, [_pages(u) for u in decoders]
+        time.sleep(0.5)
+    prefiller = next(i for i in cluster["state"]["instances"] if i["role"] == "prefiller")
+    body = {"model": "tiny", "prompt": " ".join(f"word{i}" for i in range(700)), "max_tokens": 8,
+            "temperature": 0}
+    out: dict = {}
+
+    def ask() -> None:
+        r = httpx.post(cluster["url"] + "/v1/completions", json=body, timeout=120)
+        out["status"], out["text"], out["at"] = r.status_code, r.text, time.monotonic()
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not any(_pages(u)[2] for u in decoders):  # pages reserved: the prompt is computing
+        assert time.monotonic() < deadline and t.is_alive(), out
+        time.sleep(0.02)
+    killed = time.monotonic()
+    os.killpg(prefiller["pid"], signal.SIGKILL)
+    t.join(30)
+    assert out.get("status") == 503, out
+    assert out["at"] - killed < 1.0, out["at"] - killed
+    while any(_pages(u)[0] != _pages(u)[1] for u in decoders):
+        assert time.monotonic() - killed < 2.0, [_pages(u) for u in decoders]
+        time.sleep(0.05)

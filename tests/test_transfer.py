@@ -678,6 +678,18 @@ def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_k
     assert r.wait_fully_free(3), r.state()
 
 
+def test_a_grant_released_after_its_written_pieces_ended_frees_its_pages_at_once(receiver, sender) -> None:
+    """A prompt whose request ended mid-compute: its pieces were written (done), the rest never
+    will be. The sender's abort is final, so the pages need not wait out the lease (60 s)."""
+    r = receiver(pages=4, lease_seconds=60.0)
+    s, src = sender("partial")
+    grant = s.reserve("P", r.addr, keys(4), 4 * 32).result(30)
+    assert s.write(grant, chunks_of(src, 2), 0).result(30).sent_chunks == 2
+    s.release(grant, "the request ended before its prompt was computed")
+    assert r.wait_fully_free(2), r.state()
+    assert r.state()[4] == 0 and r.ask("claim", "P", 0.5)[0] == "err"
+
+
 def test_a_closed_connection_is_told_from_a_live_one_on_a_reused_descriptor() -> None:
     """ZMQ names only the closed descriptor; a live identity seen on that number (the kernel
     reuses them) gets a probe and is not taken for gone."""
