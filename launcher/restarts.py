@@ -19,6 +19,8 @@ class _Cluster(Protocol):  # launcher.up.Cluster
 
     def name(self, s) -> str: ...
     def write_state(self) -> object: ...
+    def started(self, s) -> None: ...
+    def stopped(self, pid: int) -> None: ...
 
 
 class Restarts:
@@ -38,8 +40,11 @@ class Restarts:
                 if now >= self.due[k]:
                     del self.due[k]
                     c.restarts[k] = c.restarts.get(k, 0) + 1
+                    pid = s.proc.pid
                     s.stop(timeout=2)  # whatever is left of its process group (engine core, workers) goes
+                    c.stopped(pid)
                     s.start()
+                    c.started(s)
                     c.write_state()
                     print(f"kvferry: {c.name(s)} started again (restart {c.restarts[k]} of at most {self.limit}, "
                           f"pid {s.proc.pid}); the proxy takes it back once it is healthy", file=sys.stderr,

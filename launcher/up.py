@@ -30,6 +30,7 @@ from kvferry.common.errors import ConfigurationError
 from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.pd_instances import Decoder, Prefiller
+from kvferry.launcher.reaper import Reaper
 from kvferry.launcher.restarts import Restarts
 from kvferry.launcher.vllm_proc import (
     VLLMServer,
@@ -189,6 +190,7 @@ class Cluster:
         self.proxy_log = self.log_dir / "proxy.log"
         self.stopping = threading.Event()
         self.restarts: dict[int, int] = {}  # id(instance) -> times started again (restarts.py)
+        self.reaper = Reaper()  # stops what is left if this process dies unstopped (launcher/reaper.py)
         self.secret_file = args.cluster_secret_file
         if self.secret_file is None:  # a new secret per cluster, readable by its owner only
             self.secret_file = str(self.log_dir / "cluster.secret")
@@ -235,6 +237,7 @@ class Cluster:
     def start(self) -> None:
         for s in self.instances:
             s.start()
+            self.started(s)
         t0 = time.monotonic()
         last = t0
         waiting = list(self.instances)
@@ -276,6 +279,7 @@ class Cluster:
         log = open(self.proxy_log, "ab")
         self.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=die_with_parent)
+        self.reaper.track(self.proxy)
         log.close()
         deadline = time.monotonic() + 30
         while True:
@@ -370,6 +374,12 @@ class Cluster:
                   "Ctrl-C stops everything."]
         return "\n".join(lines)
 
+    def started(self, s: VLLMServer) -> None:
+        self.reaper.track(s.proc)
+
+    def stopped(self, pid: int) -> None:
+        self.reaper.forget(pid)
+
     def watch(self) -> None:
         """Until told to stop: start instances that die again (launcher/restarts.py); the proxy
         routes around a dead one and takes it back once its health checks pass."""
@@ -399,6 +409,7 @@ class Cluster:
             self.store.stop(timeout=max(1.0, deadline - time.monotonic()))
         if self.etcd is not None:
             self.etcd.stop(timeout=5)
+        self.reaper.close()
 
 
 def run(args: argparse.Namespace) -> int:

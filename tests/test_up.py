@@ -61,6 +61,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def stop(proc: subprocess.Popen) -> float:
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -159,7 +167,8 @@ def test_up_2p2d_keeps_serving_when_a_decoder_dies_and_nothing_outlives_a_crashe
         deadline = time.monotonic() + 30
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not [p for p in pids if alive(p)], "orphans outlived the launcher"
+        left = [p for p in pids if alive(p)]
+        assert not left, "orphans outlived the launcher: " + "; ".join(f"{p}: {cmdline(p)}" for p in left)
     finally:
         if proc.poll() is None:
             stop(proc)

@@ -1,0 +1,51 @@
+"""The launcher's reaper: what `kvferry up` started does not outlive it, even a process that
+ignores SIGTERM (vLLM while it starts up), and a group it stopped itself is left alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvferry.launcher.reaper import Reaper
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+
+
+def _group() -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "up\n"  # its SIGTERM handler is set
+    return p
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_sigterm() -> None:
+    reaper = Reaper(grace=0.5)
+    tracked, forgotten = _group(), _group()
+    try:
+        reaper.track(tracked)
+        reaper.track(forgotten)
+        reaper.forget(forgotten.pid)  # as after the launcher stopped it (here: left running to see)
+        # The launcher's end of the pipe closes, as when the kernel reaps a SIGKILLed launcher.
+        assert reaper.proc.stdin is not None
+        reaper.proc.stdin.close()
+        assert tracked.wait(10) == -signal.SIGKILL  # SIGTERM ignored, SIGKILL after the grace
+        assert reaper.proc.wait(10) == 0
+        time.sleep(0.2)
+        assert _alive(forgotten.pid), "a group the launcher had stopped itself must be left alone"
+    finally:
+        for p in (tracked, forgotten):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        if reaper.proc.poll() is None:
+            reaper.proc.kill()
