@@ -220,13 +220,39 @@ CHAT_PARITY = {
 }
 
 
+def _same(got, want, tol: float, where: str = "") -> None:
+    """`got` == `want` field for field; a float (in these chunks: logprobs) within `tol`."""
+    if isinstance(want, float) and isinstance(got, float):
+        assert abs(got - want) <= tol, f"{where}: {got} vs {want}"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{where}: {got} != {want}"
+        for k in want:
+            _same(got[k], want[k], tol, f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got} != {want}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same(g, w, tol, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+# The decoder's tokens after the first are computed on KV from another instance, whose prompt may
+# have been computed in other batch shapes (prefix-cache hits of earlier tests): vLLM CPU's bf16
+# KV then differs in its last bits and a logprob by up to ~0.02. Bit-exact KV is
+# test_connector's (a cold prompt, exact logprobs); this test is about the fields.
+LATER_LOGPROB_TOL = 0.05
+
+
 @pytest.mark.parametrize("name", list(CHAT_PARITY))
 def test_chat_parity_streamed_first_token_field_for_field(clients, name: str) -> None:
     """Streamed chat through the proxy (the prefiller's first token at once, with its logprobs
-    and token id) is plain vLLM's stream chunk for chunk, field for field."""
+    and token id) is plain vLLM's stream chunk for chunk, field for field: the role chunk and
+    the first token exactly, later tokens' logprobs within LATER_LOGPROB_TOL."""
     proxy, plain = clients
     body = {"model": "tiny", "messages": CHAT, "temperature": 0, "max_tokens": 6, **CHAT_PARITY[name]}
-    assert _raw_chunks(proxy, "chat/completions", body) == _raw_chunks(plain, "chat/completions", body)
+    got, want = _raw_chunks(proxy, "chat/completions", body), _raw_chunks(plain, "chat/completions", body)
+    assert len(got) == len(want) and got[:2] == want[:2], (got[:2], want[:2])
+    _same(got[2:], want[2:], LATER_LOGPROB_TOL, "chunks[2:]")
 
 
 def test_completion_parity_streamed_token_ids_and_logprobs_field_for_field(clients) -> None:
@@ -234,4 +260,6 @@ def test_completion_parity_streamed_token_ids_and_logprobs_field_for_field(clien
     for extra in ({"return_token_ids": True, "logprobs": 1, "stream_options": {"include_usage": True}},
                   {"logprobs": 2, "stream_options": {"include_usage": True}}):
         body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 6, **extra}
-        assert _raw_chunks(proxy, "completions", body) == _raw_chunks(plain, "completions", body), extra
+        got, want = _raw_chunks(proxy, "completions", body), _raw_chunks(plain, "completions", body)
+        assert len(got) == len(want) and got[:1] == want[:1], (extra, got[:1], want[:1])  # the first token exactly
+        _same(got[1:], want[1:], LATER_LOGPROB_TOL, f"{extra} chunks[1:]")
