@@ -221,7 +221,8 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     once (role chunk, then the token with its logprobs and id, as plain vLLM streams them) and
     drop the decoder's repeat of it."""
     metrics = ctx.metrics
-    events = up.events(path, body)
+    # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
+    events = migrate.stalled(up.events(path, body), ctx.opts.stall_timeout, up)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     started = False
     rid = created = model = None

@@ -128,6 +128,41 @@ def test_a_stalled_decoder_migrates_after_the_stall_timeout() -> None:
             p.stop()
 
 
+def test_a_stalled_chat_stream_migrates_after_the_stall_timeout() -> None:
+    p0, d0, d1, ref = stubs(0, 0.2, 0.2, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60", "--stall-timeout", "1")
+    stopped = False
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "stall this chat"}], "max_tokens": 10,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        want = post(ref.url, "/v1/chat/completions", dict(chat, stream=False)).json()
+        result: dict = {}
+
+        def run() -> None:
+            result["ev"] = events(px.url, "/v1/chat/completions", chat)
+        t = threading.Thread(target=run)
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.9)
+        assert log(d0)["requests"]
+        os.killpg(d0.proc.pid, signal.SIGSTOP)
+        stopped = True
+        t.join(30)
+        assert not t.is_alive() and time.monotonic() - t0 < 10
+        ev = result["ev"]
+        assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+        chunks = ev[:-1]
+        ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+        assert ids == want["choices"][0]["token_ids"] and chunks[-1]["usage"] == want["usage"]
+        assert 'kvferry_proxy_migrations_total{reason="stall"} 1.0' in httpx.get(px.url + "/metrics").text
+    finally:
+        if stopped:
+            os.killpg(d0.proc.pid, signal.SIGCONT)
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
+
+
 def test_no_migration_past_the_limit() -> None:
     """--max-migrations 0: a broken stream is an error event, as before, and usage counts what was sent."""
     p0, d0, ref = stubs(0, 0, 0)

@@ -70,10 +70,21 @@ def _body(prompt: str, chat: bool) -> dict:
     return dict(body, prompt=prompt)
 
 
-def _plain(plain_vllm, prompt: str, chat: bool = False) -> list[int]:
-    r = httpx.post(plain_vllm.url + ("/v1/chat/completions" if chat else "/v1/completions"),
-                   json=_body(prompt, chat), timeout=300)
-    return r.json()["choices"][0]["token_ids"]
+def _plain(plain_vllm, prompt: str, chat: bool = False) -> tuple[list[int], list[float]]:
+    """Plain vLLM's greedy tokens and, per token, its top-2 logprob margin."""
+    body = dict(_body(prompt, chat), **({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}))
+    r = httpx.post(plain_vllm.url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body, timeout=300)
+    c = r.json()["choices"][0]
+    tops = ([[t["logprob"] for t in e["top_logprobs"]] for e in c["logprobs"]["content"]] if chat
+            else [list(d.values()) for d in c["logprobs"]["top_logprobs"]])
+    return c["token_ids"], [sorted(t)[-1] - sorted(t)[-2] if len(t) > 1 else 99.0 for t in tops]
+
+
+# The moved request's continuation is computed from prompt + tokens sent in one prefill, the
+# uninterrupted one token by token: vLLM CPU's bf16 numerics differ in the last bits (logprobs by
+# up to ~0.02), which can flip a greedy near tie. A flip is accepted only where plain vLLM's own
+# top-2 margin is below this; wrong KV or a wrong prompt differs where the margin is large.
+NEAR_TIE = 0.05
 
 
 class Stream(threading.Thread):
@@ -119,7 +130,11 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
     while not all(len(s.ids) >= 4 for s in streams):
         assert time.monotonic() < deadline and all(s.is_alive() for s in streams), [s.ids for s in streams]
         time.sleep(0.01)
-    victim = cluster["decoders"][0]["pid"]
+    # The decoder running a stream (round robin puts one on each, unless earlier requests moved
+    # its turn): a frozen or killed decoder with no stream would test nothing.
+    d = next(d for d in cluster["decoders"] if _running(d["url"]))
+    cluster["victim"] = d["url"]
+    victim = d["pid"]
     os.killpg(victim, sig)
     try:
         for s in streams:
@@ -130,10 +145,18 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
     return streams
 
 
+def _running(url: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
 def _check(streams: list[Stream], plain_vllm) -> None:
     for s in streams:
         assert s.done and not any("error" in c for c in s.chunks), s.chunks[-3:]
-        assert s.ids == _plain(plain_vllm, s.prompt, s.chat)  # greedy: the same tokens as one plain vLLM
+        want, margins = _plain(plain_vllm, s.prompt, s.chat)
+        k = next((i for i, (a, b) in enumerate(zip(s.ids, want, strict=False)) if a != b), None)
+        # Greedy: the same tokens as one plain vLLM, up to a near tie.
+        assert k is None or margins[k] < NEAR_TIE, (k, margins[k] if k is not None else None)
         assert len({c["id"] for c in s.chunks}) == 1
         assert s.chunks[-1]["usage"]["completion_tokens"] == len(s.ids) == MAX_TOKENS
 
@@ -194,10 +217,10 @@ def test_migrate_a_sigkilled_decoders_streams_finish_on_the_other(cluster: dict,
 
 
 def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> None:
-    """After the SIGKILL above, `kvferry up` starts decoder 0 again (cluster.json counts it) and
+    """After the SIGKILL above, `kvferry up` starts the killed decoder again (cluster.json counts it) and
     the proxy routes to it again once it is healthy."""
     state_file = Path(cluster["state_file"])
-    d0 = cluster["decoders"][0]["url"]
+    d0 = cluster["victim"]
     deadline = time.monotonic() + 300
     while True:
         inst = {i["url"]: i for i in json.loads(state_file.read_text())["instances"]}
