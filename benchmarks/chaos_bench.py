@@ -24,9 +24,11 @@ Reported (JSON, last line):
 - ``stranded_pages``: decoder pd_buffer pages not free 3 s after the load (read from /metrics,
   live: common/live_gauges.py);
 - ``abort_to_idle_p50_ms`` / ``_max_ms``: on the quiet cluster after the soak, a client leaves a
-  300-word request at each phase (``--abort-trials`` times in all); the time from its close until
-  every engine runs and waits for nothing and every decoder's pages are free. An engine cannot
-  stop inside a step: ``prefill_step_ms`` is that prompt's undisturbed time to first token;
+  300-word request at each phase in turn (``--abort-trials`` in all); the time from its close
+  until every instance's pd_buffer pages are free with nothing in flight (kvferry's live gauges;
+  vLLM shows no live per-request state: its running gauge waits for an engine step, and it does
+  not count a client's abort in request_success_total). An engine cannot stop inside a step:
+  ``prefill_step_ms`` is that prompt's undisturbed time to first token;
 - ``restart_to_serving_s``: per killed role, from the SIGKILL until the proxy's health check
   routes to the instance again.
 """
@@ -172,13 +174,13 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def idle(state: dict) -> bool:
+def pages_settled(state: dict) -> bool:
+    """Every instance's pd_buffer pages free (a prefiller's staging, a decoder's receiving) and no
+    transfer in flight: read live (common/live_gauges.py)."""
     for inst in state["instances"]:
         m = metrics(inst["url"])
-        if m.get("vllm:num_requests_running", 0) or m.get("vllm:num_requests_waiting", 0):
-            return False
-        if inst["role"] == "decoder" and (m.get("kvferry:pd_transfers_in_flight", 0) or
-                                          m.get("kvferry:pd_buffer_free_pages") != m.get("kvferry:pd_buffer_pages")):
+        if m.get("kvferry:pd_transfers_in_flight", 0) or \
+                m.get("kvferry:pd_buffer_free_pages") != m.get("kvferry:pd_buffer_pages"):
             return False
     return True
 
@@ -268,7 +270,8 @@ def soak(args: argparse.Namespace, state: dict, state_file: Path, jobs: list[Job
 
 
 def abort_trials(state: dict, n: int, rng: random.Random) -> dict:
-    """On the quiet cluster: leave one request at a time, time until everything is idle again."""
+    """On the quiet cluster: one client at a time leaves a 300-word request at a phase; the time
+    from its close until every instance's pd_buffer pages are free with nothing in flight."""
     proxy = state["proxy"]["url"]
     job = Job(-1, False, words(rng, 300), None)
     t0 = time.monotonic()
@@ -277,20 +280,20 @@ def abort_trials(state: dict, n: int, rng: random.Random) -> dict:
             if line.startswith("data: {"):
                 break
     step_ms = (time.monotonic() - t0) * 1e3
-    times = []
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
     for k in range(n):
         deadline = time.monotonic() + 60
-        while not idle(state):
-            if time.monotonic() > deadline:
-                break
+        while not pages_settled(state) and time.monotonic() < deadline:
             time.sleep(0.1)
-        leave = Job(-2 - k, False, words(rng, 300), PHASES[k % len(PHASES)])
-        run_one(proxy, leave, rng, threading.Event())
+        phase = PHASES[k % len(PHASES)]
+        run_one(proxy, Job(-2 - k, False, words(rng, 300), phase), rng, threading.Event())
         closed = time.monotonic()
-        while not idle(state) and time.monotonic() - closed < 60:
+        while not pages_settled(state) and time.monotonic() - closed < 60:
             time.sleep(0.02)
-        times.append((time.monotonic() - closed) * 1e3)
-    return {"abort_to_idle_p50_ms": round(statistics.median(times), 1), "abort_to_idle_max_ms": round(max(times), 1),
+        times[phase].append((time.monotonic() - closed) * 1e3)
+    every = [t for ts in times.values() for t in ts]
+    return {"abort_to_idle_p50_ms": round(statistics.median(every), 1), "abort_to_idle_max_ms": round(max(every), 1),
+            "abort_to_idle_by_phase_ms": {p: [round(t) for t in ts] for p, ts in times.items()},
             "prefill_step_ms": round(step_ms, 1), "abort_trials": n}
 
 
