@@ -53,8 +53,19 @@ class Chat:
         d = route.decoder
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
-            with ctx.router.upstream(p, ntok, "single") as up:
-                return await streaming.relay_chat(ctx, request, up, PATH, body, t0)
+            leg, move = body, None
+            if route.local and max_tokens != 1 and migrate.chat_movable(body):
+                # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
+                leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
+            while True:
+                try:
+                    with ctx.router.upstream(p, ntok, "single") as up:
+                        return await streaming.relay_chat(ctx, request, up, PATH, leg, t0, move=move)
+                except ProxyError as e:  # nothing reached the client yet: the whole request moves
+                    nd = move.mig.next_decoder(p, e) if move is not None and move.mig.can_move(e) else None
+                    if nd is None:
+                        raise
+                    p = nd
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:

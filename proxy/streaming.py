@@ -300,7 +300,8 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
                          e: ProxyError, head: dict) -> None:
     """A chat stream whose decoder failed goes on as a completion of prompt + tokens sent on
     another decoder, its chunks written as chat chunks (proxy/migrate.py); then the usage."""
-    ctx.transfers.abort(d, move.tid, f"decode leg failed: {e.kind}")
+    if move.tid:  # a local route (one instance did it all) has no transfer
+        ctx.transfers.abort(d, move.tid, f"decode leg failed: {e.kind}")
     while True:
         leg = move.leg()
         nd = move.mig.next_decoder(d, e) if leg is not None else None

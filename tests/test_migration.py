@@ -163,6 +163,32 @@ def test_a_stalled_chat_stream_migrates_after_the_stall_timeout() -> None:
             p.stop()
 
 
+def test_a_chat_stream_served_locally_by_a_decoder_that_dies_moves_too(tiny_model_path) -> None:
+    """A short prompt the decoder prefills itself (--local-prefill-tokens: one instance, no KV
+    sent): its stream moves like a disaggregated one's."""
+    p0, d0, d1, ref = stubs(0, 0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60",
+               "--local-prefill-tokens", "10000", "--tokenizer", str(tiny_model_path))
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "a local chat"}], "max_tokens": 8,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        want = post(ref.url, "/v1/chat/completions", dict(chat, stream=False, return_token_ids=True)).json()
+        httpx.post(d0.url + "/stub/fail", json={"die_mid_stream": True})
+        for _ in range(2):  # round robin: one of these starts on d0, which dies after one token
+            ev = events(px.url, "/v1/chat/completions", chat)
+            assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+            chunks = ev[:-1]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            assert text == want["choices"][0]["message"]["content"] and chunks[-1]["usage"] == want["usage"]
+            assert all(c["choices"][0].get("token_ids") is None for c in chunks if c["choices"])  # not asked for
+        assert not log(p0)["requests"], "a local route sends nothing to the prefiller"
+        assert 'kvferry_proxy_migrations_total{reason="stream_error"} 1.0' in httpx.get(px.url + "/metrics").text or \
+            'kvferry_proxy_migrations_total{reason="stream_broken"} 1.0' in httpx.get(px.url + "/metrics").text
+    finally:
+        for p in (px, p0, d0, d1, ref):
+            p.stop()
+
+
 def test_no_migration_past_the_limit() -> None:
     """--max-migrations 0: a broken stream is an error event, as before, and usage counts what was sent."""
     p0, d0, ref = stubs(0, 0, 0)
