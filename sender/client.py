@@ -218,8 +218,7 @@ class KVSender(SenderSleep):
         return out
 
     def release(self, grant: Grant, reason: str) -> None:
-        """The caller will not finish this transfer: tell the receiver (its pages are free at once
-        if no write can still land: none posted, or all done; else when the lease ends)."""
+        """The caller will not finish this transfer: tell the receiver (see grants.nothing_in_flight)."""
         asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True), self._loop)
 
     def _check_open(self, transfer_id: str) -> None:
