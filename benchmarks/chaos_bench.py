@@ -234,7 +234,7 @@ def soak(args: argparse.Namespace, state: dict, state_file: Path, jobs: list[Job
     todo = list(jobs)
     stop = threading.Event()
     restarts: dict[str, float] = {}
-    kills = {len(jobs) // 3: "decoder", 2 * len(jobs) // 3: "prefiller"}
+    kills = {} if args.no_kills else {len(jobs) // 3: "decoder", 2 * len(jobs) // 3: "prefiller"}
     killers: list[threading.Thread] = []
 
     def worker(seed: int) -> None:
@@ -308,6 +308,7 @@ def main() -> int:
     ap.add_argument("--abort-trials", type=int, default=9)
     ap.add_argument("--tie-margin", type=float, default=0.05, help="logprob margin below which a flip is a near tie")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--no-kills", action="store_true", help="no SIGKILLs: clients leaving only")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
     if args.requests < 3 or args.concurrency < 1 or not 0 <= args.disconnect <= 1:

@@ -15,7 +15,7 @@ import re
 import struct
 import tempfile
 
-SLOTS = ("pd_buffer_free_pages", "pd_transfers_in_flight")
+SLOTS = ("pd_buffer_free_pages", "pd_transfers_in_flight", "pd_buffer_pages")
 _SIZE = 8 * len(SLOTS)
 
 

@@ -157,7 +157,7 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             return
         tp = vllm_config.parallel_config.tensor_parallel_size
         labels = next(iter(self.per_engine_labelvalues.values()))
-        for key in ("pd_buffer_free_pages", "pd_transfers_in_flight"):
+        for key in live_gauges.SLOTS:
             for rank in range(tp):
                 path = live_gauges.gauge_path(ktc.engine_id, rank)
 

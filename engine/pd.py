@@ -25,6 +25,7 @@ from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys, salt_for
 from kvferry.common.log import get_logger
+from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_tokens, scatter_chunks
 from kvferry.kernels.layout import LayoutError
@@ -195,7 +196,9 @@ class PDConsumer:
         now = time.monotonic()
         for req_id, e in list(self._pending.items()):
             st = table.status(e.transfer_id)
-            if st == "pending":
+            # Its client left: vLLM is aborting the request (the proxy closed its connection), and
+            # its abort ends the wait (cancel); recomputing would serve nobody.
+            if st == "pending" or CLIENT_LEFT in st:
                 if now < e.deadline:
                     continue
                 self.counters.kv_timeouts += 1

@@ -313,6 +313,7 @@ class PDProducer:
     def publish(self, live: LiveGauges) -> None:
         """Keep `live`'s free staging pages true as they change (read when /metrics is scraped)."""
         self.staging.on_free = lambda n: live.set("pd_buffer_free_pages", n)
+        live.set("pd_buffer_pages", self.staging.num_pages)
         live.set("pd_buffer_free_pages", self.staging.free_pages)
 
     def stats(self) -> dict[str, float]:

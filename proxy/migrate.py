@@ -16,15 +16,13 @@ import re
 from collections.abc import AsyncIterator
 
 from kvferry.common.log import get_logger
+from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 
-# A client that left while the decoder holds its decode request: the transfer's abort waits this
-# long (see client_left).
-CLIENT_LEFT_GRACE_S = 5.0
 # Failures after which a request moves: the instance's, never the request's (a 4xx, a bad answer).
 MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", "unreachable", "upstream_5xx"})
 # vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
@@ -104,15 +102,13 @@ def continuation_leg(leg: dict, prompt: list[int], sent: list[int], max_tokens: 
 
 
 def client_left(ctx, decoder: Instance, tid: str) -> None:
-    """The client left while its decode leg was open. Closing that connection makes vLLM abort the
-    request, and the decoder's connector then stops waiting for its KV and frees the pages when they
-    land: nothing is recomputed. Aborting the transfer at once instead would reach the connector
-    first (a ZMQ message beats vLLM's abort through its engine loop), and the connector would load
-    nothing and recompute the prompt for a client that is gone. The abort still follows, after
-    CLIENT_LEFT_GRACE_S, for a decode request that never reached the decoder."""
+    """The client left while its decode leg was open: the transfer is aborted at once (its pages
+    come back now), with CLIENT_LEFT as the reason. Closing the leg's connection makes vLLM abort
+    the request; should the decoder's scheduler see the request before that abort, its connector
+    finds the transfer ended for CLIENT_LEFT and waits for vLLM's abort instead of recomputing the
+    prompt for a client that is gone (engine/pd.py)."""
     if tid:
-        asyncio.get_running_loop().call_later(CLIENT_LEFT_GRACE_S, ctx.transfers.abort, decoder, tid,
-                                              "client disconnected")
+        ctx.transfers.abort(decoder, tid, CLIENT_LEFT)
 
 
 # Chat sampling settings a completions continuation carries over (tools, response_format and

@@ -10,6 +10,7 @@ import uuid
 from aiohttp import web
 
 from kvferry.common.log import get_logger
+from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError
@@ -39,7 +40,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
             ctx.transfers.prefilled(tid)
             return out, tid, p
         except asyncio.CancelledError:  # the client left: nobody will read this transfer
-            ctx.transfers.abort(decoder, tid, "client disconnected")
+            ctx.transfers.abort(decoder, tid, CLIENT_LEFT)
             raise
         except ProxyError as e:
             ctx.transfers.abort(decoder, tid, f"prefill failed: {e.message}"[:200])

@@ -178,6 +178,7 @@ class KVReceiver(ReceiverSleep):
         reads them when scraped, between engine steps too)."""
         self.buffer.on_free = lambda n: live.set("pd_buffer_free_pages", n)
         self.table.on_expecting = lambda n: live.set("pd_transfers_in_flight", n)
+        live.set("pd_buffer_pages", self.buffer.num_pages)
         live.set("pd_buffer_free_pages", self.buffer.free_pages)
         live.set("pd_transfers_in_flight", self.table.expecting())
 
