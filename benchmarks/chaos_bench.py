@@ -219,7 +219,8 @@ def kill_and_time(state_file: Path, proxy: str, role: str, out: dict, stop: thre
     killed = time.monotonic()
     os.killpg(inst["pid"], signal.SIGKILL)
     print(f"chaos: SIGKILLed {role} {inst['url']}", file=sys.stderr)
-    time.sleep(1.0)  # the proxy notices first
+    while healthy(proxy, inst["url"]) and time.monotonic() - killed < 30:
+        time.sleep(0.1)  # until the proxy has noticed the death
     while not stop.is_set():
         if healthy(proxy, inst["url"]):
             out[role] = round(time.monotonic() - killed, 1)
