@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _staging_taken(url: str) -> bool:
+    free = total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("kvferry:pd_buffer_free_pages{"):
+            free += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvferry:pd_buffer_pages{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return free < total
 
 
 def cmdline(pid: int) -> str:
@@ -137,7 +148,7 @@ def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> 
 
 
 @pytest.mark.vllm
-def test_up_2p2d_keeps_serving_when_a_decoder_dies_and_nothing_outlives_a_crashed_launcher(tmp_path: Path) -> None:
+def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_outlives_a_crashed_launcher(tmp_path: Path) -> None:
     proc, state = start_up(tmp_path, "--num-prefillers", "2", "--num-decoders", "2")
     pids: set[int] = set()
     try:
@@ -159,6 +170,24 @@ def test_up_2p2d_keeps_serving_when_a_decoder_dies_and_nothing_outlives_a_crashe
                                                           "max_tokens": 6}, timeout=120)
             assert r.status_code == 200, r.text
         assert "exited" in (tmp_path / "up.out").read_text()
+        # A prefiller SIGKILLed mid-prefill: the request is prefilled again on the other one.
+        body = {"model": "tiny", "prompt": " ".join(f"word{i}" for i in range(700)), "max_tokens": 6,
+                "temperature": 0}
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                    timeout=180)), daemon=True)
+        t.start()
+        busy = None
+        deadline = time.monotonic() + 60
+        while busy is None:  # its staging pages are taken once the prompt computes
+            busy = next((i for i in state["instances"] if i["role"] == "prefiller" and _staging_taken(i["url"])),
+                        None)
+            assert time.monotonic() < deadline and t.is_alive(), out
+            time.sleep(0.02)
+        os.killpg(busy["pid"], signal.SIGKILL)
+        t.join(180)
+        assert out["r"].status_code == 200, out["r"].text
+        assert out["r"].json()["usage"]["completion_tokens"] == 6
         # The launcher itself crashes (SIGKILL: no handler runs): its children must not live on.
         pids = tree(proc.pid) - {proc.pid}
         assert len(pids) >= 4
