@@ -182,9 +182,8 @@ class KVSender(SenderSleep):
 
     def write(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
               notify: bool = False) -> concurrent.futures.Future[SendResult]:
-        """Write `chunks` into the grant's pages from `first` on, handed straight to the NIXL thread.
-        Only the last write may `notify`: the receiver reads the transfer once notified, so the
-        caller posts it after every earlier write of the grant is done."""
+        """Write `chunks` into the grant's pages from `first` on (straight to the NIXL thread). Only the
+        last write may `notify` (the transfer is read once notified): post it after the others end."""
         check_ranges(self._ranges, chunks)
         self._check_open(grant.transfer_id)
         if not chunks:
@@ -238,6 +237,7 @@ class KVSender(SenderSleep):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             self._ctx.destroy(linger=0)
+            self._thread.is_alive() or self._loop.close()
 
     async def _shutdown(self) -> None:
         # Transfers still running fail with CancelledError: no caller's future is left pending.

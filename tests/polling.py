@@ -12,3 +12,12 @@ def until(pred, timeout: float = 10.0, what: str = "condition", every: float = 0
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every)
     return v
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

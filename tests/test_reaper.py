@@ -10,6 +10,7 @@ import sys
 import time
 
 from kvferry.launcher.reaper import Reaper
+from tests.polling import alive
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
 
@@ -18,14 +19,6 @@ def _group() -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True, text=True)
     assert p.stdout is not None and p.stdout.readline() == "up\n"  # its SIGTERM handler is set
     return p
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_sigterm() -> None:
@@ -41,7 +34,7 @@ def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_si
         assert tracked.wait(10) == -signal.SIGKILL  # SIGTERM ignored, SIGKILL after the grace
         assert reaper.proc.wait(10) == 0
         time.sleep(0.2)
-        assert _alive(forgotten.pid), "a group the launcher had stopped itself must be left alone"
+        assert alive(forgotten.pid), "a group the launcher had stopped itself must be left alone"
     finally:
         for p in (tracked, forgotten):
             if p.poll() is None:

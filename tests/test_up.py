@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port, port_is_free
+from tests.polling import alive
 
 KVFERRY = str(Path(sys.executable).parent / "kvferry")
 
@@ -52,14 +53,6 @@ def tree(pid: int) -> set[int]:
         out.add(p)
         todo += kids.get(p, [])
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _staging_taken(url: str) -> bool:
