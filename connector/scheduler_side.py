@@ -13,10 +13,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.transfer_params import (
+    ParamsError,
+    PrefillParams,
+    answer,
+    decode_params,
+    error_answer,
+    prefill_params,
+)
 from kvferry.connector.block_table import BlockTable
 from kvferry.connector.kv_events import start_relay, to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
-from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
 from kvferry.connector.roles import Roles, salt
 from kvferry.engine.api import OffloadPlanner, notice_addr
 
@@ -42,7 +49,7 @@ class SchedulerSide:
         # Block ids are followed only where a step's metadata needs them: prompts stored or sent.
         self._blocks = BlockTable() if self.offload is not None or (roles.pd and roles.producer_side) else None
         self._computing: dict[str, Request] = {}  # offload: admitted, prompt not complete yet
-        self._prefills: dict[str, tuple[Request, Any]] = {}  # producer: waiting for their last prompt token
+        self._prefills: dict[str, tuple[Request, PrefillParams]] = {}  # producer: waiting for their last prompt token
         self._opened: set[str] = set()  # producer: prompts whose pages were asked for
         self._cancels: list[str] = []  # producer: opened transfers whose requests ended unfinished
         self._errors: dict[str, str] = {}  # producer: requests whose params were unusable
@@ -62,7 +69,7 @@ class SchedulerSide:
         if self.roles.producer_side or not self.roles.pd:
             return
         try:
-            tid = decode_transfer_id(request.kv_transfer_params)
+            tid = _decode_tid(request.kv_transfer_params)
         except ParamsError:
             return  # matched() logs it and computes the prompt locally
         if tid is not None:
@@ -77,7 +84,7 @@ class SchedulerSide:
         if request.request_id in self._tried:
             return 0, False
         try:
-            tid = decode_transfer_id(request.kv_transfer_params)
+            tid = _decode_tid(request.kv_transfer_params)
         except ParamsError as e:
             logger.error("request %s: %s; computing its prompt locally", request.request_id, e)
             self._tried.add(request.request_id)
@@ -99,20 +106,20 @@ class SchedulerSide:
             if not self.roles.pd or rid in self._prefills or rid in self._errors:
                 return
             try:
-                spec = prefill_spec(request.kv_transfer_params)
+                spec = prefill_params(request.kv_transfer_params)
             except ParamsError as e:
                 logger.error("request %s: %s; its KV is not sent", rid, e)
                 self._errors[rid] = str(e)
                 return
             if spec is not None:
                 self._prefills[rid] = (request, spec)
-                self._transfer_ids[rid] = spec.transfer_id
+                self._transfer_ids[rid] = spec.tid
             return
         local = self._external.pop(rid, None)
         if local is None or num_external <= 0:
             return
         self._tried.add(rid)
-        tid = decode_transfer_id(request.kv_transfer_params)
+        tid = _decode_tid(request.kv_transfer_params)
         # The full prompt: the transfer may cover one token more than is loaded (see PDConsumer).
         self._loads.append(LoadOp(rid, tid, list(request.prompt_token_ids), list(blocks.get_block_ids()[0]),
                                   local + num_external, local))
@@ -140,13 +147,13 @@ class SchedulerSide:
             req, spec = entry
             if rid not in self._opened:  # first scheduled: the decoder's pages are asked for before the compute
                 self._opened.add(rid)
-                meta.opens.append(OpenOp(rid, spec.transfer_id, spec.host, spec.init_ports, spec.alloc_ports,
+                meta.opens.append(OpenOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
                                          list(req.prompt_token_ids), req.num_prompt_tokens))
             if req.num_computed_tokens + n < req.num_prompt_tokens:  # chunked prefill: not the last piece yet
-                meta.pieces.append(PieceOp(rid, spec.transfer_id, self._blocks.get(rid), req.num_computed_tokens + n))
+                meta.pieces.append(PieceOp(rid, spec.tid, self._blocks.get(rid), req.num_computed_tokens + n))
                 continue
             del self._prefills[rid]
-            meta.saves.append(SaveOp(rid, spec.transfer_id, spec.host, spec.init_ports, spec.alloc_ports,
+            meta.saves.append(SaveOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
                                      list(req.prompt_token_ids), self._blocks.get(rid), req.num_prompt_tokens))
         return meta
 
@@ -190,20 +197,23 @@ class SchedulerSide:
         err = self._errors.pop(rid, None)
         tid = self._transfer_ids.pop(rid, None)
         if err is not None:
-            return False, {"error": err}
+            return False, error_answer(err)
         if tid is None:
             return False, None
-        out: dict[str, Any] = {"transfer_id": tid, "num_tokens": request.num_prompt_tokens}
-        if request.output_token_ids:
-            out["first_tok"] = request.output_token_ids[0]
+        first = request.output_token_ids[0] if request.output_token_ids else None
         # The staging copy was made in the step that finished the prompt: vLLM may free the blocks.
-        return False, out
+        return False, answer(tid, request.num_prompt_tokens, first)
 
     def close(self) -> None:
         if self.offload is not None:
             self.offload.close()
         if self.relay is not None:
             self.relay.close()
+
+
+def _decode_tid(params: Any) -> str | None:
+    p = decode_params(params)
+    return p.transfer_id if p is not None else None
 
 
 def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadPlanner:

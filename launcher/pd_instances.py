@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from kvferry.common.netutil import advertised, free_port
+from kvferry.common.transfer_params import DisaggSpec, to_dict
 from kvferry.launcher.vllm_proc import VLLMServer
 
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.connector"}
@@ -69,8 +70,7 @@ class Decoder(VLLMServer):
 
     def disagg_spec(self) -> dict:
         """What a prefill request's kv_transfer_params.disagg_spec names for this decoder."""
-        return {"receiver_host": self.receiver_host, "receiver_init_port": list(self.init_ports),
-                "receiver_alloc_port": list(self.alloc_ports)}
+        return to_dict(DisaggSpec(self.receiver_host, list(self.init_ports), list(self.alloc_ports)))
 
 
 class OffloadServer(VLLMServer):

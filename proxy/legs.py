@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.common.transfer_params import decode_leg_params, prefill_leg_params
 from kvferry.proxy.body import GREEDY_EPS
 from kvferry.proxy.registry import Instance
 
@@ -30,8 +31,7 @@ class Prefilled:
 
 def prefill_leg(body: dict, transfer_id: str, decoder: Instance) -> dict:
     """A prefill leg's body, sending its KV to `decoder` under `transfer_id`."""
-    return dict(body, kv_transfer_params={"transfer_id": transfer_id, "ret_first_tok": True,
-                                          "disagg_spec": decoder.disagg_spec()})
+    return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder.disagg_spec()))
 
 
 def completion_prefill_leg(body: dict) -> dict:
@@ -52,14 +52,14 @@ def completion_decode_leg(body: dict, first: dict | None, tid: str, max_tokens: 
     if first is None:  # tid "": the decoder serves the prompt alone (routed locally), no transfer
         leg = dict(body, max_tokens=max_tokens, stream=stream)
         if tid:
-            leg["kv_transfer_params"] = {"transfer_id": tid}
+            leg["kv_transfer_params"] = decode_leg_params(tid)
         if not stream:
             leg.pop("stream_options", None)
         return leg
     choice = first["choices"][0]
     ids = prompt_ids(first)
     leg = dict(body, prompt=ids + list(choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
-               kv_transfer_params={"transfer_id": tid}, seed=body.get("seed"))
+               kv_transfer_params=decode_leg_params(tid), seed=body.get("seed"))
     for k in ("echo", "prompt_logprobs", "return_token_ids", "stream_options"):
         leg.pop(k, None)
     if body.get("return_token_ids"):
@@ -85,7 +85,7 @@ def chat_prefill_leg(body: dict, max_key: str) -> dict:
 
 def chat_decode_leg(body: dict, tid: str) -> dict:
     """The whole conversation again: the decoder loads the prompt's KV and regenerates the first token."""
-    return dict(body, kv_transfer_params={"transfer_id": tid})
+    return dict(body, kv_transfer_params=decode_leg_params(tid))
 
 
 def same_first_token(body: dict) -> bool:

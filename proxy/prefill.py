@@ -11,11 +11,13 @@ from aiohttp import web
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
+from kvferry.common.transfer_params import ParamsError, prefill_answer
 from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.legs import prefill_leg
 from kvferry.proxy.registry import Instance
+from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 
@@ -34,6 +36,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
         try:
             with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
                 out = await up.json(path, leg, kind)
+                _check_answer(up, out)
             p.served += 1
             ctx.router.observed(p, route, out)
             ctx.metrics.prefill.observe(time.perf_counter() - t0)
@@ -52,3 +55,15 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
                 raise e from None  # nobody to retry on: the client hears what went wrong
             logger.info("retrying the prefill leg on %s %s", p.id, p.url)
     raise AssertionError("unreachable")
+
+
+def _check_answer(up: Upstream, out: dict) -> None:
+    """The prefiller's connector answers what it did with the transfer (none: an engine without
+    kvferry's connector, whose decoder then computes the prompt): a refusal or another kvferry
+    version fails the leg with its reason, rather than leave the decoder waiting for KV."""
+    try:
+        a = prefill_answer(out.get("kv_transfer_params") if isinstance(out, dict) else None)
+    except ParamsError as e:
+        raise up.fail("kv_refused", 502, f"{up.inst.role} {up.inst.url} answered {e}") from None
+    if a is not None and a.error:
+        raise up.fail("kv_refused", 502, f"{up.inst.role} {up.inst.url} did not send the KV: {a.error}")

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 
 from kvferry.common.errors import UnavailableError
+from kvferry.common.transfer_params import DisaggSpec
 from kvferry.proxy.options import InstanceSpec
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
@@ -63,10 +64,9 @@ class Instance:
         self.fails = max(self.fails, FAILS_TO_EJECT)
         self.healthy = False
 
-    def disagg_spec(self) -> dict:
+    def disagg_spec(self) -> DisaggSpec:
         # The receiver's advertised host, carried explicitly: not necessarily the HTTP URL's.
-        return {"receiver_host": self.spec.kv_host, "receiver_init_port": list(self.spec.init_ports),
-                "receiver_alloc_port": list(self.spec.alloc_ports)}
+        return DisaggSpec(self.spec.kv_host, list(self.spec.init_ports), list(self.spec.alloc_ports))
 
     def describe(self, ports: bool = True) -> dict:
         """The instance for /health and /admin; `ports` adds a decoder's receiver ports (internal:

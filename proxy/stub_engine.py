@@ -30,6 +30,8 @@ import uuid
 
 from aiohttp import web
 
+from kvferry.common.transfer_params import ParamsError, answer, error_answer, prefill_params
+
 EOS = 2
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."  # vLLM's words
 
@@ -55,6 +57,15 @@ def token_text(t: int) -> str:
 
 def render_chat(messages: list[dict]) -> str:
     return "".join(f"<{m.get('role')}>{m.get('content') or ''}\n" for m in messages) + "<assistant>"
+
+
+def _kv_answer(body: dict, first: int, num_tokens: int) -> dict:
+    """What kvferry's connector adds to a prefill leg's answer (a bad kv_transfer_params: its error)."""
+    try:
+        p = prefill_params(body.get("kv_transfer_params"))
+    except ParamsError as e:
+        return {"kv_transfer_params": error_answer(str(e))}
+    return {"kv_transfer_params": answer(p.tid, num_tokens, first)} if p is not None else {}
 
 
 class Stub:
@@ -178,11 +189,7 @@ class Stub:
         toks, finish = self._generate(body, ids, eos_first)
         self.answers.append("".join(token_text(t) if t != EOS else "" for t in toks))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        kvp = body.get("kv_transfer_params")
-        extra = {}
-        if isinstance(kvp, dict) and kvp.get("disagg_spec"):
-            extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
-                                           "num_tokens": len(ids)}
+        extra = _kv_answer(body, toks[0], len(ids))
         texts = [token_text(t) if t != EOS else "" for t in toks]
         # vLLM echoes no prompt text when it returns the prompt's token ids instead.
         echo = prompt if (body.get("echo") and isinstance(prompt, str)
@@ -246,11 +253,7 @@ class Stub:
         self.answers.append("".join(texts))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
-        kvp = body.get("kv_transfer_params")
-        extra = {}
-        if isinstance(kvp, dict) and kvp.get("disagg_spec"):
-            extra["kv_transfer_params"] = {"transfer_id": kvp.get("transfer_id"), "first_tok": toks[0],
-                                           "num_tokens": len(ids)}
+        extra = _kv_answer(body, toks[0], len(ids))
         rti = bool(body.get("return_token_ids") and self.token_ids)
         if not body.get("stream"):
             await asyncio.sleep(self.token_delay * len(toks))
@@ -309,3 +312,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

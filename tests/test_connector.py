@@ -20,7 +20,19 @@ import pytest
 from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
 from kvferry.common.netutil import free_port
-from kvferry.connector.params import ParamsError, decode_transfer_id, prefill_spec
+from kvferry.common.transfer_params import (
+    VERSION,
+    DisaggSpec,
+    ParamsError,
+    PrefillAnswer,
+    PrefillParams,
+    answer,
+    decode_leg_params,
+    decode_params,
+    prefill_answer,
+    prefill_leg_params,
+    prefill_params,
+)
 from kvferry.connector.roles import connector_config
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
@@ -93,23 +105,34 @@ def test_example_configs_load_through_lmcache_env(monkeypatch: pytest.MonkeyPatc
 
 def test_transfer_params_parse_or_name_the_bad_field() -> None:
     spec = {"receiver_host": "d1", "receiver_init_port": [7300, 7301], "receiver_alloc_port": [7400, 7401]}
-    p = prefill_spec({"transfer_id": "t1", "ret_first_tok": True, "disagg_spec": spec})
-    assert (p.transfer_id, p.host, p.init_ports, p.alloc_ports, p.ret_first_tok) == \
+    p = prefill_params({"transfer_id": "t1", "ret_first_tok": True, "disagg_spec": spec})
+    assert (p.tid, p.host, p.init_ports, p.alloc_ports, p.ret_first_tok) == \
         ("t1", "d1", (7300, 7301), (7400, 7401), True)
-    # LMCache's proxy puts the id in disagg_spec.req_id; a single port is one TP rank.
-    p = prefill_spec({"disagg_spec": {**spec, "req_id": "r9", "receiver_init_port": 7300,
-                                      "receiver_alloc_port": 7400}})
-    assert (p.transfer_id, p.init_ports) == ("r9", (7300,))
-    assert prefill_spec(None) is None and prefill_spec({"transfer_id": "x"}) is None
-    assert decode_transfer_id({"transfer_id": "x"}) == "x" and decode_transfer_id({}) is None
-    for bad, field in [({"disagg_spec": spec}, "transfer_id"),
+    # LMCache's proxy puts the id in disagg_spec.req_id, sends no version; a single port is one TP rank.
+    p = prefill_params({"disagg_spec": {**spec, "req_id": "r9", "receiver_init_port": 7300,
+                                        "receiver_alloc_port": 7400}})
+    assert (p.tid, p.init_ports) == ("r9", (7300,))
+    assert prefill_params(None) is None and prefill_params({"transfer_id": "x"}) is None
+    assert decode_params({"transfer_id": "x"}).transfer_id == "x" and decode_params({}) is None
+    # What the proxy writes is what the connector reads.
+    d = DisaggSpec("d1", [7300], [7400])
+    assert prefill_params(prefill_leg_params("t2", d)) == PrefillParams(d, "t2", True, VERSION)
+    assert decode_params(decode_leg_params("t2")).transfer_id == "t2"
+    assert prefill_answer(answer("t2", 9, 5)) == PrefillAnswer("t2", 9, 5, None, VERSION)
+    for bad, field in [({"disagg_spec": spec}, "no transfer_id"),
                        ({"transfer_id": "t", "disagg_spec": {**spec, "receiver_host": ""}}, "receiver_host"),
                        ({"transfer_id": "t", "disagg_spec": {**spec, "receiver_init_port": [0]}}, "receiver_init_port"),
                        ({"transfer_id": "t", "disagg_spec": {**spec, "receiver_alloc_port": [7400]}}, "one port each"),
-                       ({"transfer_id": 5, "disagg_spec": spec}, "transfer_id"),
-                       ({"transfer_id": "t", "disagg_spec": "d1:7300"}, "disagg_spec")]:
+                       ({"transfer_id": 5, "disagg_spec": spec}, "kv_transfer_params.transfer_id"),
+                       ({"transfer_id": "t", "disagg_spec": "d1:7300"}, "kv_transfer_params.disagg_spec"),
+                       ({"transfer_id": "t" * 257, "disagg_spec": spec}, "transfer_id"),
+                       ({"transfer_id": "t", "ret_first_tok": "yes", "disagg_spec": spec}, "ret_first_tok"),
+                       ({"transfer_id": "t", "kvferry_version": 2, "disagg_spec": spec}, "version 2")]:
         with pytest.raises(ParamsError, match=field):
-            prefill_spec(bad)
+            prefill_params(bad)
+    for bad, field in [({"transfer_id": ""}, "transfer_id"), ({"transfer_id": "x", "kvferry_version": 9}, "version 9")]:
+        with pytest.raises(ParamsError, match=field):
+            decode_params(bad)
 
 
 # ---- real vLLM servers ----

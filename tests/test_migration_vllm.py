@@ -96,8 +96,15 @@ class Stream(threading.Thread):
         self.ids: list[int] = []
         self.chunks: list[dict] = []
         self.done = False
+        self.error: BaseException | None = None
 
     def run(self) -> None:
+        try:
+            self._read()
+        except BaseException as e:  # shown by the test's assertion, not lost in a thread
+            self.error = e
+
+    def _read(self) -> None:
         body = dict(_body(self.prompt, self.chat), stream=True, stream_options={"include_usage": True})
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
         with httpx.stream("POST", self.url + path, json=body, timeout=120) as r:
@@ -128,7 +135,11 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
         s.start()
     deadline = time.monotonic() + 120
     while not all(len(s.ids) >= 4 for s in streams):
-        assert time.monotonic() < deadline and all(s.is_alive() for s in streams), [s.ids for s in streams]
+        if not (time.monotonic() < deadline and all(s.is_alive() for s in streams)):
+            for s in streams:
+                print("stream", s.chat, s.done, len(s.ids), repr(s.error), s.chunks[:3], s.chunks[-3:])
+            print(_tail(cluster["log"]))
+            raise AssertionError("a stream ended before its 4th token, or none got 4 in 120 s")
         time.sleep(0.01)
     # The decoder running a stream (round robin puts one on each, unless earlier requests moved
     # its turn): a frozen or killed decoder with no stream would test nothing.
@@ -145,6 +156,10 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
     return streams
 
 
+def _tail(log: Path, n: int = 4000) -> str:
+    return Path(log).read_text(errors="replace")[-n:]
+
+
 def _running(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
                if line.startswith("vllm:num_requests_running"))
@@ -152,7 +167,7 @@ def _running(url: str) -> float:
 
 def _check(streams: list[Stream], plain_vllm) -> None:
     for s in streams:
-        assert s.done and not any("error" in c for c in s.chunks), s.chunks[-3:]
+        assert s.done and not any("error" in c for c in s.chunks), (s.error, s.chunks[-3:])
         want, margins = _plain(plain_vllm, s.prompt, s.chat)
         k = next((i for i, (a, b) in enumerate(zip(s.ids, want, strict=False)) if a != b), None)
         # Greedy: the same tokens as one plain vLLM, up to a near tie.

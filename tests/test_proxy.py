@@ -210,7 +210,7 @@ def test_completion_equals_one_engine_and_legs_are_right(cluster) -> None:
         assert kv["ret_first_tok"] and set(kv["disagg_spec"]) == {"receiver_host", "receiver_init_port",
                                                                   "receiver_alloc_port"}
         dr = by_tid[kv["transfer_id"]]
-        assert dr["kv_transfer_params"] == {"transfer_id": kv["transfer_id"]}
+        assert dr["kv_transfer_params"] == {"transfer_id": kv["transfer_id"], "kvferry_version": 1}
         assert dr["max_tokens"] == 5 and isinstance(dr["prompt"], list)  # token ids: no /tokenize call
 
 

@@ -168,6 +168,27 @@ def test_a_wrong_answer_is_a_502_naming_the_field(path: str, answer, field: str)
     assert post(px.url, path, body).status_code == 200  # a bad answer ejects nobody
 
 
+@pytest.mark.parametrize("kvp,reason", [
+    ({"error": "kv_transfer_params.disagg_spec.receiver_host: Expected `str`"}, "did not send the KV: kv_transfer_params"),
+    ({"transfer_id": "t", "first_tok": 5, "kvferry_version": 2}, "version 2; this kvferry speaks version 1"),
+    ({"transfer_id": 7}, "kv_transfer_params.transfer_id"),
+])
+def test_a_prefiller_that_refused_the_transfer_is_a_502_and_no_decode_leg(kvp: dict, reason: str) -> None:
+    """The prefiller's connector refused kv_transfer_params (or is another kvferry version): the
+    client hears why at once, and the decoder never waits for KV that will not come."""
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0])
+    answer = {"choices": [{"text": " w1", "token_ids": [301], "prompt_token_ids": [1, 2], "finish_reason": "length"}],
+              "kv_transfer_params": kvp}
+    httpx.post(p0.url + "/stub/fail", json={"answer": answer})
+    err = _openai_error(post(px.url, "/v1/completions", {"model": "stub", "prompt": "x", "max_tokens": 4}), 502)
+    assert err["code"] == "kv_refused" and reason in err["message"] and p0.url in err["message"], err
+    assert log(d0)["requests"] == []
+    assert 'kvferry_proxy_errors_total{instance="p0",kind="kv_refused"} 1.0' in httpx.get(px.url + "/metrics").text
+    ok = post(px.url, "/v1/completions", {"model": "stub", "prompt": "x", "max_tokens": 4})
+    assert ok.status_code == 200 and log(d0)["requests"][0]["kv_transfer_params"]["kvferry_version"] == 1
+
+
 def test_a_decoder_answer_that_does_not_fit_is_a_502() -> None:
     p0, d0 = stubs(0, 0)
     px = proxy([p0], [d0])
