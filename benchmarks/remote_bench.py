@@ -36,7 +36,7 @@ import torch
 
 from kvferry.common import secret
 from kvferry.common.config import load_config
-from kvferry.engine.remote import mooncake_settings
+from kvferry.engine.remote import mooncake_backend, mooncake_settings
 from kvferry.engine.remote.mooncake_backend import MooncakeClient
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.remote import RemoteTier
@@ -158,6 +158,7 @@ def main() -> int:
             for t in tiers.values():
                 t.close()
         finally:
+            mooncake_backend.close_all()  # before its master stops: else exit waits on a dead master
             for p in procs:
                 p.stop()
     red = [r for r in rows if r["backend"] == "redis" and not r["mac"]]

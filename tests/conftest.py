@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,18 @@ from kvferry.launcher import tiny_model
 from kvferry.launcher.vllm_proc import VLLMServer
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_store_client_left_behind() -> Iterator[None]:
+    """A module that joins a Mooncake store in the test process leaves it before its master stops:
+    a client of a stopped master holds the process ~10 s at exit (`make test` must end with pytest)."""
+    yield
+    mc = sys.modules.get("kvferry.engine.remote.mooncake_backend")
+    if mc is not None and mc.open_clients():
+        n = mc.close_all()
+        pytest.fail(f"{n} Mooncake client(s) left joined after this module: call mooncake_backend.close_all() "
+                    "before stopping the master", pytrace=False)
 
 
 @pytest.fixture

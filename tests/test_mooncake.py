@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvferry.common.config import ConfigError, load_config
-from kvferry.engine.remote import mooncake_settings
+from kvferry.engine.remote import mooncake_backend, mooncake_settings
 from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.remote.base import RemoteError
 from kvferry.engine.remote.mooncake_backend import MooncakeClient, _name
@@ -37,6 +37,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]
     try:
         yield m
     finally:
+        mooncake_backend.close_all()  # while the master answers: a client of a dead one blocks exit
         m.stop()
 
 

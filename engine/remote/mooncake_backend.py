@@ -208,6 +208,32 @@ _orphans: list[ctypes.Array] = []
 _graveyard: list[Any] = []  # clients that failed: kept, as destroying one blocks on a dead master
 
 
+def close_all() -> int:
+    """Leave the store with every client of this process (while its master still answers: leaving
+    a dead one blocks ~10 s per client); returns how many there were. For tests and tools that
+    start and stop masters in one process; an engine's clients end with its process."""
+    with MooncakeClient._shared_lock:
+        clients = list(MooncakeClient._shared.values())
+        MooncakeClient._shared.clear()
+    stores = list(_graveyard)
+    _graveyard.clear()
+    for c in clients:
+        with c._lock:
+            if c._store is not None:
+                stores.append(c._store)
+            c._store, c._registered = None, set()
+        c._pool.shutdown(wait=False)
+    for store in stores:
+        store.close()
+    return len(stores)
+
+
+def open_clients() -> int:
+    """Clients of this process still joined to a store (a test that leaves one behind fails)."""
+    with MooncakeClient._shared_lock:
+        return sum(c._store is not None for c in MooncakeClient._shared.values()) + len(_graveyard)
+
+
 def _never_destroy_at_exit() -> None:
     """At interpreter exit every client would be destroyed, and a client's destructor joins threads
     that wait on its master: with the master gone first (stopped, or crashed) the process would
