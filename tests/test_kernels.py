@@ -10,19 +10,9 @@ from hypothesis import strategies as st
 from kvferry.kernels import native
 from kvferry.kernels.layout import KVLayout, LayoutError, detect_layout
 from kvferry.kernels.paged_copy import PagedKV, gather, scatter
+from tests.kv_caches import make_caches
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
-
-
-def make_caches(name: str, layers: int, nb: int, bs: int, h: int, d: int, dtype: torch.dtype,
-                device: str = "cpu", seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    if name == "mla":
-        h = 1  # one latent vector per token: no heads
-    shape = KVLayout(name, nb, bs, h, d, dtype).expected_shape()
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    return [torch.randint(0, 256, (*shape[:-1], shape[-1] * nbytes), dtype=torch.uint8, generator=g)
-            .view(dtype).to(device) for _ in range(layers)]
 
 
 def ref_token_rows(lay: KVLayout, t: torch.Tensor, blk: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

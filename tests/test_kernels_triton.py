@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 CHECK = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_kernels import make_caches
+from kv_caches import make_caches
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.kernels import triton_copy
 dev = {device!r}
@@ -92,9 +92,8 @@ def test_triton_kernel_on_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gather_scatter_api_on_gpu_dispatches_to_triton() -> None:
-    from test_kernels import make_caches
-
     from kvferry.kernels.paged_copy import PagedKV
+    from tests.kv_caches import make_caches
 
     caches = make_caches("flash_nhd", 4, 64, 16, 8, 128, torch.bfloat16, device="cuda")
     kv = PagedKV(caches, "flash_nhd")

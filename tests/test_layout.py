@@ -96,3 +96,25 @@ def test_modules_and_classes_stay_small() -> None:
                 if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                     big.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not big, "split these by concern: " + "; ".join(big)
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The test modules (tests.test_*, or test_* with tests/ on sys.path) a file imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            if node.module == "tests":  # from tests import test_x
+                names |= {f"tests.{a.name}" for a in node.names}
+    return {n for n in names if n.removeprefix("tests.").split(".")[0].startswith("test_")}
+
+
+def test_no_test_file_imports_another() -> None:
+    """What tests share lives in helper modules under tests/ (polling.py, stub_procs.py, ...): a test
+    file imported by another is loaded twice (as tests.test_x beside pytest's test_x), each copy with
+    its own globals."""
+    bad = [f"{path.relative_to(REPO)} imports {name}"
+           for path in sorted((REPO / "tests").glob("*.py")) for name in sorted(imported_test_modules(path))]
+    assert not bad, "move what they share into a helper module under tests/: " + "; ".join(bad)

@@ -12,7 +12,7 @@ import time
 import httpx
 
 from kvferry.proxy.migrate import strip_token_ids, token_ids_in
-from tests.test_proxy import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
 
 BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1, "return_token_ids": True}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-from tests.test_up import start_up, stop
+from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
+from tests.mla_helpers import FP32, answers_match, mla_fingerprint
 from tests.pd_helpers import RawPeer, disagg, plain, source_tokens
-from tests.test_mla_vllm import FP32, answers_match, mla_fingerprint
 
 TP2 = ["--dtype", "float32", "--tensor-parallel-size", "2"]
 CORES = "0|1"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.test_up import start_up, stop
+from tests.up_cluster import start_up, stop
 
 openai = pytest.importorskip("openai")
 

@@ -18,16 +18,7 @@ from kvferry.buffer.pd_buffer import (
     Reservation,
     ReservationGone,
 )
-
-PAGE = 256
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.pd_buffer_helpers import PAGE, FakeClock
 
 
 def test_rounding_down_and_too_small(kvf_logs: pytest.LogCaptureFixture) -> None:

@@ -14,8 +14,8 @@ pytest.importorskip("nixl._api")
 from kvferry.common.config import load_config  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint  # noqa: E402
+from tests.kv_caches import make_caches  # noqa: E402
 from tests.polling import until  # noqa: E402
-from tests.test_kernels import make_caches  # noqa: E402
 
 BS, CHUNK, LAYERS, HEADS, HEAD = 16, 32, 2, 2, 64
 NBLOCKS = 24

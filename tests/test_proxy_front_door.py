@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.test_proxy import (
+from tests.stub_procs import (
     _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     events,
     log,

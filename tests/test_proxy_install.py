@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-from tests.test_proxy import _no_process_outlives_its_test, stub, wait_http  # noqa: F401
+from tests.stub_procs import _no_process_outlives_its_test, stub, wait_http  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 OFFLINE = ("No matching distribution found", "Could not find a version", "Failed to establish a new connection",

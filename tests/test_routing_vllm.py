@@ -17,7 +17,7 @@ import pytest
 
 from tests.pd_helpers import source_tokens
 from tests.polling import until
-from tests.test_up import start_up, stop
+from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
 

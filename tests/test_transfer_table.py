@@ -7,7 +7,7 @@ import pytest
 
 from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.receiver.transfers import Incoming, TransferGone, TransferTable
-from tests.test_pd_buffer import PAGE, FakeClock
+from tests.pd_buffer_helpers import PAGE, FakeClock
 
 LEASE, QUEUE = 10.0, 100.0
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-from tests.polling import until
-from tests.test_up import alive, start_up, stop
+from tests.polling import alive, until
+from tests.up_cluster import start_up, stop
 
 
 def _listed(proxy: str) -> set[str]:

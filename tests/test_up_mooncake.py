@@ -13,7 +13,8 @@ import pytest
 from kvferry.common.config import load_config
 from kvferry.engine.remote import mooncake_settings
 from kvferry.launcher.stores import mooncake_master_binary
-from tests.test_up import alive, start_up, stop, tree
+from tests.polling import alive
+from tests.up_cluster import start_up, stop, tree
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(mooncake_master_binary() is None, reason="mooncake_master not installed")]

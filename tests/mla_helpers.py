@@ -1,0 +1,43 @@
+"""MLA (the tiny DeepSeek-V2) on real vLLM CPU servers: float32 servers, the layout fingerprint of
+the model's latent KV, and answers compared across TP sizes (same tokens, logprobs within 1e-3; an
+xfail where vLLM CPU's own TP=1 and TP=2 instances disagree from the first token)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvferry.common import messages as m
+from kvferry.engine.pd import KV_LAYOUT_NAMES
+
+FP32 = ["--dtype", "float32"]
+
+
+def mla_fingerprint(model: Path) -> m.LayoutFingerprint:
+    c = json.loads((model / "config.json").read_text())
+    latent, layers = c["kv_lora_rank"] + c["qk_rope_head_dim"], c["num_hidden_layers"]
+    return m.LayoutFingerprint(model=model.name, dtype="float32", num_layers=layers, num_kv_heads=1,
+                               head_size=latent, block_size=16, kv_layout=KV_LAYOUT_NAMES["mla"],
+                               chunk_format="block", chunk_size=256, tp_size=1,
+                               page_bytes=layers * 256 * latent * 4, kv_kind="mla")
+
+
+def close_to(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]], what: str) -> None:
+    """Across TP sizes: the same tokens, logprobs within 1e-3 (float32)."""
+    assert got[0] == want[0], f"{what}: tokens differ"
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3, f"{what}: logprobs differ"
+
+
+TP_DISAGREES = ("vLLM CPU's own TP=1 and TP=2 instances of the tiny DeepSeek disagree from the first greedy "
+                "token (the prefiller's own token, before any transfer), so equality with a plain instance of "
+                "the decoder's TP size cannot be shown across TP sizes (docs/pd.md)")
+
+
+def answers_match(answers: list[tuple[tuple[list[int], list[float]], tuple[list[int], list[float]]]]) -> None:
+    """The transfer was checked by the caller; the answers across TP sizes are compared last."""
+    if any(got[0][:1] != want[0][:1] for got, want in answers):
+        pytest.xfail(TP_DISAGREES)
+    for i, (got, want) in enumerate(answers):
+        close_to(got, want, f"prompt {i}")

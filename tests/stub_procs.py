@@ -1,0 +1,112 @@
+"""Stub engines and a proxy in front of them as separate processes (real HTTP), for tests of the
+proxy: start them, wait until they answer, read a stub's log, post and stream. The autouse fixture
+`_no_process_outlives_its_test` stops what a test started; a module that starts these processes
+imports it on purpose (`# noqa: F401`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvferry.common.netutil import free_port
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+_ALL: list[Proc] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    """Stops what a test started even when the test failed before its own cleanup."""
+    n = len(_ALL)
+    yield
+    for p in _ALL[n:]:
+        p.stop()
+    del _ALL[n:]
+
+
+class Proc:
+    def __init__(self, args: list[str], url: str, probe: str, wait: bool = True) -> None:
+        self.url, self.probe = url, probe
+        self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        _ALL.append(self)
+        if wait:
+            self.wait()
+
+    def wait(self) -> Proc:
+        wait_http(self.url + self.probe, self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+_SALTS = itertools.count(1)  # each stub samples differently from every other (salts differ by < 500)
+
+
+def stub(delay: float = 0.0, wait: bool = True, *extra: str) -> Proc:
+    port = free_port()
+    return Proc(["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--token-delay", str(delay),
+                 "--salt", str(next(_SALTS)), *extra], f"http://127.0.0.1:{port}", "/health", wait)
+
+
+def stubs(*delays: float) -> list[Proc]:
+    """Stubs started side by side (each costs an interpreter start)."""
+    return [p.wait() for p in [stub(d, wait=False) for d in delays]]
+
+
+def proxy(prefillers: list[Proc], decoders: list[Proc], *extra: str) -> Proc:
+    port = free_port()
+    args = ["-m", "kvferry.proxy", "--port", str(port), "--health-interval", "0.3"]
+    for p in prefillers:
+        args += ["--prefiller", p.url]
+    for d in decoders:
+        args += ["--decoder", f"{d.url},{free_port()},{free_port()}"]
+    return Proc(args + list(extra), f"http://127.0.0.1:{port}", "/metrics")
+
+
+def log(s: Proc) -> dict:
+    return httpx.get(s.url + "/stub/log").json()
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=30, **kw)
+
+
+def events(url: str, path: str, body: dict) -> list:
+    out = []
+    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
