@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from kvferry.common.log import get_logger
 from kvferry.proxy import answers, limits
 from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.errors import ProxyError
@@ -16,6 +17,8 @@ from kvferry.proxy.registry import Instance
 
 if TYPE_CHECKING:
     from kvferry.proxy.routing import Router
+
+logger = get_logger(__name__)
 
 
 class UpstreamClient:
@@ -89,6 +92,7 @@ class Upstream:
             raw = await resp.read()
             resp.release()
             if resp.status < 500:
+                self._refused(resp.status, raw.decode(errors="replace"))
                 raise ProxyError(resp.status, raw.decode(errors="replace")[:500], "upstream_4xx", body=raw)
             raise self.fail("upstream_5xx", 502, f"{self.inst.role} {self.inst.url} answered {resp.status}: "
                                                  f"{raw.decode(errors='replace')[:300]}")
@@ -168,6 +172,13 @@ class Upstream:
         except (ValueError, BadAnswer) as e:
             raise self.bad(f"a bad stream chunk ({e})") from None
 
+    def _refused(self, status: int, message: str) -> None:
+        """A 4xx is the request's, not the instance's; but one on a decode leg (the prefiller took
+        the same request) or after the stream began says something the client cannot see: logged."""
+        if self.leg == "decode":
+            logger.warning("%s %s refused a decode leg with %d: %s", self.inst.role, self.inst.url, status,
+                           " ".join(message.split())[:300])
+
     def _stream_error(self, data: bytes) -> None:
         """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore
         that died mid-stream says so this way. 5xx: the instance's failure; else the request's."""
@@ -180,5 +191,6 @@ class Upstream:
         code = err.get("code")
         message = str(err.get("message") or "error")[:300]
         if isinstance(code, int) and 400 <= code < 500:
+            self._refused(code, message)
             raise ProxyError(code, message, "upstream_4xx")
         raise self.fail("stream_error", 502, f"{self.inst.role} {self.inst.url} failed mid-stream: {message}")
