@@ -44,9 +44,9 @@ from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.common import messages as m
 from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
-from kvferry.receiver.server import KVReceiver, ReceiverConfig
+from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
 from kvferry.receiver.transfers import Incoming
-from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig
+from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig
 
 DEBUG = bool(os.environ.get("KVFERRY_BENCH_DEBUG"))
 SECRET = secret.generate()

@@ -15,12 +15,13 @@ from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.worker import OffloadWorker
 from kvferry.engine.p2p.notices import notice_addr
 from kvferry.engine.p2p.worker import P2PWorker
-from kvferry.engine.pd import PDConsumer, fingerprint
-from kvferry.engine.pd_producer import PDProducer
+from kvferry.engine.pd.consumer import PDConsumer
+from kvferry.engine.pd.producer import PDProducer
+from kvferry.engine.pd.shared import fingerprint
 from kvferry.engine.remote.base import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
-from kvferry.sender.client import ReceiverAddr
+from kvferry.sender.kv_sender import ReceiverAddr
 
 __all__ = [
     "CacheEvict", "CacheLoad", "CacheStore", "OffloadPlanner", "OffloadWorker", "P2PWorker", "PDConsumer",

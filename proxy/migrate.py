@@ -106,7 +106,7 @@ def client_left(ctx, decoder: Instance, tid: str) -> None:
     come back now), with CLIENT_LEFT as the reason. Closing the leg's connection makes vLLM abort
     the request; should the decoder's scheduler see the request before that abort, its connector
     finds the transfer ended for CLIENT_LEFT and waits for vLLM's abort instead of recomputing the
-    prompt for a client that is gone (engine/pd.py)."""
+    prompt for a client that is gone (engine/pd/consumer.py)."""
     if tid:
         ctx.transfers.abort(decoder, tid, CLIENT_LEFT)
 

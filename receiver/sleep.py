@@ -2,7 +2,7 @@
 pd_buffer, deregisters it from NIXL before vLLM unmaps its memory, and registers it again (with a
 new epoch, so every sender handshakes again) after vLLM maps it back (docs/compatibility.md).
 
-A mixin of :class:`~kvferry.receiver.server.KVReceiver`: it uses the receiver's buffer, table,
+A mixin of :class:`~kvferry.receiver.kv_receiver.KVReceiver`: it uses the receiver's buffer, table,
 NIXL agent and threads.
 """
 

@@ -16,7 +16,7 @@ from kvferry.common.log import get_logger
 from kvferry.sender.errors import ChunkError, LeaseExpired, SendError
 
 if TYPE_CHECKING:
-    from kvferry.sender.client import ReceiverAddr
+    from kvferry.sender.kv_sender import ReceiverAddr
 
 logger = get_logger(__name__)
 

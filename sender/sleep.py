@@ -1,8 +1,8 @@
 """vLLM sleep mode on the prefiller side: the sender deregisters its memory (the staging pages) from
 NIXL before vLLM unmaps it and registers it again after (docs/compatibility.md). The caller
-(engine/pd_producer.py) drains the writes that read it first.
+(engine/pd/producer.py) drains the writes that read it first.
 
-A mixin of :class:`~kvferry.sender.client.KVSender`: it uses the sender's agent, registrations and
+A mixin of :class:`~kvferry.sender.kv_sender.KVSender`: it uses the sender's agent, registrations and
 NIXL thread.
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.common import messages as m
-from kvferry.engine.pd import KV_LAYOUT_NAMES
+from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 
 FP32 = ["--dtype", "float32"]
 

@@ -17,7 +17,7 @@ import zmq
 
 from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
-from kvferry.engine.pd import KV_LAYOUT_NAMES
+from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 

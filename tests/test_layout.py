@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,32 @@ def test_no_test_file_imports_another() -> None:
     bad = [f"{path.relative_to(REPO)} imports {name}"
            for path in sorted((REPO / "tests").glob("*.py")) for name in sorted(imported_test_modules(path))]
     assert not bad, "move what they share into a helper module under tests/: " + "; ".join(bad)
+
+
+def _defined(path: Path) -> set[str]:
+    """`name` and `Class.name` for every function and class the module defines at its top level."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def test_one_request_file_by_file_names_real_code() -> None:
+    """docs/architecture.md's walk through one request names files and functions that exist."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("## One request, file by file", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in table.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert len(rows) >= 10, table
+    missing = []
+    for row in rows:
+        files, funcs = [c.strip() for c in row.strip("| ").split(" | ")][1:3]
+        paths = [REPO / f for f in re.findall(r"`([\w/]+\.py)`", files)]
+        names = re.findall(r"`([\w.]+)`", funcs)
+        assert paths and names, row
+        have = set().union(*(_defined(p) for p in paths if p.exists()))
+        missing += [str(p.relative_to(REPO)) for p in paths if not p.exists()]
+        missing += [f"{n} (in {files.strip()})" for n in names if n not in have]
+    assert not missing, f"docs/architecture.md names what the code does not have: {missing}"

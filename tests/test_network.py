@@ -238,7 +238,7 @@ def test_ipv6_kv_transfer_over_ipv6_loopback_with_the_secret() -> None:
     pytest.importorskip("nixl._api")
     import torch
 
-    from kvferry.sender.client import KVSender, SenderConfig
+    from kvferry.sender.kv_sender import KVSender, SenderConfig
     from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint
     from tests.transfer_helpers import trust as trust_of
 

@@ -344,7 +344,7 @@ def test_pd_buffer_device_is_the_kv_caches_or_refused_with_the_fix() -> None:
     import torch
 
     from kvferry.common.config import ConfigError, load_config
-    from kvferry.engine.pd import buffer_device
+    from kvferry.engine.pd.shared import buffer_device
     from kvferry.kernels.paged_copy import PagedKV
 
     kv = PagedKV([torch.zeros(4, 2, 16, 128, dtype=torch.bfloat16)], "cpu")

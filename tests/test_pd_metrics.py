@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvferry.connector.stats import GAUGES, SERIES, KVFerryPromMetrics, KVFerryStats, deltas
-from kvferry.engine import pd, pd_producer
+from kvferry.engine.pd import consumer, producer, shared
 
 
 class _Registry:
@@ -44,7 +44,7 @@ def prom() -> tuple[KVFerryPromMetrics, CollectorRegistry]:
 
 def test_every_pd_stat_key_is_a_declared_series() -> None:
     # The keys the pd tier reports, read from its source: a key with no series would be dropped silently.
-    src = inspect.getsource(pd) + inspect.getsource(pd_producer)
+    src = "".join(inspect.getsource(mod) for mod in (consumer, producer, shared))
     keys = set(re.findall(r'"(pd_[a-z_]+)(?:\|[^"]*)?"', src)) | set(re.findall(r'f"(pd_[a-z_]+)\|', src))
     assert {"pd_sent", "pd_send_failures", "pd_received", "pd_recomputed", "pd_buffer_free_pages",
             "pd_alloc_wait_seconds", "pd_arrival_wait_seconds"} <= keys
@@ -88,7 +88,7 @@ def test_free_pages_and_transfers_in_flight_are_true_when_scraped_between_engine
     import torch
 
     from kvferry.common.live_gauges import gauge_path
-    from kvferry.sender.client import KVSender, SenderConfig
+    from kvferry.sender.kv_sender import KVSender, SenderConfig
     from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint
 
     engine_id = f"test-{uuid.uuid4()}"

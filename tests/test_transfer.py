@@ -18,7 +18,6 @@ pytest.importorskip("nixl._api")
 
 from kvferry.common import messages as m  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
-from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig  # noqa: E402
 from kvferry.sender.errors import (  # noqa: E402
     AllocFailed,
     FingerprintMismatch,
@@ -26,6 +25,7 @@ from kvferry.sender.errors import (  # noqa: E402
     LeaseExpired,
     SendError,
 )
+from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig  # noqa: E402
 from tests.polling import until  # noqa: E402
 from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
 
@@ -417,8 +417,8 @@ def test_idle_sender_and_receiver_use_under_5_percent_of_a_core(receiver) -> Non
 
 def test_settings_come_from_the_seed_keys() -> None:
     from kvferry.common.config import load_config
-    from kvferry.receiver.server import ReceiverError, receiver_config
-    from kvferry.sender.client import sender_config
+    from kvferry.receiver.kv_receiver import ReceiverError, receiver_config
+    from kvferry.sender.kv_sender import sender_config
 
     cfg = load_config({"enable_pd": True, "pd_role": "receiver", "pd_peer_host": "127.0.0.1",
                        "pd_peer_init_port": [7300, 7301], "pd_peer_alloc_port": [7400, 7401],
@@ -437,7 +437,7 @@ def test_closing_a_receiver_ends_waiting_allocs_at_once() -> None:
     import threading
 
     from kvferry.buffer.pd_buffer import PDBuffer
-    from kvferry.receiver.server import KVReceiver, ReceiverConfig
+    from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
 
     rx = KVReceiver(ReceiverConfig("127.0.0.1", free_port(), free_port(), alloc_timeout=60),
                     PDBuffer(2 * PAGE, "cpu", PAGE), fingerprint()).start()

@@ -51,7 +51,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
     import torch
 
     from kvferry.buffer.pd_buffer import PDBuffer
-    from kvferry.receiver.server import KVReceiver, ReceiverConfig
+    from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
     from kvferry.receiver.transfers import TransferError
 
     torch.set_num_threads(1)
@@ -125,7 +125,7 @@ class ReceiverProc:
 
     @property
     def addr(self):
-        from kvferry.sender.client import ReceiverAddr
+        from kvferry.sender.kv_sender import ReceiverAddr
         return ReceiverAddr(self.opts.get("host", "127.0.0.1"), self.init_port, self.alloc_port)
 
     def stop(self) -> None:
@@ -149,7 +149,7 @@ def sender_main(conn, addr: tuple, pages: int) -> None:
     where it likes."""
     import torch
 
-    from kvferry.sender.client import KVSender, ReceiverAddr, SenderConfig
+    from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig
 
     src = torch.arange(pages * PAGE, dtype=torch.int64).to(torch.uint8)
     with KVSender(SenderConfig("doomed"), fingerprint()) as s:

@@ -1,16 +1,5 @@
-"""The pd tier of the KV engine: a prefiller's chunks out to a decoder's pd_buffer, and back into
-the decoder's paged cache.
-
-- :class:`~kvferry.engine.pd_producer.PDProducer` (prefiller worker, engine/pd_producer.py):
-  reserves the decoder's pages when the prompt is first scheduled and writes its chunks as they
-  are computed; the forward pass never waits on the network.
-- :class:`PDConsumer` (decoder worker): runs the receiver, waits (bounded by
-  ``pd_kv_ready_timeout``) for each expected transfer without blocking other requests, checks
-  that the chunk keys match the decoder's own prompt, scatters the chunks into the request's
-  blocks and frees the pages.
-
-Neither knows vLLM: the connector maps vLLM's requests and blocks onto these calls.
-"""
+"""The PD path's decoder side: :class:`PDConsumer` waits for each expected transfer, checks its
+chunk keys against the decoder's own prompt and scatters the chunks into the request's blocks."""
 
 from __future__ import annotations
 
@@ -21,62 +10,20 @@ from dataclasses import dataclass, field
 from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.common import live_gauges
 from kvferry.common import messages as m
-from kvferry.common.config import ConfigError, KVFerryConfig
-from kvferry.common.errors import BadDataError
-from kvferry.common.hashing import chunk_keys, salt_for
+from kvferry.common.config import KVFerryConfig
+from kvferry.common.hashing import chunk_keys
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_tokens, scatter_chunks
+from kvferry.engine.pd.shared import buffer_device, buffer_gauges, bump, key_salt
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
-from kvferry.receiver.server import KVReceiver, receiver_config
+from kvferry.receiver.kv_receiver import KVReceiver, receiver_config
 from kvferry.receiver.transfers import TransferError
 
 logger = get_logger(__name__)
 
-KV_LAYOUT_NAMES = {
-    "cpu": "cpu:[blocks,kv_heads,block_size,2*head_size]",
-    "flash_nhd": "flash_nhd:[2,blocks,block_size,kv_heads,head_size]",
-    "flash_hnd": "flash_hnd:[2,blocks,kv_heads,block_size,head_size]",
-    "mla": "mla:[blocks,block_size,kv_lora_rank+qk_rope_head_dim]",
-}
-
-
-def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_size: int = 1
-                ) -> m.LayoutFingerprint:
-    """What a prefiller and a decoder must agree on, from the KV caches vLLM registered."""
-    lay = kv.layout
-    if chunk_format == "block" and chunk_size % lay.block_size:
-        raise LayoutError(f"chunk_size {chunk_size} is not a multiple of vLLM's block_size {lay.block_size}: "
-                          f"set chunk_size to a multiple of {lay.block_size}, or pd_chunk_format: token")
-    if chunk_format == "token" and kv.table("token") is None and kv.device.type != "cpu":
-        raise LayoutError(f"pd_chunk_format: token is not supported for the {lay.name} layout on "
-                          f"{kv.device}: use pd_chunk_format: block")
-    return m.LayoutFingerprint(
-        model=model, dtype=str(lay.dtype).removeprefix("torch."), num_layers=kv.num_layers,
-        num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
-        kv_layout=KV_LAYOUT_NAMES[lay.name], chunk_format=chunk_format, chunk_size=chunk_size,
-        tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size),
-        kv_kind="mla" if lay.is_mla else "mha")
-
-
-def key_salt(fp: m.LayoutFingerprint) -> bytes:
-    """Keys of different models or layouts never match."""
-    return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
-                    fp.chunk_format, fp.chunk_size)  # kv_layout tells MLA from K/V caches
-
-
-class StagingError(BadDataError, ValueError):
-    """A prompt's blocks could not be gathered for sending (block ids that do not fit the KV cache)."""
-
-
-def bump(d: dict[str, int], key: str) -> None:
-    d[key] = d.get(key, 0) + 1
-
-
-def buffer_gauges(buf: PDBuffer, rank: int) -> dict[str, float]:
-    return {f"pd_buffer_free_pages|{rank}": buf.free_pages, f"pd_buffer_pages|{rank}": buf.num_pages}
 
 
 @dataclass
@@ -90,17 +37,6 @@ class ConsumerCounters:
     recomputed: dict[str, int] = field(default_factory=dict)
     arrival_wait_seconds: float = 0.0  # scheduled -> its KV loaded
     arrival_waits: int = 0
-
-
-def buffer_device(cfg: KVFerryConfig, kv: PagedKV) -> str:
-    """The pd_buffer's device: the KV cache's, since the copy kernels read both; another is refused."""
-    have = str(kv.device) if kv.device.type == "cuda" else "cpu"
-    want = cfg.pd_buffer_device
-    if want is not None and want != have and not (want == "cuda" and kv.device.type == "cuda"):
-        raise ConfigError(f"pd_buffer_device is {want!r} but this worker's KV cache is on {have}: the pd_buffer "
-                          f"must sit with the KV cache (its copies read both); set pd_buffer_device to "
-                          f"{kv.device.type!r} or remove it")
-    return have
 
 
 @dataclass
