@@ -123,24 +123,40 @@ def _healthy_decoders(url: str) -> int:
                if i["role"] == "decoder" and i["healthy"])
 
 
+def _both_in_flight(cluster: dict) -> list[Stream]:
+    """Two streams (round robin: one per decoder), each with 4 tokens out and neither finished.
+    A stream lasts about a second here; one can finish before the other's prefill is done (it
+    waits behind other work). Such a pair never reached the state the test needs: it runs to
+    its end, and a new pair starts (at most 4 pairs)."""
+    url = cluster["url"]
+    for _ in range(4):
+        streams = [Stream(url, PROMPTS[0]), Stream(url, PROMPTS[1], chat=True)]
+        for s in streams:
+            s.start()
+        deadline = time.monotonic() + 120
+        while not all(len(s.ids) >= 4 for s in streams) and all(s.is_alive() for s in streams):
+            if time.monotonic() > deadline:
+                for s in streams:
+                    print("stream", s.chat, s.done, len(s.ids), repr(s.error), s.chunks[:3], s.chunks[-3:])
+                print(_tail(cluster["log"]))
+                raise AssertionError("no stream got 4 tokens in 120 s")
+            time.sleep(0.01)
+        if all(s.is_alive() for s in streams):
+            return streams
+        for s in streams:  # one finished first: it must have finished well, and the other too
+            s.join(120)
+            assert s.done and s.error is None and not any("error" in c for c in s.chunks), (s.error, s.chunks[-3:])
+    raise AssertionError("4 pairs of streams in a row: one finished before the other's 4th token")
+
+
 def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Stream]:
-    """Two streams (round robin: one per decoder); once both have tokens, `sig` to decoder 0."""
+    """Two streams in flight; then `sig` to the decoder that runs one of them."""
     url = cluster["url"]
     deadline = time.monotonic() + 60
     while _healthy_decoders(url) < 2:
         assert time.monotonic() < deadline, "a decoder did not come back"
         time.sleep(0.5)
-    streams = [Stream(url, PROMPTS[0]), Stream(url, PROMPTS[1], chat=True)]
-    for s in streams:
-        s.start()
-    deadline = time.monotonic() + 120
-    while not all(len(s.ids) >= 4 for s in streams):
-        if not (time.monotonic() < deadline and all(s.is_alive() for s in streams)):
-            for s in streams:
-                print("stream", s.chat, s.done, len(s.ids), repr(s.error), s.chunks[:3], s.chunks[-3:])
-            print(_tail(cluster["log"]))
-            raise AssertionError("a stream ended before its 4th token, or none got 4 in 120 s")
-        time.sleep(0.01)
+    streams = _both_in_flight(cluster)
     # The decoder running a stream (round robin puts one on each, unless earlier requests moved
     # its turn): a frozen or killed decoder with no stream would test nothing.
     d = next(d for d in cluster["decoders"] if _running(d["url"]))
