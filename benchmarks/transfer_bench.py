@@ -46,7 +46,8 @@ from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
 from kvferry.receiver.transfers import Incoming
-from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig
+from kvferry.sender.addr import ReceiverAddr
+from kvferry.sender.kv_sender import KVSender, SenderConfig
 
 DEBUG = bool(os.environ.get("KVFERRY_BENCH_DEBUG"))
 SECRET = secret.generate()

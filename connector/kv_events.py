@@ -18,7 +18,7 @@ from kvferry.common import zsock
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.log import get_logger
-from kvferry.engine.offload.tier_events import ChunkStored, TierEvent
+from kvferry.engine.api import ChunkStored, TierEvent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

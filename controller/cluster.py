@@ -16,7 +16,7 @@ from typing import Any
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.log import get_logger
-from kvferry.controller.api import build_app
+from kvferry.controller.guard import ASGIApp
 from kvferry.controller.http import HttpServer
 from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
 from kvferry.controller.workers import PORTS, WorkerLinks, new_id
@@ -54,10 +54,11 @@ class Controller:
         except zsock.ExposureError as e:
             raise SystemExit(f"kvferry-controller: {e}") from None
 
-    async def start(self) -> None:
+    async def start(self, app: ASGIApp) -> None:
+        """Serve `app` (controller/api.py's build_app of this controller) and the worker links."""
         self.check_exposure()
         self.links.start()
-        self._http = HttpServer(build_app(self), self.host, self.port)
+        self._http = HttpServer(app, self.host, self.port)
         await self._http.start()
         logger.info("kvferry controller: web page and API on http://%s:%d/ (OpenAPI at /docs), pull %d, reply %d%s; "
                     "%s, %s", self.host, self.port, self.ports["pull"], self.ports["reply"],

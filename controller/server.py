@@ -20,6 +20,7 @@ from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import get_logger
+from kvferry.controller.api import build_app
 from kvferry.controller.cluster import Controller
 
 logger = get_logger(__name__)
@@ -85,7 +86,7 @@ async def serve(args: argparse.Namespace, trust: zsock.Trust = zsock.PLAIN) -> N
     c = Controller(args.host, args.port, args.monitor_ports, args.command_timeout, trust=trust,
                    admin_key=args.admin_key)
     try:
-        await c.start()
+        await c.start(build_app(c))
     except SystemExit:
         await c.stop()  # what did start (loops, sockets) ends before the one-line error
         raise

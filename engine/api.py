@@ -12,6 +12,7 @@ from kvferry.engine.offload.ops import (
     offload_salt,
 )
 from kvferry.engine.offload.planner import OffloadPlanner
+from kvferry.engine.offload.tier_events import ChunkStored, TierEvent
 from kvferry.engine.offload.worker import OffloadWorker
 from kvferry.engine.p2p.notices import notice_addr
 from kvferry.engine.p2p.worker import P2PWorker
@@ -21,10 +22,10 @@ from kvferry.engine.pd.shared import fingerprint
 from kvferry.engine.remote.base import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
-from kvferry.sender.kv_sender import ReceiverAddr
+from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
-    "CacheEvict", "CacheLoad", "CacheStore", "OffloadPlanner", "OffloadWorker", "P2PWorker", "PDConsumer",
+    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker", "PDConsumer",
     "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "detect_layout", "fingerprint", "layout_digest",
     "loaded_blocks", "notice_addr", "offload_salt",
 ]

@@ -102,7 +102,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 class RowCopier:
-    """Copies a chunk's rows between a row table (see paged_copy.RowTable) and a chunk buffer."""
+    """Copies a chunk's rows between a row table (see row_table.RowTable) and a chunk buffer."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._c = lib.kvf_copy_table

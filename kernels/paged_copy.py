@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from kvferry.kernels import native
 from kvferry.kernels.layout import FORMATS, KVLayout, LayoutError, detect_layout
+from kvferry.kernels.row_table import RowTable, check_chunk_buf
 
 # complex128 is the widest element torch has: its copies move 16 bytes per element (moves only,
 # no arithmetic, so every bit pattern survives; the property tests use random bytes), and wider
@@ -45,35 +45,6 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expect *= n
     return True
-
-
-@dataclass
-class RowTable:
-    """Planes whose rows are chunk rows: byte address of row 0, byte stride, bytes per row."""
-
-    bases: list[int]
-    strides: list[int]
-    row_bytes: int
-    word: int = 1  # widest integer word dividing every base, stride and row size
-    base_words: torch.Tensor | None = None  # relative to the span start, in words (CPU)
-    stride_words: torch.Tensor | None = None
-    base_addr: torch.Tensor | None = None  # absolute, in bytes, for the compiled row copy (CPU)
-    stride_bytes: torch.Tensor | None = None
-    device_planes: torch.Tensor | None = None  # bases and strides on the GPU (Triton), built once
-
-    def finish(self, span_lo: int | None) -> RowTable:
-        g = math.gcd(self.row_bytes, 16, *self.strides, *self.bases)
-        self.word = 1 << (g.bit_length() - 1)
-        if span_lo is not None:  # [planes, 1] columns: offsets = base + row * stride, one addcmul
-            self.base_words = torch.tensor([[(b - span_lo) // self.word] for b in self.bases])
-            self.stride_words = torch.tensor([[s // self.word] for s in self.strides])
-            self.base_addr = torch.tensor(self.bases, dtype=torch.int64)
-            self.stride_bytes = torch.tensor(self.strides, dtype=torch.int64)
-        return self
-
-    @property
-    def row_words(self) -> int:
-        return self.row_bytes // self.word
 
 
 class PagedKV:
@@ -198,17 +169,8 @@ class PagedKV:
         bs = self.layout.block_size
         return (ids[:, None] * bs + np.arange(bs)).reshape(-1)[:n], n
 
-    @staticmethod
-    def check_chunk_buf(buf: torch.Tensor, nbytes: int) -> None:
-        # reshape() of a strided tensor would copy: a gather would then fill a temporary.
-        if not buf.is_contiguous():
-            raise ValueError("chunk buffer must be contiguous (e.g. a pd_buffer page)")
-        have = buf.numel() * buf.element_size()
-        if have < nbytes:
-            raise ValueError(f"chunk buffer holds {have} bytes, this chunk needs {nbytes}")
-
     def chunk_bytes_view(self, buf: torch.Tensor, nbytes: int) -> torch.Tensor:
-        self.check_chunk_buf(buf, nbytes)
+        check_chunk_buf(buf, nbytes)
         flat = buf.view(-1)
         if flat.dtype != torch.uint8:
             flat = flat.view(torch.uint8)
@@ -246,7 +208,7 @@ class PagedKV:
         nbytes = len(self._planes) * (len(block_ids) - first) * rb
         if self.device.type == "cuda":
             from kvferry.kernels import triton_copy
-            triton_copy.copy_rows(self, self._tables["block"], np.asarray(tail, dtype=np.int64), [len(tail)],
+            triton_copy.copy_rows(self.device, self._tables["block"], np.asarray(tail, dtype=np.int64), [len(tail)],
                                   [chunk], [len(self._planes) * nblk * rb], False, plane_rows=[nblk], first=[first])
             return nbytes
         tail_t = torch.tensor(tail, dtype=torch.long, device=self.device)
@@ -267,7 +229,7 @@ class PagedKV:
         if self.device.type == "cuda" and table is not None:
             from kvferry.kernels import triton_copy
             rows, counts, ns = self.host_rows_batch(block_ids, fmt, num_tokens)
-            return triton_copy.copy_rows(self, table, rows, counts, bufs, [self.chunk_nbytes(fmt, n) for n in ns],
+            return triton_copy.copy_rows(self.device, table, rows, counts, bufs, [self.chunk_nbytes(fmt, n) for n in ns],
                                          to_chunk)
         checked = [self._indices(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
         if table is None:
@@ -295,7 +257,7 @@ class PagedKV:
         # Lean on purpose: a 1 MiB copy takes tens of microseconds, so each microsecond of Python counts.
         ids, n = self._indices(block_ids, fmt, num_tokens, check_range=False)
         nbytes = self.chunk_nbytes(fmt, n)
-        self.check_chunk_buf(buf, nbytes)
+        check_chunk_buf(buf, nbytes)
         row_limit = self.layout.num_blocks * (1 if fmt == "block" else self.layout.block_size)
         try:
             rowcopy.copy(table.base_addr, table.stride_bytes, self.rows(fmt, ids, n), row_limit,

@@ -13,15 +13,13 @@ Runs under TRITON_INTERPRET=1 on CPU tensors too, which is how CI checks it with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from kvferry.kernels.paged_copy import PagedKV, RowTable
+from kvferry.kernels.row_table import RowTable, check_chunk_buf
 
 _TL_WORD = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 PROGRAM_WORDS = 4096
@@ -64,16 +62,16 @@ def _word(table: RowTable) -> int:
     return min(table.word, 8)  # Triton has no 16-byte integer
 
 
-def _device_planes(kv: PagedKV, table: RowTable) -> torch.Tensor:
+def _device_planes(device: torch.device, table: RowTable) -> torch.Tensor:
     """[bases..., strides in words...] on the device, built once per table."""
     if table.device_planes is None:
         w = _word(table)
         table.device_planes = torch.tensor(table.bases + [s // w for s in table.strides],
-                                           dtype=torch.int64).to(kv.device)
+                                           dtype=torch.int64).to(device)
     return table.device_planes
 
 
-def copy_rows(kv: PagedKV, table: RowTable, rows: np.ndarray, counts: Sequence[int], bufs: Sequence[torch.Tensor],
+def copy_rows(device: torch.device, table: RowTable, rows: np.ndarray, counts: Sequence[int], bufs: Sequence[torch.Tensor],
               nbytes: Sequence[int], to_chunk: bool, plane_rows: Sequence[int] | None = None,
               first: Sequence[int] | None = None) -> int:
     """Copy rows of every plane between the cache and the chunk buffers `bufs`, in one launch.
@@ -86,16 +84,16 @@ def copy_rows(kv: PagedKV, table: RowTable, rows: np.ndarray, counts: Sequence[i
     """
     ptrs = []
     for b, size in zip(bufs, nbytes, strict=True):
-        if b.device != kv.device:
-            raise ValueError(f"chunk buffer is on {b.device}, the KV cache on {kv.device}")
+        if b.device != device:
+            raise ValueError(f"chunk buffer is on {b.device}, the KV cache on {device}")
         if not b.is_contiguous() or b.numel() * b.element_size() < size:
-            kv.check_chunk_buf(b, size)  # raises, naming what is wrong
+            check_chunk_buf(b, size)  # raises, naming what is wrong
         ptrs.append(b.data_ptr())
     if any(p % table.word for p in ptrs):
         raise ValueError(f"chunk buffer is not aligned to {table.word} bytes")
     nc, nq = len(ptrs), len(table.bases)
     max_rows = max(counts)
-    host = torch.empty(_CHUNK_COLS * nc + rows.size, dtype=torch.int64, pin_memory=kv.device.type == "cuda")
+    host = torch.empty(_CHUNK_COLS * nc + rows.size, dtype=torch.int64, pin_memory=device.type == "cuda")
     h = host.numpy()
     h[:nc] = ptrs
     h[nc:2 * nc] = counts
@@ -104,7 +102,7 @@ def copy_rows(kv: PagedKV, table: RowTable, rows: np.ndarray, counts: Sequence[i
     h[4 * nc + 1:5 * nc] = np.cumsum(counts[:-1])
     h[4 * nc] = 0
     h[_CHUNK_COLS * nc:] = rows
-    table_dev = host.to(kv.device, non_blocking=True)
+    table_dev = host.to(device, non_blocking=True)
     w = _word(table)
     row_words = table.row_bytes // w
     # Short rows (a token's heads) are batched so every program moves about PROGRAM_WORDS words.
@@ -112,7 +110,7 @@ def copy_rows(kv: PagedKV, table: RowTable, rows: np.ndarray, counts: Sequence[i
     rows_per = PROGRAM_WORDS // tile
     row_blocks = triton.cdiv(max_rows, rows_per)
     grid = (nc * nq * row_blocks, triton.cdiv(row_words, tile))
-    _copy_rows[grid](_device_planes(kv, table), table_dev, table_dev[_CHUNK_COLS * nc:], nq, nc,
+    _copy_rows[grid](_device_planes(device, table), table_dev, table_dev[_CHUNK_COLS * nc:], nq, nc,
                      row_blocks, row_words, WORD=_TL_WORD[w], TO_CHUNK=to_chunk, ROWS=rows_per, TILE=tile,
                      num_warps=NUM_WARPS)
     return sum(nbytes)

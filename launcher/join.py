@@ -252,8 +252,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return _attach(args, target, secret, advertise)
+    from kvferry.launcher.local_node import UpError, model_of
     from kvferry.launcher.pd_instances import Decoder, Prefiller
-    from kvferry.launcher.up import UpError, model_of
     try:
         model, served, max_len = model_of(args.model)
     except UpError as e:
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         extra += ["--host", args.bind_host]  # vLLM takes the last --host
     if args.tp > 1:
         extra += ["--tensor-parallel-size", str(args.tp)]
-    from kvferry.launcher.up import gpu_count
+    from kvferry.launcher.local_node import gpu_count
     if gpu_count():
         keys.setdefault("pd_buffer_device", "cuda")
     pub, replay = (f"ipc://{log_dir}/kv-events-{port}{s}.sock" for s in ("", "-replay"))

@@ -13,7 +13,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from pathlib import Path
 
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
-from kvferry.common.errors import ConfigurationError
 from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
 from kvferry.launcher import stores
+from kvferry.launcher.local_node import UpError, gpu_count, model_of
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.reaper import Reaper
 from kvferry.launcher.restarts import Restarts
@@ -41,10 +40,6 @@ from kvferry.launcher.vllm_proc import (
 )
 
 STOP_SECONDS = 15.0
-
-
-class UpError(ConfigurationError, RuntimeError):
-    """Cannot start the cluster; the message says why and what to do."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,31 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="an instance that dies is started again, with back-off, at most this many times (0: never)")
-
-
-def gpu_count() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def model_of(arg: str | None) -> tuple[str, str, int | None]:
-    """(model path or name, served name, max model length) for --model (None: the tiny test model)."""
-    if arg is None:
-        from kvferry.launcher import tiny_model
-        print("using the tiny test model (built on first use)", flush=True)
-        return str(tiny_model.ensure()), "tiny", 8192
-    model = arg
-    looks_local = arg.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(arg))
-    if looks_local and not Path(os.path.expanduser(arg)).exists():
-        raise UpError(f"--model {arg}: no such path")
-    if looks_local:
-        model = str(Path(os.path.expanduser(arg)).resolve())
-    return model, arg, None
 
 
 def plan(args: argparse.Namespace) -> dict:

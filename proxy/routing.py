@@ -88,7 +88,7 @@ class Router:
         return g
 
     def upstream(self, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> Upstream:
-        return Upstream(self, inst, prompt_tokens, leg)
+        return Upstream(self, self.client, inst, prompt_tokens, leg)
 
     def pick(self, request: web.Request, role: str, exclude: Instance | None = None) -> Instance:
         """An instance of `role` for this request (by the client's affinity header when set), not

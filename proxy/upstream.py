@@ -4,9 +4,10 @@ which maps every failure to a client error and reports it to the router."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
+from prometheus_client import Gauge
 
 from kvferry.common.log import get_logger
 from kvferry.proxy import answers, limits
@@ -14,9 +15,6 @@ from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.registry import Instance
-
-if TYPE_CHECKING:
-    from kvferry.proxy.routing import Router
 
 logger = get_logger(__name__)
 
@@ -51,13 +49,21 @@ class UpstreamClient:
             await self.session.close()
 
 
+class LegWatcher(Protocol):
+    """What a leg reports to (the router): its in-flight gauge, and each failure."""
+
+    def in_flight(self, inst: Instance) -> Gauge: ...
+
+    def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None: ...
+
+
 class Upstream:
     """One leg to one instance: counts its load, maps failures to client errors; every failure
-    is logged, counted and makes the router probe the instance (Router.upstream_failed)."""
+    is logged, counted and makes the router probe the instance (`LegWatcher.upstream_failed`)."""
 
-    def __init__(self, router: Router, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> None:
-        self.router, self.inst, self.tokens, self.leg = router, inst, prompt_tokens, leg
-        self.client = router.client
+    def __init__(self, router: LegWatcher, client: UpstreamClient, inst: Instance, prompt_tokens: int = 0,
+                 leg: str = "decode") -> None:
+        self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
 
     def __enter__(self) -> Upstream:
         self.inst.active += 1

@@ -6,17 +6,14 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 
 from kvferry.buffer import peering
 from kvferry.common import messages as m
 from kvferry.common.log import get_logger
+from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import ChunkError, LeaseExpired, SendError
-
-if TYPE_CHECKING:
-    from kvferry.sender.kv_sender import ReceiverAddr
 
 logger = get_logger(__name__)
 

@@ -35,6 +35,7 @@ from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
+from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import (
     AllocFailed,
     ChunkError,
@@ -59,16 +60,6 @@ from kvferry.sender.sleep import SenderSleep
 logger = get_logger(__name__)
 
 POLL_S = 0.00005
-
-
-@dataclass(frozen=True)
-class ReceiverAddr:
-    host: str
-    init_port: int
-    alloc_port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.init_port}/{self.alloc_port}"
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ def run(k, ids, bufs, fmt, ns, to_chunk):
     if table is None:  # layouts without memory rows never reach the kernel
         return k.copy_batch(ids, bufs, fmt, ns, to_chunk)
     rows, counts, got = k.host_rows_batch(ids, fmt, ns)
-    return triton_copy.copy_rows(k, table, rows, counts, bufs, [k.chunk_nbytes(fmt, n) for n in got], to_chunk)
+    return triton_copy.copy_rows(k.device, table, rows, counts, bufs, [k.chunk_nbytes(fmt, n) for n in got], to_chunk)
 
 def scatter_tail(k, chunk, ids, first):
     # scatter_blocks' Triton call (the CUDA branch), run directly.
     if dev == "cuda":
         return k.scatter_blocks(chunk, ids, first)
     rb = k.layout.block_bytes
-    return triton_copy.copy_rows(k, k.table("block"), torch.tensor(ids[first:]).numpy(), [len(ids) - first], [chunk],
+    return triton_copy.copy_rows(k.device, k.table("block"), torch.tensor(ids[first:]).numpy(), [len(ids) - first], [chunk],
                                  [len(k._planes) * len(ids) * rb], False, plane_rows=[len(ids)], first=[first])
 
 for name in ["cpu", "flash_nhd", "flash_hnd", "mla"]:

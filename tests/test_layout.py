@@ -99,6 +99,88 @@ def test_modules_and_classes_stay_small() -> None:
     assert not big, "split these by concern: " + "; ".join(big)
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    return "kvferry." + ".".join(rel.parts).removesuffix(".__init__")
+
+
+def kvferry_imports(path: Path) -> set[str]:
+    """Every kvferry module `path` imports (for `from a.b import c`, both a.b and a.b.c), at any
+    depth: function bodies and TYPE_CHECKING blocks count, since each still ties the two files."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("kvferry.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("kvferry."):
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def library_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for folder in ALLOWED for p in (REPO / folder).rglob("*.py")}
+    return {m: {d for d in kvferry_imports(p) if d in paths and d != m} for m, p in paths.items()}
+
+
+def test_import_cycles_are_found() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_two_library_modules_import_each_other() -> None:
+    """A cycle (even a deferred or TYPE_CHECKING import) means neither file reads without the
+    other: what both need moves to a third module, or one side takes a callback or Protocol."""
+    assert not import_cycles(library_graph()), "break these import cycles: " + "; ".join(
+        " <-> ".join(c) for c in import_cycles(library_graph()))
+
+
+def test_the_connector_imports_only_engine_api_and_common() -> None:
+    """vLLM's side of kvferry sees one face of the engine (engine/api.py), so the engine's files
+    can move without touching the connector; and no library module imports kvferry.testing."""
+    bad = []
+    for m, deps in library_graph().items():
+        for d in deps:
+            if m.startswith("kvferry.connector.") and not d.startswith(
+                    ("kvferry.connector", "kvferry.common", "kvferry.engine.api")):
+                bad.append(f"{m} imports {d}")
+    for folder in ALLOWED:
+        for path in (REPO / folder).rglob("*.py"):
+            bad += [f"{module_name(path)} imports {d}" for d in kvferry_imports(path)
+                    if d.startswith("kvferry.testing")]
+    assert not bad, bad
+
+
 def imported_test_modules(path: Path) -> set[str]:
     """The test modules (tests.test_*, or test_* with tests/ on sys.path) a file imports."""
     names: set[str] = set()

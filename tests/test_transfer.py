@@ -18,6 +18,7 @@ pytest.importorskip("nixl._api")
 
 from kvferry.common import messages as m  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
+from kvferry.sender.addr import ReceiverAddr  # noqa: E402
 from kvferry.sender.errors import (  # noqa: E402
     AllocFailed,
     FingerprintMismatch,
@@ -25,7 +26,7 @@ from kvferry.sender.errors import (  # noqa: E402
     LeaseExpired,
     SendError,
 )
-from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig  # noqa: E402
+from kvferry.sender.kv_sender import KVSender, SenderConfig  # noqa: E402
 from tests.polling import until  # noqa: E402
 from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
 

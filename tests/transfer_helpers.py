@@ -125,7 +125,7 @@ class ReceiverProc:
 
     @property
     def addr(self):
-        from kvferry.sender.kv_sender import ReceiverAddr
+        from kvferry.sender.addr import ReceiverAddr
         return ReceiverAddr(self.opts.get("host", "127.0.0.1"), self.init_port, self.alloc_port)
 
     def stop(self) -> None:
@@ -149,7 +149,8 @@ def sender_main(conn, addr: tuple, pages: int) -> None:
     where it likes."""
     import torch
 
-    from kvferry.sender.kv_sender import KVSender, ReceiverAddr, SenderConfig
+    from kvferry.sender.addr import ReceiverAddr
+    from kvferry.sender.kv_sender import KVSender, SenderConfig
 
     src = torch.arange(pages * PAGE, dtype=torch.int64).to(torch.uint8)
     with KVSender(SenderConfig("doomed"), fingerprint()) as s:

@@ -40,8 +40,9 @@ from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
 from kvferry.kernels.paged_copy import PagedKV
+from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import SendError, failure_reason
-from kvferry.sender.kv_sender import Grant, KVSender, ReceiverAddr, SendResult, sender_config
+from kvferry.sender.kv_sender import Grant, KVSender, SendResult, sender_config
 
 logger = get_logger(__name__)
 
