@@ -3,7 +3,7 @@
     python benchmarks/discovery_bench.py --json [--rounds 5] [--requests 400] [--concurrency 8]
 
 A real etcd, two kvferry proxies (separate processes, `--discovery etcd://...`, the cluster secret
-on), stub engines (proxy/stub_engine.py) registered by `kvferry join --attach` sidecars (lease
+on), stub engines (testing/stub_engine.py) registered by `kvferry join --attach` sidecars (lease
 TTL 2 s). Per round a third prefiller joins and its sidecar is then SIGKILLed:
 
 - ``join_to_routed_p50_s``: from the registration's etcd event until both proxies list it as
@@ -154,7 +154,7 @@ def main() -> int:
         for name in ("p1", "p2", "p3", "d1"):
             port = free_port()
             extra = ["--prompt-delay", "0.02", "--max-running", "1"] if name in ("p1", "p2") else []
-            procs.start(name, ["-m", "kvferry.proxy.stub_engine", "--port", str(port), *extra],
+            procs.start(name, ["-m", "kvferry.testing.stub_engine", "--port", str(port), *extra],
                         f"http://127.0.0.1:{port}/health")
             stubs[name] = f"http://127.0.0.1:{port}"
 

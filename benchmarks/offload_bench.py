@@ -33,7 +33,7 @@ from kvferry.common.hashing import chunk_keys
 from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.tiers.disk import rank_root
 from kvferry.launcher import tiny_model
-from kvferry.launcher.pd_instances import OffloadServer
+from kvferry.testing.vllm_servers import OffloadServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_bench import stream  # noqa: E402

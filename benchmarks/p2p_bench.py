@@ -58,8 +58,8 @@ import msgspec
 from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
-from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
-from kvferry.launcher.stores import Controller
+from kvferry.testing.stores import Controller
+from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_bench import stream  # noqa: E402

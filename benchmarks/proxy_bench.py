@@ -112,8 +112,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     args = ap.parse_args()
     ps, ds, px = free_port(), free_port(), free_port()
-    procs = [start(["-m", "kvferry.proxy.stub_engine", "--port", str(ps)], f"http://127.0.0.1:{ps}/health"),
-             start(["-m", "kvferry.proxy.stub_engine", "--port", str(ds)], f"http://127.0.0.1:{ds}/health")]
+    procs = [start(["-m", "kvferry.testing.stub_engine", "--port", str(ps)], f"http://127.0.0.1:{ps}/health"),
+             start(["-m", "kvferry.testing.stub_engine", "--port", str(ds)], f"http://127.0.0.1:{ds}/health")]
     try:
         proxy = start(["-m", "kvferry.proxy", "--port", str(px), "--prefiller", f"http://127.0.0.1:{ps}",
                        "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"],

@@ -68,7 +68,7 @@ def plain_vllm(tiny_model_path: Path, log_dir: Path) -> Iterator[VLLMServer]:
 def redis_available() -> None:
     """redis-server must be installed (`make redis`); under CI=true (.ci/run) a missing
     one fails instead of skipping."""
-    from kvferry.launcher.stores import redis_server_binary
+    from kvferry.testing.stores import redis_server_binary
     if redis_server_binary() is None:
         msg = "redis-server not installed: run `make redis` (apt-get install redis-server)"
         if os.environ.get("CI") == "true":  # not a KVFERRY_* variable: those are config keys

@@ -193,10 +193,10 @@ def start_etcd_in(net: NetnsCluster, i: int, work: Path) -> tuple[subprocess.Pop
 
 
 def start_stub_in(net: NetnsCluster, i: int, log: Path) -> int:
-    """kvferry's stub engine (proxy/stub_engine.py) in namespace i; returns its port once it answers."""
+    """kvferry's stub engine (testing/stub_engine.py) in namespace i; returns its port once it answers."""
     port = free_port()
     with open(log, "ab") as out:
-        proc = subprocess.Popen(net.wrap(i, [sys.executable, "-m", "kvferry.proxy.stub_engine", "--host", net.addr(i),
+        proc = subprocess.Popen(net.wrap(i, [sys.executable, "-m", "kvferry.testing.stub_engine", "--host", net.addr(i),
                                              "--port", str(port)]),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     net.procs.append(proc)

@@ -74,7 +74,7 @@ _SALTS = itertools.count(1)  # each stub samples differently from every other (s
 
 def stub(delay: float = 0.0, wait: bool = True, *extra: str) -> Proc:
     port = free_port()
-    return Proc(["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--token-delay", str(delay),
+    return Proc(["-m", "kvferry.testing.stub_engine", "--port", str(port), "--token-delay", str(delay),
                  "--salt", str(next(_SALTS)), *extra], f"http://127.0.0.1:{port}", "/health", wait)
 
 

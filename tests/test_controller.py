@@ -23,7 +23,7 @@ from kvferry.common import secret, zsock
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
 from kvferry.controller.registry import Registry, RegistryError
-from kvferry.launcher.stores import Controller
+from kvferry.testing.stores import Controller
 from tests.polling import until
 
 SALT = b"test-salt"

@@ -242,7 +242,7 @@ def _start(procs: list[Proc], tmp: Path, name: str, args: list[str], probe: str 
 
 def _stub(procs, tmp, name: str) -> str:
     port = free_port()
-    _start(procs, tmp, name, ["-m", "kvferry.proxy.stub_engine", "--port", str(port)],
+    _start(procs, tmp, name, ["-m", "kvferry.testing.stub_engine", "--port", str(port)],
            f"http://127.0.0.1:{port}/health")
     return f"http://127.0.0.1:{port}"
 
@@ -441,7 +441,7 @@ def test_discovery_load_every_proxy_sees(tmp_path: Path, procs: list[Proc]) -> N
     routing load: the engine's running + waiting, scraped from /metrics."""
     port = free_port()
     stub = f"http://127.0.0.1:{port}"
-    _start(procs, tmp_path, "p1", ["-m", "kvferry.proxy.stub_engine", "--port", str(port), "--max-running", "1",
+    _start(procs, tmp_path, "p1", ["-m", "kvferry.testing.stub_engine", "--port", str(port), "--max-running", "1",
                                    "--prompt-delay", "1"], f"{stub}/health")
     d1 = _stub(procs, tmp_path, "d1")
     px_port = free_port()

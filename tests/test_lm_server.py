@@ -25,7 +25,8 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.engine.remote.lm_client import LMClient, LMError
 from kvferry.engine.remote.lm_protocol import frame
-from kvferry.launcher.stores import Proc, start_lm_server
+from kvferry.launcher.stores import Proc
+from kvferry.testing.stores import start_lm_server
 
 KIB = 1 << 10
 A, B = "a-cluster-secret-of-32-characters", "another-cluster-secret-entirely!"

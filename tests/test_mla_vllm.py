@@ -22,8 +22,9 @@ import pytest
 
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
-from kvferry.launcher.pd_instances import Decoder, OffloadServer, Prefiller
+from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
+from kvferry.testing.vllm_servers import OffloadServer
 from tests.mla_helpers import FP32, answers_match, mla_fingerprint
 from tests.pd_helpers import (
     RawPeer,

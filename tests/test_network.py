@@ -146,7 +146,7 @@ def _proxy(args: list[str], host: str = "127.0.0.1") -> Proc:
 
 @needs_ipv6
 def test_ipv6_proxy_serves_on_ipv6_loopback_and_hears_notifications() -> None:
-    ps = [Proc(["-m", "kvferry.proxy.stub_engine", "--host", "::1", "--port", str(p := free_port("::1"))],
+    ps = [Proc(["-m", "kvferry.testing.stub_engine", "--host", "::1", "--port", str(p := free_port("::1"))],
                f"http://[::1]:{p}", "/health") for _ in range(2)]
     note = free_port("::1")
     px = _proxy(["--prefiller", ps[0].url, "--decoder", f"{ps[1].url},{free_port()},{free_port()}",

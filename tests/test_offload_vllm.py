@@ -21,8 +21,8 @@ from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
 from kvferry.engine.offload.ops import GB, offload_salt
 from kvferry.engine.tiers.disk import HEADER_BYTES, scan
-from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.launcher.vllm_proc import VLLMServer
+from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]

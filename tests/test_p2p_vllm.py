@@ -32,8 +32,8 @@ from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.hashing import chunk_keys
 from kvferry.engine.offload.ops import offload_salt
-from kvferry.launcher.pd_instances import OffloadServer, p2p_keys
-from kvferry.launcher.stores import Controller
+from kvferry.testing.stores import Controller
+from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]

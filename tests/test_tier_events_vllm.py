@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.launcher.pd_instances import OffloadServer
 from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
+from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion
 
 pytestmark = pytest.mark.vllm

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.launcher.stores import ServerTLS
+from kvferry.testing.stores import ServerTLS
 
 
 @dataclass(frozen=True)

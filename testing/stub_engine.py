@@ -1,7 +1,7 @@
 """A fast, deterministic stand-in for a vLLM OpenAI server, for the proxy's unit tests and overhead
 benchmark only (never as proof that disaggregation works).
 
-    python -m kvferry.proxy.stub_engine --port 8100 [--token-delay 0.001]
+    python -m kvferry.testing.stub_engine --port 8100 [--token-delay 0.001]
 
 Tokens are a pure function of the sequence so far, so prefill-then-decode through the proxy gives
 the same answer as one request to one stub. "<eos-first>" in a prompt makes the first token EOS.
