@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -114,9 +114,13 @@ def welcome(hello: m.Hello, roles: tuple[str, str], me: str, mine: m.LayoutFinge
                      fingerprint=mine, region=region)
 
 
+S = TypeVar("S")  # what the table's owner keeps per peer (PeerTable's `new_state` makes it)
+
+
 @dataclass(eq=False)
-class Peer:
-    """One handshaken peer: its Welcome, its NIXL agent as added here, the data-port socket."""
+class Peer(Generic[S]):
+    """One handshaken peer: its Welcome, its NIXL agent as added here, the data-port socket, and
+    the owner's per-peer state."""
 
     key: tuple[str, int]  # (host, init_port)
     welcome: m.Welcome
@@ -124,13 +128,14 @@ class Peer:
     sock: zmq.asyncio.Socket
     busy: int = 0  # transfers using it: never dropped for room while > 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request-reply at a time, where wanted
-    state: dict[str, Any] = field(default_factory=dict)  # the owner's per-peer bookkeeping
+    state: S = field(kw_only=True)  # PeerTable gives each peer a new_state()
     dropped: bool = False
     watch: asyncio.Task | None = None  # drops the peer when its data-port connection closes
 
 
-class PeerTable:
-    """The asking side's handshaken peers (thread: the owner's asyncio loop)."""
+class PeerTable(Generic[S]):
+    """The asking side's handshaken peers (thread: the owner's asyncio loop); each peer's `state`
+    is a fresh `new_state()`."""
 
     def __init__(self, ctx: zmq.asyncio.Context, trust: zsock.Trust, nixl: NixlThread,
                  hello: Callable[[], m.Hello], fingerprint: m.LayoutFingerprint, *, roles: tuple[str, str],
@@ -138,8 +143,9 @@ class PeerTable:
                  max_peers: int = MAX_PEERS, error: type[PeerError] = PeerError,
                  fingerprint_error: type[PeerError] = FingerprintError,
                  bad_error: type[PeerError] = BadPeerData, max_metadata: int | None = None,
-                 watch_disconnect: bool = False) -> None:
+                 watch_disconnect: bool = False, new_state: Callable[[], S]) -> None:
         self.ctx, self.trust, self.nixl = ctx, trust, nixl
+        self.new_state = new_state
         self.hello, self.fp, self.me, self.timeout_key = hello, fingerprint, me, timeout_key
         self.roles = roles  # (this side's, the servers'), e.g. ("sender", "receiver")
         self.role = roles[1]
@@ -185,7 +191,7 @@ class PeerTable:
                     raise self.bad_error(f"{where}: its metadata names NIXL agent {str(name)[:64]!r}, its handshake "
                                          f"{welcome.agent_name!r}")
                 sock = zsock.connect(self.ctx, zmq.DEALER, self.trust, zsock.tcp(host, data_port))
-                peer = Peer(key, welcome, name, sock)
+                peer = Peer(key, welcome, name, sock, state=self.new_state())
                 if self.watch_disconnect:
                     peer.watch = asyncio.ensure_future(self._watch(peer))
                 self._make_room()

@@ -111,7 +111,7 @@ def build_app(c: Controller) -> Guard:
         ev = c.move_event(event_id)
         if ev is None:
             return error(404, f"no move with event_id {event_id!r} (the controller keeps the last 1000)")
-        return JSON(ev)
+        return JSON(ev.model_dump(by_alias=True, exclude_none=True))
 
     not_found = {404: {"model": api.ErrorBody, "description": "no such move (the controller keeps the last 1000)"}}
 

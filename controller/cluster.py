@@ -18,6 +18,7 @@ from kvferry.common import zsock
 from kvferry.common.log import get_logger
 from kvferry.controller.guard import ASGIApp
 from kvferry.controller.http import HttpServer
+from kvferry.controller.models import MoveEvent
 from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
 from kvferry.controller.workers import PORTS, WorkerLinks, new_id
 
@@ -38,7 +39,7 @@ class Controller:
                          "unauthorized_http": 0}
         self.links = WorkerLinks(self.registry, host, monitor_ports, trust, self.counters, command_timeout,
                                  sweep_interval)
-        self.moves: dict[str, dict[str, Any]] = {}
+        self.moves: dict[str, MoveEvent] = {}
         self._http: HttpServer | None = None
 
     # ---- lifecycle ----
@@ -90,18 +91,18 @@ class Controller:
     def move(self, old: Sequence[str], new: Sequence[str], tokens: Sequence[int], copy: bool) -> dict[str, Any]:
         """Start a move (or copy) of the prompt's prefix; RegistryError for one that cannot be."""
         src, dst, keys, num_tokens = self.registry.plan_move(old, new, tokens)
-        ev = {"event_id": new_id(), "status": "pending", "num_tokens": num_tokens, "from": src.id, "to": dst.id,
-              "copy": copy}
-        self.moves[ev["event_id"]] = ev
+        ev = MoveEvent(event_id=new_id(), status="pending", num_tokens=num_tokens, from_=src.id, to=dst.id,
+                       copy_=copy)
+        self.moves[ev.event_id] = ev
         while len(self.moves) > MAX_MOVES:
             self.moves.pop(next(iter(self.moves)))
         if keys:
             self.links.spawn(self._run_move(ev, src, dst, keys, copy))
         else:
-            ev["status"] = "done"
-        return {"num_tokens": num_tokens, "event_id": ev["event_id"]}
+            ev.status = "done"
+        return {"num_tokens": num_tokens, "event_id": ev.event_id}
 
-    def move_event(self, event_id: str) -> dict[str, Any] | None:
+    def move_event(self, event_id: str) -> MoveEvent | None:
         return self.moves.get(event_id)
 
     async def clear(self, instance_id: str | None, location: str) -> dict[str, Any]:
@@ -120,31 +121,31 @@ class Controller:
                 "num_chunks": sum(r.num_chunks for r in results), **({"error": "; ".join(failed)} if failed else {})}
 
     # ---- moves ----
-    async def _run_move(self, ev: dict[str, Any], src: Instance, dst: Instance, keys: list[bytes],
+    async def _run_move(self, ev: MoveEvent, src: Instance, dst: Instance, keys: list[bytes],
                         copy: bool) -> None:
         try:
             await self._move_chunks(ev, src, dst, keys, copy)
         except Exception as e:  # noqa: BLE001 - the event must end, whatever broke
-            logger.exception("move %s failed", ev["event_id"])
-            ev.update(status="failed", error=f"{type(e).__name__}: {e}")
+            logger.exception("move %s failed", ev.event_id)
+            ev.status, ev.error = "failed", f"{type(e).__name__}: {e}"
 
-    async def _move_chunks(self, ev: dict[str, Any], src: Instance, dst: Instance, keys: list[bytes],
+    async def _move_chunks(self, ev: MoveEvent, src: Instance, dst: Instance, keys: list[bytes],
                            copy: bool) -> None:
-        ev["status"] = "running"
+        ev.status = "running"
         pairs = list(zip(src.ranks(), dst.ranks(), strict=True))
         pulls = await asyncio.gather(*[
-            self.links.command(d, m.PullChunks(event_id=ev["event_id"], source_id=src.id, source=s.peer, keys=keys))
+            self.links.command(d, m.PullChunks(event_id=ev.event_id, source_id=src.id, source=s.peer, keys=keys))
             for s, d in pairs])
         failed = [r.message for r in pulls if not r.ok]
-        ev["nbytes"] = sum(r.nbytes for r in pulls)
+        ev.nbytes = sum(r.nbytes for r in pulls)
         if not failed and not copy:
-            drops = await asyncio.gather(*[self.links.command(s, m.DropChunks(event_id=ev["event_id"], keys=keys))
+            drops = await asyncio.gather(*[self.links.command(s, m.DropChunks(event_id=ev.event_id, keys=keys))
                                            for s, _ in pairs])
             failed = [f"copied, but the source kept it: {r.message}" for r in drops if not r.ok]
-        ev["status"] = "failed" if failed else "done"
+        ev.status = "failed" if failed else "done"
         if failed:
-            ev["error"] = "; ".join(failed)
-        self.registry.event("move", dst.id, f"{ev['num_tokens']} tokens from {src.id} ({'copy' if copy else 'move'})"
-                             f": {ev['status']}" + (f" ({ev['error']})" if failed else ""))
-        logger.info("move %s: %d tokens %s -> %s (%s): %s", ev["event_id"], ev["num_tokens"], src.id, dst.id,
-                    "copy" if copy else "move", ev["status"] + (f" ({ev['error']})" if failed else ""))
+            ev.error = "; ".join(failed)
+        self.registry.event("move", dst.id, f"{ev.num_tokens} tokens from {src.id} ({'copy' if copy else 'move'})"
+                             f": {ev.status}" + (f" ({ev.error})" if failed else ""))
+        logger.info("move %s: %d tokens %s -> %s (%s): %s", ev.event_id, ev.num_tokens, src.id, dst.id,
+                    "copy" if copy else "move", ev.status + (f" ({ev.error})" if failed else ""))

@@ -62,6 +62,10 @@ class MoveResponse(BaseModel):
 
 
 class MoveEvent(BaseModel):
+    """A move's state, kept by the controller (the last 1000) and served as it is."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
     event_id: str
     status: Literal["pending", "running", "done", "failed"]
     num_tokens: int

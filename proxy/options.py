@@ -162,101 +162,151 @@ def decoder_from(flag: str, raw: str) -> InstanceSpec:
     return InstanceSpec("decoder", parse_url(flag, url), init[0], alloc[0], init, alloc, host)
 
 
+POLICIES = ("cache", "load", "round_robin")
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option, declared once: its flag (`--` + name with dashes), YAML key (name), help, and
+    what values it takes. kind "str", "port", "positive" (a float > 0), "count" (an int >= 0),
+    "size" (an int >= 1) and "flag" are converted and checked here into ProxyOptions' field of
+    the same name; "raw" values (instance lists, secrets) are read by parse() itself."""
+
+    name: str
+    kind: str
+    help: str | None = None
+    arg: dict = field(default_factory=dict)  # more argparse keywords (type, choices, metavar, action)
+
+
+OPTIONS: tuple[Opt, ...] = (
+    Opt("host", "str", "bind address (default 127.0.0.1)"),
+    Opt("port", "port", "listen port (default 9000)"),
+    Opt("prefiller_host", "raw", "comma-separated hosts (LMCache flag)"),
+    Opt("prefiller_port", "raw", "comma-separated ports, or the first of consecutive ports"),
+    Opt("num_prefillers", "raw", arg={"type": int}),
+    Opt("decoder_host", "raw"),
+    Opt("decoder_port", "raw"),
+    Opt("decoder_init_port", "raw", "receiver init ports, one per decoder"),
+    Opt("decoder_alloc_port", "raw", "receiver alloc ports, one per decoder"),
+    Opt("num_decoders", "raw", arg={"type": int}),
+    Opt("decoder_receiver_host", "raw",
+        "the address prefillers dial for each decoder's receiver (its pd_peer_advertise_host), one per "
+        "decoder or one for all; default: the decoder's --decoder-host"),
+    Opt("proxy_host", "str", "where decoders' receivers send KV-arrived notifications"),
+    Opt("proxy_port", "port"),
+    Opt("proxy_bind_host", "str", "bind the notification socket here (e.g. 0.0.0.0 or ::) while decoders send to "
+                                  "--proxy-host (their pd_proxy_host); default: --proxy-host"),
+    Opt("prefiller", "raw", "a prefiller (repeatable)", {"action": "append", "metavar": "URL"}),
+    Opt("decoder", "raw", "a decoder (repeatable); RECEIVER_HOST: the address prefillers dial for its receiver, "
+                          "when it is not the URL's host",
+        {"action": "append", "metavar": "URL[,INIT,ALLOC[,RECEIVER_HOST]]"}),
+    Opt("policy", "str", "cache (default: fewest uncached + queued tokens, from the engines' KV events), load, "
+                         "round_robin", {"choices": POLICIES}),
+    Opt("kv_events", "raw", "an instance's vLLM KV event publisher (--kv-events-config endpoint, replay "
+                            "endpoint); repeatable", {"action": "append", "metavar": "URL=ENDPOINT[,REPLAY]"}),
+    Opt("tokenizer", "str", "the model's tokenizer (path or name): text prompts' tokens for routing"),
+    Opt("local_prefill_tokens", "count", "the decoder prefills a prompt itself when at most this many of its "
+                                         "tokens are uncached there (default 0: off)"),
+    Opt("local_prefill_fraction", "positive", "... or when the decoder holds at least this fraction of the prompt "
+                                              "(default 0.9; above 1: off)"),
+    Opt("load_tokens_per_request", "count", "the cache policy's load term: prompt tokens one in-flight request "
+                                            "costs (default 128)"),
+    Opt("kv_events_stale_after", "positive", "seconds without an answer from an event publisher before its "
+                                             "instance is routed by load (default 10)"),
+    Opt("prefix_index_max_blocks", "size", "blocks remembered per instance (default 200000)"),
+    Opt("affinity_header", "str", "route requests with the same header value to the same instances"),
+    Opt("api_key", "str", "require 'Authorization: Bearer KEY' from clients"),
+    Opt("upstream_api_key", "str", "Authorization sent to the vLLM instances"),
+    Opt("connect_timeout", "positive"),
+    Opt("read_timeout", "positive"),
+    Opt("health_interval", "positive"),
+    Opt("no_admin", "flag", "disable the /admin API"),
+    Opt("admin_key", "raw", "require 'Authorization: Bearer KEY' on /admin/* (env KVFERRY_ADMIN_KEY); must differ "
+                            "from --api-key"),
+    Opt("cluster_secret_file", "raw", "the cluster secret for the proxy's ZMQ sockets (--proxy-port, aborts to "
+                                      "decoders); else env KVFERRY_CLUSTER_SECRET[_FILE]"),
+    Opt("require_cluster_secret", "flag", "refuse to start with --proxy-port beyond loopback and no cluster "
+                                          "secret, or the admin API beyond loopback and no --admin-key (default: a "
+                                          "warning)"),
+    Opt("max_body_bytes", "size", "largest request body in bytes (default 64 MiB); more gets a JSON 413"),
+    Opt("max_batch_prompts", "size", "most prompts in one /v1/completions list (default 256)"),
+    Opt("max_in_flight", "size", "client requests handled at once (default 1024); more get 503 with Retry-After"),
+    Opt("max_n", "size", "largest n (samples per request) accepted (default 16)"),
+    Opt("upstream_connections", "size", "connections the proxy opens to each instance (default 512); more "
+                                        "requests wait for one"),
+    Opt("discovery", "str", "watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file "
+                            "(docs/deploy.md)", {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH"}),
+    Opt("discovery_model", "str", "with --discovery: use only instances serving this model name (default: the "
+                                  "model of the first instance seen)"),
+    Opt("discovery_fingerprint", "str", "with --discovery: use only instances with this KV layout fingerprint "
+                                        "(default: the first instance's)"),
+    Opt("insecure_discovery", "flag", "allow --discovery beyond loopback without a cluster secret (anyone who can "
+                                      "write to etcd can then register a decoder that receives prompts)"),
+    Opt("load_interval", "raw", "seconds between scrapes of every engine's /metrics (running + waiting requests: "
+                                "load that every proxy sees); default 0.5 with --discovery, 0 (off) without",
+        {"type": float}),
+    Opt("stall_timeout", "positive", "seconds a decode stream may send nothing before it counts as failed and "
+                                     "moves to another decoder (default 60)"),
+    Opt("max_migrations", "count", "how many times one request may move to another decoder after its stream broke "
+                                   "(default 2; 0: never)"),
+    Opt("log_level", "str"),
+)
+_BY_NAME = {opt.name: opt for opt in OPTIONS}
+_ARG_TYPE = {"port": int, "positive": float, "count": int, "size": int}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="kvferry-proxy", description="OpenAI-compatible prefill/decode disaggregation proxy (kvferry).")
-    a = ap.add_argument
-    a("--host", default=None, help="bind address (default 127.0.0.1)")
-    a("--port", type=int, default=None, help="listen port (default 9000)")
-    a("--prefiller-host", default=None, help="comma-separated hosts (LMCache flag)")
-    a("--prefiller-port", default=None, help="comma-separated ports, or the first of consecutive ports")
-    a("--num-prefillers", type=int, default=None)
-    a("--decoder-host", default=None)
-    a("--decoder-port", default=None)
-    a("--decoder-init-port", default=None, help="receiver init ports, one per decoder")
-    a("--decoder-alloc-port", default=None, help="receiver alloc ports, one per decoder")
-    a("--num-decoders", type=int, default=None)
-    a("--decoder-receiver-host", default=None,
-      help="the address prefillers dial for each decoder's receiver (its pd_peer_advertise_host), one per "
-           "decoder or one for all; default: the decoder's --decoder-host")
-    a("--proxy-host", default=None, help="where decoders' receivers send KV-arrived notifications")
-    a("--proxy-port", type=int, default=None)
-    a("--proxy-bind-host", default=None,
-      help="bind the notification socket here (e.g. 0.0.0.0 or ::) while decoders send to --proxy-host "
-           "(their pd_proxy_host); default: --proxy-host")
-    a("--prefiller", action="append", default=[], metavar="URL", help="a prefiller (repeatable)")
-    a("--decoder", action="append", default=[], metavar="URL[,INIT,ALLOC[,RECEIVER_HOST]]",
-      help="a decoder (repeatable); RECEIVER_HOST: the address prefillers dial for its receiver, when it is "
-           "not the URL's host")
-    a("--config", default=None, help="YAML file with any of these options (flags win)")
-    a("--policy", choices=POLICIES, default=None,
-      help="cache (default: fewest uncached + queued tokens, from the engines' KV events), load, round_robin")
-    a("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
-      help="an instance's vLLM KV event publisher (--kv-events-config endpoint, replay endpoint); repeatable")
-    a("--tokenizer", default=None, help="the model's tokenizer (path or name): text prompts' tokens for routing")
-    a("--local-prefill-tokens", type=int, default=None,
-      help="the decoder prefills a prompt itself when at most this many of its tokens are uncached there "
-           "(default 0: off)")
-    a("--local-prefill-fraction", type=float, default=None,
-      help="... or when the decoder holds at least this fraction of the prompt (default 0.9; above 1: off)")
-    a("--load-tokens-per-request", type=int, default=None,
-      help="the cache policy's load term: prompt tokens one in-flight request costs (default 128)")
-    a("--kv-events-stale-after", type=float, default=None,
-      help="seconds without an answer from an event publisher before its instance is routed by load (default 10)")
-    a("--prefix-index-max-blocks", type=int, default=None, help="blocks remembered per instance (default 200000)")
-    a("--affinity-header", default=None, help="route requests with the same header value to the same instances")
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
-    a("--upstream-api-key", default=None, help="Authorization sent to the vLLM instances")
-    a("--connect-timeout", type=float, default=None)
-    a("--read-timeout", type=float, default=None)
-    a("--health-interval", type=float, default=None)
-    a("--no-admin", action="store_true", help="disable the /admin API")
-    a("--admin-key", default=None, help="require 'Authorization: Bearer KEY' on /admin/* (env KVFERRY_ADMIN_KEY); "
-                                        "must differ from --api-key")
-    a("--cluster-secret-file", default=None, help="the cluster secret for the proxy's ZMQ sockets (--proxy-port, "
-                                                  "aborts to decoders); else env KVFERRY_CLUSTER_SECRET[_FILE]")
-    a("--require-cluster-secret", action="store_true",
-      help="refuse to start with --proxy-port beyond loopback and no cluster secret, or the admin API beyond "
-           "loopback and no --admin-key (default: a warning)")
-    a("--max-body-bytes", type=int, default=None, help="largest request body in bytes (default 64 MiB); more "
-                                                        "gets a JSON 413")
-    a("--max-batch-prompts", type=int, default=None, help="most prompts in one /v1/completions list (default 256)")
-    a("--max-in-flight", type=int, default=None, help="client requests handled at once (default 1024); more get "
-                                                       "503 with Retry-After")
-    a("--max-n", type=int, default=None, help="largest n (samples per request) accepted (default 16)")
-    a("--upstream-connections", type=int, default=None, help="connections the proxy opens to each instance "
-                                                              "(default 512); more requests wait for one")
-    a("--discovery", default=None, metavar="etcd://HOST:PORT/PREFIX|file://PATH",
-      help="watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file (docs/deploy.md)")
-    a("--discovery-model", default=None, help="with --discovery: use only instances serving this model name "
-                                              "(default: the model of the first instance seen)")
-    a("--discovery-fingerprint", default=None, help="with --discovery: use only instances with this KV layout "
-                                                    "fingerprint (default: the first instance's)")
-    a("--insecure-discovery", action="store_true",
-      help="allow --discovery beyond loopback without a cluster secret (anyone who can write to etcd can then "
-           "register a decoder that receives prompts)")
-    a("--load-interval", type=float, default=None,
-      help="seconds between scrapes of every engine's /metrics (running + waiting requests: load that every proxy "
-           "sees); default 0.5 with --discovery, 0 (off) without")
-    a("--stall-timeout", type=float, default=None,
-      help="seconds a decode stream may send nothing before it counts as failed and moves to another "
-           "decoder (default 60)")
-    a("--max-migrations", type=int, default=None,
-      help="how many times one request may move to another decoder after its stream broke (default 2; 0: never)")
-    a("--log-level", default=None)
+    ap.add_argument("--config", default=None, help="YAML file with any of these options (flags win)")
+    for opt in OPTIONS:
+        kw: dict = {"help": opt.help, **opt.arg}
+        if opt.kind == "flag":
+            kw["action"] = "store_true"
+        elif kw.get("action") == "append":
+            kw["default"] = []
+        else:
+            kw.setdefault("default", None)
+            if opt.kind in _ARG_TYPE:
+                kw.setdefault("type", _ARG_TYPE[opt.kind])
+        ap.add_argument("--" + opt.name.replace("_", "-"), **kw)
     return ap
 
 
-_YAML_KEYS = {"host", "port", "prefiller_host", "prefiller_port", "num_prefillers", "decoder_host", "decoder_port",
-              "decoder_init_port", "decoder_alloc_port", "num_decoders", "decoder_receiver_host", "proxy_host", "proxy_bind_host", "proxy_port", "prefiller",
-              "decoder", "policy", "affinity_header", "api_key", "upstream_api_key", "connect_timeout",
-              "read_timeout", "health_interval", "no_admin", "log_level", "admin_key", "cluster_secret_file",
-              "require_cluster_secret", "max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n",
-              "upstream_connections", "kv_events", "tokenizer", "local_prefill_tokens", "local_prefill_fraction",
-              "load_tokens_per_request", "kv_events_stale_after", "prefix_index_max_blocks", "discovery",
-              "discovery_model", "discovery_fingerprint", "insecure_discovery", "load_interval",
-              "stall_timeout", "max_migrations"}
-POLICIES = ("cache", "load", "round_robin")
+def _number(opt: Opt, raw: object, kind: type, what: str) -> float:
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise OptionError(f"--{opt.name.replace('_', '-')} must be {what}, got {raw!r}") from None
+
+
+def _convert(opt: Opt, raw: object) -> object:
+    """An option's value from a flag or the YAML file, checked; an OptionError names the flag."""
+    flag = "--" + opt.name.replace("_", "-")
+    if opt.kind == "str":
+        return str(raw)
+    if opt.kind == "port":
+        return _port(flag, int(_number(opt, raw, int, "a port number (1-65535)")))
+    if opt.kind == "positive":
+        v = _number(opt, raw, float, "a positive number")
+        if v <= 0:
+            raise OptionError(f"{flag} must be positive, got {v}")
+        return v
+    if opt.kind == "count":
+        v = _number(opt, raw, int, "an integer")
+        if v < 0:
+            raise OptionError(f"{flag} must be 0 or more, got {v}")
+        return v
+    if opt.kind == "size":
+        v = _number(opt, raw, int, "a positive integer")
+        if v < 1:
+            raise OptionError(f"{flag} must be a positive integer, got {v}")
+        return v
+    if opt.kind == "flag":
+        if not isinstance(raw, bool):
+            raise OptionError(f"--config: {opt.name} must be true or false, got {raw!r}")
+        return raw
+    raise AssertionError(opt.kind)
 
 
 def parse(argv: list[str] | None = None) -> ProxyOptions:
@@ -273,49 +323,16 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             raise OptionError(f"--config {ns.config}: expected a mapping of options")
         for k, v in data.items():
             key = str(k).replace("-", "_")
-            if key not in _YAML_KEYS:
+            if key not in _BY_NAME:
                 raise OptionError(f"--config {ns.config}: unknown option {k!r}")
-            if isinstance(v, list) and key not in ("prefiller", "decoder", "kv_events"):
+            if isinstance(v, list) and _BY_NAME[key].arg.get("action") != "append":
                 v = ",".join(str(x) for x in v)
             vals.setdefault(key, v)
     o = ProxyOptions()
-    for key in ("host", "policy", "affinity_header", "api_key", "upstream_api_key", "proxy_host", "proxy_bind_host",
-                "log_level", "tokenizer", "discovery", "discovery_model", "discovery_fingerprint"):
-        if key in vals:
-            setattr(o, key, str(vals[key]))
-    for key in ("port", "proxy_port"):
-        if key in vals:
-            setattr(o, key, _port(f"--{key.replace('_', '-')}", int(vals[key])))
-    for key in ("connect_timeout", "read_timeout", "health_interval", "kv_events_stale_after",
-                "local_prefill_fraction", "stall_timeout"):
-        if key in vals:
-            v = float(vals[key])
-            if v <= 0:
-                raise OptionError(f"--{key.replace('_', '-')} must be positive, got {v}")
-            setattr(o, key, v)
-    for key in ("local_prefill_tokens", "load_tokens_per_request", "max_migrations"):
-        if key in vals:
-            try:
-                v = int(vals[key])
-            except (TypeError, ValueError):
-                raise OptionError(f"--{key.replace('_', '-')} must be an integer, got {vals[key]!r}") from None
-            if v < 0:
-                raise OptionError(f"--{key.replace('_', '-')} must be 0 or more, got {v}")
-            setattr(o, key, v)
-    for key in ("max_body_bytes", "max_batch_prompts", "max_in_flight", "max_n", "upstream_connections",
-                "prefix_index_max_blocks"):
-        if key in vals:
-            try:
-                v = int(vals[key])
-            except (TypeError, ValueError):
-                raise OptionError(f"--{key.replace('_', '-')} must be a positive integer, got {vals[key]!r}") from None
-            if v < 1:
-                raise OptionError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
-            setattr(o, key, v)
-    for key in ("no_admin", "require_cluster_secret", "insecure_discovery"):
-        if not isinstance(vals.get(key, False), bool):
-            raise OptionError(f"--config: {key} must be true or false, got {vals[key]!r}")
-    o.insecure_discovery = vals.get("insecure_discovery", False)
+    for opt in OPTIONS:
+        if opt.kind != "raw" and opt.name in vals and opt.name != "no_admin":
+            setattr(o, opt.name, _convert(opt, vals[opt.name]))
+    o.admin = not _convert(_BY_NAME["no_admin"], vals.get("no_admin", False))
     if "load_interval" in vals:
         try:
             o.load_interval = float(vals["load_interval"])
@@ -329,8 +346,6 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             parse_target(o.discovery)
         except DiscoveryError as e:
             raise OptionError(str(e)) from None
-    o.admin = not vals.get("no_admin", False)
-    o.require_cluster_secret = vals.get("require_cluster_secret", False)
     if "cluster_secret_file" in vals:
         o.cluster_secret_file = str(vals["cluster_secret_file"])
     admin_key = vals.get("admin_key", os.environ.get("KVFERRY_ADMIN_KEY") or None)

@@ -22,6 +22,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +53,14 @@ class BadPeerAnswer(FetchError, peering.BadPeerData):
     """A peer's handshake, lease or bytes failed a check: counted (p2p_rejected), recomputed."""
 
 
+@dataclass
+class HolderSpans:
+    """What a reader keeps per holder: the memory it registered (address: bytes), from its leases'
+    spans, which bounds where a chunk it names may lie."""
+
+    spans: dict[int, int] = field(default_factory=dict)
+
+
 class PeerReader:
     """One worker's reading side. Runs on its owner's asyncio loop; NIXL calls go to `nixl`."""
 
@@ -62,7 +71,7 @@ class PeerReader:
         self.peers = peering.PeerTable(ctx, trust, nixl, hello, fingerprint, roles=("reader", "holder"), me=me,
                                        timeout_key="blocking_timeout_secs", error=FetchError,
                                        fingerprint_error=FetchError, bad_error=BadPeerAnswer,
-                                       max_metadata=MAX_PEER_METADATA)
+                                       max_metadata=MAX_PEER_METADATA, new_state=HolderSpans)
         # A chunk is a whole number of blocks, up to `chunk_size` tokens (the handshake's layout).
         fp = fingerprint
         per = fp.chunk_size // fp.block_size if fp.block_size and not fp.chunk_size % fp.block_size else 0
@@ -75,7 +84,7 @@ class PeerReader:
 
     async def lease(self, addr: m.PeerAddr, keys: Sequence[bytes], deadline: float,
                     sizes: Sequence[int] | None = None, peer_id: str | None = None
-                    ) -> tuple[peering.Peer, m.PeerChunks]:
+                    ) -> tuple[peering.Peer[HolderSpans], m.PeerChunks]:
         """Ask the peer's lookup port for `keys`: their addresses, held for us until released and
         checked (see the module docstring). With `sizes`, every asked chunk must be there, of
         exactly those sizes; with `peer_id`, the peer must be that instance."""
@@ -115,7 +124,7 @@ class PeerReader:
             raise err
         return peer, reply
 
-    def _check(self, peer: peering.Peer, reply: m.PeerChunks, keys: Sequence[bytes], sizes: Sequence[int] | None,
+    def _check(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks, keys: Sequence[bytes], sizes: Sequence[int] | None,
                peer_id: str | None) -> FetchError | None:
         """Why this lease must not be READ (before any NIXL call sees it), or None."""
         who = peer.welcome.peer_id
@@ -146,7 +155,7 @@ class PeerReader:
             return bad(f"NIXL metadata of {big[0]} bytes (at most {MAX_PEER_METADATA})")
         if self.mac is not None and n and len(reply.tags) != n:
             return bad(f"no MAC on its {n} chunks, though this cluster has a secret (an older kvferry?)")
-        spans = {**peer.state.get("spans", {}), **{sp.addr: sp.nbytes for sp in reply.spans}}
+        spans = {**peer.state.spans, **{sp.addr: sp.nbytes for sp in reply.spans}}
         if len(spans) > MAX_SPANS_PER_PEER:
             self.peers.drop(peer, "too many registrations remembered")  # a new handshake starts both sides afresh
             return FetchError(f"peer {who}: more than {MAX_SPANS_PER_PEER} registrations; handshaking again")
@@ -160,11 +169,11 @@ class PeerReader:
                 return bad(f"chunk {i} at {a:#x} ({size} bytes) is outside the memory it registered")
         return None
 
-    async def release(self, peer: peering.Peer, lease_id: str) -> None:
+    async def release(self, peer: peering.Peer[HolderSpans], lease_id: str) -> None:
         with contextlib.suppress(zmq.ZMQError):  # NOBLOCK: a peer gone is no reason to wait (its lease expires)
             await peer.sock.send(m.encode(m.PeerRelease(lease_id=lease_id)), flags=zmq.NOBLOCK)
 
-    async def read(self, peer: peering.Peer, reply: m.PeerChunks, keys: Sequence[bytes],
+    async def read(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks, keys: Sequence[bytes],
                    deadline: float) -> list[torch.Tensor]:
         """READ a checked lease (from :meth:`lease`) into new local memory, releasing it on every
         path; with a cluster secret, every chunk's MAC over its key in `keys` is checked after."""
@@ -180,7 +189,7 @@ class PeerReader:
         return [i for i, (k, d, t) in enumerate(zip(keys, dest, tags, strict=False))
                 if not self.mac.check(t, k, memoryview(d.numpy()))]
 
-    async def _add_metadata(self, peer: peering.Peer, reply: m.PeerChunks) -> None:
+    async def _add_metadata(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks) -> None:
         """Load the lease's NIXL metadata; it must describe the peer's own agent."""
         for md in reply.metadata:
             try:
@@ -192,10 +201,9 @@ class PeerReader:
             if name != peer.agent:
                 raise BadPeerAnswer(f"peer {peer.welcome.peer_id}: its lease's metadata names NIXL agent "
                                     f"{str(name)[:64]!r}, not its own {peer.agent!r}")
-        spans = peer.state.setdefault("spans", {})
-        spans.update((sp.addr, sp.nbytes) for sp in reply.spans)
+        peer.state.spans.update((sp.addr, sp.nbytes) for sp in reply.spans)
 
-    async def _read(self, peer: peering.Peer, reply: m.PeerChunks, deadline: float) -> list[torch.Tensor]:
+    async def _read(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks, deadline: float) -> list[torch.Tensor]:
         read_failed = False
         if self.arena is not None:
             self.arena.pause()  # its touch-ahead thread would take cores from the READ

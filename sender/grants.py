@@ -21,12 +21,22 @@ LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may s
 
 
 @dataclass
+class AllocLink:
+    """What a sender keeps per receiver: its address, the alloc and renew replies it waits for (by
+    transfer id), and the task that reads them off the data port."""
+
+    addr: ReceiverAddr | None = None
+    pending: dict[str, asyncio.Future] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+
+
+@dataclass
 class Grant:
     """Pages a receiver reserved for one transfer: written into with `KVSender.write` until `deadline`."""
 
     transfer_id: str
     addr: ReceiverAddr
-    peer: peering.Peer
+    peer: peering.Peer[AllocLink]
     generation: int
     pages: list[int]
     deadline: float  # no write may be posted after this (the lease, less LEASE_MARGIN)
@@ -40,6 +50,7 @@ class Grant:
     written: int = 0  # bytes written so far
     chunks: int = 0
     finishing: bool = False  # the notifying write was asked for: no more renewals
+    ended: bool = False  # finished, failed or given back: nothing more is written into its pages
 
 
 async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:
@@ -53,7 +64,7 @@ async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reas
 
 async def renew(grant: Grant, timeout: float) -> None:
     """Ask the receiver to restart the grant's lease; move its deadline if it does."""
-    pending = grant.peer.state["pending"]
+    pending = grant.peer.state.pending
     fut = asyncio.get_running_loop().create_future()
     pending[grant.transfer_id] = fut
     sent_at = time.monotonic()
@@ -78,7 +89,7 @@ async def renew_until_done(grant: Grant, timeout: float) -> None:
     forward step of a large batch can take longer than the lease."""
     while True:
         await asyncio.sleep(max(0.05, grant.lease_seconds / 4))
-        if grant.generation < 0 or grant.finishing:
+        if grant.ended or grant.finishing:
             return
         await renew(grant, timeout)
 
@@ -98,7 +109,7 @@ def nothing_in_flight(grant: Grant) -> bool:
 def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:
     """Why `chunks` may not be written into `grant` now, and the reason to abort it with ("" if
     it ended already), or None."""
-    if grant.generation < 0:
+    if grant.ended:
         return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
                          "more may be written into them"), ""
     if grant.peer.dropped:

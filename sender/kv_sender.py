@@ -48,6 +48,7 @@ from kvferry.sender.errors import (
 )
 from kvferry.sender.grants import (
     LEASE_MARGIN,
+    AllocLink,
     Grant,
     check_ranges,
     nothing_in_flight,
@@ -129,7 +130,7 @@ class KVSender(SenderSleep):
         self._peers = peering.PeerTable(
             self._ctx, cfg.trust, self._nixl, self._hello, fingerprint, roles=("sender", "receiver"), me=cfg.sender_id,
             timeout_key="pd_handshake_timeout", on_drop=self._on_drop, max_peers=cfg.max_receivers,
-            error=HandshakeFailed, fingerprint_error=FingerprintMismatch, watch_disconnect=True)
+            error=HandshakeFailed, fingerprint_error=FingerprintMismatch, watch_disconnect=True, new_state=AllocLink)
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
         self.counters = SenderCounters()
@@ -253,7 +254,7 @@ class KVSender(SenderSleep):
         return m.Hello(peer_id=self.cfg.sender_id, tp_rank=self.cfg.tp_rank, agent_name=self._agent.name,
                        agent_metadata=self._metadata, fingerprint=self.fingerprint)
 
-    async def _peer(self, addr: ReceiverAddr) -> tuple[peering.Peer, bool]:
+    async def _peer(self, addr: ReceiverAddr) -> tuple[peering.Peer[AllocLink], bool]:
         peer, new = await self._peers.get(addr.host, addr.init_port, addr.alloc_port, self.cfg.handshake_timeout)
         if new:
             w = peer.welcome
@@ -261,28 +262,28 @@ class KVSender(SenderSleep):
                 self._peers.drop(peer, "no pd_buffer in its welcome")
                 raise HandshakeFailed(f"receiver {addr} ({w.peer_id}) offers no pd_buffer to write into: is it a "
                                       "decoder's pd_peer_init_port?")
-            peer.state.update(addr=addr, pending={}, reader=asyncio.ensure_future(self._read_allocs(peer)))
+            peer.state.addr, peer.state.reader = addr, asyncio.ensure_future(self._read_allocs(peer))
             self.counters.handshakes += 1
             logger.info("connected to receiver %s (%s, epoch %d, %d pages of %d bytes)", addr, w.peer_id, w.epoch,
                         w.region.num_pages, w.region.page_bytes)
         return peer, new
 
-    def _on_drop(self, peer: peering.Peer, why: str) -> None:
-        if peer.state.get("reader") is not None:
-            peer.state["reader"].cancel()
-        for fut in peer.state.get("pending", {}).values():
+    def _on_drop(self, peer: peering.Peer[AllocLink], why: str) -> None:
+        if peer.state.reader is not None:
+            peer.state.reader.cancel()
+        for fut in peer.state.pending.values():
             if not fut.done():
-                fut.set_exception(SendError(f"connection to receiver {peer.state['addr']} was reset: {why}"))
+                fut.set_exception(SendError(f"connection to receiver {peer.state.addr} was reset: {why}"))
 
-    async def _read_allocs(self, peer: peering.Peer) -> None:
+    async def _read_allocs(self, peer: peering.Peer[AllocLink]) -> None:
         """Route alloc replies (which may come out of order) to their transfers."""
-        pending = peer.state["pending"]
+        pending = peer.state.pending
         while True:
             body = await peer.sock.recv()
             try:
                 reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply, m.LeaseRenewed))
             except m.MessageError as e:
-                logger.warning("receiver %s sent a bad alloc reply: %s", peer.state["addr"], e)
+                logger.warning("receiver %s sent a bad alloc reply: %s", peer.state.addr, e)
                 continue
             fut = pending.pop(reply.transfer_id or "", None)
             if fut is not None and not fut.done():
@@ -320,7 +321,7 @@ class KVSender(SenderSleep):
         began = time.monotonic()
         peer, handshook = await self._peer(addr)
         region = peer.welcome.region
-        pending = peer.state["pending"]
+        pending = peer.state.pending
         fut = asyncio.get_running_loop().create_future()
         pending[tid] = fut
         peer.busy += 1  # until the grant ends (_end): the peer is not dropped for room meanwhile
@@ -396,14 +397,14 @@ class KVSender(SenderSleep):
     async def _end(self, grant: Grant, reason: str, abort: bool, drop: bool = False, failed: bool = False,
                    sent: int = 0) -> None:
         """On the loop: the grant is over (finished, failed or given up); once per grant."""
-        if grant.generation < 0:
+        if grant.ended:
             return
         peer = grant.peer
         if abort:
             await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))
         if drop:
             self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
-        grant.generation = -1
+        grant.ended = True
         peer.busy -= 1
         if failed:
             self.counters.failed += 1

@@ -76,6 +76,43 @@ def test_yaml_config_and_flags_win(tmp_path: Path) -> None:
     assert (o.port, o.policy, o.prefillers[0].url, o.decoders[0].alloc_port) == (9300, "round_robin", "http://p:1", 4)
 
 
+def test_every_option_is_declared_once_for_flag_yaml_and_help(tmp_path: Path) -> None:
+    """proxy/options.py's OPTIONS table makes the flags, the YAML keys and the help: every
+    ProxyOptions setting has one entry, and a checked option reads alike from a flag and from YAML."""
+    import dataclasses
+
+    from kvferry.proxy.options import OPTIONS, ProxyOptions, parser
+
+    names = [o.name for o in OPTIONS]
+    assert len(names) == len(set(names))
+    structured = {"prefillers", "decoders", "admin", "kv_events"}  # made from raw options by parse()
+    fields = {f.name for f in dataclasses.fields(ProxyOptions)} - structured
+    assert fields <= set(names), fields - set(names)
+    helps = parser().format_help()
+    assert all("--" + n.replace("_", "-") in helps for n in names)
+    base = ["--prefiller", "http://p:1", "--decoder", "http://d:2,3,4"]
+    f = tmp_path / "p.yaml"
+    for opt, good, bad in [("stall_timeout", "2.5", "-1"), ("max_migrations", "3", "-1"), ("max_n", "4", "0"),
+                           ("proxy_port", "7500", "70000"), ("policy", "load", None)]:
+        flag = "--" + opt.replace("_", "-")
+        f.write_text(f"{opt}: {good}\n")
+        assert getattr(parse([*base, flag, good]), opt) == getattr(parse([*base, "--config", str(f)]), opt)
+        if bad is not None:
+            f.write_text(f"{opt}: {bad}\n")
+            with pytest.raises(OptionError, match=flag):
+                parse([*base, "--config", str(f)])
+    f.write_text("max_n: many\n")
+    with pytest.raises(OptionError, match="--max-n must be a positive integer, got 'many'"):
+        parse([*base, "--config", str(f)])
+    f.write_text("no_admin: 'yes'\n")
+    with pytest.raises(OptionError, match="no_admin must be true or false"):
+        parse([*base, "--config", str(f)])
+    f.write_text("no_admin: true\ninsecure_discovery: false\n")
+    o = parse([*base, "--config", str(f)])
+    assert o.admin is False and o.insecure_discovery is False
+    assert parse(base).admin is True
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--decoder", "http://d:2,3,4"], "no prefiller"),
     (["--prefiller", "http://p:1"], "no decoder"),
