@@ -32,7 +32,7 @@ import httpx
 
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
-from kvferry.proxy.tokens import PromptTokens
+from kvferry.proxy.routing.tokens import PromptTokens
 
 VOCAB = ["river", "stone", "lamp", "orange", "quiet", "seven", "north", "paper", "glass", "winter", "market",
          "silver", "garden", "engine", "cloud", "harbor", "violet", "copper", "meadow", "signal"]

@@ -11,7 +11,7 @@ from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
 from kvferry.proxy.options import InstanceSpec, OptionError, decoder_from, parse_url
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
 

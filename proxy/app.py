@@ -22,9 +22,9 @@ from kvferry.proxy.discovery import Discovery, is_loopback
 from kvferry.proxy.errors import ProxyError, error_body, json_response
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
-from kvferry.proxy.registry import Instance
-from kvferry.proxy.routing import Router
-from kvferry.proxy.tokens import PromptTokens
+from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.router import Router
+from kvferry.proxy.routing.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers, notify_host
 from kvferry.proxy.upstream import UpstreamClient
 

@@ -16,12 +16,12 @@ from aiohttp import web
 
 from kvferry.proxy import body as bodies
 from kvferry.proxy import migrate, streaming
-from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
 from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.merge import merge_samples
 from kvferry.proxy.prefill import prefill
+from kvferry.proxy.routing.cache import Route
 
 PATH = "/v1/chat/completions"
 FINISHED = ("stop", "tool_calls")  # a first token with one of these ends the answer: no decode leg

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from kvferry.proxy.body import BodyReader
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.routing import Router
-from kvferry.proxy.tokens import PromptTokens
+from kvferry.proxy.routing.router import Router
+from kvferry.proxy.routing.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers
 
 

@@ -22,8 +22,8 @@ from kvferry.common.secret import ClusterSecret
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse_url
-from kvferry.proxy.registry import Instance
-from kvferry.proxy.routing import Router
+from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.router import Router
 
 logger = get_logger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvferry.common.transfer_params import decode_leg_params, prefill_leg_params
 from kvferry.proxy.body import GREEDY_EPS
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 
 
 @dataclass

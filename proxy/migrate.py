@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.errors import ProxyError
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)

@@ -12,11 +12,11 @@ from aiohttp import web
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.transfer_params import ParamsError, prefill_answer
-from kvferry.proxy.cache_routing import Route
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.legs import prefill_leg
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.cache import Route
+from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)

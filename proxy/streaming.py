@@ -17,7 +17,7 @@ from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)

@@ -21,7 +21,7 @@ from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
 

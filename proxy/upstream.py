@@ -14,7 +14,7 @@ from kvferry.proxy import answers, limits
 from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
 

@@ -16,8 +16,8 @@ import zmq
 from kvferry.common import secret, zsock
 from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
-from kvferry.proxy.kv_events import EventStream
-from kvferry.proxy.prefix_index import PrefixIndex, prefix_keys
+from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.proxy.cache_routing import CacheView, choose, local_reason
-from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse
-from kvferry.proxy.prefix_index import PrefixIndex, prefix_keys
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.cache import CacheView, choose, local_reason
+from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
+from kvferry.proxy.routing.registry import Instance
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 

@@ -23,8 +23,8 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.remote.lm_client import LMClient, LMError
-from kvferry.engine.remote.lm_protocol import frame
+from kvferry.engine.remote.lm.client import LMClient, LMError
+from kvferry.engine.remote.lm.protocol import frame
 from kvferry.launcher.stores import Proc
 from kvferry.testing.stores import start_lm_server
 

@@ -304,7 +304,7 @@ def test_ipv6_lm_server_listens_on_ipv6_loopback() -> None:
     """kvferry-server (lm://) binds an IPv6 address (it was IPv4 only) and a client connects there."""
     import asyncio
 
-    from kvferry.launcher.lm_server import LMServer
+    from kvferry.engine.remote.lm.server import LMServer
 
     async def go() -> None:
         server = LMServer("::1", 0, 1 << 20, 1 << 16)

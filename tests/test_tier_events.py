@@ -13,11 +13,11 @@ from kvferry.common.config import load_config
 from kvferry.engine.offload.ops import GB
 from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.tier_events import ChunkRemoved, ChunkStored, TierEventLog
-from kvferry.proxy.cache_routing import CacheView, choose, effective
-from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
-from kvferry.proxy.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.cache import CacheView, choose, effective
+from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
+from kvferry.proxy.routing.registry import Instance
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 to_vllm = pytest.importorskip("kvferry.connector.kv_events").to_vllm

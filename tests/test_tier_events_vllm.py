@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.proxy.kv_events import EventStream
-from kvferry.proxy.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
+from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion
 

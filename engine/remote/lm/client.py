@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from kvferry.common import messages as m
 from kvferry.common.errors import UnavailableError
 from kvferry.common.secret import ClusterSecret
-from kvferry.engine.remote.lm_protocol import (
+from kvferry.engine.remote.lm.protocol import (
     CLIENT_PURPOSE,
     DEFAULT_MAX_CHUNK,
     LEN_BYTES,

@@ -12,11 +12,11 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from kvferry.common.log import get_logger
-from kvferry.proxy.cache_routing import CacheView, Route, choose, effective, local_reason
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
-from kvferry.proxy.registry import Instance, NoInstance, Registry
+from kvferry.proxy.routing.cache import CacheView, Route, choose, effective, local_reason
+from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 from kvferry.proxy.upstream import Upstream, UpstreamClient
 
 logger = get_logger(__name__)

@@ -33,7 +33,7 @@ import zmq.asyncio
 from kvferry.common import zsock
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.prefix_index import GPU, PrefixIndex
+from kvferry.proxy.routing.prefix_index import GPU, PrefixIndex
 
 logger = get_logger(__name__)
 

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvferry.common import zsock
-from kvferry.proxy.kv_events import EventStream
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.registry import Instance
+from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
+from kvferry.proxy.routing.registry import Instance
 
 # What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
 # (docs/proxy.md "Routing": cheaper than computing, not free).
