@@ -13,27 +13,29 @@ from kvferry.engine.api import CacheEvict, CacheLoad, CacheStore
 
 
 @dataclass
-class SaveOp:
+class _ToDecoder:
+    """A prompt whose KV goes to a decoder: the request, its transfer and the decoder's receiver."""
+
     req_id: str
     transfer_id: str
     host: str
     init_ports: tuple[int, ...]
     alloc_ports: tuple[int, ...]
     token_ids: list[int]
+
+
+@dataclass
+class SaveOp(_ToDecoder):
+    """The step that computed the prompt's last token: write what is left, with the notification."""
+
     block_ids: list[int]
     num_tokens: int
 
 
 @dataclass
-class OpenOp:
+class OpenOp(_ToDecoder):
     """A prompt whose KV goes to a decoder is scheduled for the first time: reserve its pages now."""
 
-    req_id: str
-    transfer_id: str
-    host: str
-    init_ports: tuple[int, ...]
-    alloc_ports: tuple[int, ...]
-    token_ids: list[int]
     num_tokens: int
 
 
