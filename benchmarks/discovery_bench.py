@@ -40,6 +40,7 @@ from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
 from kvferry.launcher import stores
+from kvferry.testing.processes import wait_http
 
 ADMIN = {"Authorization": "Bearer bench-admin-key"}
 
@@ -52,15 +53,8 @@ class Procs:
         with open(self.work / f"{name}.log", "ab") as out:
             p = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.all.append(p)
-        deadline = time.monotonic() + 30
-        while probe is not None:
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {(self.work / f'{name}.log').read_text()[-2000:]}")
-            try:
-                httpx.get(probe, timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        if probe is not None:
+            wait_http(probe, p, 30, self.work / f"{name}.log")
         return p
 
     def stop_all(self) -> None:

@@ -21,22 +21,18 @@ import subprocess
 import sys
 import time
 
-import httpx
-
 from kvferry.common.netutil import free_port
+from kvferry.testing.processes import wait_http
 
 
 def start(args: list[str], url: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=1)
-            return p
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    p.kill()
-    raise RuntimeError(f"{args} did not start")
+    try:
+        wait_http(url, p)
+    except (RuntimeError, TimeoutError):
+        p.kill()
+        raise
+    return p
 
 
 def cpu_seconds(pid: int) -> float:

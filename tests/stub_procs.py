@@ -11,27 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise TimeoutError(url)
-
+from kvferry.testing.processes import wait_http
 
 _ALL: list[Proc] = []
 
