@@ -12,7 +12,7 @@ from kvferry.common.errors import BadDataError, ConfigurationError, KVFerryError
 FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "launcher", "proxy", "receiver",
            "sender")
 # Control-flow signals internal to one module, never raised to a caller.
-INTERNAL = {"kvferry.launcher.lm_server.Unauthorized", "kvferry.launcher.lm_server.Closing",
+INTERNAL = {"kvferry.engine.remote.lm.server.Unauthorized", "kvferry.engine.remote.lm.server.Closing",
             "kvferry.proxy.errors.ProxyError",
             "kvferry.sender.errors.ReceiverRestarted"}
 
