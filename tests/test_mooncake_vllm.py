@@ -22,7 +22,7 @@ from kvferry.common.config import load_config
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
 from kvferry.engine.offload.ops import offload_salt
-from kvferry.engine.remote import mooncake_settings
+from kvferry.engine.remote import mooncake_backend, mooncake_settings
 from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.launcher.pd_instances import CONNECTOR, write_config
 from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
@@ -95,6 +95,7 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
     finally:
         for s in servers:
             s.stop()
+        mooncake_backend.close_all()  # the test's own client (Setup.stored), before its master goes
         master.stop()
 
 
