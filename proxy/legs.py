@@ -31,7 +31,7 @@ class Prefilled:
 
 def prefill_leg(body: dict, transfer_id: str, decoder: Instance) -> dict:
     """A prefill leg's body, sending its KV to `decoder` under `transfer_id`."""
-    return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder.disagg_spec()))
+    return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder.disagg_spec))
 
 
 def completion_prefill_leg(body: dict) -> dict:

@@ -9,7 +9,7 @@ from typing import Protocol
 import aiohttp
 from prometheus_client import Gauge
 
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy import answers, limits
 from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.errors import ProxyError
@@ -17,6 +17,7 @@ from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
+_decode_refusals = RateLimitedLog(logger, 10.0)
 
 
 class UpstreamClient:
@@ -181,9 +182,9 @@ class Upstream:
     def _refused(self, status: int, message: str) -> None:
         """A 4xx is the request's, not the instance's; but one on a decode leg (the prefiller took
         the same request) or after the stream began says something the client cannot see: logged."""
-        if self.leg == "decode":
-            logger.warning("%s %s refused a decode leg with %d: %s", self.inst.role, self.inst.url, status,
-                           " ".join(message.split())[:300])
+        if self.leg == "decode":  # rate-limited: a client can make the decoder refuse on purpose
+            _decode_refusals.warning("%s %s refused a decode leg with %d: %s", self.inst.role, self.inst.url, status,
+                                     " ".join(message.split())[:300])
 
     def _stream_error(self, data: bytes) -> None:
         """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore

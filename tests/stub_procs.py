@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +15,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import stop_group
 from kvferry.testing.processes import wait_http
 
 _ALL: list[Proc] = []
@@ -46,13 +45,7 @@ class Proc:
         return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_group(self.proc, 10)
 
 
 _SALTS = itertools.count(1)  # each stub samples differently from every other (salts differ by < 500)

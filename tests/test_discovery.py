@@ -26,6 +26,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import stop_group
 from tests.polling import until
 
 _PREFIXES = itertools.count()
@@ -208,12 +209,7 @@ class Proc:
         self.proc.wait(5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_group(self.proc, 10)
 
 
 @pytest.fixture

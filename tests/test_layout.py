@@ -34,12 +34,14 @@ NO_VLLM = set(ALLOWED) - {"connector", "launcher"}
 
 
 def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function bodies and TYPE_CHECKING blocks count:
+    each still ties the two files); for `from a.b import c`, both a.b and a.b.c."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return names
 
 
@@ -108,15 +110,7 @@ def module_name(path: Path) -> str:
 
 
 def kvferry_imports(path: Path) -> set[str]:
-    """Every kvferry module `path` imports (for `from a.b import c`, both a.b and a.b.c), at any
-    depth: function bodies and TYPE_CHECKING blocks count, since each still ties the two files."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("kvferry.")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("kvferry."):
-            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return out
+    return {n for n in imports_of(path) if n.startswith("kvferry.")}
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -186,15 +180,7 @@ def test_the_connector_imports_only_engine_api_and_common() -> None:
 
 def imported_test_modules(path: Path) -> set[str]:
     """The test modules (tests.test_*, or test_* with tests/ on sys.path) a file imports."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if node.module == "tests":  # from tests import test_x
-                names |= {f"tests.{a.name}" for a in node.names}
-    return {n for n in names if n.removeprefix("tests.").split(".")[0].startswith("test_")}
+    return {n for n in imports_of(path) if n.removeprefix("tests.").split(".")[0].startswith("test_")}
 
 
 def test_no_test_file_imports_another() -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import stop_group
 from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
@@ -56,8 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
                "decoders": [i for i in state["instances"] if i["role"] == "decoder"]}
     finally:
-        os.killpg(px.pid, signal.SIGTERM)
-        px.wait(30)
+        stop_group(px, 30)
         log.close()
         stop(proc)
 

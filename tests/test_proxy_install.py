@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import venv
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import stop_group
 from tests.stub_procs import _no_process_outlives_its_test, stub, wait_http  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,9 +81,4 @@ def test_proxy_install_serves_health_in_front_of_a_stub_engine(light_venv: Path)
         r = httpx.post(url + "/v1/completions", json={"prompt": "light", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        stop_group(proc, 10)

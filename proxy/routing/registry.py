@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import random
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
@@ -64,8 +65,10 @@ class Instance:
         self.fails = max(self.fails, FAILS_TO_EJECT)
         self.healthy = False
 
+    @cached_property
     def disagg_spec(self) -> DisaggSpec:
-        # The receiver's advertised host, carried explicitly: not necessarily the HTTP URL's.
+        """Where prefillers write for this decoder (its spec is fixed: made once, not per request).
+        The receiver's advertised host, carried explicitly: not necessarily the HTTP URL's."""
         return DisaggSpec(self.spec.kv_host, list(self.spec.init_ports), list(self.spec.alloc_ports))
 
     def describe(self, ports: bool = True) -> dict:
