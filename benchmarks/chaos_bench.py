@@ -187,7 +187,8 @@ def pages_settled(state: dict) -> bool:
 
 def healthy(url: str, name: str) -> bool:
     try:
-        return any(i.get("healthy") and i["url"] == name for i in httpx.get(url + "/health", timeout=5).json()["instances"])
+        instances = httpx.get(url + "/health", timeout=5).json()["instances"]
+        return any(i.get("healthy") and i["url"] == name for i in instances)
     except (httpx.HTTPError, ValueError, KeyError):
         return False
 

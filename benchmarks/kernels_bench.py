@@ -4,7 +4,8 @@
 
 Chunks have the tiny model's shape (8 layers, 8 KV heads of 64, bf16: 16 KiB per token), from
 64 KiB to 64 MiB. Blocks have vLLM's default size for the device (128 tokens on CPU, 16 on GPU;
-`--block-size`), capped at the chunk's token count. The paged cache is several times larger than the chunk and the blocks are
+`--block-size`), capped at the chunk's token count. The paged cache is several times larger than the chunk
+and the blocks are
 picked at random, as in a real cache. Each timed call touches a different cold region, and so
 does each memcpy: `memcpy_gbps` (cold source -> the chunk) is gather's baseline, and
 `memcpy_to_cold_gbps` (the chunk -> a cold destination) is scatter's. Each figure is the median

@@ -19,7 +19,8 @@ READ into slots of its CPU tier). `raw_nixl_gbps`: two plain processes pinned to
 cores READ as many bytes in the same chunk-sized descriptors, each time from and into memory not
 moved before (regions of one registration per side, touched, as kvferry's CPU tier is), driving
 NIXL UCX progress the way kvferry does; `raw_nixl_reread_gbps`: the same pair READing one region
-again and again (what this bench reported as raw before; no fetch of new KV does that). A new pair after each round (one READ to connect, then `--raw-reps` of each), medians of
+again and again (what this bench reported as raw before; no fetch of new KV does that). A new pair after each
+round (one READ to connect, then `--raw-reps` of each), medians of
 all: this VM's speed drifts by +-30 % within a minute (a baseline taken once compares badly), and
 a pair kept running beside the servers measured half its fresh speed (3-4 vs 6-9 GB/s).
 Target: p2p_gbps >= 0.8 x raw_nixl_gbps. With `--cluster-secret` every kvferry port (controller,

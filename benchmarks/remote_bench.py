@@ -8,7 +8,8 @@ Starts a redis-server, two kvferry-servers (lm://, one with a cluster secret) an
 For each chunk size, rounds alternate between: raw redis-py SET/GET of the chunk's bytes;
 kvferry's remote tier on Redis (serde header + checksum, MSET of header and payload, GETRANGE
 bounded by the chunk size, the chunk decoded back into a tensor); kvferry's remote tier on
-lm://; on Mooncake (one object per chunk, copied through a registered buffer); and Redis and lm:// again with the cluster secret (``+mac``: every chunk tagged with keyed BLAKE3 on
+lm://; on Mooncake (one object per chunk, copied through a registered buffer); and Redis and lm:// again with
+the cluster secret (``+mac``: every chunk tagged with keyed BLAKE3 on
 put and checked on get). Puts are timed until the tier's put thread has finished them (flush),
 the tiers' order rotating each round; gets (and the in-memory decodes) are interleaved call by
 call across backends, so the shared machine's noise falls on all of them alike.

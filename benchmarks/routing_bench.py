@@ -194,7 +194,8 @@ def main() -> int:
     by = {r["policy"]: r for r in results}
     out = {"workload": {"documents": a.documents, "doc_tokens": a.doc_tokens, "questions": a.questions,
                         "question_tokens": a.question_tokens, "max_tokens": a.max_tokens,
-                        "concurrency": a.concurrency, "order": a.order, "cluster": "kvferry up: 2 prefillers, 1 decoder"},
+                        "concurrency": a.concurrency, "order": a.order, "cluster": "kvferry up: 2 prefillers, 1 "
+                                                                                   "decoder"},
            "policies": results}
     if "cache" in by and "round_robin" in by:
         out["cache_vs_round_robin_mean_ttft"] = round(by["cache"]["mean_ttft_s"] / by["round_robin"]["mean_ttft_s"], 3)

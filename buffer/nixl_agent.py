@@ -103,7 +103,7 @@ class NixlThread:
         self.poll_s = poll_s
         self.progress = 0  # > 0: keep the agent progressing (leases on this agent's memory)
         self._loop = loop
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()  # ("call"|"xfer"|"wake"|"stop", ...)
         self._inflight: list[tuple[object, float, asyncio.Future | concurrent.futures.Future, float]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -176,8 +176,9 @@ class NixlThread:
                         self._resolve(fut, fn(*args))
                     except Exception as e:  # noqa: BLE001 - handed to the caller
                         self._resolve(fut, exc=e)
-                else:
-                    self._post(*item[1], item[2])
+                else:  # ("xfer", (op, local, ..., deadline), fut)
+                    _, xfer, fut = item
+                    self._post(*xfer, fut)
             self._poll()
             if self.progress > 0 and not self._inflight:
                 try:

@@ -263,7 +263,7 @@ class PeerTable(Generic[S]):
         try:
             # Bounded send too: a socket whose handshake failed has no peer, and a send would wait.
             await asyncio.wait_for(s.send(m.encode(self.hello())), timeout)
-            if not await s.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            if not await s.poll(max(1, int((deadline - time.monotonic()) * 1000))):  # POLLIN
                 raise silent
             reply = m.decode(await s.recv(), expect=(m.Welcome, m.ErrorReply))
         except TimeoutError:

@@ -363,7 +363,8 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
     if c.remote_serde not in SERDES + LMCACHE_ONLY_SERDES:
         raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES + LMCACHE_ONLY_SERDES)}")
     for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
-                "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time", "lmcache_worker_heartbeat_timeout"):
+                "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time",
+                "lmcache_worker_heartbeat_timeout"):
         if getattr(c, key) <= 0:
             raise err(key, f"must be a positive number of seconds, got {getattr(c, key)}")
     if c.pd_kv_timeout_action not in ("recompute", "fail"):

@@ -175,7 +175,8 @@ class EtcdWatch:
                 kind, _, iid = key[len(base) + 1:].decode("utf-8", "replace").partition("/")
                 if iid != inner.instance_id or kind != ("instances" if isinstance(inner, m.InstanceRecord)
                                                         else "drain"):
-                    raise Rejected("key", f"entry for {inner.instance_id!r} stored under {key.decode('utf-8', 'replace')!r}")
+                    raise Rejected("key", f"entry for {inner.instance_id!r} stored under "
+                                          f"{key.decode('utf-8', 'replace')!r}")
             except Rejected as e:
                 if (key, e.reason) not in self._logged:  # once per key and reason
                     self._logged.add((key, e.reason))

@@ -33,7 +33,7 @@ class LiveGauges:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, _SIZE)
-            self._mm = mmap.mmap(fd, _SIZE)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, _SIZE)
         finally:
             os.close(fd)
 

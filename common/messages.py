@@ -7,7 +7,7 @@ else) for bad input, so a hostile peer can cost a log line but not a crash.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, TypeVar, Union, overload
 
 import msgspec
 
@@ -85,7 +85,7 @@ class Region(msgspec.Struct, kw_only=True, frozen=True):
     device_id: NonNeg = 0
 
 
-class Hello(Msg, tag="hello"):
+class Hello(Msg, tag="hello", frozen=True):
     peer_id: Id  # the asker: a sender id, or a P2P instance id
     agent_name: Id
     agent_metadata: Blob
@@ -93,7 +93,7 @@ class Hello(Msg, tag="hello"):
     tp_rank: NonNeg = 0
 
 
-class Welcome(Msg, tag="welcome"):
+class Welcome(Msg, tag="welcome", frozen=True):
     peer_id: Id  # the server: a receiver id, or a P2P instance id
     epoch: NonNeg  # changes on every restart
     agent_name: Id
@@ -103,7 +103,7 @@ class Welcome(Msg, tag="welcome"):
 
 
 # ---- alloc port: page reservation ----
-class AllocRequest(Msg, tag="alloc_req"):
+class AllocRequest(Msg, tag="alloc_req", frozen=True):
     transfer_id: Id
     sender_id: Id
     epoch: NonNeg  # the receiver epoch the sender handshook with
@@ -111,14 +111,14 @@ class AllocRequest(Msg, tag="alloc_req"):
     num_tokens: NonNeg
 
 
-class AllocResponse(Msg, tag="alloc_resp"):
+class AllocResponse(Msg, tag="alloc_resp", frozen=True):
     transfer_id: Id
     generation: NonNeg
     pages: Indices  # page index for each chunk to send, in order
     lease_seconds: Seconds
 
 
-class RenewLease(Msg, tag="renew"):
+class RenewLease(Msg, tag="renew", frozen=True):
     """The sender still computes the chunks it reserved pages for: restart their lease. Only from
     the connection that reserved them, only before any data arrived, and never past the receiver's
     pd_queue_seconds from the reservation."""
@@ -127,25 +127,25 @@ class RenewLease(Msg, tag="renew"):
     generation: NonNeg
 
 
-class LeaseRenewed(Msg, tag="renewed"):
+class LeaseRenewed(Msg, tag="renewed", frozen=True):
     transfer_id: Id
     generation: NonNeg
     lease_seconds: Seconds  # from when the receiver handled the renewal
 
 
-class ErrorReply(Msg, tag="error"):
+class ErrorReply(Msg, tag="error", frozen=True):
     code: Text  # e.g. "buffer_full", "too_large", "bad_message", "stale_epoch", "fingerprint"
     message: Text
     transfer_id: str | None = None
 
 
 # ---- NIXL notification payload and aborts ----
-class ArrivalNotice(Msg, tag="arrived"):
+class ArrivalNotice(Msg, tag="arrived", frozen=True):
     transfer_id: Id
     generation: NonNeg
 
 
-class AbortTransfer(Msg, tag="abort"):
+class AbortTransfer(Msg, tag="abort", frozen=True):
     """Drop a transfer. Its pages are reused only when no WRITE can still land in them: at its
     arrival notice, at its lease's end, or at once when `final` comes from the connection that
     reserved them (the sender saying it posted no WRITE and never will). Generation 0 means any
@@ -157,7 +157,7 @@ class AbortTransfer(Msg, tag="abort"):
     final: bool = False
 
 
-class ProxyNotification(Msg, tag="proxy_notify"):
+class ProxyNotification(Msg, tag="proxy_notify", frozen=True):
     """Sent to the configured pd_proxy_host:pd_proxy_port once a whole transfer has arrived."""
 
     transfer_id: Id
@@ -167,40 +167,40 @@ class ProxyNotification(Msg, tag="proxy_notify"):
 
 
 # ---- the lm:// cache server (kvferry-server): a header frame, then `nbytes` raw payload bytes ----
-class RemotePut(Msg, tag="rput"):
+class RemotePut(Msg, tag="rput", frozen=True):
     key: Key
     nbytes: NonNeg  # payload bytes that follow the header
 
 
-class RemoteGet(Msg, tag="rget"):
+class RemoteGet(Msg, tag="rget", frozen=True):
     key: Key
 
 
-class RemoteExists(Msg, tag="rexists"):
+class RemoteExists(Msg, tag="rexists", frozen=True):
     keys: Keys
 
 
-class ServerHello(Msg, tag="server_hello"):
+class ServerHello(Msg, tag="server_hello", frozen=True):
     """The lm:// server's first frame on every connection: with a cluster secret, a challenge."""
 
     auth: bool
     nonce: bytes = b""
 
 
-class AuthAnswer(Msg, tag="auth_answer"):
+class AuthAnswer(Msg, tag="auth_answer", frozen=True):
     """The client's proof: HMAC over both nonces with the secret's lm:// key (common/secret.py)."""
 
     nonce: Nonce
     mac: Annotated[bytes, msgspec.Meta(min_length=32, max_length=64)]
 
 
-class AuthOk(Msg, tag="auth_ok"):
+class AuthOk(Msg, tag="auth_ok", frozen=True):
     """The server's proof back: the client knows it talks to a holder of the secret too."""
 
     mac: Annotated[bytes, msgspec.Meta(min_length=32, max_length=64)]
 
 
-class RemoteReply(Msg, tag="rreply"):
+class RemoteReply(Msg, tag="rreply", frozen=True):
     """Answer to put (ok), get (found, then `nbytes` payload bytes) and exists (`found_keys`)."""
 
     ok: bool = True
@@ -234,17 +234,17 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     cpu_capacity: NonNeg = 0  # bytes
 
 
-class RegisterWorker(Msg, tag="register"):
+class RegisterWorker(Msg, tag="register", frozen=True):
     worker: WorkerInfo
 
 
-class DeregisterWorker(Msg, tag="deregister"):
+class DeregisterWorker(Msg, tag="deregister", frozen=True):
     instance_id: Id
     worker_id: NonNeg
     epoch: Id
 
 
-class Heartbeat(Msg, tag="heartbeat"):
+class Heartbeat(Msg, tag="heartbeat", frozen=True):
     """Carries the registration, so a restarted controller learns the worker again."""
 
     worker: WorkerInfo
@@ -252,7 +252,7 @@ class Heartbeat(Msg, tag="heartbeat"):
     used_bytes: NonNeg
 
 
-class ChunkAdmit(Msg, tag="admit"):
+class ChunkAdmit(Msg, tag="admit", frozen=True):
     instance_id: Id
     worker_id: NonNeg
     epoch: Id
@@ -266,7 +266,7 @@ class ChunkAdmit(Msg, tag="admit"):
             raise ValueError(f"{len(self.keys)} keys and {len(self.sizes)} sizes")
 
 
-class ChunkEvict(Msg, tag="evict"):
+class ChunkEvict(Msg, tag="evict", frozen=True):
     instance_id: Id
     worker_id: NonNeg
     epoch: Id
@@ -274,7 +274,7 @@ class ChunkEvict(Msg, tag="evict"):
     keys: Keys
 
 
-class TransferReport(Msg, tag="transfer"):
+class TransferReport(Msg, tag="transfer", frozen=True):
     """A P2P retrieval a worker made, for the controller's page."""
 
     instance_id: Id
@@ -292,14 +292,14 @@ class PeerAddr(msgspec.Struct, kw_only=True, frozen=True):
     lookup_port: Port
 
 
-class LookupRequest(Msg, tag="lookup_req"):
+class LookupRequest(Msg, tag="lookup_req", frozen=True):
     """The scheduler's question: who holds the longest prefix of these chunk keys?"""
 
     instance_id: Id  # the asker (its own chunks count: a move may have put them there)
     keys: Keys
 
 
-class LookupResponse(Msg, tag="lookup_resp"):
+class LookupResponse(Msg, tag="lookup_resp", frozen=True):
     instance_id: str | None = None
     location: str | None = None
     num_chunks: NonNeg = 0
@@ -307,7 +307,7 @@ class LookupResponse(Msg, tag="lookup_resp"):
 
 
 # Controller -> worker commands (worker port); each is answered with a CommandResult.
-class PullChunks(Msg, tag="pull"):
+class PullChunks(Msg, tag="pull", frozen=True):
     """Fetch `keys` from `source` (the same TP rank of another instance) into the CPU tier."""
 
     event_id: Id
@@ -316,24 +316,24 @@ class PullChunks(Msg, tag="pull"):
     keys: Keys
 
 
-class DropChunks(Msg, tag="drop"):
+class DropChunks(Msg, tag="drop", frozen=True):
     """Remove `keys` from the CPU tier (the source of a move with copy false)."""
 
     event_id: Id
     keys: Keys
 
 
-class ClearChunks(Msg, tag="clear"):
+class ClearChunks(Msg, tag="clear", frozen=True):
     event_id: Id
 
 
-class Resync(Msg, tag="resync"):
+class Resync(Msg, tag="resync", frozen=True):
     """The controller lost this worker's chunk list: send all of it again."""
 
     event_id: Id
 
 
-class CommandResult(Msg, tag="cmd_result"):
+class CommandResult(Msg, tag="cmd_result", frozen=True):
     event_id: Id
     ok: bool
     num_chunks: NonNeg = 0
@@ -341,7 +341,7 @@ class CommandResult(Msg, tag="cmd_result"):
     message: Text = ""
 
 
-class TierNotice(Msg, tag="tier_notice"):
+class TierNotice(Msg, tag="tier_notice", frozen=True):
     """Worker -> its own scheduler (ipc): chunks a controller command put into or took out of the
     CPU tier behind the scheduler's index."""
 
@@ -355,7 +355,7 @@ class TierNotice(Msg, tag="tier_notice"):
 
 
 # Peer <-> peer: p2p_init_ports (Hello/Welcome) and p2p_lookup_ports (lease chunks for a NIXL READ).
-class PeerFetch(Msg, tag="peer_fetch"):
+class PeerFetch(Msg, tag="peer_fetch", frozen=True):
     request_id: Id
     agent_name: Id  # the asker's NIXL agent (the holder sends it the registrations it has not seen)
     keys: Keys
@@ -372,7 +372,7 @@ class Span(msgspec.Struct, kw_only=True, frozen=True):
 Tag = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
-class PeerChunks(Msg, tag="peer_chunks"):
+class PeerChunks(Msg, tag="peer_chunks", frozen=True):
     """The holder's memory for the leading `len(addrs)` of the asked keys, held until released
     or `lease_seconds` pass."""
 
@@ -397,11 +397,11 @@ class PeerChunks(Msg, tag="peer_chunks"):
             raise ValueError(f"{len(self.addrs)} chunks and {len(self.tags)} tags")
 
 
-class PeerRelease(Msg, tag="peer_release"):
+class PeerRelease(Msg, tag="peer_release", frozen=True):
     lease_id: Id
 
 
-class InstanceRecord(Msg, tag="instance"):  # discovery (common/discovery.py): one instance's registration
+class InstanceRecord(Msg, tag="instance", frozen=True):  # discovery (common/discovery.py): one instance's registration
     instance_id: Id
     role: Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
     model: Text  # the served model name
@@ -416,49 +416,19 @@ class InstanceRecord(Msg, tag="instance"):  # discovery (common/discovery.py): o
     lease: NonNeg = 0  # the etcd lease it is written under (0: a file entry); held under another: refused
 
 
-class DrainMark(Msg, tag="drain"):  # every proxy drains this instance
+class DrainMark(Msg, tag="drain", frozen=True):  # every proxy drains this instance
     instance_id: Id
 
-class SignedEntry(Msg, tag="signed"):  # body: an encoded InstanceRecord or DrainMark; sig: HMAC(key, body)
+class SignedEntry(Msg, tag="signed", frozen=True):  # body: an encoded InstanceRecord or DrainMark; sig: HMAC(key, body)
     body: Blob
     sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 Message = Union[
-    Hello,
-    Welcome,
-    AllocRequest,
-    AllocResponse,
-    RenewLease,
-    LeaseRenewed,
-    ErrorReply,
-    ArrivalNotice,
-    AbortTransfer,
-    ProxyNotification,
-    ServerHello,
-    AuthAnswer,
-    AuthOk,
-    RemotePut,
-    RemoteGet,
-    RemoteExists,
-    RemoteReply,
-    RegisterWorker,
-    DeregisterWorker,
-    Heartbeat,
-    ChunkAdmit,
-    ChunkEvict,
-    TransferReport,
-    LookupRequest,
-    LookupResponse,
-    PullChunks,
-    DropChunks,
-    ClearChunks,
-    Resync,
-    CommandResult,
-    TierNotice,
-    PeerFetch,
-    PeerChunks,
-    PeerRelease,
-    InstanceRecord, DrainMark, SignedEntry,
+    Hello, Welcome, AllocRequest, AllocResponse, RenewLease, LeaseRenewed, ErrorReply, ArrivalNotice,
+    AbortTransfer, ProxyNotification, ServerHello, AuthAnswer, AuthOk, RemotePut, RemoteGet, RemoteExists,
+    RemoteReply, RegisterWorker, DeregisterWorker, Heartbeat, ChunkAdmit, ChunkEvict, TransferReport,
+    LookupRequest, LookupResponse, PullChunks, DropChunks, ClearChunks, Resync, CommandResult, TierNotice,
+    PeerFetch, PeerChunks, PeerRelease, InstanceRecord, DrainMark, SignedEntry
 ]
 
 
@@ -476,8 +446,29 @@ def encode(msg: Msg) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(frame: bytes | memoryview, expect: type | tuple[type, ...] | None = None,
-           max_bytes: int = MAX_FRAME_BYTES) -> Message:
+Frame = bytes | bytearray | memoryview
+# The message classes a caller expects: decode() returns their union.
+A = TypeVar("A", bound=Msg)
+B = TypeVar("B", bound=Msg)
+C = TypeVar("C", bound=Msg)
+D = TypeVar("D", bound=Msg)
+
+
+@overload
+def decode(frame: Frame, expect: type[A], max_bytes: int = ...) -> A: ...
+@overload
+def decode(frame: Frame, expect: tuple[type[A], type[B]], max_bytes: int = ...) -> A | B: ...
+@overload
+def decode(frame: Frame, expect: tuple[type[A], type[B], type[C]], max_bytes: int = ...) -> A | B | C: ...
+@overload
+def decode(frame: Frame, expect: tuple[type[A], type[B], type[C], type[D]],
+           max_bytes: int = ...) -> A | B | C | D: ...
+@overload
+def decode(frame: Frame, expect: tuple[type[Msg], ...], max_bytes: int = ...) -> Msg: ...
+@overload
+def decode(frame: Frame, expect: None = None, max_bytes: int = ...) -> Message: ...
+def decode(frame: Frame, expect: type | tuple[type, ...] | None = None,
+           max_bytes: int = MAX_FRAME_BYTES) -> Any:
     """Decode one frame, checking size, version, types and (optionally) the message class."""
     if len(frame) > max_bytes:
         raise MessageError("too_large", f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")

@@ -170,9 +170,9 @@ def machine_address(prefer_ipv6: bool = False) -> str | None:
             return addr
     families = (socket.AF_INET6, socket.AF_INET) if prefer_ipv6 else (socket.AF_INET, socket.AF_INET6)
     for fam in families:
-        addr = _routed_address(fam)
-        if addr is not None:
-            return addr
+        routed = _routed_address(fam)
+        if routed is not None:
+            return routed
     return None
 
 

@@ -95,7 +95,7 @@ def _ports(v: list[int] | int) -> tuple[int, ...]:
 
 def _convert(params: dict, cls: type) -> Any:
     try:
-        out = msgspec.convert(params, cls, strict=True)
+        out: Any = msgspec.convert(params, cls, strict=True)
     except msgspec.ValidationError as e:
         raise ParamsError(f"kv_transfer_params: {str(e).replace('$', 'kv_transfer_params')}") from None
     check_version(out.kvferry_version, "kv_transfer_params")

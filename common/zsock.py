@@ -17,6 +17,7 @@ import ipaddress
 import socket as _socket
 import threading
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 from zmq.utils import z85
@@ -28,6 +29,9 @@ from kvferry.common.errors import ConfigurationError, UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
+
+# A zmq.asyncio context makes asyncio sockets, a plain one plain sockets.
+SocketT = TypeVar("SocketT", bound=zmq.Socket)
 
 logger = get_logger(__name__)
 
@@ -89,7 +93,8 @@ def warn_exposed(host: str, what: str, protected: bool, require: bool, protectio
     (require_cluster_secret / --require-cluster-secret). `fix` starts a sentence."""
     if protected or is_loopback(host):
         return
-    msg = f"{what} listens on {host or '*'}, beyond loopback, without {protection}: {risk}. {fix}, or listen on 127.0.0.1"
+    msg = (f"{what} listens on {host or '*'}, beyond loopback, without {protection}: {risk}. {fix}, "
+           "or listen on 127.0.0.1")
     if require:
         raise ExposureError(msg + " (require_cluster_secret / --require-cluster-secret is set)")
     with _warn_lock:
@@ -99,7 +104,8 @@ def warn_exposed(host: str, what: str, protected: bool, require: bool, protectio
     logger.warning("SECURITY: %s", msg)
 
 
-def socket(ctx: zmq.Context, kind: int, trust: Trust, *, server: bool, max_bytes: int = MAX_BYTES) -> zmq.Socket:
+def socket(ctx: zmq.Context[SocketT], kind: int, trust: Trust, *, server: bool,
+           max_bytes: int = MAX_BYTES) -> SocketT:
     """A socket with no linger, a frame bound, and CurveZMQ when `trust` has a secret."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -115,8 +121,8 @@ def socket(ctx: zmq.Context, kind: int, trust: Trust, *, server: bool, max_bytes
     return s
 
 
-def listen(ctx: zmq.Context, kind: int, trust: Trust, host: str, port: int, what: str,
-           max_bytes: int = MAX_BYTES) -> zmq.Socket:
+def listen(ctx: zmq.Context[SocketT], kind: int, trust: Trust, host: str, port: int, what: str,
+           max_bytes: int = MAX_BYTES) -> SocketT:
     """A server socket bound to tcp://host:port; OSError-like failures name `what` and the fix."""
     check_exposure(host, what, trust)
     s = socket(ctx, kind, trust, server=True, max_bytes=max_bytes)
@@ -124,7 +130,8 @@ def listen(ctx: zmq.Context, kind: int, trust: Trust, host: str, port: int, what
         s.bind(tcp(host, port))
     except zmq.ZMQError as e:
         s.close()
-        raise BindError(f"{what}: cannot listen on {net.hostport(host, port)}: {bind_cause(e.errno, host, port)}") from None
+        raise BindError(f"{what}: cannot listen on {net.hostport(host, port)}: "
+                        f"{bind_cause(e.errno, host, port)}") from None
     return s
 
 
@@ -146,7 +153,8 @@ def bind_cause(err: int | None, host: str, port: int) -> str:
     return f"{text}{' (' + reason + ')' if reason else ''}"
 
 
-def connect(ctx: zmq.Context, kind: int, trust: Trust, url: str, max_bytes: int = MAX_BYTES) -> zmq.Socket:
+def connect(ctx: zmq.Context[SocketT], kind: int, trust: Trust, url: str,
+            max_bytes: int = MAX_BYTES) -> SocketT:
     """A client socket connected to `url` (tcp://host:port, or ipc://)."""
     s = socket(ctx, kind, trust, server=False, max_bytes=max_bytes)
     s.connect(url)

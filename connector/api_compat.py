@@ -63,10 +63,11 @@ MUST_OVERRIDE = {
 }
 
 # Private vLLM names the connector reads, each with the test that fails if its meaning changes.
+_PD_1P1D = "tests/test_connector.py::test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance"
 PRIVATE_NAMES = {
     "_kv_transfer_config": "tests/test_connector.py::test_kv_that_never_arrives_is_recomputed_within_the_timeout",
-    "_connector_metadata": "tests/test_connector.py::test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance",
-    "_get_connector_metadata": "tests/test_connector.py::test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance",
+    "_connector_metadata": _PD_1P1D,
+    "_get_connector_metadata": _PD_1P1D,
     "_gauge_cls": "tests/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
     "_counter_cls": "tests/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
 }
@@ -173,7 +174,9 @@ def connector_sources(root: Path = CONNECTOR_DIR) -> dict[str, ast.Module]:
 
 def _self_reads(cls: ast.ClassDef) -> tuple[set[str], set[str], dict[str, list[ast.Call]]]:
     """(self.x read, self.x assigned, super().x -> its calls) inside a class's methods."""
-    reads, assigned, sup = set(), set(), {}
+    reads: set[str] = set()
+    assigned: set[str] = set()
+    sup: dict[str, list[ast.Call]] = {}
     for node in ast.walk(cls):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             (assigned if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
@@ -316,7 +319,8 @@ def _check_fields(idx: Index, rep: Report) -> None:
         m = info.members.get(f.attr)
         if m is None:
             rep.problems.append(f"{f.cls}.{f.attr} is missing in this vLLM ({f.module}; read by connector/{f.where})")
-        elif f.annotation is not None and (m.annotation is None or norm_annotation(m.annotation) != norm_annotation(f.annotation)):
+        elif f.annotation is not None and (m.annotation is None
+                                           or norm_annotation(m.annotation) != norm_annotation(f.annotation)):
             rep.problems.append(f"{f.cls}.{f.attr} is {m.annotation!r} in this vLLM ({m.where}); connector/{f.where} "
                                 f"expects {f.annotation!r}")
     rep.checked["fields"] = len(FIELDS)
@@ -372,7 +376,8 @@ def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> No
         for kwargs, line in _calls_kwargs(enc, cls):
             n += 1
             for k in sorted(kwargs - set(fields)):
-                rep.problems.append(f"connector/kv_events.py:{line} passes {k}= to {cls}, which this vLLM does not have")
+                rep.problems.append(f"connector/kv_events.py:{line} passes {k}= to {cls}, which this vLLM does not "
+                                    f"have")
             for k in sorted(k for k, m in fields.items() if not m.has_default and k not in kwargs):
                 rep.problems.append(f"connector/kv_events.py:{line} does not pass {cls}.{k}, required in this vLLM "
                                     f"({fields[k].where})")

@@ -61,7 +61,7 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None too
         self.roles = roles(vllm_config)
         check_vllm_version(installed_vllm_version(), self.roles.cfg.allow_unsupported_vllm)
         self._last_stats: dict[str, float] = {}
@@ -72,42 +72,52 @@ class KVFerryConnector(KVConnectorBase_V1):
             # vLLM reads this right after building the scheduler's connector. A failed load from an
             # offload tier is always recomputed; a decoder follows pd_kv_timeout_action.
             self._kv_transfer_config.kv_load_failure_policy = (
-                "recompute" if self.roles.producer_side else self.roles.cfg.pd_kv_timeout_action)
+                "recompute" if self.roles.producer_side
+                else self.roles.cfg.pd_kv_timeout_action)  # type: ignore[assignment]  # config.py checks it
         else:
             self._worker = WorkerSide(self.roles, vllm_config)
 
+    @property
+    def _s(self) -> SchedulerSide:
+        assert self._sched is not None, "vLLM called a scheduler-side method on a worker-role connector"
+        return self._sched
+
+    @property
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "vLLM called a worker-side method on a scheduler-role connector"
+        return self._worker
+
     # ---- scheduler side ----
     def on_new_request(self, request: Request) -> None:
-        self._sched.on_new(request)
+        self._s.on_new(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched.matched(request, num_computed_tokens)
+        return self._s.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._sched.after_alloc(request, blocks, num_external_tokens)
+        self._s.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched.build(scheduler_output)
+        return self._s.build(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.finished(request)
+        return self._s.finished(request)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        got = self._sched.hit_sources(request.request_id) if num_external_tokens else {}
+        got = self._s.hit_sources(request.request_id) if num_external_tokens else {}
         return got or super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self._sched.take_events()
+        return self._s.take_events()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVFerryWorkerMeta) and self._sched.offload is not None:
-            self._sched.offload.forget(meta.lost)
+        if isinstance(meta, KVFerryWorkerMeta) and self._s.offload is not None:
+            self._s.offload.forget(meta.lost)
 
     # ---- both sides ----
     def get_kv_connector_stats(self) -> KVFerryStats | None:
-        side = self._sched if self._sched is not None else self._worker
-        now = side.stats()
+        now = (self._sched or self._w).stats()
         if not now:
             return None
         return KVFerryStats(data=deltas(now, self._last_stats))
@@ -123,7 +133,7 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        self._w.register(kv_caches)
 
     # vLLM sleep mode (vLLM >= 0.33; docs/compatibility.md): the worker drains its transfers and
     # drops its NIXL registrations before the memory goes, and registers again after.
@@ -133,23 +143,23 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:
-            self._worker.unregister()
+            self._w.unregister()
 
     def restore_kv_caches(self) -> None:
         if self._worker is not None:
-            self._worker.restore()
+            self._w.restore()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Before the forward pass on every device: vLLM calls start_load_kv after the forward
         # when no load feeds it, which on a CPU is after the compute.
-        self._worker.opens(connector_metadata)
+        self._w.opens(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker.start_loads(self._get_connector_metadata())
+        self._w.start_loads(self._get_connector_metadata())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.worker_meta()
+        return self._w.worker_meta()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -159,17 +169,17 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self._worker.saves(self._get_connector_metadata())
+            self._w.saves(self._get_connector_metadata())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._connector_metadata
-        return self._worker.results(finished_req_ids, isinstance(meta, KVFerryMetadata) and meta.idle)
+        return self._w.results(finished_req_ids, isinstance(meta, KVFerryMetadata) and meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        return self._w.take_load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            self._w.close()
         if self._sched is not None:
-            self._sched.close()
+            self._s.close()

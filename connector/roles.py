@@ -38,6 +38,8 @@ def store_pd(cfg: KVFerryConfig, kv_role: str) -> bool:
 def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
     """kvferry's config and vLLM's kv_role, checked against each other."""
     ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        raise ConfigError("KVFerryConnector needs vLLM's --kv-transfer-config (kv_connector and kv_role)")
     role = ktc.kv_role
     cfg = load_config(ktc.kv_connector_extra_config or {})
     if role == "kv_both":
@@ -49,7 +51,7 @@ def connector_config(vllm_config: VllmConfig) -> tuple[KVFerryConfig, str]:
                               "> 0, local_disk and max_local_disk_size, or remote_url")
         return cfg, role
     want = {"kv_producer": "sender", "kv_consumer": "receiver"}.get(role or "")
-    if want is None:
+    if want is None or role is None:
         raise ConfigError(f"kv_role {role!r}: KVFerryConnector takes kv_role kv_both (offload), kv_producer "
                           "(prefiller) or kv_consumer (decoder)")
     if store_pd(cfg, role):

@@ -80,7 +80,7 @@ class SchedulerSide:
         if self.roles.producer_side:
             if self.offload is None:
                 return 0, False
-            return self.offload.match(request.request_id, request.prompt_token_ids, num_computed), False
+            return self.offload.match(request.request_id, _prompt(request), num_computed), False
         if request.request_id in self._tried:
             return 0, False
         try:
@@ -100,7 +100,7 @@ class SchedulerSide:
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
         if self.offload is not None:
-            self.offload.after_alloc(rid, request.prompt_token_ids, blocks.get_block_ids()[0], num_external)
+            self.offload.after_alloc(rid, _prompt(request), blocks.get_block_ids()[0], num_external)
             self._computing[rid] = request
         if self.roles.producer_side:
             if not self.roles.pd or rid in self._prefills or rid in self._errors:
@@ -120,8 +120,9 @@ class SchedulerSide:
             return
         self._tried.add(rid)
         tid = _decode_tid(request.kv_transfer_params)
+        assert tid is not None  # matched() counted external tokens only for a request with one
         # The full prompt: the transfer may cover one token more than is loaded (see PDConsumer).
-        self._loads.append(LoadOp(rid, tid, list(request.prompt_token_ids), list(blocks.get_block_ids()[0]),
+        self._loads.append(LoadOp(rid, tid, _prompt(request), list(blocks.get_block_ids()[0]),
                                   local + num_external, local))
 
     def build(self, so: SchedulerOutput) -> KVFerryMetadata:
@@ -138,23 +139,25 @@ class SchedulerSide:
                 if req is None or req.num_computed_tokens + n < req.num_prompt_tokens:
                     continue  # not admitted through us, or chunked prefill not at its last piece
                 del self._computing[rid]
-                self.offload.store(rid, req.prompt_token_ids, self._blocks.get(rid))
+                assert self._blocks is not None  # kept whenever offload is on
+                self.offload.store(rid, _prompt(req), self._blocks.get(rid))
             meta.cache_loads, meta.cache_saves = self.offload.take()
         for rid, n in so.num_scheduled_tokens.items():
             entry = self._prefills.get(rid)
             if entry is None:
                 continue
+            assert self._blocks is not None  # kept on every prefiller
             req, spec = entry
             if rid not in self._opened:  # first scheduled: the decoder's pages are asked for before the compute
                 self._opened.add(rid)
                 meta.opens.append(OpenOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
-                                         list(req.prompt_token_ids), req.num_prompt_tokens))
+                                         _prompt(req), req.num_prompt_tokens))
             if req.num_computed_tokens + n < req.num_prompt_tokens:  # chunked prefill: not the last piece yet
                 meta.pieces.append(PieceOp(rid, spec.tid, self._blocks.get(rid), req.num_computed_tokens + n))
                 continue
             del self._prefills[rid]
             meta.saves.append(SaveOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
-                                     list(req.prompt_token_ids), self._blocks.get(rid), req.num_prompt_tokens))
+                                     _prompt(req), self._blocks.get(rid), req.num_prompt_tokens))
         return meta
 
     def hit_sources(self, req_id: str) -> dict[CacheHitSource, int]:
@@ -228,7 +231,7 @@ def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadP
     cfg = roles.cfg
     try:
         return OffloadPlanner(cfg, salt(vc, cfg, len(group.layer_names)), vc.cache_config.block_size, block_bytes,
-                              notice_addr(vc.kv_transfer_config.engine_id) if cfg.enable_p2p else None,
+                              notice_addr(_engine_id(vc)) if cfg.enable_p2p else None,
                               tier_events=kv_events_enabled(vc))
     except KVFerryError as e:  # a chunk_size or serde the planner refuses, or a remote store it cannot reach
         raise ConfigError(str(e)) from None
@@ -238,3 +241,13 @@ def kv_events_enabled(vc: VllmConfig) -> bool:
     """Whether vLLM publishes KV events (then the tiers' changes are recorded for it)."""
     ev = getattr(vc, "kv_events_config", None)
     return bool(ev is not None and ev.enable_kv_cache_events)
+
+
+def _prompt(req: Request) -> list[int]:
+    """The prompt's token ids (none for a prompt given as embeddings: nothing to key, nothing matched)."""
+    return list(req.prompt_token_ids or ())
+
+
+def _engine_id(vc: VllmConfig) -> str:
+    assert vc.kv_transfer_config is not None and vc.kv_transfer_config.engine_id is not None  # a connector has one
+    return vc.kv_transfer_config.engine_id

@@ -46,7 +46,8 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
                       None),
     "remote_put_dropped": ("kvferry:cache_remote_put_dropped", "Chunks not sent to the remote store (queue full or "
                            "store down)", None),
-    "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length, format)",
+    "remote_corrupt": ("kvferry:cache_remote_corrupt", "Remote values rejected (checksum, shape, layout, length, "
+                                                       "format)",
                        None),
     "remote_forged": ("kvferry:cache_remote_forged", "Remote values refused by the cluster-secret MAC (forged, "
                       "untagged, or another key's)", None),
@@ -141,7 +142,7 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
         self._warned = False
         for key, (name, doc, label) in SERIES.items():
             cls = self._gauge_cls if key in GAUGES else self._counter_cls
-            kw = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
+            kw: dict[str, Any] = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
             self._metrics[key] = cls(name=name, documentation=doc,
                                      labelnames=labelnames + ([label] if label else []), **kw)
         self._last: dict[tuple[str, str], float] = {}  # gauges as the stats pipeline last told them

@@ -230,8 +230,9 @@ class Index:
             if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for sub in ast.walk(item):
-                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
-                    sub, ast.AnnAssign) else []
+                if not isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                    continue
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
                 for t in targets:
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
                             and t.attr not in info.members:
@@ -252,7 +253,8 @@ class Param:
     has_default: bool
 
 
-def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, static: bool) -> tuple[list[Param], list[Param], bool, bool]:
+def _params(fn: ast.AST | None, static: bool) -> tuple[list[Param], list[Param], bool, bool]:
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))  # a method's Member has its def
     a = fn.args
     pos = [Param(x.arg, "posonly", False) for x in a.posonlyargs] + [Param(x.arg, "pos", False) for x in a.args]
     for p, _ in zip(reversed(pos), reversed(a.defaults), strict=False):
@@ -263,7 +265,7 @@ def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, static: bool) -> tuple[l
     return pos, kw, a.vararg is not None, a.kwarg is not None
 
 
-def signature(fn: ast.AST) -> str:
+def signature(fn: ast.AST | None) -> str:
     assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
     return f"{fn.name}({ast.unparse(fn.args)})"
 
@@ -296,10 +298,10 @@ def signature_problem(base: Member, mine: Member) -> str | None:
         return "vLLM's takes **kwargs, kvferry's does not"
     names = {q.name: q for q in mpos + mkw}
     for p in bkw:
-        q = names.get(p.name)
-        if q is None and not mvarkw:
+        mine_kw = names.get(p.name)
+        if mine_kw is None and not mvarkw:
             return f"vLLM passes keyword {p.name!r}, which kvferry's does not take"
-        if q is not None and p.has_default and not q.has_default:
+        if mine_kw is not None and p.has_default and not mine_kw.has_default:
             return f"vLLM may leave out {p.name!r} but kvferry's requires it"
     for q in mkw:
         if not q.has_default and q.name not in {p.name for p in bkw}:
@@ -316,7 +318,7 @@ def call_problem(base: Member, call: ast.Call) -> str | None:
         return f"passes {len(call.args)} positional arguments, vLLM's takes {len(pos)}"
     given = {p.name for p in pos[:len(call.args)]} | {k.arg for k in call.keywords}
     names = {p.name for p in pos + kw}
-    unknown = sorted(k.arg for k in call.keywords if k.arg not in names)
+    unknown = sorted(k.arg for k in call.keywords if k.arg is not None and k.arg not in names)
     if unknown and not varkw:
         return f"passes {', '.join(unknown)}, which vLLM's does not take"
     missing = [p.name for p in pos + kw if not p.has_default and p.name not in given]

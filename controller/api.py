@@ -35,7 +35,8 @@ FIELD_ERRORS: dict[str, Callable[[Any], str]] = {
     "instance_id": lambda v: f"instance_id must be a string (the instance's lmcache_instance_id), got {v!r}",
     "location": lambda v: f"location {v!r} is not supported: use \"LocalCPUBackend\"",
 }
-ERRORS = {400: {"model": api.ErrorBody, "description": "bad input; the message names the fix"},
+ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": api.ErrorBody, "description": "bad input; the message names "
+                                                                                        "the fix"},
           401: {"model": api.ErrorBody, "description": "the admin key is missing or wrong"}}
 
 
@@ -113,7 +114,9 @@ def build_app(c: Controller) -> Guard:
             return error(404, f"no move with event_id {event_id!r} (the controller keeps the last 1000)")
         return JSON(ev.model_dump(by_alias=True, exclude_none=True))
 
-    not_found = {404: {"model": api.ErrorBody, "description": "no such move (the controller keeps the last 1000)"}}
+    not_found: dict[int | str, dict[str, Any]] = {404: {"model": api.ErrorBody, "description": "no such move (the "
+                                                                                               "controller keeps the "
+                                                                                               "last 1000)"}}
 
     @app.get("/move/{event_id}", responses={200: {"model": api.MoveEvent}, **ERRORS, **not_found},
              summary="A move's status")

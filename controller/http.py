@@ -16,7 +16,7 @@ import uvicorn
 
 from kvferry.controller.guard import ASGIApp
 
-GRACE_S = 5.0  # open requests get this long to finish at shutdown, then they are cancelled
+GRACE_S = 5  # open requests get this long to finish at shutdown, then they are cancelled
 START_S = 30.0
 
 

@@ -180,6 +180,7 @@ class Registry:
         if not self.register(msg.worker):
             return None
         w = self.worker(msg.worker.instance_id, msg.worker.worker_id, msg.worker.epoch)
+        assert w is not None  # registered just above
         w.reported_chunks = msg.num_chunks
         return w
 

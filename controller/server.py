@@ -34,12 +34,14 @@ def parse_monitor_ports(text: str) -> dict[str, int]:
     try:
         ports = json.loads(text)
     except json.JSONDecodeError as e:
-        raise MonitorPortsError(f"--monitor-ports is not JSON ({e}): e.g. '{{\"pull\": 8300, \"reply\": 8400}}'") from None
+        raise MonitorPortsError(f"--monitor-ports is not JSON ({e}): e.g. "
+                                f"'{{\"pull\": 8300, \"reply\": 8400}}'") from None
     if not isinstance(ports, dict):
         raise MonitorPortsError("--monitor-ports must be a JSON object such as '{\"pull\": 8300, \"reply\": 8400}'")
     unknown = set(ports) - {"pull", "reply", "heartbeat"}
     if unknown:
-        raise MonitorPortsError(f"--monitor-ports: unknown key(s) {sorted(unknown)}; the keys are pull, reply, heartbeat")
+        raise MonitorPortsError(f"--monitor-ports: unknown key(s) {sorted(unknown)}; the keys are pull, reply, "
+                                f"heartbeat")
     for k in ("pull", "reply"):
         if k not in ports:
             raise MonitorPortsError(f"--monitor-ports needs a {k!r} port (the workers' controller_{k}_url)")

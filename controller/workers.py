@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -32,6 +33,7 @@ logger = get_logger(__name__)
 RESYNC_AFTER = 3  # heartbeats whose chunk count disagrees with the index before a resync
 PORTS = "kvferry-controller (--monitor-ports)"  # one exposure warning for all of them
 WORKER_MSGS = (m.RegisterWorker, m.Heartbeat, m.DeregisterWorker, m.ChunkAdmit, m.ChunkEvict, m.TransferReport)
+Command = m.PullChunks | m.DropChunks | m.ClearChunks | m.Resync  # what the controller asks a worker
 
 WorkerKey = tuple[str, int, str]  # instance id, worker id (TP rank), epoch
 
@@ -68,7 +70,7 @@ class WorkerLinks:
         for name in ("pull", "heartbeat"):
             if self.ports.get(name):
                 s = self._bind(zmq.PULL, self.ports[name], name)
-                self._loop(name, lambda s=s, name=name: self._pull_loop(s, name))
+                self._loop(name, functools.partial(self._pull_loop, s, name))
         rep = self._bind(zmq.ROUTER, self.ports["reply"], "reply")
         self._loop("reply", lambda: self._reply_loop(rep))
         self._loop("sweep", self._sweep_loop)
@@ -199,12 +201,12 @@ class WorkerLinks:
                 if k in self._cmd:
                     self._cmd.pop(k).close(linger=0)
             ranks = {(i, r) for i, r, _ in live}
-            for k in [k for k in self._mismatch if k not in ranks]:
-                del self._mismatch[k]
+            for rank in [rank for rank in self._mismatch if rank not in ranks]:
+                del self._mismatch[rank]
             health.recovered()
 
     # ---- commands to workers ----
-    async def command(self, w: Worker, cmd: m.Msg) -> m.CommandResult:
+    async def command(self, w: Worker, cmd: Command) -> m.CommandResult:
         """Send one command to a worker and wait (bounded) for its result; never raises."""
         try:
             return await self._command_once(w, cmd)
@@ -214,7 +216,7 @@ class WorkerLinks:
                 f"instance {w.info.instance_id} worker {w.info.worker_id} at {w.info.host}:{w.info.worker_port}: "
                 f"{type(e).__name__}: {e}")[:4000])
 
-    async def _command_once(self, w: Worker, cmd: m.Msg) -> m.CommandResult:
+    async def _command_once(self, w: Worker, cmd: Command) -> m.CommandResult:
         k = (w.info.instance_id, w.info.worker_id, w.info.epoch)
         async with self._cmd_locks.setdefault(k, asyncio.Lock()):
             sock = self._cmd.get(k)
@@ -231,7 +233,7 @@ class WorkerLinks:
                 sock.close(linger=0)
                 raise
             while True:  # skip results of commands that timed out earlier
-                if not await sock.poll(int(self.command_timeout * 1000), zmq.POLLIN):
+                if not await sock.poll(int(self.command_timeout * 1000)):  # POLLIN
                     self._cmd.pop(k, None)
                     sock.close(linger=0)
                     return m.CommandResult(event_id=cmd.event_id, ok=False, message=(

@@ -25,7 +25,8 @@ from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
-    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker", "PDConsumer",
+    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker",
+    "PDConsumer",
     "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "detect_layout", "fingerprint", "layout_digest",
     "loaded_blocks", "notice_addr", "offload_salt",
 ]

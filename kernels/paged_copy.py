@@ -6,7 +6,8 @@ list of (plane, row) pairs over per-plane row tables: base address, row stride, 
 
 - CPU: the compiled row copy of ``native`` (one memcpy per row, rows over torch's threads)
   takes the address table of every row of the chunk, all layers at once. Without a C compiler,
-  one ``index_select`` (gather) or ``index_copy_`` (scatter) moves the whole chunk through a single overlapping ``[words, row_words]`` view (strides ``(1, 1)``)
+  one ``index_select`` (gather) or ``index_copy_`` (scatter) moves the whole chunk through a
+  single overlapping ``[words, row_words]`` view (strides ``(1, 1)``)
   of the address span that holds every layer: row *r* of that view starts at word *r*, so any
   row of any layer is one index. A torch call's dispatch costs as much as copying a small chunk,
   which is why one call for all layers matters. Rows are moved as the widest integer word that
@@ -76,7 +77,8 @@ class PagedKV:
         nbytes = [t.view(torch.uint8) for t in kv_caches]
         self._kv = [blayout.kv_views(b) for b in nbytes]
 
-        lo = hi = None
+        lo: int | None = None
+        hi = 0
         if self.device.type == "cpu":
             lo = min(t.data_ptr() for t in nbytes)
             hi = max(t.data_ptr() + _extent(t) for t in nbytes)
@@ -115,7 +117,8 @@ class PagedKV:
 
         `check_range=False` leaves the id range check to the caller (the compiled copy checks
         every row itself, cheaper than a separate min/max op)."""
-        lo = hi = 0
+        lo: int | torch.Tensor = 0
+        hi: int | torch.Tensor = 0
         if isinstance(block_ids, torch.Tensor):
             ids = block_ids.to(self.device, torch.long).contiguous()
             if check_range and ids.numel():
@@ -208,7 +211,9 @@ class PagedKV:
         nbytes = len(self._planes) * (len(block_ids) - first) * rb
         if self.device.type == "cuda":
             from kvferry.kernels import triton_copy
-            triton_copy.copy_rows(self.device, self._tables["block"], np.asarray(tail, dtype=np.int64), [len(tail)],
+            table = self._tables["block"]
+            assert table is not None  # a block table is made for every cache
+            triton_copy.copy_rows(self.device, table, np.asarray(tail, dtype=np.int64), [len(tail)],
                                   [chunk], [len(self._planes) * nblk * rb], False, plane_rows=[nblk], first=[first])
             return nbytes
         tail_t = torch.tensor(tail, dtype=torch.long, device=self.device)
@@ -223,20 +228,21 @@ class PagedKV:
         """Gather (to_chunk) or scatter several chunks; on CUDA one kernel launch for all of them."""
         table = self._tables[fmt] if fmt in self._tables else None
         rowcopy = native.row_copier() if self.device.type == "cpu" and table is not None else None
-        if rowcopy is not None:
-            return sum(self._copy_native(rowcopy, table, fmt, b, buf, n, to_chunk)
-                       for b, buf, n in zip(block_ids, bufs, num_tokens, strict=True))
+        if rowcopy is not None and table is not None:
+            return sum([self._copy_native(rowcopy, table, fmt, b, buf, n, to_chunk)
+                        for b, buf, n in zip(block_ids, bufs, num_tokens, strict=True)])
         if self.device.type == "cuda" and table is not None:
             from kvferry.kernels import triton_copy
             rows, counts, ns = self.host_rows_batch(block_ids, fmt, num_tokens)
-            return triton_copy.copy_rows(self.device, table, rows, counts, bufs, [self.chunk_nbytes(fmt, n) for n in ns],
-                                         to_chunk)
+            return triton_copy.copy_rows(self.device, table, rows, counts, bufs,
+                                         [self.chunk_nbytes(fmt, n) for n in ns], to_chunk)
         checked = [self._indices(b, fmt, n) for b, n in zip(block_ids, num_tokens, strict=True)]
         if table is None:
             return sum(self.token_copy_indexed(i, b, n, to_chunk)
                        for (i, n), b in zip(checked, bufs, strict=True))
         total = 0
         span = self._span[(table.word, table.row_words)]
+        assert table.base_words is not None and table.stride_words is not None  # finish() made them on CPU
         for (ids, n), buf in zip(checked, bufs, strict=True):
             nbytes = self.chunk_nbytes(fmt, n)
             flat = self.chunk_bytes_view(buf, nbytes)
@@ -259,6 +265,7 @@ class PagedKV:
         nbytes = self.chunk_nbytes(fmt, n)
         check_chunk_buf(buf, nbytes)
         row_limit = self.layout.num_blocks * (1 if fmt == "block" else self.layout.block_size)
+        assert table.base_addr is not None and table.stride_bytes is not None  # finish() made them on CPU
         try:
             rowcopy.copy(table.base_addr, table.stride_bytes, self.rows(fmt, ids, n), row_limit,
                          table.row_bytes, buf.data_ptr(), to_chunk)

@@ -82,7 +82,8 @@ class Registrar:
         """Until `stop`: register once healthy, renew, withdraw after FAILS_TO_WITHDRAW failed checks."""
         reg = disc.Registration(self.target, member.record, self.secret, self.ttl)
         iid = member.record.instance_id
-        fails, registered, beat, warned = 0, False, None, False
+        fails, registered, warned = 0, False, False
+        beat: tuple[asyncio.Event, asyncio.Future[None]] | None = None  # set while registered
         async with httpx.AsyncClient() as client:
             try:
                 while not stop.is_set():
@@ -97,6 +98,7 @@ class Registrar:
                             logger.info("discovery: %s registered in %s (%s, lease %ds)", iid, self.target,
                                         member.record.url, self.ttl)
                         elif registered and fails >= FAILS_TO_WITHDRAW:
+                            assert beat is not None
                             beat[0].set()
                             await beat[1]
                             await reg.withdraw()
@@ -294,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
     extra += rest[1:] if rest[:1] == ["--"] else rest
     server = {"served_name": served, "max_model_len": max_len, "kv_cache_gb": args.kv_cache_gb,
               "die_with_parent": True, "extra_args": extra}
+    inst: Prefiller | Decoder
     if args.role == "prefiller":
         inst = Prefiller(model, log_dir, None, log_dir, port=port, server=server, **keys)
         ports: dict = {}

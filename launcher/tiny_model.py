@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from kvferry.common.paths import cache_root
 
@@ -30,7 +31,7 @@ TINY_MODEL_VERSION = 1
 SEED = 1234
 STAMP = "kvferry_tiny_model.json"
 
-ARCH = {
+ARCH: dict[str, Any] = {  # a config.json: values of mixed types
     "hidden_size": 512,
     "intermediate_size": 1408,
     "num_hidden_layers": 8,
@@ -68,7 +69,7 @@ _WORDS = (
 
 # The MLA model: attention heads split over TP ranks (4 -> 2 per rank at TP=2); the latent cache is
 # the same on every rank. KV per token: 8 layers x 576 x bf16 = 9 KiB.
-DEEPSEEK_ARCH = {
+DEEPSEEK_ARCH: dict[str, Any] = {
     "hidden_size": 512,
     "intermediate_size": 1408,
     "num_hidden_layers": 8,

@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
@@ -38,6 +39,9 @@ from kvferry.launcher.vllm_proc import (
     signal_group,
     stop_group,
 )
+
+if TYPE_CHECKING:
+    from kvferry.launcher.join import Registrar
 
 STOP_SECONDS = 15.0
 
@@ -60,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance (CPU)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the instances")
     p.add_argument("--remote", choices=["mooncake"], default=None,
-                   help="start a store for every instance's remote tier: mooncake (a mooncake_master, docs/mooncake.md)")
+                   help="start a store for every instance's remote tier: mooncake (a mooncake_master, "
+                        "docs/mooncake.md)")
     p.add_argument("--cluster-secret-file", default=None,
                    help="the cluster secret for every port (default: a new one in the log folder)")
     p.add_argument("--policy", choices=("cache", "load", "round_robin"), default="cache",
@@ -136,7 +141,7 @@ def plan(args: argparse.Namespace) -> dict:
         placement = [{"env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i * args.tp + j) for j in range(args.tp))}}
                      for i in range(n)]
         keys.setdefault("pd_buffer_device", "cuda")
-        cores = [None] * n
+        cores: list[str | None] = [None] * n
     else:
         if args.tp != 1:
             raise UpError("--tp > 1 needs GPUs; none found (nvidia-smi)")
@@ -155,7 +160,7 @@ class Cluster:
         self.args, self.p = args, p
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-up-")).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.instances: list[VLLMServer] = []
+        self.instances: list[Prefiller | Decoder] = []
         self.proxy: subprocess.Popen | None = None
         self.proxy_log = self.log_dir / "proxy.log"
         self.stopping = threading.Event()
@@ -166,9 +171,9 @@ class Cluster:
             self.secret_file = str(self.log_dir / "cluster.secret")
             secret.write_file(self.secret_file, secret.generate())
         keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
-        self.store: stores.Proc | None = None
+        self.store: stores.MooncakeMaster | None = None
         self.etcd: stores.Proc | None = None
-        self.registrar = None  # launcher.join.Registrar with --discovery
+        self.registrar: Registrar | None = None  # with --discovery
         self.discovery: str | None = getattr(args, "discovery", None)
         if self.discovery == "etcd":  # a local one-member etcd for this cluster
             self.etcd = stores.start_etcd(self.log_dir)
@@ -180,7 +185,7 @@ class Cluster:
         self.kv_events: list[tuple[str, str]] = []  # each instance's event publisher and replay socket
         for i in range(n):
             if i < args.num_prefillers:
-                inst: VLLMServer = Prefiller(p["model"], self.log_dir, p["cores"][i], self.log_dir,
+                inst: Prefiller | Decoder = Prefiller(p["model"], self.log_dir, p["cores"][i], self.log_dir,
                                              server=self._server_kw(i), **keys)
             else:
                 inst = Decoder(p["model"], self.log_dir, p["cores"][i], self.log_dir, server=self._server_kw(i),
@@ -215,6 +220,7 @@ class Cluster:
             if self.stopping.is_set():
                 raise KeyboardInterrupt
             for s in list(waiting):
+                assert s.proc is not None  # started above
                 if s.proc.poll() is not None:
                     raise UpError(f"{self.name(s)} exited with {s.proc.returncode} while starting; the end of its "
                                   f"log ({s.log_path}):\n{log_tail(s.log_path)}")
@@ -272,25 +278,28 @@ class Cluster:
         from kvferry.common import discovery as disc
         from kvferry.common import messages as m
         from kvferry.launcher.join import Member, Registrar, version
+        assert self.discovery is not None  # only called with --discovery
         target = disc.parse_target(self.discovery)
         members = []
         for i, (s, (pub, replay)) in enumerate(zip(self.instances, self.kv_events, strict=True)):
             role = "prefiller" if isinstance(s, Prefiller) else "decoder"
-            ports = {"receiver_host": s.receiver_host, "init_ports": [s.init_port], "alloc_ports": [s.alloc_port]} \
-                if isinstance(s, Decoder) else {}
+            ports: dict[str, Any] = {"receiver_host": s.receiver_host, "init_ports": [s.init_port],
+                                     "alloc_ports": [s.alloc_port]} if isinstance(s, Decoder) else {}
             rec = m.InstanceRecord(instance_id=f"up-{os.getpid()}-{role}-{i}", role=role, model=self.p["served"],
                                    url=s.url, kv_events=[pub, replay],
                                    fingerprint=disc.fingerprint(self.p["served"]), tp_size=self.args.tp,
                                    kvferry_version=version(), **ports)
             members.append(Member(rec, f"{s.url}/health"))
-        self.registrar = Registrar(target, secret.from_file(self.secret_file, "cluster secret"), self.args.lease_ttl)
-        self.registrar.start_thread(members)
+        registrar = Registrar(target, secret.from_file(self.secret_file, "cluster secret"), self.args.lease_ttl)
+        registrar.start_thread(members)
+        self.registrar = registrar
 
     def write_state(self) -> Path:
         """`cluster.json` in the log folder: every process, URL and port (for scripts and tests)."""
         inst = []
         for s, ev in zip(self.instances, self.kv_events, strict=True):
-            d = {"name": self.name(s), "kv_events": list(ev), "role": "prefiller" if isinstance(s, Prefiller) else "decoder", "url": s.url,
+            d = {"name": self.name(s), "kv_events": list(ev),
+                 "role": "prefiller" if isinstance(s, Prefiller) else "decoder", "url": s.url,
                  "port": s.port, "pid": s.proc.pid if s.proc else None, "log": str(s.log_path),
                  "config": str(s.config_path)}
             if isinstance(s, Decoder):
@@ -315,7 +324,7 @@ class Cluster:
         """The proxy from this machine (loopback when it binds every interface)."""
         return http_url(self.args.host, self.args.port)
 
-    def name(self, s: VLLMServer) -> str:
+    def name(self, s: Prefiller | Decoder) -> str:
         kind = [x for x in self.instances if type(x) is type(s)]
         return f"{'prefiller' if isinstance(s, Prefiller) else 'decoder'} {kind.index(s)}"
 
@@ -345,6 +354,7 @@ class Cluster:
         return "\n".join(lines)
 
     def started(self, s: VLLMServer) -> None:
+        assert s.proc is not None  # called once it started
         self.reaper.track(s.proc)
 
     def stopped(self, pid: int) -> None:

@@ -187,7 +187,7 @@ class PeerReader:
 
     def _forged(self, keys: Sequence[bytes], dest: list[torch.Tensor], tags: Sequence[bytes]) -> list[int]:
         return [i for i, (k, d, t) in enumerate(zip(keys, dest, tags, strict=False))
-                if not self.mac.check(t, k, memoryview(d.numpy()))]
+                if not self.mac.check(t, k, d.numpy().data)]
 
     async def _add_metadata(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks) -> None:
         """Load the lease's NIXL metadata; it must describe the peer's own agent."""

@@ -157,7 +157,7 @@ class ChunkLender:
     async def _make_tag(self, key: bytes, d: torch.Tensor) -> bytes:
         # A thread: hashing 4 MiB takes ~1 ms, which this loop's other peers must not wait for
         # (BLAKE3 drops the GIL while it hashes).
-        return await asyncio.to_thread(self.mac.tag, key, memoryview(d.numpy()))
+        return await asyncio.to_thread(self.mac.tag, key, d.numpy().data)
 
     async def _tag_of(self, key: bytes, d: torch.Tensor) -> bytes:
         held = self._tags.get(key)

@@ -73,8 +73,9 @@ def start_redis(work: Path, port: int | None = None, replicaof: int | None = Non
         tls_port = free_port()
         argv += ["--tls-port", str(tls_port), "--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key),
                  "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "yes" if tls.check_clients else "no"]
-    proc = Proc(f"redis-server :{port if plain else tls_port}", argv, port if plain else tls_port,
-                work / f"redis-{port}.log")
+    first = port if plain else tls_port
+    assert first is not None  # plain or TLS: one of the two ports listens
+    proc = Proc(f"redis-server :{first}", argv, first, work / f"redis-{port}.log")
     proc.tls_port = tls_port
     if tls_port is not None and plain:
         wait_port(proc.proc, tls_port, proc.what, proc.log)

@@ -86,17 +86,22 @@ class Stub:
         self.dead = False
         self.die_mid_stream = False
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="", status=503 if self.dead else 200)
+
+    async def stub_log(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.log, "answers": self.answers, "cut_streams": self.cut_streams,
+                                  "max_active": self.max_active})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", lambda r: web.Response(text="", status=503 if self.dead else 200))
+        app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/stub/fail", self.set_fail)
-        app.router.add_get("/stub/log", lambda r: web.json_response({"requests": self.log, "answers": self.answers,
-                                                                      "cut_streams": self.cut_streams,
-                                                                      "max_active": self.max_active}))
+        app.router.add_get("/stub/log", self.stub_log)
         app.router.add_post("/stub/reset", self.reset)
         return app
 
@@ -306,8 +311,8 @@ def main() -> None:
     except ImportError:
         pass
     web.run_app(Stub(args.token_delay, args.port if args.salt is None else args.salt,
-                     not args.no_token_ids, args.prompt_delay, args.max_running).app(), host=args.host, port=args.port, access_log=None, print=None,
-                handler_cancellation=True)
+                     not args.no_token_ids, args.prompt_delay, args.max_running).app(),
+                host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -198,8 +198,8 @@ def start_relay(delay_ms: float, pairs: Sequence[tuple[str, int, str, int]], log
     returned once it listens."""
     argv = [sys.executable, __file__, "--delay-ms", str(delay_ms),
             *(f"{lh}:{lp}={th}:{tp}" for lh, lp, th, tp in pairs)]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(log, "ab") if log else subprocess.DEVNULL,  # noqa: SIM115
-                         start_new_session=True, text=True)
+    err = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, start_new_session=True, text=True)
     assert p.stdout is not None
     import selectors
     sel = selectors.DefaultSelector()

@@ -198,7 +198,8 @@ def start_stub_in(net: NetnsCluster, i: int, log: Path) -> int:
     with open(log, "ab") as out:
         proc = subprocess.Popen(net.wrap(i, [sys.executable, "-m", "kvferry.testing.stub_engine", "--host", net.addr(i),
                                              "--port", str(port)]),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
     net.procs.append(proc)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -36,8 +36,8 @@ def scatter_tail(k, chunk, ids, first):
     if dev == "cuda":
         return k.scatter_blocks(chunk, ids, first)
     rb = k.layout.block_bytes
-    return triton_copy.copy_rows(k.device, k.table("block"), torch.tensor(ids[first:]).numpy(), [len(ids) - first], [chunk],
-                                 [len(k._planes) * len(ids) * rb], False, plane_rows=[len(ids)], first=[first])
+    return triton_copy.copy_rows(k.device, k.table("block"), torch.tensor(ids[first:]).numpy(), [len(ids) - first],
+                                 [chunk], [len(k._planes) * len(ids) * rb], False, plane_rows=[len(ids)], first=[first])
 
 for name in ["cpu", "flash_nhd", "flash_hnd", "mla"]:
     for fmt in ["block", "token"]:

@@ -199,7 +199,8 @@ def _defined(path: Path) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
         if isinstance(node, ast.ClassDef):
-            out |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            out |= {f"{node.name}.{n.name}" for n in node.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return out
 
 

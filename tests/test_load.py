@@ -1,7 +1,8 @@
 """Under load, on real vLLM CPU servers: `vllm bench serve` through the proxy with prompts long
 enough for chunked prefill (the prefiller's batch budget is 128 tokens, so every prompt is computed
 over several steps) at concurrency 8, and a decoder that runs 1 request at a time with a 2.5 s
-lease, so decode requests wait in its queue longer than the lease (up to 8 x ~2.5 s of decoding). No request may fail, and none
+lease, so decode requests wait in its queue longer than the lease (up to 8 x ~2.5 s of decoding). No request
+may fail, and none
 may recompute its prompt: a transfer whose request the decoder's scheduler holds is pinned."""
 
 from __future__ import annotations

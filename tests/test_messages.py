@@ -159,7 +159,9 @@ json_values = st.recursive(
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
-@given(tag=st.sampled_from(TAGS), version=st.sampled_from([m.PROTOCOL_VERSION, m.PROTOCOL_VERSION, 0, 1, str(m.PROTOCOL_VERSION), None]), data=st.data())
+@given(tag=st.sampled_from(TAGS),
+       version=st.sampled_from([m.PROTOCOL_VERSION, m.PROTOCOL_VERSION, 0, 1, str(m.PROTOCOL_VERSION), None]),
+       data=st.data())
 def test_wrong_typed_messages_only_raise_message_error(tag: str, version: object, data: st.DataObject) -> None:
     sample = next(s for s in SAMPLES if s.__struct_config__.tag == tag)
     body = {f: getattr(sample, f) for f in sample.__struct_fields__}

@@ -109,8 +109,8 @@ def test_netns_harness_sweeps_a_killed_runs_leftovers(tmp_path) -> None:
         pid = int(child.stdout.readline())
         nss, links = ours(pid)
         assert len(nss) == 2 and len(links) == 3
-        sleeper = until(lambda: [int(p) for p in subprocess.run(["ip", "netns", "pids", f"kvfns{pid}-0"], capture_output=True,
-                                                                text=True).stdout.split()],
+        sleeper = until(lambda: [int(p) for p in subprocess.run(["ip", "netns", "pids", f"kvfns{pid}-0"],
+                                                                capture_output=True, text=True).stdout.split()],
                         timeout=10, what="the sleep to run in its namespace")
     finally:
         child.kill()

@@ -91,7 +91,8 @@ def cluster(request: pytest.FixtureRequest, log_dir: Path, etcd_available: None,
         net.close()
 
 
-def test_netns_discovery_etcd_two_proxies_1p2d_same_tokens_lease_expiry_join_and_forged_entry(cluster, tiny_model_path: Path) -> None:
+def test_netns_discovery_etcd_two_proxies_1p2d_same_tokens_lease_expiry_join_and_forged_entry(
+        cluster, tiny_model_path: Path) -> None:
     net = cluster["net"]
     d1, d2 = cluster["d1"], cluster["d2"]
     pa, pb = cluster["proxies"]

@@ -97,7 +97,8 @@ def test_advertise_receiver_host_is_carried_not_the_url_host() -> None:
     o = parse(["--prefiller", "http://10.0.0.1:8100", "--decoder", "http://10.0.0.2:8200,7000,7001,192.168.5.9"])
     d = o.decoders[0]
     assert d.host == "10.0.0.2" and d.kv_host == "192.168.5.9"
-    o = parse(["--prefiller", "http://[fd00::1]:8100", "--decoder", "http://[fd00::2]:8200,7000+7002,7001+7003,[fd00::9]"])
+    o = parse(["--prefiller", "http://[fd00::1]:8100",
+               "--decoder", "http://[fd00::2]:8200,7000+7002,7001+7003,[fd00::9]"])
     assert o.prefillers[0].url == "http://[fd00::1]:8100"
     assert o.decoders[0].url == "http://[fd00::2]:8200" and o.decoders[0].kv_host == "fd00::9"
     # LMCache-style flags: one receiver host per decoder, or one for all.
@@ -105,7 +106,8 @@ def test_advertise_receiver_host_is_carried_not_the_url_host() -> None:
                "8200,8201", "--decoder-init-port", "7000", "--decoder-alloc-port", "7100",
                "--decoder-receiver-host", "10.9.0.1,10.9.0.2"])
     assert o.prefillers[0].url == "http://[::1]:8100"
-    assert [(d.host, d.kv_host, d.init_port) for d in o.decoders] == [("h1", "10.9.0.1", 7000), ("h2", "10.9.0.2", 7001)]
+    assert [(d.host, d.kv_host, d.init_port) for d in o.decoders] == [("h1", "10.9.0.1", 7000),
+                                                                       ("h2", "10.9.0.2", 7001)]
     # Without it: the URL's host, as LMCache does.
     o = parse(["--prefiller", "http://p:1", "--decoder", "http://d:2,3,4"])
     assert o.decoders[0].kv_host == "d"
@@ -168,7 +170,8 @@ def test_ipv6_proxy_serves_on_ipv6_loopback_and_hears_notifications() -> None:
 def test_advertise_receiver_host_reaches_the_prefiller() -> None:
     p0, d0 = stub(), stub()
     px = _proxy(["--prefiller", p0.url, "--decoder", f"{d0.url},{free_port()},{free_port()},10.77.0.3"])
-    assert httpx.post(px.url + "/v1/completions", json={"prompt": "where", "max_tokens": 2}, timeout=30).status_code == 200
+    r = httpx.post(px.url + "/v1/completions", json={"prompt": "where", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
     spec = log(p0)["requests"][0]["kv_transfer_params"]["disagg_spec"]
     assert spec["receiver_host"] == "10.77.0.3"
 

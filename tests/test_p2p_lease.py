@@ -164,7 +164,8 @@ def test_leases_per_peer_and_the_peers_remembered_are_bounded(workers, monkeypat
     assert holder.lender.sizes()["leases"] == 3 and holder.lender.counters["p2p_refused_leases"] == 1
     for peer, reply in held:
         reader._call(reader.reader.release(peer, reply.lease_id), 10)
-    until(lambda: holder.lender.sizes()["leases"] == 0, timeout=3, what="the releases (not the leases' expiry, at 10 s)")
+    until(lambda: holder.lender.sizes()["leases"] == 0, timeout=3, what="the releases (not the leases' expiry, at 10 "
+                                                                        "s)")
     for name in ("r2", "r3", "r4"):
         w = workers(name)
         p, r = w._call(w.reader.lease(peer_addr(holder), [b"k0"], time.monotonic() + 10), 10)

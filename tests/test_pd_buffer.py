@@ -24,7 +24,8 @@ from tests.pd_buffer_helpers import PAGE, FakeClock
 def test_rounding_down_and_too_small(kvf_logs: pytest.LogCaptureFixture) -> None:
     buf = PDBuffer(PAGE * 5 + 100, "cpu", PAGE)
     assert buf.num_pages == 5 and buf.size_bytes == PAGE * 5
-    assert len([r for r in kvf_logs.records if "is not a multiple of the 256-byte page" in r.getMessage()]) == 1, kvf_logs.text
+    assert len([r for r in kvf_logs.records if "is not a multiple of the 256-byte "
+                                               "page" in r.getMessage()]) == 1, kvf_logs.text
     with pytest.raises(BufferTooSmall, match="pd_buffer_size .* raise pd_buffer_size to at least 256"):
         PDBuffer(PAGE - 1, "cpu", PAGE)
 

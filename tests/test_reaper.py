@@ -12,7 +12,8 @@ import time
 from kvferry.launcher.reaper import Reaper
 from tests.polling import alive
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "time.sleep(120)")
 
 
 def _group() -> subprocess.Popen:

@@ -106,10 +106,11 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
         for name, cores, url, keys, env in [
                 ("redis1", "0", "redis", local, {}), ("redis2", "1", "redis_tls", {**local, **tls}, {}),
                 ("lm1", "0", "lm", local, {}), ("lm2", "1", "lm", local, {}),
-                ("sentinel", "1", "sentinel", {**sentinel, "remote_sentinel_password_file": str(work / "sentinel-password")},
-                 {}),
+                ("sentinel", "1", "sentinel",
+                 {**sentinel, "remote_sentinel_password_file": str(work / "sentinel-password")}, {}),
                 # The same Sentinels, the master's password from the environment, theirs from extra_config.
-                ("sentinel2", "0", "sentinel_named", {**sentinel, "extra_config": {"remote_sentinel_password": SENTINEL_PW}},
+                ("sentinel2", "0", "sentinel_named",
+                 {**sentinel, "extra_config": {"remote_sentinel_password": SENTINEL_PW}},
                  {"KVFERRY_REMOTE_PASSWORD": PW})]:
             servers[name] = OffloadServer(str(tiny_model_path), log_dir, cores, work,
                                           server={"extra_args": FP32, "env": env}, remote_url=urls[url], **keys).start()

@@ -97,7 +97,8 @@ def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> 
 
 
 @pytest.mark.vllm
-def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_outlives_a_crashed_launcher(tmp_path: Path) -> None:
+def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_outlives_a_crashed_launcher(
+        tmp_path: Path) -> None:
     proc, state = start_up(tmp_path, "--num-prefillers", "2", "--num-decoders", "2")
     pids: set[int] = set()
     try:

@@ -154,10 +154,10 @@ class OffloadPlanner:
             t.plan_load(op, look)
         cpu = self.index.by_name.get("cpu")
         for i, (key, tier) in enumerate(zip(op.keys, op.tiers, strict=True)):
-            t = self.index.by_name.get(tier)
-            if t is not None:
-                t.touch(key)
-            counters = t.counters if t is not None else shared[tier].counters
+            local = self.index.by_name.get(tier)
+            if local is not None:
+                local.touch(key)
+            counters = local.counters if local is not None else shared[tier].counters
             n = min(end, (c0 + i + 1) * self.chunk_size) - max(num_computed, (c0 + i) * self.chunk_size)
             counters.hit_chunks += 1
             counters.hit_tokens += n
@@ -222,8 +222,10 @@ class OffloadPlanner:
                 op.tiers.append(dest)
                 op.tokens.append(sizes[i])
         keep = [j for j, d in enumerate(op.tiers) if d]
-        op.chunks, op.keys, op.tiers, op.tokens = ([lst[j] for j in keep] for lst in
-                                                   (op.chunks, op.keys, op.tiers, op.tokens))
+        op.chunks = [op.chunks[j] for j in keep]
+        op.keys = [op.keys[j] for j in keep]
+        op.tiers = [op.tiers[j] for j in keep]
+        op.tokens = [op.tokens[j] for j in keep]
         self._save_ops += evicts
         if op.chunks:
             self._save_ops.append(op)

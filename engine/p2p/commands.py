@@ -40,7 +40,7 @@ class ControllerCommands:
             result = m.CommandResult(event_id=msg.event_id, ok=False, message=f"{type(e).__name__}: {e}"[:4000])
         await peering.reply(sock, ident, result)
 
-    async def run(self, msg: m.Msg) -> m.CommandResult:
+    async def run(self, msg: m.PullChunks | m.DropChunks | m.ClearChunks | m.Resync) -> m.CommandResult:
         if isinstance(msg, m.PullChunks):
             return await self._pull(msg)
         if isinstance(msg, m.DropChunks):

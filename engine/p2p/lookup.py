@@ -28,10 +28,11 @@ class ControllerLookup:
     """The scheduler's bounded lookups on the controller's reply port."""
 
     def __init__(self, cfg: KVFerryConfig, timeout: float) -> None:
+        assert cfg.controller_reply_url is not None  # config.py requires it with the controller
         self.url = zmq_url(cfg.controller_reply_url)
         self.instance_id, self.timeout = cfg.lmcache_instance_id, timeout
         self.trust = zsock.trust_of(cfg)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._backoff = Backoff(f"controller {cfg.controller_reply_url}", logger)
         self.errors = 0

@@ -32,7 +32,7 @@ class PlannerNotices:
 
     def __init__(self, addr: str, trust: zsock.Trust = zsock.PLAIN) -> None:
         self.addr = addr
-        self._sock = zsock.socket(zmq.Context.instance(), zmq.PULL, trust, server=True)
+        self._sock: zmq.Socket = zsock.socket(zmq.Context.instance(), zmq.PULL, trust, server=True)
         self._path = addr.removeprefix("ipc://")
         if not self._path.startswith("@"):
             with contextlib.suppress(FileNotFoundError):

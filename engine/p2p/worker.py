@@ -102,8 +102,9 @@ class P2PWorker:
         await self.lender.start()
         self.reader = PeerReader(self.ctx, self.trust, self.nixl, self._hello, self.fp, me, self.cpu.alloc,
                                  self.cpu.arena, mac=self.mac)
-        self._push = zsock.connect(self.ctx, zmq.PUSH, self.trust,
-                                   zmq_url(self.cfg.controller_pull_url or self.cfg.controller_url))
+        controller = self.cfg.controller_pull_url or self.cfg.controller_url
+        assert controller is not None  # config.py requires it with the controller
+        self._push = zsock.connect(self.ctx, zmq.PUSH, self.trust, zmq_url(controller))
         self._push.setsockopt(zmq.SNDHWM, 10000)
         notice = zsock.connect(self.ctx, zmq.PUSH, self.trust, self._notice_addr)
         self._socks += [self._push, notice]
@@ -113,6 +114,7 @@ class P2PWorker:
         self.fetcher = PeerFetcher(me, self.cpu, self.reader, self.reports, self.loop, timeout)
         self.commands = ControllerCommands(self.cpu, self.reports, self.fetcher, self.loop, timeout)
         host = self.cfg.p2p_host
+        assert host is not None  # config.py requires it with the controller
         ports = ((self.info.p2p_init_port, "p2p_init_ports", self.lender.on_hello),
                  (self.info.p2p_lookup_port, "p2p_lookup_ports", self.lender.on_fetch),
                  (self.info.worker_port, "lmcache_worker_ports", self.commands.on_command))

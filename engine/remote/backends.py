@@ -71,5 +71,7 @@ def open_backend(url: str, timeout: float, secret: ClusterSecret | None = None,
         from kvferry.common.config import KVFerryConfig
         from kvferry.engine.remote.mooncake_backend import MooncakeBackend
 
-        return MooncakeBackend(mooncake or from_config(KVFerryConfig(remote_url=url)), timeout)
+        settings = mooncake or from_config(KVFerryConfig(remote_url=url))
+        assert settings is not None  # a mooncakestore:// URL always has settings
+        return MooncakeBackend(settings, timeout)
     return open_redis(url, timeout, redis)

@@ -57,7 +57,8 @@ class MooncakeClient:
         except ImportError as e:
             raise RemoteError(f"{s.shown}: the Mooncake client cannot be imported ({e}): pip install "
                               "'kvferry[cpu]' (mooncake-transfer-engine-non-cuda) or 'kvferry[cuda]' "
-                              "(mooncake-transfer-engine); it needs libibverbs1 (apt-get install libibverbs1)") from None
+                              "(mooncake-transfer-engine); it needs libibverbs1 (apt-get install "
+                              "libibverbs1)") from None
         self.s, self._make = s, MooncakeDistributedStore
         self.replicate = ReplicateConfig()
         self.replicate.prefer_alloc_in_same_node = s.prefer_local_alloc
@@ -157,6 +158,7 @@ class MooncakeBackend:
             size = max(_MIN_STAGING, 1 << (n - 1).bit_length())
             self._buf = (ctypes.c_char * size)()
             self._reg = (ctypes.addressof(self._buf), size)
+        assert self._reg is not None  # made with the buffer
         return memoryview(self._buf).cast("B"), self._reg
 
     def put_many(self, items: Sequence[Item]) -> None:
@@ -196,7 +198,7 @@ class MooncakeBackend:
         return [c == 1 for c in codes]
 
     def close(self) -> None:
-        if self._reg is not None:
+        if self._buf is not None and self._reg is not None:
             if self._last is not None and not self._last.done():
                 _orphans.append(self._buf)  # the client may still write into it: never freed
             else:

@@ -21,6 +21,7 @@ import re
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from kvferry.common.log import get_logger
@@ -117,11 +118,12 @@ def _tls_kwargs(u: RedisURL, s: RedisSettings) -> dict:
     """redis-py's TLS arguments for a rediss:// URL, after checking the files load; RemoteError
     naming the key otherwise."""
     kw: dict = {"ssl": True}
-    files = {"ssl_ca_certs": s.tls_ca_file, "ssl_certfile": s.tls_cert_file, "ssl_keyfile": s.tls_key_file}
-    for name, key in TLS_QUERY.items():
+    files: dict[str, str | None] = {"ssl_ca_certs": s.tls_ca_file, "ssl_certfile": s.tls_cert_file,
+                                    "ssl_keyfile": s.tls_key_file}
+    for name, config_key in TLS_QUERY.items():
         if u.query.get(name):
             if files[name] and files[name] != u.query[name]:
-                raise RemoteError(f"{key} and ?{name}= in remote_url name different files: keep one")
+                raise RemoteError(f"{config_key} and ?{name}= in remote_url name different files: keep one")
             files[name] = u.query[name]
     reqs = u.query.get("ssl_cert_reqs", "required").strip().lower()
     if reqs not in ("none", "optional", "required"):
@@ -189,9 +191,10 @@ def client_kwargs(u: RedisURL, s: RedisSettings, timeout: float) -> dict:
 
 def _causes(e: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
-    while e is not None and len(out) < 8:
-        out.append(e)
-        e = e.__cause__ or e.__context__
+    cause: BaseException | None = e
+    while cause is not None and len(out) < 8:
+        out.append(cause)
+        cause = cause.__cause__ or cause.__context__
     return out
 
 
@@ -239,7 +242,7 @@ _TRIED = re.compile(r"host=([^,>]+),port=(\d+),.*?\)> - (.+?)(?=, <redis\.|$)")
 
 
 class RedisBackend(Mapped):
-    def __init__(self, client: object, where: str, url: RedisURL, settings: RedisSettings) -> None:
+    def __init__(self, client: Any, where: str, url: RedisURL, settings: RedisSettings) -> None:  # redis.Redis
         import redis
 
         self.r, self.where, self.errors = client, where, (redis.RedisError,)
@@ -308,7 +311,8 @@ def sentinel_backend(u: RedisURL, settings: RedisSettings, timeout: float) -> Re
         else:
             raise RemoteError(f"{u.shown}: no Sentinel answered ({'; '.join(errors)})")
         if len(masters) != 1:
-            raise RemoteError(f"{u.shown}: the Sentinels monitor {len(masters)} masters ({', '.join(masters) or 'none'})"
+            raise RemoteError(f"{u.shown}: the Sentinels monitor {len(masters)} masters "
+                              f"({', '.join(masters) or 'none'})"
                               f": name one as {u.shown.partition('?')[0]}/<service> or in $REDIS_SERVICE_NAME")
         service = next(iter(masters))
     return RedisBackend(sentinel.master_for(service, **master_kw), f"{u.shown} (service {service})", u, settings)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -88,7 +89,8 @@ class Serde:
         check_name(name)
         self.name, self.fmt, self.shape = name, FORMATS[name], shape
         self._dtype = _DTYPES.index(shape.dtype) if shape.dtype in _DTYPES else 255
-        self._cctx = self._dctx = None
+        self._cctx: Any = None  # zstandard's, made only for the zstd format
+        self._dctx: Any = None
         if name == "zstd":
             import zstandard
 
@@ -98,7 +100,7 @@ class Serde:
                key: bytes = b"") -> tuple[bytes, memoryview | bytes]:
         """(header, payload) for a flat uint8 chunk holding `tokens` tokens; with `mac`, tagged
         for the store key `key`."""
-        raw = memoryview(data.numpy()).cast("B")
+        raw = data.numpy().data.cast("B")
         payload = raw if self.fmt == 0 else self._cctx.compress(raw)
         s = self.shape
         fields = (MAGIC, VERSION, self.fmt, self._dtype, _TAGGED if mac else 0, s.num_layers, tokens, s.num_kv_heads,

@@ -189,7 +189,7 @@ class DiskTier:
                 why = f"unreadable: {e}"
             finally:
                 os.close(fd)
-        if why is not None:
+        if why is not None or data is None:
             self.counters.corrupt += 1
             self._warn.warning("disk tier: chunk file %s is %s; treated as a miss and deleted", p, why)
             try:
@@ -213,7 +213,7 @@ class DiskTier:
         if why is not None:
             return why, None
         data = torch.empty(nbytes, dtype=torch.uint8)
-        view = memoryview(data.numpy())
+        view = data.numpy().data
         got = self._read_payload(fd, view)
         if got != nbytes:
             return f"short read: {got} of {nbytes} bytes", None
@@ -284,7 +284,7 @@ class DiskTier:
                         self._idle.notify_all()
 
     def _write(self, key: bytes, data: torch.Tensor) -> None:
-        view = memoryview(data.numpy())
+        view = data.numpy().data
         head = _HEADER.pack(MAGIC, VERSION, 0, data.numel(), xxhash.xxh3_64_intdigest(view), self.digest, key)
         final = self.path(key)
         tmp = final.with_name(f"{final.name}.tmp{os.urandom(6).hex()}")

@@ -36,7 +36,7 @@ class HostArena:
         self.base = self.buf.data_ptr()
         arena = self
 
-        class _Slot(ctypes.c_uint8 * slot_bytes):
+        class _Slot(ctypes.c_uint8 * slot_bytes):  # type: ignore[misc]  # a ctypes array type made at run time
             """The buffer behind one slot's tensors; collected with the last of them."""
 
             def __del__(self) -> None:

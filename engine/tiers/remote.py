@@ -94,7 +94,7 @@ class RemoteTier:
         self._warn = RateLimitedLog(logger)
         self._backend: Backend | None = None
         self._lock = threading.Lock()  # counters and back-off are shared with the put thread
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue = queue.Queue()  # its writer thread starts with the first put
         self._queued = 0
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
@@ -192,7 +192,6 @@ class RemoteTier:
                                self.max_queued_bytes >> 20)
             return False
         if self._thread is None:
-            self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="kvferry-remote-put", daemon=True)
             self._thread.start()
         self._queue.put((key, data, tokens))
@@ -222,6 +221,7 @@ class RemoteTier:
                     with self._lock:
                         self.counters.put_dropped += len(batch)
                     continue
+                assert self.serde is not None  # set when the tier opened
                 items = [(key + self.suffix, *self.serde.encode(data, tokens, self.mac, key + self.suffix))
                          for key, data, tokens in batch]
                 if backend is None:

@@ -62,15 +62,18 @@ class LMClient:
     def _stale(self) -> bool:
         """Between calls the server sends nothing: readable now means it closed (or broke) the connection."""
         poller = select.poll()  # not select(): a vLLM worker's descriptors run past FD_SETSIZE
+        assert self._sock is not None  # asked of an open connection
         poller.register(self._sock, select.POLLIN)
         return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR
 
-    def _frame(self, deadline: float, limit: int = MAX_HEADER, expect: type | tuple[type, ...] | None = None) -> m.Msg:
+    def _frame(self, deadline: float, limit: int = MAX_HEADER,
+               expect: tuple[type[m.Msg], ...] | None = None) -> m.Msg:
         """The next header frame, at most `limit` bytes, received by `deadline`."""
         n = int.from_bytes(self._exact(LEN_BYTES, deadline), "big")
         if n > limit:
             raise m.MessageError("too_large", f"reply header of {n} bytes")
-        return m.decode(bytes(self._exact(n, deadline)), expect=expect)
+        frame = bytes(self._exact(n, deadline))
+        return m.decode(frame) if expect is None else m.decode(frame, expect=expect)
 
     def _until(self, deadline: float) -> socket.socket:
         """The socket, its timeout what is left before `deadline`: set before every send and receive,
@@ -78,6 +81,7 @@ class LMClient:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
+        assert self._sock is not None  # _conn() made it
         self._sock.settimeout(left)
         return self._sock
 
@@ -119,6 +123,7 @@ class LMClient:
             if len(hello.nonce) < 16:
                 raise LMError(f"{where} sent a challenge of {len(hello.nonce)} bytes: not a kvferry-server")
             mine = os.urandom(NONCE_BYTES)
+            assert self.secret is not None  # refused above when the server asks and we have none
             mac = self.secret.mac(CLIENT_PURPOSE, hello.nonce, mine)
             self._until(deadline).sendall(frame(m.AuthAnswer(nonce=mine, mac=mac)))
             ok = self._frame(deadline)
@@ -141,7 +146,7 @@ class LMClient:
     def _calls(self, calls: Sequence[Call]) -> list[tuple[m.RemoteReply, memoryview | None]]:
         """Send every request, then read every reply (one round trip); bounded by `timeout`."""
         deadline = time.monotonic() + self.timeout
-        out: list[tuple[m.Msg, memoryview | None]] = []
+        out: list[tuple[m.RemoteReply | m.ErrorReply, memoryview | None]] = []
         self._conn(deadline)
         with self._or_drop(""):
             for msg, payload, _ in calls:
@@ -150,17 +155,20 @@ class LMClient:
                     self._until(deadline).sendall(part)
             for _, _, limit in calls:
                 reply = self._frame(deadline, expect=(m.RemoteReply, m.ErrorReply))
-                found = isinstance(reply, m.RemoteReply) and reply.found
-                if found and reply.nbytes > limit:
+                assert isinstance(reply, (m.RemoteReply, m.ErrorReply))  # decode checked `expect`
+                found = reply if isinstance(reply, m.RemoteReply) and reply.found else None
+                if found is not None and found.nbytes > limit:
                     # Its payload is never read, so the stream is lost: _or_drop drops the connection.
-                    raise LMError(f"{self.where} answered with a {reply.nbytes}-byte chunk where at most {limit} "
+                    raise LMError(f"{self.where} answered with a {found.nbytes}-byte chunk where at most {limit} "
                                   "bytes were expected: another model or chunk layout wrote that key, or the "
                                   "server is not a kvferry-server; treated as a miss")
-                out.append((reply, memoryview(self._exact(reply.nbytes, deadline)) if found else None))
-        for reply, _ in out:
+                out.append((reply, memoryview(self._exact(found.nbytes, deadline)) if found is not None else None))
+        replies: list[tuple[m.RemoteReply, memoryview | None]] = []
+        for reply, data in out:
             if isinstance(reply, m.ErrorReply):
                 raise LMError(f"{self.where} refused: {reply.code}: {reply.message}")
-        return out
+            replies.append((reply, data))
+        return replies
 
     def _call(self, msg: m.Msg, *payload: bytes | memoryview, limit: int = 0) -> tuple[m.RemoteReply,
                                                                                        memoryview | None]:

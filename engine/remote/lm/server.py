@@ -72,6 +72,8 @@ ACCEPT_BACKOFF = (0.01, 1.0)  # first and longest pause after an accept error
 SHED_BATCH = 64  # connections refused per accept error, so a flood cannot hold the loop
 
 
+Request = m.RemotePut | m.RemoteGet | m.RemoteExists  # what a client may ask
+
 class Unauthorized(Exception):
     """A peer that did not prove the cluster secret; the message names the fix."""
 
@@ -177,9 +179,10 @@ class LMServer:
         """After EMFILE: wait for a connection (Linux's accept() fails for want of a descriptor
         even when none is waiting, so retrying at once would spin), then serve it if descriptors
         were freed meanwhile, or refuse it; False if neither worked (the caller backs off)."""
+        assert self._lsock is not None  # serving
         loop, fd = asyncio.get_running_loop(), self._lsock.fileno()
         arrived = loop.create_future()
-        loop.add_reader(fd, lambda: arrived.done() or arrived.set_result(None))
+        loop.add_reader(fd, lambda: None if arrived.done() else arrived.set_result(None))
         try:
             await asyncio.wait_for(arrived, ACCEPT_BACKOFF[1])
         except TimeoutError:
@@ -203,6 +206,7 @@ class LMServer:
             return False
         os.close(self._spare)
         self._spare, shed = None, 0
+        assert self._lsock is not None  # serving
         try:
             while shed < SHED_BATCH:
                 conn, _ = self._lsock.accept()
@@ -327,7 +331,7 @@ class LMServer:
             raise Closing(None, f"idle for --idle-timeout {self.idle_timeout:g}s") from None
         return got == 1
 
-    async def _receive(self, conn: socket.socket, head: bytearray) -> tuple[m.Msg, bytearray | None]:
+    async def _receive(self, conn: socket.socket, head: bytearray) -> tuple[Request, bytearray | None]:
         """The rest of a frame whose first byte is in `head`: its header, and a put's payload with
         its bytes reserved in the budget (the caller releases them). Closing on a timeout."""
         waiting = False  # for room in the budget, not for the peer's bytes
@@ -374,9 +378,11 @@ class LMServer:
         if not await self._next_byte(conn, head):
             return False
         msg, data = await self._receive(conn, head)
+        out: list[bytes | bytearray]
         if isinstance(msg, m.RemotePut):
             try:
                 self.counters["puts"] += 1
+                assert data is not None  # _receive reads every put's payload
                 if self.store.put(msg.key, data):
                     out = [frame(m.RemoteReply())]
                 else:
