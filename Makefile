@@ -91,8 +91,15 @@ test-slow: setup model redis etcd chromium
 vllm-compat: setup
 	$(PY) benchmarks/vllm_compat.py
 
+# ruff on everything (line length 120), mypy on the library (pyproject's [tool.mypy]); both must be clean.
+LIBRARY := common proxy sender receiver buffer kernels engine connector controller launcher testing
+MYPY_TREE := $(VENV)/mypy-tree
 lint: setup
 	$(VENV)/bin/ruff check .
+	@# mypy cannot see through setuptools' editable finder: it reads each folder through a link named as
+	@# its package (kvferry/<folder>), the layout an installed wheel has.
+	@mkdir -p $(MYPY_TREE)/kvferry && for p in $(LIBRARY); do ln -sfn $(CURDIR)/$$p $(MYPY_TREE)/kvferry/$$p; done
+	cd $(MYPY_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml $(foreach p,$(LIBRARY),-p kvferry.$(p))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

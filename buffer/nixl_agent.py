@@ -177,8 +177,7 @@ class NixlThread:
                     except Exception as e:  # noqa: BLE001 - handed to the caller
                         self._resolve(fut, exc=e)
                 else:  # ("xfer", (op, local, ..., deadline), fut)
-                    _, xfer, fut = item
-                    self._post(*xfer, fut)
+                    self._post(item[1], item[2])
             self._poll()
             if self.progress > 0 and not self._inflight:
                 try:
@@ -198,7 +197,8 @@ class NixlThread:
             elif item[0] == "call":
                 self._resolve(item[3], exc=RuntimeError("the NIXL thread stopped"))
 
-    def _post(self, op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, fut) -> None:
+    def _post(self, xfer: tuple, fut: Any) -> None:
+        op, local, local_mem, remote, remote_mem, agent_name, notif, deadline = xfer
         posted = time.monotonic()
         if posted >= deadline:
             self._resolve(fut, "EXPIRED")

@@ -186,6 +186,7 @@ class PeerReader:
         return dest
 
     def _forged(self, keys: Sequence[bytes], dest: list[torch.Tensor], tags: Sequence[bytes]) -> list[int]:
+        assert self.mac is not None  # called only with the cluster secret
         return [i for i, (k, d, t) in enumerate(zip(keys, dest, tags, strict=False))
                 if not self.mac.check(t, k, d.numpy().data)]
 

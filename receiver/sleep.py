@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
@@ -26,6 +27,18 @@ class SleepError(UnavailableError, RuntimeError):
 
 
 class ReceiverSleep:
+    # The receiver's state this mixin uses (set by KVReceiver.__init__), declared for the type checker.
+    receiver_id: str
+    cfg: Any
+    buffer: Any
+    table: Any
+    epoch: int
+    _agent: Any
+    _agent_metadata: bytes
+    _allocating: set[str]
+    _threads: list[threading.Thread]
+    _kick: threading.Event
+
     def _init_sleep(self) -> None:
         self._asleep = False  # allocs are refused while the pd_buffer is not registered
         self._sleep_lock = threading.Lock()  # an alloc is either refused or seen by suspend()'s drain

@@ -141,8 +141,9 @@ class ChunkLender:
 
     async def _reg_of(self, d: torch.Tensor) -> _Reg:
         """The registration a peer READs `d` through: the arena's, or (made now) its own."""
-        if self._in_arena(d):
-            return self._arena_reg
+        arena = self._arena_reg
+        if arena is not None and self.source.arena.holds(d):
+            return arena
         reg = self._regs.get(d.data_ptr())
         if reg is None:
             reg = self._regs[d.data_ptr()] = await self._new_reg(d)
@@ -157,6 +158,7 @@ class ChunkLender:
     async def _make_tag(self, key: bytes, d: torch.Tensor) -> bytes:
         # A thread: hashing 4 MiB takes ~1 ms, which this loop's other peers must not wait for
         # (BLAKE3 drops the GIL while it hashes).
+        assert self.mac is not None  # called only with the cluster secret
         return await asyncio.to_thread(self.mac.tag, key, d.numpy().data)
 
     async def _tag_of(self, key: bytes, d: torch.Tensor) -> bytes:

@@ -8,8 +8,18 @@ NIXL thread.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SenderSleep:
+    # The sender's state this mixin uses (set by KVSender.__init__), declared for the type checker.
+    _asleep: bool
+    _regs: list[Any]
+    _tensors: list[Any]
+    _metadata: bytes
+    _agent: Any
+    _call: Any
+
     def suspend(self) -> None:
         """vLLM sleep mode: deregister every region from NIXL; the caller drained the writes that
         read them. Sends are refused until resume(). Idempotent."""

@@ -90,6 +90,17 @@ def test_every_subpackage_is_packaged() -> None:
     assert found <= listed, f"add to pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
 
 
+def test_make_lint_type_checks_every_library_folder() -> None:
+    """`make lint` runs mypy on the folders its LIBRARY names: a new folder left out would go unchecked."""
+    import re
+    import tomllib
+
+    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    line = re.search(r"^LIBRARY := (.+)$", (REPO / "Makefile").read_text(), re.M)
+    assert line, "the Makefile has no LIBRARY line (the folders `make lint` type-checks)"
+    assert set(line.group(1).split()) == folders, f"make LIBRARY {line.group(1).split()} vs pyproject {sorted(folders)}"
+
+
 def test_modules_and_classes_stay_small() -> None:
     """Library modules <= 500 lines and classes <= 300, so each keeps one job (tests, benchmarks exempt)."""
     big = []
