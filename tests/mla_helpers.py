@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvferry.common import messages as m
 from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
+from kvferry.launcher.vllm_proc import VLLMServer
 
 FP32 = ["--dtype", "float32"]
 
@@ -33,6 +35,19 @@ def close_to(got: tuple[list[int], list[float]], want: tuple[list[int], list[flo
 TP_DISAGREES = ("vLLM CPU's own TP=1 and TP=2 instances of the tiny DeepSeek disagree from the first greedy "
                 "token (the prefiller's own token, before any transfer), so equality with a plain instance of "
                 "the decoder's TP size cannot be shown across TP sizes (docs/pd.md)")
+
+
+def prefix_drift(server: VLLMServer, base: list[int]) -> float:
+    """How far vLLM's prompt logprobs of `base` move when one more token follows it: 0.0 for a causal
+    model (the Llama gives exactly 0.0); vLLM 0.32's CPU_MLA prefill gives the tiny DeepSeek 0.6 and
+    more, so a prefix's KV depends on the tokens after it and no two prompt lengths can be compared."""
+    def logprobs(p: list[int]) -> list[float]:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": server.served_name, "prompt": p,
+                       "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        return [max(v["logprob"] for v in d.values()) for d in r.json()["choices"][0]["prompt_logprobs"][1:]]
+    alone, followed = logprobs(base), logprobs(base + [base[0]])
+    return max(abs(a - b) for a, b in zip(alone, followed, strict=False))
 
 
 def answers_match(answers: list[tuple[tuple[list[int], list[float]], tuple[list[int], list[float]]]]) -> None:
