@@ -11,8 +11,9 @@ The tiny DeepSeek model's KV is one 576-wide latent per token per layer. A prefi
 decoder (TP 1 -> TP 1): greedy ids and logprobs equal one plain instance, the decoder computes one
 prompt token per request, and every pd_buffer page is free at the end. A kv_both server's CPU tier
 serves a shared prefix (vLLM CPU turns its own prefix cache off for MLA). A TP=2 prefiller feeds the
-TP=1 decoder (hetero TP: one rank's copy of the latent travels). The four PD servers load together
-(about 4 minutes on 2 cores); the offload server loads on its own."""
+TP=1 decoder (hetero TP: one rank's copy of the latent travels). A second kv_both server fetches a
+prompt's latent chunks from the first over NIXL (P2P through a controller). The four PD servers load
+together (about 4 minutes on 2 cores); the two kv_both servers load together after them."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from kvferry.testing.vllm_servers import OffloadServer
+from kvferry.testing.stores import Controller
+from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 from tests.mla_helpers import FP32, answers_match, mla_fingerprint, prefix_drift
 from tests.pd_helpers import (
     RawPeer,
@@ -77,17 +80,32 @@ def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
 
 
 @pytest.fixture(scope="module")
-def mla_offload(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[OffloadServer]:
-    """A kv_both server with a CPU tier, in float32 (its loaded and computed paths then agree to 1e-3)."""
-    off = OffloadServer(str(deepseek_model), log_dir, "1", tmp_path_factory.mktemp("mla-offload"),
-                        server={"extra_args": FP32}, local_cpu=True, max_local_cpu_size=0.1)
-    off.start()
+def mla_share(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[OffloadServer, OffloadServer, Controller]]:
+    """Two kv_both servers with a CPU tier each, sharing them through a controller (P2P over NIXL)."""
+    work = tmp_path_factory.mktemp("mla-share")
+    controller = Controller(work)
+    servers: list[OffloadServer] = []
     try:
-        off.wait_ready(timeout=600)
-        yield off
+        for name, core in (("instance_1", "1"), ("instance_2", "0")):
+            servers.append(OffloadServer(
+                str(deepseek_model), log_dir, core, work, server={"extra_args": FP32}, local_cpu=True,
+                max_local_cpu_size=0.1, blocking_timeout_secs=3.0, **p2p_keys(), **controller.worker_keys(name),
+            ))
+            servers[-1].start()
+        for s in servers:
+            s.wait_ready(timeout=600)
+        yield servers[0], servers[1], controller
     finally:
-        off.stop()
+        for s in servers:
+            s.stop()
+        controller.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_offload(mla_share: tuple[OffloadServer, OffloadServer, Controller]) -> OffloadServer:
+    """The first of the two: a kv_both server with a CPU tier, in float32."""
+    return mla_share[0]
 
 
 @pytest.mark.vllm
@@ -166,6 +184,31 @@ def test_mla_offload_cpu_tier_serves_a_prefix_with_the_same_answer(mla_offload: 
                      "(tests/test_offload.py)")
     assert again[0] == first[0]
     assert max(abs(x - y) for x, y in zip(again[1], first[1], strict=True)) < 1e-3
+
+
+@pytest.mark.vllm
+def test_mla_p2p_second_instance_loads_the_prefix_from_the_first(mla_share) -> None:
+    """Instance 2 fetches a prompt's latent chunks from instance 1 over NIXL (P2P, through the
+    controller's index) and answers exactly as instance 1 does from its own CPU tier: the same bytes
+    on the same path (all but the last token loaded, that one computed)."""
+    one, two, controller = mla_share
+    p = prompt(600, seed=61)
+    completion(one, p, 1)  # computed whole: three chunks (the last partial) into instance 1's CPU tier
+
+    def holders() -> dict[str, int]:
+        r = httpx.post(controller.url + "/lookup", json={"tokens": p}, timeout=30)
+        assert r.status_code == 200, r.text
+        return {k: v[1] for k, v in r.json()["layout_info"].items()}
+    until(lambda: holders() == {"instance_1": len(p)}, 30, "the controller's index lists instance 1")
+    src0 = source_tokens(two)
+    got = tokens_and_logprobs(completion(two, p, 6))
+    src = source_tokens(two)
+    assert src.get("external_kv_transfer", 0) - src0.get("external_kv_transfer", 0) == len(p) - 1, (src0, src)
+    assert src.get("local_compute", 0) - src0.get("local_compute", 0) == 1, (src0, src)
+    assert "chunks: 3 from p2p" in two.log_path.read_text(errors="replace")
+    want = tokens_and_logprobs(completion(one, p, 6))  # instance 1 loads the same chunks from its CPU tier
+    assert "chunks: 3 from cpu" in one.log_path.read_text(errors="replace").rsplit("Retrieved", 1)[1]
+    assert got == want
 
 
 @pytest.mark.vllm
