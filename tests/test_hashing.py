@@ -52,3 +52,14 @@ def test_salt_separates_models_and_partial_differs_from_full() -> None:
 
 def test_token_bytes_little_endian_int32() -> None:
     assert token_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+
+
+def test_offload_keys_of_another_tp_size_or_head_split_never_match() -> None:
+    """A chunk a TP=2 instance stored (half the KV heads per rank) is keyed apart from a TP=1 one's:
+    no tier or peer serves it across TP sizes, MLA included (docs/pd.md, the compatibility matrix)."""
+    from kvferry.engine.offload.ops import offload_salt
+
+    toks = list(range(512))
+    shapes = {(8, 1), (4, 2), (1, 1), (1, 2)}  # (KV heads per rank, TP size): GQA TP=1/2, MLA TP=1/2
+    keys = {s: chunk_keys(toks, 256, offload_salt("tiny", "bfloat16", 8, s[0], 64, 16, 256, s[1])) for s in shapes}
+    assert len({k for ks in keys.values() for k in ks}) == 2 * len(shapes)
