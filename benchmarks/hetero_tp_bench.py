@@ -55,9 +55,12 @@ def runs_for(rank: int, chunk: int) -> np.ndarray:
 
 
 def _until(t: float) -> None:
-    """Sleep (not spin: two spinning senders would take this 2-core VM's cores from the threads
-    that move the data) until the agreed start."""
-    time.sleep(max(0.0, t - time.monotonic()))
+    """Until the agreed start: asleep, then spinning for its last 2 ms, so the thread that starts
+    the write (the caller's for kvferry, as vLLM's forward thread is; the NIXL thread's for raw)
+    is running at the start in both (a wake-up on this loaded 2-core VM can take milliseconds)."""
+    time.sleep(max(0.0, t - 0.002 - time.monotonic()))
+    while time.monotonic() < t:
+        pass
 
 
 def sender_main(conn, rank: int, addr: tuple, chunk: int, batch: int) -> None:

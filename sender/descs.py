@@ -15,8 +15,10 @@ Desc = tuple[int, int, int]  # (address, bytes, device id)
 
 
 def write_descs(chunks: Sequence[tuple[int, int]], pages: Sequence[int], region: m.Region, device_id: int,
-                runs: Sequence[np.ndarray] | None = None) -> tuple[list[Desc], list[Desc], int, int]:
-    """(local descriptors, remote descriptors, bytes written, the most bytes of one page written).
+                runs: Sequence[np.ndarray] | None = None
+                ) -> tuple[list[Desc] | np.ndarray, list[Desc] | np.ndarray, int, int]:
+    """(local descriptors, remote descriptors, bytes written, the most bytes of one page written);
+    with runs the descriptors are ``[n, 3]`` int64 arrays (NIXL takes those as they are).
     `runs[i]`: ``[n, 3]`` rows ``(src_offset, dst_offset, length)`` within chunk i and its page; a
     run outside either is refused here, before anything is posted (it would read or write memory
     that is not the chunk's or the page's)."""
@@ -27,17 +29,18 @@ def write_descs(chunks: Sequence[tuple[int, int]], pages: Sequence[int], region:
         return local, remote, sum(n for _, n in chunks), max((n for _, n in chunks), default=0)
     if len(runs) != len(chunks):
         raise ChunkError(f"{len(runs)} run lists for {len(chunks)} chunks")
-    local, remote, total, widest = [], [], 0, 0
-    for (addr, n), page, r in zip(chunks, pages, runs, strict=True):
-        r = np.asarray(r, dtype=np.int64).reshape(-1, 3)
-        if r.size and ((r < 0).any() or (r[:, 2] == 0).any() or (r[:, 0] + r[:, 2]).max() > n):
-            raise ChunkError(f"a byte run lies outside its {n}-byte chunk (or is empty)")
-        end = int((r[:, 1] + r[:, 2]).max()) if r.size else 0
-        base = region.addr + page * region.page_bytes
-        local += [(addr + int(so), int(ln), device_id) for so, _, ln in r]
-        remote += [(base + int(do), int(ln), region.device_id) for _, do, ln in r]
-        total += int(r[:, 2].sum()) if r.size else 0
-        widest = max(widest, end)
-    if not local:
+    # Vectorized, and handed to NIXL as Nx3 arrays: a write of a few thousand runs costs the
+    # caller (vLLM's forward thread) tens of microseconds, not a Python loop per run.
+    rs = [np.asarray(r, dtype=np.int64).reshape(-1, 3) for r in runs]
+    counts = [len(r) for r in rs]
+    cat = np.concatenate(rs) if rs else np.zeros((0, 3), dtype=np.int64)
+    if not cat.size:
         raise ChunkError("the byte runs of this write are all empty: nothing to write")
-    return local, remote, total, widest
+    sizes = np.repeat(np.array([n for _, n in chunks], dtype=np.int64), counts)
+    if (cat < 0).any() or (cat[:, 2] == 0).any() or (cat[:, 0] + cat[:, 2] > sizes).any():
+        raise ChunkError("a byte run lies outside its chunk (or is empty)")
+    addrs = np.repeat(np.array([a for a, _ in chunks], dtype=np.int64), counts)
+    bases = np.repeat(np.array([region.addr + p * region.page_bytes for p in pages], dtype=np.int64), counts)
+    local = np.stack([addrs + cat[:, 0], cat[:, 2], np.full(len(cat), device_id)], axis=1)
+    remote = np.stack([bases + cat[:, 1], cat[:, 2], np.full(len(cat), region.device_id)], axis=1)
+    return local, remote, int(cat[:, 2].sum()), int((cat[:, 1] + cat[:, 2]).max())
