@@ -7,17 +7,21 @@ kernels/head_map.py `rank_heads`) of one "truth" cache of all heads, so a test c
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
+from kvferry.common import messages as m
 from kvferry.common.config import load_config
 from kvferry.common.netutil import free_port
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint
 from kvferry.engine.pd.slicing import Slice, feeds
 from kvferry.kernels.head_map import rank_heads
 from kvferry.kernels.layout import KVLayout
+from kvferry.sender.kv_sender import KVSender, SenderConfig
 from tests.kv_caches import make_caches
 
 BS, CHUNK, LAYERS, HEAD = 16, 32, 2, 64
@@ -110,3 +114,16 @@ def hetero(src_tp: int, dst_tp: int, total: int, layout: str = "cpu", lease: flo
             p.close()
         for c in consumers:
             c.close()
+
+
+def dying_writer_main(conn, addr: tuple, fp: bytes, transfer_id: str, chunks: int, num_tokens: int,
+                      share: tuple[int, int]) -> None:
+    """A prefiller rank in its own process: reserves its share of `transfer_id`'s pages on the
+    receiver at `addr`, says so, and dies without a word when told (its worker crashed)."""
+    sender = KVSender(SenderConfig(f"dying-p{share[1]}", tp_rank=share[1]), msgspec.msgpack.decode(
+        fp, type=m.LayoutFingerprint))
+    keys = [os.urandom(16) for _ in range(chunks)]
+    sender.reserve(transfer_id, ReceiverAddr(*addr), keys, num_tokens, share=share).result(20)
+    conn.send("reserved")
+    conn.recv()
+    os._exit(1)

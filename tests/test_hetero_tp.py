@@ -7,8 +7,10 @@ prefiller rank fails."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ pytest.importorskip("nixl._api")
 
 from kvferry.buffer import peering  # noqa: E402
 from kvferry.common import messages as m  # noqa: E402
-from tests.hetero_helpers import BS, CHUNK, NBLOCKS, hetero  # noqa: E402
+from tests.hetero_helpers import BS, CHUNK, NBLOCKS, dying_writer_main, hetero  # noqa: E402
 from tests.polling import until  # noqa: E402
 
 
@@ -151,6 +153,40 @@ def test_hetero_tp2_to_tp1_one_prefiller_rank_fails_mid_prefill_decoder_recomput
         assert until(lambda: h.consumers[0].poll(0.05)[1], 5, "the decoder gives up") == {"r"}
         until(h.all_free, 5, "every page back without waiting for the 30 s lease")
         assert time.monotonic() - t0 < 10
+
+
+def test_hetero_tp2_to_tp1_a_prefiller_rank_process_dies_decoder_recomputes_and_pages_come_back() -> None:
+    """Both ranks reserved; rank 1's process dies without a word (its worker crashed): once its
+    connection is seen closed (a 1 s grace) the transfer ends for both, the decoder recomputes at
+    once, and the pages come back when rank 0's last write landed, long before the 30 s lease."""
+    with hetero(2, 1, 4, lease=30.0, ready=30.0) as h:
+        n = 64
+        tokens = list(range(9, 9 + n))
+        h.consumers[0].expect("r", "F3", tokens, blocks(2, 4), n - 1)
+        (addr, s0), = h.feeds(0)
+        (_, s1), = h.feeds(1)
+        h.producers[0].open("F3", addr, tokens, n, s0)
+        rx = h.consumers[0].receiver
+        until(lambda: rx.table.status("F3") == "pending" and rx.joints.sizes() == 1, 10, "rank 0's grant")
+        ctx = mp.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=dying_writer_main, args=(
+            theirs, (addr.host, addr.init_port, addr.alloc_port), msgspec.msgpack.encode(h.producers[1].fp), "F3",
+            2, n, s1.share), daemon=True)
+        proc.start()
+        try:
+            assert mine.poll(30) and mine.recv() == "reserved"
+            t0 = time.monotonic()
+            mine.send("die")
+            proc.join(10)
+            assert until(lambda: h.consumers[0].poll(0.05)[1], 10, "the decoder gives up") == {"r"}
+            assert h.consumers[0].counters.loaded == 0
+            h.producers[0].submit("F3", addr, tokens, blocks(1, 4), n, s0).exception(10)
+            until(h.all_free, 10, "every page back without waiting for the 30 s lease")
+            assert time.monotonic() - t0 < 15
+        finally:
+            if proc.is_alive():
+                proc.kill()
 
 
 def test_hetero_tp_handshake_accepts_a_slicing_sender_and_still_refuses_another_model() -> None:
