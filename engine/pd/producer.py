@@ -39,7 +39,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
-from kvferry.engine.pd.slicing import Slice, Slicer
+from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import SendError, failure_reason
@@ -137,7 +137,7 @@ class PDProducer:
         `share`: this rank writes only its heads into that decoder rank (slicing.feeds)."""
         if receiver in self._open.get(transfer_id, {}) or self._asleep:
             return
-        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
         try:
             # Held while the prompt computes (a batch's step can be long), given back by submit or cancel.
             res = self.staging.reserve(len(keys), transfer_id, self._staging_hold, timeout=0)
@@ -190,10 +190,9 @@ class PDProducer:
         if not outs:
             self._open.pop(transfer_id, None)
         if out is None:
-            out = self._staged(transfer_id, receiver, token_ids, num_tokens)
+            out = self._staged(transfer_id, receiver, token_ids, num_tokens, share)
             if out is None:
                 return None
-            out.slice = share
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         result.add_done_callback(lambda f: self._sent(out, f))
         try:
@@ -237,8 +236,8 @@ class PDProducer:
             self._finish_after_writes(out)
 
     def _staged(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
-                num_tokens: int) -> _Outgoing | None:
-        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+                num_tokens: int, share: Slice | None = None) -> _Outgoing | None:
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
         # Prompts still computing hold staging pages that only this (the forward) thread can free:
         # waiting for them would stall the engine, so then the wait is none.
         wait = 0.0 if self._open else self.cfg.pd_alloc_timeout
@@ -248,7 +247,7 @@ class PDProducer:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(keys), e)
             bump(self.counters.failures, "staging")
             return None
-        return _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
+        return _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share)
 
     def _gather(self, out: _Outgoing, block_ids: Sequence[int], num_tokens: int, upto: int) -> list[tuple[int, int]]:
         """Copy chunks out.sent..upto (of the first `num_tokens` tokens) into their staging pages."""
@@ -298,6 +297,10 @@ class PDProducer:
             result.set_exception(e if isinstance(e, SendError) else SendError(str(e)))
             return
         _chain(fut, result)
+
+    def _key_salt(self, share: Slice | None) -> bytes:
+        """The chunk keys' salt the decoder rank checks them with (its own heads per rank)."""
+        return self._salt if share is None else key_salt(as_decoder_rank(self.fp, share))
 
     def _runs(self, out: _Outgoing, grant: Grant, first: int, count: int) -> list | None:
         """The byte runs of chunks first..first+count for the decoder rank of `grant` (None: whole chunks)."""

@@ -42,11 +42,11 @@ def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_
 
 
 def key_salt(fp: m.LayoutFingerprint) -> bytes:
-    """Keys of different models or layouts never match."""
-    # The model's total of KV heads, not a rank's: prefiller and decoder ranks of different TP sizes
-    # name the same prompt's chunks alike (kv_layout tells MLA from K/V caches).
-    return salt_for(fp.model, fp.dtype, fp.num_layers, fp.total_kv_heads or fp.num_kv_heads, fp.head_size,
-                    fp.kv_layout, fp.chunk_format, fp.chunk_size)
+    """Keys of different models or layouts never match. A prefiller slicing heads for a decoder rank
+    of another TP size salts with that rank's heads (slicing.as_decoder_rank), so the decoder's
+    own keys match (and a same-TP cluster keeps the keys of earlier versions)."""
+    return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
+                    fp.chunk_format, fp.chunk_size)  # kv_layout tells MLA from K/V caches
 
 
 class StagingError(BadDataError, ValueError):

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from kvferry.common import messages as m
-from kvferry.kernels.head_map import ChunkGeometry, chunk_runs, senders_of
+from kvferry.kernels.head_map import ChunkGeometry, chunk_runs, rank_heads, senders_of
 from kvferry.kernels.layout import KVLayout, LayoutError
 
 
@@ -55,6 +56,13 @@ def feeds(fp: m.LayoutFingerprint, src_rank: int, dst_tp: int) -> list[tuple[int
         if src_rank in writers:
             out.append((d, Slice(dst_tp, d, len(writers), writers.index(src_rank))))
     return out
+
+
+def as_decoder_rank(fp: m.LayoutFingerprint, s: Slice) -> m.LayoutFingerprint:
+    """`fp` with the heads per rank of the decoder rank `s` writes into: what that rank's own
+    fingerprint says, for the chunk keys' salt (shared.key_salt)."""
+    heads = len(rank_heads(fp.total_kv_heads, s.dst_tp, s.dst_rank))
+    return msgspec.structs.replace(fp, num_kv_heads=heads, tp_size=s.dst_tp)
 
 
 def geometry(fp: m.LayoutFingerprint) -> ChunkGeometry:
