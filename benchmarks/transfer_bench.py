@@ -1,6 +1,7 @@
 """kvferry's whole transfer protocol against a bare NIXL WRITE of the same bytes, same two processes.
 
     python benchmarks/transfer_bench.py --json [--chunk-mib 1,4,16,32] [--batch 8] [--reps 10] [--device cuda]
+    python benchmarks/transfer_bench.py --json --hetero-tp [--chunk-mib 1,4,16] (benchmarks/hetero_tp_bench.py)
 
 This process is the sender, spawned children are the receivers (one plain, one with a cluster
 secret). Per repetition and chunk size:
@@ -221,7 +222,19 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N: the source and pd_buffers in GPU memory")
+    ap.add_argument("--hetero-tp", action="store_true",
+                    help="2 sender processes (prefiller TP=2, half the KV heads each) -> 1 receiver (TP=1)")
     args = ap.parse_args()
+    if args.hetero_tp:
+        if args.device != "cpu":
+            ap.error("--hetero-tp runs on the CPU only")
+        import hetero_tp_bench  # this script's folder is first on sys.path
+
+        result = hetero_tp_bench.run([float(s) for s in args.chunk_mib.split(",")], args.batch, args.reps)
+        print(json.dumps(result) if args.json else "\n".join(
+            f"{r['chunk_bytes'] / (1 << 20):.2f} MiB x{r['batch']} from 2 ranks: raw {r['raw_nixl_write_gbps']:.2f} "
+            f"GB/s, kvferry {r['kvferry_gbps']:.2f} GB/s, ratio {r['ratio']}" for r in result["rows"]))
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA GPU here")
     nixl_agent.make_agent("kvf-bench-probe")  # fail early, clearly, without nixl

@@ -77,22 +77,36 @@ LAYOUT_FIXES = {
     "model": "serve the same model on both sides",
     "kv_kind": "serve the same model on both sides (one is MLA, the other has K/V heads)",
     "block_size": "start both sides with the same --block-size (vLLM CPU forces 16 for MLA models)",
-    "tp_size": "start both sides with the same --tensor-parallel-size (heterogeneous TP is not wired into "
-               "transfers yet, docs/pd.md)",
+    "tp_size": "start both sides with the same --tensor-parallel-size, or use a prefiller that slices K/V heads "
+               "per decoder rank (kvferry's does, for the same model; docs/pd.md)",
     "num_kv_heads": "start both sides with the same --tensor-parallel-size (KV heads per rank differ)",
+    "total_kv_heads": "serve the same model on both sides (the number of KV heads differs)",
     "chunk_size": "set the same chunk_size on both sides",
     "chunk_format": "set the same pd_chunk_format on both sides",
 }
+
+
+def slicing(roles: tuple[str, str], mine: m.LayoutFingerprint, theirs: m.LayoutFingerprint) -> bool:
+    """Whether a PD sender will slice K/V heads for this receiver, so their TP sizes may differ:
+    the sender says it slices and both sides name the same total of KV heads."""
+    sender = mine if roles[0] == "sender" else theirs if roles[1] == "sender" else None
+    return (sender is not None and sender.slices and mine.kv_kind == theirs.kv_kind == "mha"
+            and mine.total_kv_heads == theirs.total_kv_heads > 0)
 
 
 def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutFingerprint,
                  theirs: m.LayoutFingerprint) -> str | None:
     """The one message for a layout mismatch, both sides' fields shown; None when they agree.
     `roles`/`names`: (this side, the other side), e.g. ("receiver", "sender")."""
-    diff = mine.diff(theirs)
+    diff = [d for d in mine.diff(theirs) if not d.startswith("slices:")]  # a capability, not a layout
+    if not (mine.total_kv_heads and theirs.total_kv_heads):  # a peer that does not say: TP and heads decide
+        diff = [d for d in diff if not d.startswith("total_kv_heads:")]
     if mine.kv_kind == theirs.kv_kind == "mla":
         # An MLA latent is the same on every TP rank: any rank's copy fits any rank (docs/pd.md).
         diff = [d for d in diff if not d.startswith("tp_size:")]
+    elif slicing(roles, mine, theirs):
+        # The sender writes each decoder rank exactly its heads, in its chunk format (docs/pd.md).
+        diff = [d for d in diff if not d.startswith(("tp_size:", "num_kv_heads:", "page_bytes:"))]
     if not diff:
         return None
     fixes = dict.fromkeys(LAYOUT_FIXES[f] for f in mine.__struct_fields__

@@ -64,14 +64,13 @@ class LayoutFingerprint(msgspec.Struct, kw_only=True, frozen=True):
     tp_size: NonNeg = 1
     page_bytes: NonNeg = 0
     kv_kind: Text = "mha"  # "mha": K and V per head (dense, GQA, MoE); "mla": one latent per token (DeepSeek)
+    total_kv_heads: NonNeg = 0  # over all TP ranks (0: not said); a slicing sender may differ in TP (docs/pd.md)
+    slices: bool = False  # a sender that writes each decoder rank only its own heads (kernels/head_map.py)
 
     def diff(self, other: LayoutFingerprint) -> list[str]:
         """Field-by-field differences, for an error message that shows both sides."""
-        return [
-            f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
-            for f in self.__struct_fields__
-            if getattr(self, f) != getattr(other, f)
-        ]
+        return [f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}" for f in self.__struct_fields__
+                if getattr(self, f) != getattr(other, f)]
 
 
 # ---- init ports (pd_peer_init_port, p2p_init_ports): the one NIXL handshake (buffer/peering.py) ----
@@ -109,6 +108,8 @@ class AllocRequest(Msg, tag="alloc_req", frozen=True):
     epoch: NonNeg  # the receiver epoch the sender handshook with
     chunk_keys: Annotated[list[Key], msgspec.Meta(min_length=1, max_length=1 << 16)]
     num_tokens: NonNeg
+    writers: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1  # prefiller ranks writing into the same pages
+    writer: NonNeg = 0  # this one of them: the transfer is read once all `writers` notified
 
 
 class AllocResponse(Msg, tag="alloc_resp", frozen=True):
@@ -119,9 +120,8 @@ class AllocResponse(Msg, tag="alloc_resp", frozen=True):
 
 
 class RenewLease(Msg, tag="renew", frozen=True):
-    """The sender still computes the chunks it reserved pages for: restart their lease. Only from
-    the connection that reserved them, only before any data arrived, and never past the receiver's
-    pd_queue_seconds from the reservation."""
+    """The sender still computes the chunks it reserved pages for: restart their lease. Only from a
+    connection that reserved them, only before the data arrived, never past pd_queue_seconds."""
 
     transfer_id: Id
     generation: NonNeg
@@ -143,13 +143,13 @@ class ErrorReply(Msg, tag="error", frozen=True):
 class ArrivalNotice(Msg, tag="arrived", frozen=True):
     transfer_id: Id
     generation: NonNeg
+    writer: NonNeg = 0  # AllocRequest.writer
 
 
 class AbortTransfer(Msg, tag="abort", frozen=True):
-    """Drop a transfer. Its pages are reused only when no WRITE can still land in them: at its
-    arrival notice, at its lease's end, or at once when `final` comes from the connection that
-    reserved them (the sender saying it posted no WRITE and never will). Generation 0 means any
-    (the proxy does not know it)."""
+    """Drop a transfer. Its pages are reused only when no WRITE can still land in them: at its arrival
+    notice, at its lease's end, or at once when `final` comes from the connection that reserved them
+    (the sender: it posted no WRITE and never will). Generation 0 means any (the proxy has none)."""
 
     transfer_id: Id
     generation: NonNeg = 0

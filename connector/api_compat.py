@@ -128,6 +128,7 @@ FIELDS: list[Field] = [
     Field("vllm.config.model", "ModelConfig", "model", None, "roles.model_name"),
     Field("vllm.config.model", "ModelConfig", "dtype", None, "roles.salt"),
     Field("vllm.config.model", "ModelConfig", "get_num_kv_heads", None, "worker_side, roles.salt"),
+    Field("vllm.config.model", "ModelConfig", "get_total_num_kv_heads", None, "worker_side (hetero TP)"),
     Field("vllm.config.model", "ModelConfig", "get_head_size", None, "worker_side, roles.salt"),
     Field("vllm.config.parallel", "ParallelConfig", "tensor_parallel_size", "int", "roles.salt"),
     Field("vllm.config.cache", "CacheConfig", "block_size", None, "worker_side, roles.salt"),

@@ -26,7 +26,9 @@ from kvferry.engine.api import (
     PDConsumer,
     PDProducer,
     ReceiverAddr,
+    Slice,
     detect_layout,
+    feeds,
     fingerprint,
     layout_digest,
     loaded_blocks,
@@ -81,7 +83,7 @@ class WorkerSide:
         kv = PagedKV(tensors, layout)
         model = model_name(self.vc)
         fmt = cfg.pd_chunk_format if roles.pd else "block"
-        fp = fingerprint(kv, model, cfg.chunk_size, fmt, self.tp_size)
+        fp = fingerprint(kv, model, cfg.chunk_size, fmt, self.tp_size, mc.get_total_num_kv_heads())
         if roles.offload:
             ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size)
             digest = layout_digest(msgspec.msgpack.encode(ofp))
@@ -108,8 +110,8 @@ class WorkerSide:
         if not isinstance(meta, KVFerryMetadata) or self.producer is None:
             return
         for op in meta.opens:
-            for addr in self._receivers(op):
-                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens)
+            for addr, share in self._receivers(op):
+                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share)
 
     def start_loads(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, KVFerryMetadata):
@@ -145,25 +147,27 @@ class WorkerSide:
                 logger.error("transfer %s: a piece not sent (the rest goes with the last one): %s",
                              piece.transfer_id, e)
         for op in meta.saves:
-            for addr in self._receivers(op):
+            for addr, share in self._receivers(op):
                 try:
-                    self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens)
+                    self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens, share)
                 except KVFerryError as e:
                     logger.error("transfer %s: not sent to %s: %s", op.transfer_id, addr, e)
 
-    def _receivers(self, op: OpenOp | SaveOp) -> list[ReceiverAddr]:
-        """The decoder ranks' receivers this TP rank sends to: the rank of the same index, or for an
-        MLA model (the latent is the same on every rank) every decoder rank d with d % tp_size ==
-        tp_rank, so each decoder rank gets one copy whatever the two TP sizes (docs/pd.md)."""
+    def _receivers(self, op: OpenOp | SaveOp) -> list[tuple[ReceiverAddr, Slice | None]]:
+        """The decoder ranks' receivers this TP rank sends to, each with its slice (engine/pd/slicing.py
+        `feeds`): the rank of the same index for the same TP size; for an MLA model every decoder rank
+        d with d % tp_size == tp_rank; for K/V heads and another TP size every decoder rank this
+        rank holds heads of, writing only those (docs/pd.md, "Different TP")."""
         ports = list(zip(op.init_ports, op.alloc_ports, strict=True))
-        if self.producer is not None and self.producer.fp.kv_kind == "mla":
-            return [ReceiverAddr(op.host, i, a) for d, (i, a) in enumerate(ports) if d % self.tp_size == self.tp_rank]
-        if self.tp_rank >= len(ports):
-            logger.error("transfer %s: the decoder lists %d receiver ports, this prefiller has TP rank %d: "
-                         "decoder and prefiller need the same tensor-parallel size", op.transfer_id,
-                         len(ports), self.tp_rank)
+        if self.producer is None:
             return []
-        return [ReceiverAddr(op.host, *ports[self.tp_rank])]
+        try:
+            ranks = feeds(self.producer.fp, self.tp_rank, len(ports))
+        except ValueError as e:  # heads that do not split over the decoder's TP size, or no slicing
+            logger.error("transfer %s: the decoder lists %d receiver ports (its TP size), this prefiller has TP "
+                         "size %d: %s", op.transfer_id, len(ports), self.tp_size, e)
+            return []
+        return [(ReceiverAddr(op.host, *ports[d]), share) for d, share in ranks]
 
     def results(self, finished: set[str], idle: bool) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()

@@ -19,6 +19,7 @@ from kvferry.engine.p2p.worker import P2PWorker
 from kvferry.engine.pd.consumer import PDConsumer
 from kvferry.engine.pd.producer import PDProducer
 from kvferry.engine.pd.shared import fingerprint
+from kvferry.engine.pd.slicing import Slice, feeds
 from kvferry.engine.remote.base import RemoteError
 from kvferry.kernels.layout import detect_layout
 from kvferry.kernels.paged_copy import PagedKV
@@ -26,7 +27,6 @@ from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
     "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker",
-    "PDConsumer",
-    "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "detect_layout", "fingerprint", "layout_digest",
-    "loaded_blocks", "notice_addr", "offload_salt",
+    "PDConsumer", "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "Slice", "detect_layout", "feeds",
+    "fingerprint", "layout_digest", "loaded_blocks", "notice_addr", "offload_salt",
 ]

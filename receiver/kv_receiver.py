@@ -45,6 +45,7 @@ from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise_thread
 from kvferry.receiver.conns import ConnWatch
+from kvferry.receiver.joints import Joints
 from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
 
@@ -120,6 +121,8 @@ class KVReceiver(ReceiverSleep):
         self.epoch = random.SystemRandom().randrange(1, 1 << 62)
         self.receiver_id = receiver_id or f"{cfg.host}:{cfg.init_port}"
         self.table = TransferTable(buffer, cfg.lease_seconds, cfg.queue_seconds)
+        # Transfers several prefiller ranks write into (receiver/joints.py).
+        self.joints = Joints(self.table, cfg.alloc_timeout + cfg.lease_seconds + cfg.queue_seconds)
         self._allocating: set[str] = set()  # ids between an alloc's arrival and its table entry
         self._agent = nixl_agent.make_agent(f"kvf-recv-{self.receiver_id}-{self.epoch}", cfg.net_devices)
         self._agent_metadata = b""
@@ -218,7 +221,7 @@ class KVReceiver(ReceiverSleep):
             self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
             self._ready.set()
             # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
-            conns = ConnWatch(alloc, self.table.writer_gone, WRITER_GONE_GRACE_S)
+            conns = ConnWatch(alloc, self._writer_gone, WRITER_GONE_GRACE_S)
             readers = [asyncio.ensure_future(peering.serve(sock, handler, name, lambda why, n=name: self._bad_frame(why, n),
                                                            on_seen=seen))
                        for sock, name, handler, seen in ((init, "init", self._on_init, None),
@@ -265,10 +268,11 @@ class KVReceiver(ReceiverSleep):
             await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
         if isinstance(req, m.AbortTransfer):
-            self.table.abort(req.transfer_id, req.generation, req.reason, conn=ident, final=req.final)
+            if not self.joints.abort(req, ident):
+                self.table.abort(req.transfer_id, req.generation, req.reason, conn=ident, final=req.final)
             return
         if isinstance(req, m.RenewLease):
-            left = self.table.renew(req.transfer_id, req.generation, ident)
+            left = self.table.renew(req.transfer_id, req.generation, self.joints.conn(req.transfer_id, ident))
             await peering.reply(sock, ident, m.ErrorReply(
                 code="lease_gone", transfer_id=req.transfer_id,
                 message=f"transfer {req.transfer_id} cannot be renewed: it ended, arrived, or is not this "
@@ -285,6 +289,9 @@ class KVReceiver(ReceiverSleep):
             await peering.reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
                                                    f"(epoch {self.epoch}, request carried {req.epoch}): handshake again"))
             return
+        if req.writers > 1 and tid in self.joints:  # another prefiller rank of a transfer already reserved
+            await peering.reply(sock, ident, await self.joints.join(req, ident, self.cfg.alloc_timeout))
+            return
         why = self.table.refusal(tid) or (f"transfer {tid} is already in progress" if tid in self._allocating else None)
         if why is not None:
             await peering.reply(sock, ident, error("duplicate", why))
@@ -298,7 +305,8 @@ class KVReceiver(ReceiverSleep):
                                                    "mode): its pd_buffer is not registered; the request recomputes"))
             return
         try:
-            reply = await self._reserve(req, ident, arrival)
+            reply = await (self.joints.first(req, ident, arrival, self._reserve) if req.writers > 1
+                           else self._reserve(req, ident, arrival))
         finally:
             self._allocating.discard(tid)
         if isinstance(reply, m.ErrorReply):
@@ -309,7 +317,12 @@ class KVReceiver(ReceiverSleep):
         self.counters.alloc_errors += 1
         self.counters.refusals[code] = self.counters.refusals.get(code, 0) + 1
 
+    def _writer_gone(self, conn: bytes) -> int:
+        self.joints.writer_gone(conn)
+        return self.table.writer_gone(conn)
+
     async def _reserve(self, req: m.AllocRequest, ident: bytes, arrival: float) -> m.Msg:
+        """Pages for `req`; `ident`: the connection key the table keeps (joints.conn_key for several writers)."""
         tid = req.transfer_id
         need = len(req.chunk_keys)
         try:
@@ -373,6 +386,8 @@ class KVReceiver(ReceiverSleep):
             self.counters.bad_frames += 1
             self._bad.warning("receiver %s: bad NIXL notification dropped (%s)", self.receiver_id, e)
             return
+        if self.joints.notified(note.transfer_id, note.generation, note.writer) is False:
+            return  # other prefiller ranks still write into this transfer
         inc = self.table.arrived(note.transfer_id, note.generation)
         if inc is None:
             return

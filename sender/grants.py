@@ -51,6 +51,7 @@ class Grant:
     chunks: int = 0
     finishing: bool = False  # the notifying write was asked for: no more renewals
     ended: bool = False  # finished, failed or given back: nothing more is written into its pages
+    share: tuple[int, int] = (1, 0)  # (prefiller ranks writing into these pages, which one this is)
 
 
 async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reason: str, final: bool) -> None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -36,6 +37,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
 from kvferry.sender.addr import ReceiverAddr
+from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import (
     AllocFailed,
     ChunkError,
@@ -163,19 +165,21 @@ class KVSender(SenderSleep):
             self._send(transfer_id, receiver, list(chunk_keys), list(chunks), num_tokens, time.monotonic()),
             self._loop)
 
-    def reserve(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes],
-                num_tokens: int, keep_alive: bool = False) -> concurrent.futures.Future[Grant]:
+    def reserve(self, transfer_id: str, receiver: ReceiverAddr, chunk_keys: Sequence[bytes], num_tokens: int,
+                keep_alive: bool = False, share: tuple[int, int] = (1, 0)) -> concurrent.futures.Future[Grant]:
         """Ask `receiver` for one page per key before the chunks exist (the alloc round trip runs
-        while the caller computes them); `keep_alive` renews the lease until the notifying write."""
+        while the caller computes them); `keep_alive` renews the lease until the notifying write.
+        `share`: (writers, this writer) when several prefiller ranks write into the same pages."""
         self._check_open(transfer_id)
         return asyncio.run_coroutine_threadsafe(
-            self._reserve(transfer_id, receiver, list(chunk_keys), num_tokens, time.monotonic(), keep_alive),
+            self._reserve(transfer_id, receiver, list(chunk_keys), num_tokens, time.monotonic(), keep_alive, share),
             self._loop)
 
-    def write(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
-              notify: bool = False) -> concurrent.futures.Future[SendResult]:
-        """Write `chunks` into the grant's pages from `first` on (straight to the NIXL thread). Only the
-        last write may `notify` (the transfer is read once notified): post it after the others end."""
+    def write(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0, notify: bool = False,
+              runs: Sequence[np.ndarray] | None = None) -> concurrent.futures.Future[SendResult]:
+        """Write `chunks` into the grant's pages from `first` on (straight to the NIXL thread); with
+        `runs`, only those byte runs of each chunk (sender/descs.py). Only the last write may
+        `notify` (the transfer is read once notified): post it after the others end."""
         check_ranges(self._ranges, chunks)
         self._check_open(grant.transfer_id)
         if not chunks:
@@ -186,25 +190,20 @@ class KVSender(SenderSleep):
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = grant.peer.welcome.region
-        refused = refusal(grant, chunks, called)
+        pages = grant.pages[first:first + len(chunks)]
+        local, remote, nbytes, widest = write_descs(chunks, pages, region, nixl_agent.device_id(self.device), runs)
+        refused = refusal(grant, [(0, widest)], called)
         if refused is not None:
-            err, reason = refused
-            if reason:
-                self._fail(grant, out, err, reason)
-            else:
-                out.set_exception(err)
+            err, reason = refused  # no reason: it ended already, nothing to abort
+            self._fail(grant, out, err, reason) if reason else out.set_exception(err)
             return out
         grant.posted = True
         grant.finishing = grant.finishing or notify
-        pages = grant.pages[first:first + len(chunks)]
-        local = [(a, n, nixl_agent.device_id(self.device)) for a, n in chunks]
-        remote = [(region.addr + p * region.page_bytes, n, region.device_id)
-                  for p, (_, n) in zip(pages, chunks, strict=True)]
-        notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation)) if notify else b""
+        notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation,
+                                         writer=grant.share[1])) if notify else b""
         xf = self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
                              grant.peer.agent, notif, grant.deadline)
         grant.writes.add(xf)
-        nbytes = sum(n for _, n in chunks)
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
         return out
 
@@ -299,13 +298,13 @@ class KVSender(SenderSleep):
         return await asyncio.wrap_future(self.write(grant, chunks, 0, notify=True))
 
     async def _reserve(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
-                       t0: float, keep_alive: bool = False) -> Grant:
+                       t0: float, keep_alive: bool = False, share: tuple[int, int] = (1, 0)) -> Grant:
         try:
             try:
-                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0)
+                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0, share)
             except ReceiverRestarted:
                 logger.info("receiver %s restarted: handshaking again", addr)
-                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0)
+                grant = await self._reserve_once(tid, addr, keys, num_tokens, t0, share)
         except ReceiverRestarted as e:
             self.counters.failed += 1
             raise AllocFailed("stale_epoch", f"receiver {addr} refused transfer {tid} twice: {e}") from None
@@ -317,7 +316,7 @@ class KVSender(SenderSleep):
         return grant
 
     async def _reserve_once(self, tid: str, addr: ReceiverAddr, keys: list[bytes], num_tokens: int,
-                            t0: float) -> Grant:
+                            t0: float, share: tuple[int, int]) -> Grant:
         began = time.monotonic()
         peer, handshook = await self._peer(addr)
         region = peer.welcome.region
@@ -330,7 +329,8 @@ class KVSender(SenderSleep):
             sent_at = time.monotonic()
             wait = self.cfg.alloc_timeout + self.cfg.handshake_timeout
             request = m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.cfg.sender_id, epoch=peer.welcome.epoch,
-                                              chunk_keys=keys, num_tokens=num_tokens))
+                                              chunk_keys=keys, num_tokens=num_tokens, writers=share[0],
+                                              writer=share[1]))
             try:
                 # The send is bounded too: with the receiver gone, ZMQ's queue can fill up.
                 await asyncio.wait_for(peer.sock.send(request), wait)
@@ -358,7 +358,7 @@ class KVSender(SenderSleep):
             granted = True
             return Grant(tid, addr, peer, reply.generation, list(reply.pages),
                          sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook,
-                         reply.lease_seconds)
+                         reply.lease_seconds, share=share)
         finally:
             if not granted:
                 peer.busy -= 1

@@ -35,6 +35,15 @@ def test_transfer_bench_runs() -> None:
     assert row["raw_nixl_write_gbps"] > 0 and row["kvferry_gbps"] > 0 and row["kvferry_secret_gbps"] > 0
 
 
+def test_transfer_bench_hetero_tp2_to_tp1_runs() -> None:
+    pytest.importorskip("nixl", reason="the transfer bench needs NIXL")
+    out = run_bench("benchmarks/transfer_bench.py", "--json", "--hetero-tp", "--chunk-mib", "1", "--batch", "2",
+                    "--reps", "1")
+    (row,) = out["rows"]
+    assert row["senders"] == 2 and row["batch"] == 2 and row["runs_per_chunk_per_sender"] == 16
+    assert row["raw_nixl_write_gbps"] > 0 and row["kvferry_gbps"] > 0 and row["ratio"] > 0
+
+
 def test_vllm_compat_bench_runs_for_the_installed_vllm() -> None:
     """The API check's script (make vllm-compat), without downloads: the installed vLLM only."""
     out = run_bench("benchmarks/vllm_compat.py", "--installed-only")

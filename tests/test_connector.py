@@ -458,10 +458,12 @@ def test_vllm_bench_serve_through_the_proxy(pd_proxy, tiny_model_path: Path, tmp
     ("mla", 1, 2, {0: [0, 1]}),  # the one prefiller rank feeds both decoder ranks
     ("mla", 2, 4, {0: [0, 2], 1: [1, 3]}),
     ("mha", 2, 2, {0: [0], 1: [1]}),
-    ("mha", 2, 1, {0: [0], 1: []}),  # GQA with another TP size: refused at the handshake, logged here
+    # GQA (4 KV heads) with another TP size: each rank slices its heads (docs/pd.md, "Different TP")
+    ("mha", 2, 1, {0: [(0, (2, 0))], 1: [(0, (2, 1))]}),  # both ranks write into decoder rank 0
+    ("mha", 1, 2, {0: [(0, (1, 0)), (1, (1, 0))]}),  # the one rank feeds each decoder rank its heads
 ])
 def test_hetero_tp_prefiller_ranks_address_these_decoder_ranks(kind: str, p_tp: int, d_tp: int,
-                                                                want: dict[int, list[int]]) -> None:
+                                                                want: dict[int, list]) -> None:
     from kvferry.connector.metadata import OpenOp
     from kvferry.connector.worker_side import WorkerSide
 
@@ -470,7 +472,9 @@ def test_hetero_tp_prefiller_ranks_address_these_decoder_ranks(kind: str, p_tp: 
     for rank in range(p_tp):
         w = object.__new__(WorkerSide)
         w.tp_rank, w.tp_size = rank, p_tp
-        w.producer = SimpleNamespace(fp=SimpleNamespace(kv_kind=kind))
-        got = w._receivers(op)
-        assert [a.init_port - 7300 for a in got] == want[rank], (kind, p_tp, d_tp, rank)
+        w.producer = SimpleNamespace(fp=SimpleNamespace(kv_kind=kind, tp_size=p_tp, total_kv_heads=4, slices=True))
+        pairs = w._receivers(op)
+        got = [a for a, _ in pairs]
+        assert [(a.init_port - 7300, s.share) if s else a.init_port - 7300 for a, s in pairs] == want[rank], \
+            (kind, p_tp, d_tp, rank)
         assert all(a.alloc_port - 7400 == a.init_port - 7300 and a.host == "d" for a in got)

@@ -49,6 +49,7 @@ def covered(metadata: bytes, tensor: torch.Tensor) -> bool:
 
 def vllm_config(role: str, keys: dict) -> SimpleNamespace:
     mc = SimpleNamespace(model="/models/sleepy", dtype="bfloat16", get_num_kv_heads=lambda pc: HEADS,
+                         get_total_num_kv_heads=lambda: HEADS,
                          get_head_size=lambda: HEAD)
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=keys, engine_id="sleepy"),

@@ -39,6 +39,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
+from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import SendError, failure_reason
@@ -72,6 +73,7 @@ class _Outgoing:
     writes: list[concurrent.futures.Future] = field(default_factory=list)
     nbytes: int = 0
     early: bool = False  # its last write went into the early grant
+    slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
 
 
 def _after_all(futs: Sequence[concurrent.futures.Future], fn: Callable[[], None]) -> None:
@@ -118,6 +120,7 @@ class PDProducer:
         self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
         self.sender.register(self.staging.tensor)
         self._salt = key_salt(fp)
+        self._slicer = Slicer(fp, tp_rank) if fp.kv_kind == "mha" and fp.slices else None
         # Staging pages are local: held for the longest a send may take (the decoder's lease covers
         # the prompt's compute too), then taken back anyway.
         self._staging_lease = cfg.pd_handshake_timeout + cfg.pd_alloc_timeout + cfg.pd_lease_seconds + 5
@@ -128,19 +131,22 @@ class PDProducer:
         self.counters = ProducerCounters()
         self._asleep = False
 
-    def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int) -> None:
-        """The prompt is about to compute: take staging pages and ask the decoder for its pages now."""
+    def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int,
+             share: Slice | None = None) -> None:
+        """The prompt is about to compute: take staging pages and ask the decoder for its pages now.
+        `share`: this rank writes only its heads into that decoder rank (slicing.feeds)."""
         if receiver in self._open.get(transfer_id, {}) or self._asleep:
             return
-        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
         try:
             # Held while the prompt computes (a batch's step can be long), given back by submit or cancel.
             res = self.staging.reserve(len(keys), transfer_id, self._staging_hold, timeout=0)
         except PDBufferError:
             return  # all staging pages are in flight: submit() sends it whole, waiting its turn
-        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
+        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share)
         try:
-            out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens, keep_alive=True)
+            out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens, keep_alive=True,
+                                            share=share.share if share else (1, 0))
         except SendError as e:
             logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
             self.staging.release(res)
@@ -164,14 +170,15 @@ class PDProducer:
             return
         chunks = self._gather(out, block_ids, upto * self.fp.chunk_size, upto)
         try:
-            out.writes.append(self.sender.write(out.grant.result(), chunks, out.written))
+            out.writes.append(self.sender.write(out.grant.result(), chunks, out.written,
+                                                runs=self._runs(out, out.grant.result(), out.written, len(chunks))))
         except ValueError as e:  # the sender's refusal of these chunks
             raise StagingError(f"transfer {transfer_id}: {e}") from e
         out.written = upto
         self.counters.pieces += 1
 
-    def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
-               block_ids: Sequence[int], num_tokens: int) -> concurrent.futures.Future[SendResult] | None:
+    def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], block_ids: Sequence[int],
+               num_tokens: int, share: Slice | None = None) -> concurrent.futures.Future[SendResult] | None:
         """The prompt's last token is computed: gather the rest now, send in the background. None
         (logged) if no staging pages came in time; StagingError if these blocks cannot be gathered."""
         if self._asleep:
@@ -183,7 +190,7 @@ class PDProducer:
         if not outs:
             self._open.pop(transfer_id, None)
         if out is None:
-            out = self._staged(transfer_id, receiver, token_ids, num_tokens)
+            out = self._staged(transfer_id, receiver, token_ids, num_tokens, share)
             if out is None:
                 return None
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
@@ -229,8 +236,8 @@ class PDProducer:
             self._finish_after_writes(out)
 
     def _staged(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int],
-                num_tokens: int) -> _Outgoing | None:
-        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._salt)
+                num_tokens: int, share: Slice | None = None) -> _Outgoing | None:
+        keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
         # Prompts still computing hold staging pages that only this (the forward) thread can free:
         # waiting for them would stall the engine, so then the wait is none.
         wait = 0.0 if self._open else self.cfg.pd_alloc_timeout
@@ -240,7 +247,7 @@ class PDProducer:
             logger.error("transfer %s: cannot stage %d chunks on the prefiller: %s", transfer_id, len(keys), e)
             bump(self.counters.failures, "staging")
             return None
-        return _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res)
+        return _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share)
 
     def _gather(self, out: _Outgoing, block_ids: Sequence[int], num_tokens: int, upto: int) -> list[tuple[int, int]]:
         """Copy chunks out.sent..upto (of the first `num_tokens` tokens) into their staging pages."""
@@ -271,20 +278,57 @@ class PDProducer:
         """Every earlier write and the grant are settled: write the rest with the notification."""
         try:
             if out.grant is not None and _ok(out.grant) and all(_ok(w) for w in out.writes):
-                fut = self.sender.write(out.grant.result(), self._all_chunks(out, out.written), out.written,
-                                        notify=True)
+                chunks = self._all_chunks(out, out.written)
+                fut = self.sender.write(out.grant.result(), chunks, out.written, notify=True,
+                                        runs=self._runs(out, out.grant.result(), out.written, len(chunks)))
                 out.early = True
             elif out.grant is not None and _ok(out.grant):  # a piece failed: the grant was aborted
                 fut = next(w for w in out.writes if not _ok(w))
             elif out.grant is not None:  # the early alloc failed: its id is spent on the receiver
                 fut = out.grant
+            elif out.slice is not None:  # no early grant, sliced: reserve as one of the writers, then write
+                fut = self._send_sliced(out)
             else:  # no early grant: reserve and write now, as one transfer
                 fut = self.sender.send(out.transfer_id, out.receiver, out.keys, self._all_chunks(out, 0),
                                        out.num_tokens)
         except (SendError, ValueError) as e:
+            if out.grant is not None and _ok(out.grant):  # nothing more will be written: the pages go back
+                self.sender.release(out.grant.result(), f"the last write was refused: {e}")
             result.set_exception(e if isinstance(e, SendError) else SendError(str(e)))
             return
         _chain(fut, result)
+
+    def _key_salt(self, share: Slice | None) -> bytes:
+        """The chunk keys' salt the decoder rank checks them with (its own heads per rank)."""
+        return self._salt if share is None else key_salt(as_decoder_rank(self.fp, share))
+
+    def _runs(self, out: _Outgoing, grant: Grant, first: int, count: int) -> list | None:
+        """The byte runs of chunks first..first+count for the decoder rank of `grant` (None: whole chunks)."""
+        if out.slice is None:
+            return None
+        if self._slicer is None:
+            raise StagingError(f"transfer {out.transfer_id}: a sliced write, and this prefiller does not slice")
+        sizes = [min(self.fp.chunk_size, out.num_tokens - s) for s in range(0, out.num_tokens, self.fp.chunk_size)]
+        return self._slicer.runs(grant.peer.welcome.fingerprint, out.slice, sizes[first:first + count])
+
+    def _send_sliced(self, out: _Outgoing) -> concurrent.futures.Future[SendResult]:
+        """Reserve as writer `out.slice.writer`, then write every chunk's runs with the notification."""
+        result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+        granted = self.sender.reserve(out.transfer_id, out.receiver, out.keys, out.num_tokens, share=out.slice.share)
+
+        def write(f: concurrent.futures.Future[Grant]) -> None:
+            if not _ok(f):
+                _chain(f, result)
+                return
+            try:
+                chunks = self._all_chunks(out, 0)
+                _chain(self.sender.write(f.result(), chunks, 0, notify=True,
+                                         runs=self._runs(out, f.result(), 0, len(chunks))), result)
+            except (SendError, ValueError) as e:
+                self.sender.release(f.result(), f"the write was refused: {e}")
+                result.set_exception(e if isinstance(e, SendError) else SendError(str(e)))
+        granted.add_done_callback(write)
+        return result
 
     def _finish_after_writes(self, out: _Outgoing) -> None:
         """Give the grant and the staging pages back once no write reads them."""

@@ -19,9 +19,12 @@ KV_LAYOUT_NAMES = {
 }
 
 
-def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_size: int = 1
-                ) -> m.LayoutFingerprint:
-    """What a prefiller and a decoder must agree on, from the KV caches vLLM registered."""
+def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_size: int = 1,
+                total_kv_heads: int = 0, slices: bool = True) -> m.LayoutFingerprint:
+    """What a prefiller and a decoder must agree on, from the KV caches vLLM registered.
+    `total_kv_heads`: the model's (vLLM's get_total_num_kv_heads); 0 means heads x TP size, which
+    is wrong only for replicated heads (fewer than TP). `slices`: as a sender, this side writes
+    each decoder rank only its heads, so a decoder of another TP size is accepted (docs/pd.md)."""
     lay = kv.layout
     if chunk_format == "block" and chunk_size % lay.block_size:
         raise LayoutError(f"chunk_size {chunk_size} is not a multiple of vLLM's block_size {lay.block_size}: "
@@ -34,11 +37,14 @@ def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_
         num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
         kv_layout=KV_LAYOUT_NAMES[lay.name], chunk_format=chunk_format, chunk_size=chunk_size,
         tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size),
-        kv_kind="mla" if lay.is_mla else "mha")
+        kv_kind="mla" if lay.is_mla else "mha", slices=slices and not lay.is_mla,
+        total_kv_heads=1 if lay.is_mla else total_kv_heads or lay.num_kv_heads * tp_size)
 
 
 def key_salt(fp: m.LayoutFingerprint) -> bytes:
-    """Keys of different models or layouts never match."""
+    """Keys of different models or layouts never match. A prefiller slicing heads for a decoder rank
+    of another TP size salts with that rank's heads (slicing.as_decoder_rank), so the decoder's
+    own keys match (and a same-TP cluster keeps the keys of earlier versions)."""
     return salt_for(fp.model, fp.dtype, fp.num_layers, fp.num_kv_heads, fp.head_size, fp.kv_layout,
                     fp.chunk_format, fp.chunk_size)  # kv_layout tells MLA from K/V caches
 
