@@ -120,7 +120,7 @@ class NixlThread:
         self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
         return fut
 
-    def post(self, op: str, local: list, local_mem: str, remote: list, remote_mem: str, agent_name: str,
+    def post(self, op: str, local: Any, local_mem: str, remote: Any, remote_mem: str, agent_name: str,
              notif: bytes, deadline: float) -> concurrent.futures.Future[XferDone]:
         """`xfer` for a caller on any thread, with no event loop between it and NIXL."""
         fut: concurrent.futures.Future[XferDone] = concurrent.futures.Future()

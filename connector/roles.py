@@ -81,3 +81,9 @@ def salt(vc: VllmConfig, cfg: KVFerryConfig, num_layers: int) -> bytes:
     mc, pc = vc.model_config, vc.parallel_config
     return offload_salt(model_name(vc), str(mc.dtype).removeprefix("torch."), num_layers, mc.get_num_kv_heads(pc),
                         mc.get_head_size(), vc.cache_config.block_size, cfg.chunk_size, pc.tensor_parallel_size)
+
+
+def engine_id(vc: VllmConfig) -> str:
+    """vLLM's engine id for this instance (vLLM fills it in whenever a connector is configured)."""
+    assert vc.kv_transfer_config is not None and vc.kv_transfer_config.engine_id is not None
+    return vc.kv_transfer_config.engine_id

@@ -24,7 +24,7 @@ from kvferry.common.transfer_params import (
 from kvferry.connector.block_table import BlockTable
 from kvferry.connector.kv_events import start_relay, to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
-from kvferry.connector.roles import Roles, salt
+from kvferry.connector.roles import Roles, engine_id, salt
 from kvferry.engine.api import OffloadPlanner, notice_addr
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def planner(roles: Roles, vc: VllmConfig, kcc: KVCacheConfig | None) -> OffloadP
     cfg = roles.cfg
     try:
         return OffloadPlanner(cfg, salt(vc, cfg, len(group.layer_names)), vc.cache_config.block_size, block_bytes,
-                              notice_addr(_engine_id(vc)) if cfg.enable_p2p else None,
+                              notice_addr(engine_id(vc)) if cfg.enable_p2p else None,
                               tier_events=kv_events_enabled(vc))
     except KVFerryError as e:  # a chunk_size or serde the planner refuses, or a remote store it cannot reach
         raise ConfigError(str(e)) from None
@@ -246,8 +246,3 @@ def kv_events_enabled(vc: VllmConfig) -> bool:
 def _prompt(req: Request) -> list[int]:
     """The prompt's token ids (none for a prompt given as embeddings: nothing to key, nothing matched)."""
     return list(req.prompt_token_ids or ())
-
-
-def _engine_id(vc: VllmConfig) -> str:
-    assert vc.kv_transfer_config is not None and vc.kv_transfer_config.engine_id is not None  # a connector has one
-    return vc.kv_transfer_config.engine_id

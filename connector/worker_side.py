@@ -18,7 +18,7 @@ from kvferry.common.errors import KVFerryError
 from kvferry.common.live_gauges import LiveGauges, gauge_path
 from kvferry.common.log import get_logger
 from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta, OpenOp, SaveOp
-from kvferry.connector.roles import Roles, model_name, salt
+from kvferry.connector.roles import Roles, engine_id, model_name, salt
 from kvferry.engine.api import (
     OffloadWorker,
     P2PWorker,
@@ -91,7 +91,7 @@ class WorkerSide:
             if cfg.enable_p2p and self.offload.cpu is not None:
                 self.offload.p2p = P2PWorker(cfg, self.offload.cpu, self.tp_rank, self.tp_size,
                                              salt(self.vc, cfg, kv.num_layers), ofp,
-                                             notice_addr(self.vc.kv_transfer_config.engine_id))
+                                             notice_addr(engine_id(self.vc)))
         if roles.pd and roles.producer_side:
             sender_id = f"{socket.gethostname()}-{os.getpid()}-tp{self.tp_rank}"
             self.producer = PDProducer(cfg, kv, fp, sender_id, self.tp_rank)
@@ -99,8 +99,10 @@ class WorkerSide:
             self.consumer = PDConsumer(cfg, kv, fp, self.tp_rank)
         if roles.pd:
             # vLLM's /metrics (its API server) reads these between engine steps: connector/stats.py.
-            self.live = LiveGauges(gauge_path(self.vc.kv_transfer_config.engine_id, self.tp_rank))
-            (self.producer or self.consumer).publish(self.live)
+            self.live = LiveGauges(gauge_path(engine_id(self.vc), self.tp_rank))
+            side = self.producer or self.consumer
+            assert side is not None  # made just above for either PD role
+            side.publish(self.live)
         logger.info("KVFerryConnector %s ready: %d layers, layout %s, %d-token chunks of %d bytes, tp rank %d/%d",
                     roles.kv_role, kv.num_layers, fp.kv_layout, fp.chunk_size, fp.page_bytes, self.tp_rank,
                     self.tp_size)

@@ -32,7 +32,7 @@ PROBE = m.encode(m.ErrorReply(code="probe", message="is this connection still op
 class ConnWatch:
     """Calls `on_gone(identity)` `grace` seconds after a connection closed (thread: the socket's loop)."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, on_gone: Callable[[bytes], None], grace: float) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, on_gone: Callable[[bytes], object], grace: float) -> None:
         self.sock, self.on_gone, self.grace = sock, on_gone, grace
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._fds: OrderedDict[bytes, int] = OrderedDict()  # identity -> descriptor it last came on

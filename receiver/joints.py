@@ -105,8 +105,9 @@ class Joints:
             j = self._joints.get(tid)
             why = _mismatch(j, req, ident)
             if why is None:
+                assert j is not None  # _mismatch says so when there is none
                 j.joined[ident] = req.writer  # held before the wait: the same writer cannot join twice
-        if why is not None:
+        if why is not None or j is None:
             return _error("duplicate", tid, f"transfer {tid}: {why}")
         try:
             reply = await asyncio.wait_for(asyncio.shield(j.reply), wait)

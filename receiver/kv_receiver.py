@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import random
 import threading
 import time
@@ -222,7 +223,8 @@ class KVReceiver(ReceiverSleep):
             self._ready.set()
             # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
             conns = ConnWatch(alloc, self._writer_gone, WRITER_GONE_GRACE_S)
-            readers = [asyncio.ensure_future(peering.serve(sock, handler, name, lambda why, n=name: self._bad_frame(why, n),
+            readers = [asyncio.ensure_future(peering.serve(sock, handler, name,
+                                                           functools.partial(self._bad_frame, port_name=name),
                                                            on_seen=seen))
                        for sock, name, handler, seen in ((init, "init", self._on_init, None),
                                                          (alloc, "alloc", self._on_alloc, conns.seen))]
@@ -249,8 +251,8 @@ class KVReceiver(ReceiverSleep):
             self._bad_frame(f"a bad frame ({e})", "init")
             await peering.reply(sock, ident, m.ErrorReply(code="bad_message", message=str(e)[:4000]))
             return
-        answer = peering.welcome(hello, ("receiver", "sender"), self.receiver_id, self.fingerprint, self.epoch, self._agent.name,
-                                 self._agent_metadata, m.Region(
+        answer = peering.welcome(hello, ("receiver", "sender"), self.receiver_id, self.fingerprint, self.epoch,
+                                 self._agent.name, self._agent_metadata, m.Region(
                                      addr=self.buffer.base_addr, page_bytes=self.buffer.page_bytes,
                                      num_pages=self.buffer.num_pages, mem_type=nixl_agent.mem_type(self.buffer.device),
                                      device_id=nixl_agent.device_id(self.buffer.device)))
@@ -287,7 +289,8 @@ class KVReceiver(ReceiverSleep):
 
         if req.epoch != self.epoch:
             await peering.reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
-                                                   f"(epoch {self.epoch}, request carried {req.epoch}): handshake again"))
+                                                   f"(epoch {self.epoch}, request carried {req.epoch}): handshake "
+                                                   f"again"))
             return
         if req.writers > 1 and tid in self.joints:  # another prefiller rank of a transfer already reserved
             await peering.reply(sock, ident, await self.joints.join(req, ident, self.cfg.alloc_timeout))

@@ -124,8 +124,8 @@ class PeerReader:
             raise err
         return peer, reply
 
-    def _check(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks, keys: Sequence[bytes], sizes: Sequence[int] | None,
-               peer_id: str | None) -> FetchError | None:
+    def _check(self, peer: peering.Peer[HolderSpans], reply: m.PeerChunks, keys: Sequence[bytes],
+               sizes: Sequence[int] | None, peer_id: str | None) -> FetchError | None:
         """Why this lease must not be READ (before any NIXL call sees it), or None."""
         who = peer.welcome.peer_id
         if peer_id is not None and who != peer_id:  # e.g. a restarted peer's ports reused: a plain miss

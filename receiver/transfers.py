@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation, ReservationGone
 from kvferry.common.errors import UnavailableError
@@ -68,7 +69,7 @@ class ReceivedTransfer:
     transfer_id: str
     chunk_keys: list[bytes]
     num_tokens: int
-    pages: dict[int, object]  # chunk index -> uint8 view of its page
+    pages: dict[int, Any]  # chunk index -> uint8 view (torch.Tensor) of its page
     arrived_at: float = 0.0
 
 

@@ -22,6 +22,8 @@ def write_descs(chunks: Sequence[tuple[int, int]], pages: Sequence[int], region:
     `runs[i]`: ``[n, 3]`` rows ``(src_offset, dst_offset, length)`` within chunk i and its page; a
     run outside either is refused here, before anything is posted (it would read or write memory
     that is not the chunk's or the page's)."""
+    local: list[Desc] | np.ndarray
+    remote: list[Desc] | np.ndarray
     if runs is None:
         local = [(a, n, device_id) for a, n in chunks]
         remote = [(region.addr + p * region.page_bytes, n, region.device_id)

@@ -117,7 +117,7 @@ def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tupl
         return SendError(f"transfer {grant.transfer_id}: the connection to receiver {grant.addr} closed; the "
                          "receiver gives the pages it reserved on it back, so nothing more may be written into "
                          "them"), "the connection to the receiver closed"
-    region = grant.peer.welcome.region
+    region = pd_region(grant.peer)
     big = next((n for _, n in chunks if n > region.page_bytes), None)
     if big is not None:
         return SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s {region.page_bytes}-byte "
@@ -126,3 +126,11 @@ def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tupl
         return LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the write could start; raise "
                             "pd_lease_seconds"), "lease ran out before the write"
     return None
+
+
+def pd_region(peer: peering.Peer) -> m.Region:
+    """The receiver's pd_buffer region: every receiver's Welcome has one (the sender checks it at the
+    handshake), a P2P holder's has none."""
+    region = peer.welcome.region
+    assert region is not None, f"receiver {peer.welcome.peer_id} sent no pd_buffer region"
+    return region

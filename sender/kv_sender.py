@@ -54,6 +54,7 @@ from kvferry.sender.grants import (
     Grant,
     check_ranges,
     nothing_in_flight,
+    pd_region,
     refusal,
     renew_until_done,
     send_abort,
@@ -189,7 +190,7 @@ class KVSender(SenderSleep):
                              f"its {len(grant.pages)} pages")
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
-        region = grant.peer.welcome.region
+        region = pd_region(grant.peer)
         pages = grant.pages[first:first + len(chunks)]
         local, remote, nbytes, widest = write_descs(chunks, pages, region, nixl_agent.device_id(self.device), runs)
         refused = refusal(grant, [(0, widest)], called)
@@ -319,7 +320,7 @@ class KVSender(SenderSleep):
                             t0: float, share: tuple[int, int]) -> Grant:
         began = time.monotonic()
         peer, handshook = await self._peer(addr)
-        region = peer.welcome.region
+        region = pd_region(peer)
         pending = peer.state.pending
         fut = asyncio.get_running_loop().create_future()
         pending[tid] = fut

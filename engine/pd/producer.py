@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -267,7 +268,8 @@ class PDProducer:
             bump(self.counters.failures, "staging")
             raise StagingError(f"transfer {out.transfer_id}: {e}") from e
         out.sent = upto
-        return [(self.staging.page_addr(p), self.kv.chunk_nbytes(self.fmt, n)) for p, (_, n) in zip(pages, plan, strict=True)]
+        return [(self.staging.page_addr(p), self.kv.chunk_nbytes(self.fmt, n))
+                for p, (_, n) in zip(pages, plan, strict=True)]
 
     def _all_chunks(self, out: _Outgoing, first: int) -> list[tuple[int, int]]:
         sizes = [min(self.fp.chunk_size, out.num_tokens - s) for s in range(0, out.num_tokens, self.fp.chunk_size)]
@@ -277,6 +279,7 @@ class PDProducer:
     def _last(self, out: _Outgoing, result: concurrent.futures.Future[SendResult]) -> None:
         """Every earlier write and the grant are settled: write the rest with the notification."""
         try:
+            fut: concurrent.futures.Future[Any]
             if out.grant is not None and _ok(out.grant) and all(_ok(w) for w in out.writes):
                 chunks = self._all_chunks(out, out.written)
                 fut = self.sender.write(out.grant.result(), chunks, out.written, notify=True,
@@ -314,6 +317,7 @@ class PDProducer:
     def _send_sliced(self, out: _Outgoing) -> concurrent.futures.Future[SendResult]:
         """Reserve as writer `out.slice.writer`, then write every chunk's runs with the notification."""
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
+        assert out.slice is not None  # called for a sliced prompt only
         granted = self.sender.reserve(out.transfer_id, out.receiver, out.keys, out.num_tokens, share=out.slice.share)
 
         def write(f: concurrent.futures.Future[Grant]) -> None:

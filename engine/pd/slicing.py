@@ -50,7 +50,7 @@ def feeds(fp: m.LayoutFingerprint, src_rank: int, dst_tp: int) -> list[tuple[int
         raise LayoutError(f"a decoder of tensor-parallel size {dst_tp} needs this prefiller (size {fp.tp_size}) "
                           "to slice K/V heads, and its layout fingerprint does not say the model's total of KV "
                           "heads: start both sides with the same --tensor-parallel-size")
-    out = []
+    out: list[tuple[int, Slice | None]] = []
     for d in range(dst_tp):
         writers = senders_of(fp.total_kv_heads, fp.tp_size, dst_tp, d)
         if src_rank in writers:
