@@ -30,18 +30,25 @@ MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", 
 TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
 
 
-def token_ids_in(data: bytes) -> list[int] | None:
-    """The `token_ids` of one raw stream chunk, None when it has none."""
-    m = TOKEN_IDS.search(data)
-    if m is None:
+def token_ids_in(data: bytes, m: re.Match | None | bool = True) -> list[int] | None:
+    """The `token_ids` of one raw stream chunk, None when it has none (`m`: TOKEN_IDS.search(data)
+    when the caller has it)."""
+    if m is True:
+        m = TOKEN_IDS.search(data)
+    if m is None or m is False:
         return None
     inner = m.group(1).strip()
     return [int(x) for x in inner.split(b",")] if inner else []
 
 
-def strip_token_ids(data: bytes) -> bytes:
-    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not)."""
-    return TOKEN_IDS.sub(b'"token_ids":null', data, count=1)
+def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:
+    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not); `m`:
+    TOKEN_IDS.search(data) when the caller has it (one search serves both)."""
+    if m is True:
+        m = TOKEN_IDS.search(data)
+    if m is None or m is False:
+        return data
+    return data[:m.start()] + b'"token_ids":null' + data[m.end():]
 
 
 async def stalled(events: AsyncIterator[list[bytes]], seconds: float, up: Upstream) -> AsyncIterator[list[bytes]]:

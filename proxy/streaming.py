@@ -107,8 +107,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                         if mode == "regen":
                                             prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
                                         continue
+                                m = migrate.TOKEN_IDS.search(data)  # one search: the ids kept and stripped
                                 if sent is not None:
-                                    ids = migrate.token_ids_in(data)
+                                    ids = migrate.token_ids_in(data, m)
                                     if ids is None:
                                         sent = None  # an engine that ignores return_token_ids: no moving
                                         completion_tokens = 1
@@ -118,10 +119,11 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     ended = True
                                 if (swap[0] in data and swap[2] in data and not parse_lp
                                         and b'"prompt_token_ids":[' not in data):
-                                    # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
-                                    data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                                    # vLLM writes compact JSON: swap the decoder's id and time for ours in
+                                    # place (the ids first: `m` points into the chunk as it came).
                                     if not want_ids:
-                                        data = migrate.strip_token_ids(data)
+                                        data = migrate.strip_token_ids(data, m)
+                                    data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
                                 else:
                                     chunk = up.chunk(data)
                                     chunk["id"], chunk["created"] = rid, created
