@@ -90,7 +90,7 @@ class Migration:
             logger.warning("cannot migrate a request off %s %s (%s): no other healthy decoder", failed.id,
                            failed.url, e.kind)
             return None
-        d = min(pool, key=lambda i: (i.active, i.queued_tokens))
+        d = min(pool, key=lambda i: (i.all_active, i.all_queued))
         self.moves += 1
         self.ctx.metrics.migrations.labels(e.kind).inc()
         logger.warning("migrating a request from decoder %s (%s: %s) to %s %s (move %d of at most %d)", failed.id,

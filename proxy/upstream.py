@@ -67,15 +67,15 @@ class Upstream:
         self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
 
     def __enter__(self) -> Upstream:
-        self.inst.active += 1
-        self.inst.queued_tokens += self.tokens
-        self.router.in_flight(self.inst).inc()
+        i = self.inst
+        i.counted(i.active + 1, i.queued_tokens + self.tokens)
+        self.router.in_flight(i).inc()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.inst.active -= 1
-        self.inst.queued_tokens -= self.tokens
-        self.router.in_flight(self.inst).dec()
+        i = self.inst
+        i.counted(i.active - 1, i.queued_tokens - self.tokens)
+        self.router.in_flight(i).dec()
 
     def fail(self, kind: str, status: int, message: str) -> ProxyError:
         self.router.upstream_failed(self.inst, self.leg, kind, message)
