@@ -236,7 +236,7 @@ class Proxy:
         finally:
             if gated:
                 self.gate.leave()
-        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        self.metrics.count(self.metrics.requests, endpoint, str(resp.status))
         return resp
 
     async def models(self, request: web.Request) -> web.Response:

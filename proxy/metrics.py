@@ -20,6 +20,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR") if values.ValueClass is not values.MutexValue \
             else None
+        self._children: dict[tuple[int, tuple[str, ...]], Counter] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvferry_proxy_requests", "Client requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -72,6 +73,15 @@ class ProxyMetrics:
                                   "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
+
+    def count(self, metric: Counter, *labels: str) -> None:
+        """metric.labels(*labels).inc(), the labelled child looked up once (labels() costs a lock
+        and a tuple per call, on every request)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        c.inc()
 
     def render(self) -> bytes:
         if self.folder is None:

@@ -41,9 +41,11 @@ class UpstreamClient:
         # is bounded by the read timeout, so a busy pool queues requests rather than failing them.
         timeout = aiohttp.ClientTimeout(total=None, connect=max(o.read_timeout, o.connect_timeout),
                                         sock_connect=o.connect_timeout, sock_read=o.read_timeout)
+        # --workers N: the connections are the proxy's, split between its workers (at least one each).
+        per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, limit_per_host=o.upstream_connections, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False)
+            limit=0, limit_per_host=per_worker, ttl_dns_cache=300, enable_cleanup_closed=True),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies: none kept
 
     async def close(self) -> None:
         if self.session is not None:

@@ -68,8 +68,8 @@ class Router:
             why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
-        self.metrics.routes.labels(r.reason).inc()
-        self.metrics.served.labels("single" if single else "local" if r.local else "disaggregated").inc()
+        self.metrics.count(self.metrics.routes, r.reason)
+        self.metrics.count(self.metrics.served, "single" if single else "local" if r.local else "disaggregated")
         return r
 
     def observed(self, inst: Instance, route: Route, answer: dict) -> None:
