@@ -67,6 +67,7 @@ class Upstream:
     def __init__(self, router: LegWatcher, client: UpstreamClient, inst: Instance, prompt_tokens: int = 0,
                  leg: str = "decode") -> None:
         self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
+        self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
 
     def __enter__(self) -> Upstream:
         i = self.inst
@@ -156,6 +157,7 @@ class Upstream:
                                 # Read to the end of the body: a released, fully read response
                                 # keeps its connection for the next request.
                                 await resp.content.read()
+                                self.done = True
                                 if batch:
                                     yield batch
                                 return
