@@ -53,7 +53,7 @@ class Supervisor:
         os.mkdir(os.path.join(self.folder, "metrics"))
         changes = os.path.join(self.folder, "admin-changes.jsonl")
         open(changes, "wb").close()
-        self.board, self.peers = LoadBoard(n), Peers(changes)
+        self.board, self.peers = LoadBoard(n), Peers(changes, n)
         self.pids: dict[int, int] = {}  # pid -> worker index
         self._stop = False
 
@@ -71,7 +71,7 @@ class Supervisor:
                 _die_with_parent()
                 from kvferry.proxy import metrics
                 metrics.multiprocess(os.path.join(self.folder, "metrics"))
-                self.board.worker = index
+                self.board.worker = self.peers.worker = index
 
                 def ready() -> None:
                     os.write(w, b"1")

@@ -45,7 +45,10 @@ class LoadBoard:
             return r
         key = hashlib.blake2b(url.encode(), digest_size=KEY).digest()
         start = int.from_bytes(key[:4], "little") % ROWS
-        with self._lock:
+        # A worker killed while it held the lock must not stop the others adding instances: after
+        # a second, go on without it (at worst two rows for one URL: its load not shared).
+        locked = self._lock.acquire(timeout=1.0)
+        try:
             for i in range(ROWS):
                 r = (start + i) % ROWS
                 at = self._keys[r * KEY:(r + 1) * KEY]
@@ -56,6 +59,9 @@ class LoadBoard:
                     break
             else:
                 raise BoardFull(f"more than {ROWS} instances over this proxy's life: restart it")
+        finally:
+            if locked:
+                self._lock.release()
         self._rows[url] = r
         return r
 
@@ -85,9 +91,8 @@ class LoadBoard:
     def turn(self, role: str) -> int:
         """The next round-robin turn for `role`, counted across the workers (one rotation, as one process's)."""
         i = ROLES.index(role)
-        with self._lock:
-            n = self._turns[i]
-            self._turns[i] = n + 1
+        n = self._turns[i]  # no lock: two workers taking one turn at once only repeat it
+        self._turns[i] = n + 1
         return n
 
     def clear_worker(self, worker: int) -> None:
