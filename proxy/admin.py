@@ -79,7 +79,37 @@ class Admin:
         except (OptionError, ValueError) as e:
             raise ProxyError(400, str(e), "bad_instance") from None
         logger.info("admin: added %s %s as %s", role, inst.url, inst.id)
+        self._publish({"op": "add", "role": role, "url": inst.url, "init_port": body.get("init_port"),
+                       "alloc_port": body.get("alloc_port")})
         return json_response(inst.describe(), 201)
+
+    def _publish(self, change: dict) -> None:
+        """--workers N: the other workers make the same change (proxy/peers.py)."""
+        if self.ctx.peers is not None:
+            self.ctx.peers.publish(change)
+
+    def apply(self, change: dict) -> None:
+        """A change another worker made through the admin API, made here too."""
+        router = self.ctx.router
+        op, url = change.get("op"), change.get("url")
+        if op == "add":
+            raw = str(url) if change["role"] == "prefiller" else f"{url},{change['init_port']},{change['alloc_port']}"
+            spec = InstanceSpec("prefiller", parse_url("url", raw)) if change["role"] == "prefiller" \
+                else decoder_from("url", raw)
+            try:
+                router.register(spec)
+            except ValueError:  # already here (this worker saw it another way)
+                pass
+            return
+        inst = next((i for i in router.registry.instances.values() if i.url == url), None)
+        if inst is None:
+            return
+        if op in ("drain", "undrain"):
+            inst.draining = op == "drain"
+        elif op == "eject":
+            router.eject(inst)
+        elif op == "remove":
+            router.remove(inst)
 
     def _inst(self, request: web.Request) -> Instance:
         inst = self.ctx.router.registry.instances.get(request.match_info["iid"])
@@ -106,6 +136,7 @@ class Admin:
                 raise ProxyError(503, f"cannot {'drain' if draining else 'undrain'} {inst.id} through "
                                       f"discovery: {e}", "discovery_unavailable") from None
         inst.draining = draining
+        self._publish({"op": "drain" if draining else "undrain", "url": inst.url})
         return json_response(inst.describe())
 
     async def remove(self, request: web.Request) -> web.Response:
@@ -114,4 +145,5 @@ class Admin:
             raise ProxyError(409, f"{inst.id} is {inst.discovery_id!r} in discovery: drain it (every proxy), or "
                                   "withdraw it there (stop its kvferry join)", "discovered_instance")
         self.ctx.router.remove(inst)
+        self._publish({"op": "remove", "url": inst.url})
         return json_response(inst.describe())

@@ -22,6 +22,8 @@ from kvferry.proxy.discovery import Discovery, is_loopback
 from kvferry.proxy.errors import ProxyError, error_body, json_response
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
+from kvferry.proxy.peers import Peers
+from kvferry.proxy.routing.board import LoadBoard
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
@@ -34,11 +36,15 @@ PROBE_S = 2.0  # one /metrics scrape at most
 
 
 class Proxy:
-    def __init__(self, opts: ProxyOptions) -> None:
+    def __init__(self, opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers | None = None) -> None:
+        """`board` and `peers`: a worker of `--workers N` (proxy/workers.py): load and admin changes
+        shared with the other workers."""
         self.opts = opts
+        self.peers = peers
         self.metrics = ProxyMetrics()
         self.client = UpstreamClient(opts)
-        self.router = Router(opts, self.metrics, self.client)
+        self.router = Router(opts, self.metrics, self.client, board)
+        self.router.peers = peers
         try:
             self.trust = zsock.Trust(cluster_secret.from_env(opts.cluster_secret_file), opts.require_cluster_secret)
         except cluster_secret.SecretError as e:
@@ -61,7 +67,7 @@ class Proxy:
         self.loops = {"health_checks": LoopHealth("proxy health checks")}
         if opts.proxy_port:
             self.loops["notifications"] = LoopHealth("proxy notifications (--proxy-port)")
-        self.gate = limits.Gate(opts.max_in_flight)
+        self.gate = limits.Gate(opts.max_in_flight, board)
         if self.discovery is not None:
             self.loops["discovery"] = LoopHealth(f"discovery ({self.discovery.target})")
         self.load_interval = opts.load_interval if opts.load_interval is not None else \
@@ -75,7 +81,7 @@ class Proxy:
         except (OSError, ValueError, ImportError) as e:
             raise OptionError(f"--tokenizer {opts.tokenizer}: cannot load it ({type(e).__name__}: {e}); give the "
                               "model's path or name, or leave it unset (text prompts are then routed by load)") from None
-        ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts), tokens)
+        ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts), tokens, peers)
         self.completions, self.chat = Completions(ctx), Chat(ctx)
         self.admin = Admin(ctx, self.loops)
 
@@ -194,6 +200,8 @@ class Proxy:
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         """API key (admin key on /admin/*), and no traceback ever reaches a client."""
+        if self.peers is not None:  # --workers N: the other workers' admin changes first
+            self.peers.sync(self.admin.apply)
         path = request.path
         endpoint = path if path.startswith("/v1/") else "other"
         admin = path == "/admin" or path.startswith("/admin/")
@@ -228,7 +236,7 @@ class Proxy:
         finally:
             if gated:
                 self.gate.leave()
-        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        self.metrics.count(self.metrics.requests, endpoint, str(resp.status))
         return resp
 
     async def models(self, request: web.Request) -> web.Response:

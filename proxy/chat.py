@@ -49,7 +49,7 @@ class Chat:
             out = await self.one(request, body, max_key, max_tokens)
             ctx.metrics.total.observe(time.perf_counter() - t0)
             return json_response(out)
-        route, ntok = self._route(request, body, max_tokens == 1)
+        route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
@@ -97,8 +97,8 @@ class Chat:
             ctx.transfers.abort(d, tid, "decode leg failed")
             raise
 
-    def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
-        tokens = self.ctx.tokens.chat(body)
+    async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
+        tokens = await self.ctx.tokens.chat_async(body)
         ntok = len(tokens) if tokens is not None else bodies.chat_tokens(body["messages"])
         return self.ctx.router.route(request, tokens, ntok, single), ntok
 
@@ -113,7 +113,7 @@ class Chat:
         """One non-streamed chat answer: the prefiller's, when its first token ends it; else the
         decoder's, which repeats the conversation with the prompt's KV and regenerates that token."""
         ctx = self.ctx
-        route, ntok = self._route(request, body, max_tokens == 1)
+        route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d

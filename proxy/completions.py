@@ -69,7 +69,7 @@ class Completions:
         locally, nothing yet: the decoder serves it alone, as "regen" without a transfer)."""
         ctx = self.ctx
         prompt = body["prompt"]
-        tokens = ctx.tokens.completion(prompt)
+        tokens = await ctx.tokens.completion_async(prompt)
         ntok = len(tokens) if tokens is not None else len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
         route = ctx.router.route(request, tokens, ntok, single=max_tokens <= 1)
         d = route.decoder

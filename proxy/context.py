@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvferry.proxy.body import BodyReader
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
 from kvferry.proxy.transfers import Transfers
@@ -21,3 +22,4 @@ class Context:
     transfers: Transfers
     bodies: BodyReader
     tokens: PromptTokens
+    peers: Peers | None = None  # --workers N: admin changes shared with the other workers

@@ -1,22 +1,34 @@
-"""The proxy's Prometheus metrics (its own registry: a test can run several proxies in one process)."""
+"""The proxy's Prometheus metrics (its own registry: a test can run several proxies in one process).
+
+With `--workers N`, each worker process keeps its values in files of one folder (prometheus-client's
+multiprocess mode, switched on in the worker by `multiprocess()` before its metrics are made) and
+/metrics, on whichever worker answers it, sums every worker's: counters and histograms add up,
+the in-flight gauges too (live workers only), the health and index gauges show the highest.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client import multiprocess as mp_metrics
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
+        self.folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR") if values.ValueClass is not values.MutexValue \
+            else None
+        self._children: dict[tuple[int, tuple[str, ...]], Counter] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvferry_proxy_requests", "Client requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("kvferry_proxy_errors", "Errors by kind and instance", ["kind", "instance"], registry=r)
         self.in_flight = Gauge("kvferry_proxy_in_flight", "Requests in flight per instance", ["instance", "role"],
-                               registry=r)
+                               registry=r, multiprocess_mode="livesum")
         self.healthy = Gauge("kvferry_proxy_instance_healthy", "1 if the instance passes health checks",
-                             ["instance", "role", "url"], registry=r)
+                             ["instance", "role", "url"], registry=r, multiprocess_mode="livemax")
         self.prefill = Histogram("kvferry_proxy_prefill_seconds", "Prefill leg (prefiller answer) time",
                                  buckets=_LAT, registry=r)
         self.notifications = Counter("kvferry_proxy_notifications",
@@ -49,18 +61,43 @@ class ProxyMetrics:
         self.kv_events = Counter("kvferry_proxy_kv_events", "KV cache events by instance and result: applied, "
                                  "replayed, gap, reset (index cleared), bad", ["instance", "result"], registry=r)
         self.index_blocks = Gauge("kvferry_proxy_prefix_index_blocks", "Blocks in an instance's prefix index",
-                                  ["instance"], registry=r)
+                                  ["instance"], registry=r, multiprocess_mode="livemax")
         self.discovery_rejected = Counter("kvferry_proxy_discovery_rejected", "Discovery entries not used, by "
                                           "reason: unsigned, bad_signature, lease, key, malformed, model, "
                                           "fingerprint, insecure, duplicate (each key counted once)", ["reason"],
                                           registry=r)
         self.discovery_instances = Gauge("kvferry_proxy_discovery_instances", "Instances in use from discovery",
-                                         ["role"], registry=r)
+                                         ["role"], registry=r, multiprocess_mode="livemax")
         self.migrations = Counter("kvferry_proxy_migrations", "Requests moved to another decoder after their "
                                   "decode leg failed mid-stream, by the failure's kind (stream_broken, "
                                   "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
 
+    def count(self, metric: Counter, *labels: str) -> None:
+        """metric.labels(*labels).inc(), the labelled child looked up once (labels() costs a lock
+        and a tuple per call, on every request)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        c.inc()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.folder is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        mp_metrics.MultiProcessCollector(merged, self.folder)
+        return generate_latest(merged)
+
+
+def multiprocess(folder: str) -> None:
+    """This process's metrics from now on live in `folder`, summed with its peers' on /metrics
+    (a worker of `--workers N`, before it makes its ProxyMetrics)."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    values.ValueClass = values.MultiProcessValue()
+
+
+def worker_died(pid: int, folder: str) -> None:
+    """A dead worker's live gauges leave /metrics (its counters stay in the totals)."""
+    mp_metrics.mark_process_dead(pid, folder)

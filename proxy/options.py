@@ -61,6 +61,7 @@ class ProxyOptions:
     read_timeout: float = 600.0
     health_interval: float = 5.0
     log_level: str = "info"
+    workers: int = 0  # processes serving --port (proxy/workers.py); parse() sets it (0: not yet resolved)
     # Front-door limits (docs/proxy.md): each answered with an OpenAI-shaped JSON error.
     max_body_bytes: int = 64 << 20  # a larger body gets 413 before it is read
     max_batch_prompts: int = 256  # prompts in one /v1/completions list; each is two upstream requests
@@ -249,6 +250,8 @@ OPTIONS: tuple[Opt, ...] = (
                                      "moves to another decoder (default 60)"),
     Opt("max_migrations", "count", "how many times one request may move to another decoder after its stream broke "
                                    "(default 2; 0: never)"),
+    Opt("workers", "size", "processes serving --port, routing as one proxy (default: the cores available; 1 "
+                           "with --proxy-port, whose notification socket is one process's, or --discovery)"),
     Opt("log_level", "str"),
 )
 _BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -355,6 +358,11 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             raise OptionError("--admin-key (or KVFERRY_ADMIN_KEY) is empty: give a key, or leave it unset")
         if o.api_key is not None and o.admin_key == o.api_key:
             raise OptionError("--admin-key must differ from --api-key: a client's key must not open the admin API")
+    if o.workers == 0:  # one process where the workers would not see alike (docs/proxy.md "Workers")
+        o.workers = 1 if o.proxy_port or o.discovery else len(os.sched_getaffinity(0))
+    elif o.workers > 1 and o.proxy_port:
+        raise OptionError(f"--workers {o.workers} with --proxy-port: the receivers' notifications arrive on one "
+                          "socket, one process's; use --workers 1 with --proxy-port (or drop --proxy-port)")
     if o.policy not in POLICIES:
         raise OptionError(f"--policy: {o.policy!r} is not one of {', '.join(POLICIES)}")
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -31,28 +33,38 @@ from kvferry.common.log import get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.options import OptionError, ProxyOptions, parse
+from kvferry.proxy.peers import Peers
+from kvferry.proxy.routing.board import LoadBoard
+from kvferry.proxy.workers import Supervisor
 
 __all__ = ["Proxy", "ProxyError", "main", "serve"]
 
 logger = get_logger(__name__)
 
 
-async def serve(opts: ProxyOptions) -> None:
-    """Run the proxy on --host/--port until SIGINT or SIGTERM."""
-    proxy = Proxy(opts)
+async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers | None = None,
+                worker: int | None = None, ready: Callable[[], None] | None = None) -> None:
+    """Run the proxy on --host/--port until SIGINT or SIGTERM; `worker`: one of --workers N
+    (proxy/workers.py), which binds the port with SO_REUSEPORT beside its peers."""
+    proxy = Proxy(opts, board, peers)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, net.unbracket(opts.host), opts.port, reuse_address=True)
+    site = web.TCPSite(runner, net.unbracket(opts.host), opts.port, reuse_address=True,
+                       reuse_port=worker is not None)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
-    logger.info("kvferry proxy on %s: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
-                "http://" + net.hostport(opts.host, opts.port), len(opts.prefillers), len(opts.decoders), opts.policy,
-                "off" if not opts.admin else "behind --admin-key" if opts.admin_key else "open (no --admin-key)",
-                "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None else "without a cluster secret")
+    if ready is not None:
+        ready()
+    if worker is None or worker == 0:
+        logger.info("kvferry proxy on %s: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
+                    "http://" + net.hostport(opts.host, opts.port), len(opts.prefillers), len(opts.decoders),
+                    opts.policy, "off" if not opts.admin else "behind --admin-key" if opts.admin_key else
+                    "open (no --admin-key)", "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None
+                    else "without a cluster secret")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -63,14 +75,46 @@ async def serve(opts: ProxyOptions) -> None:
         await runner.cleanup()
 
 
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+
+
+def _worker(opts: ProxyOptions, board: LoadBoard, peers: Peers, index: int, ready: Callable[[], None]) -> int:
+    """One worker of --workers N, in its own process: its exit status."""
+    _use_uvloop()
+    try:
+        asyncio.run(serve(opts, board, peers, index, ready))
+    except OptionError as e:
+        print(f"kvferry-proxy: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _port_free(opts: ProxyOptions) -> None:
+    """Is --port free? (SO_REUSEPORT alone would let the workers join another server on it.)"""
+    host = net.unbracket(opts.host)
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, opts.port))
+    except OSError as e:
+        raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
+                          f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
+    finally:
+        s.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse(argv)
-        try:
-            import uvloop
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        except ImportError:
-            pass
+        if opts.workers > 1:
+            _port_free(opts)
+            return Supervisor(opts, opts.workers, _worker).run()
+        _use_uvloop()
         asyncio.run(serve(opts))
     except OptionError as e:
         print(f"kvferry-proxy: error: {e}", file=sys.stderr)

@@ -59,6 +59,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     resp = web.StreamResponse(headers=SSE_HEADERS)
     first_leg = True
     leg_open = False  # the decode leg's request went out: the decoder may hold it
+    last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
     try:
         # The first token goes out before the decode leg starts: sending both at once
         # measured slower here (an extra task and two writers on one loop).
@@ -107,8 +108,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                         if mode == "regen":
                                             prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
                                         continue
+                                m = migrate.TOKEN_IDS.search(data)  # one search: the ids kept and stripped
                                 if sent is not None:
-                                    ids = migrate.token_ids_in(data)
+                                    ids = migrate.token_ids_in(data, m)
                                     if ids is None:
                                         sent = None  # an engine that ignores return_token_ids: no moving
                                         completion_tokens = 1
@@ -118,10 +120,11 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     ended = True
                                 if (swap[0] in data and swap[2] in data and not parse_lp
                                         and b'"prompt_token_ids":[' not in data):
-                                    # vLLM writes compact JSON: swap the decoder's id and time for ours in place.
-                                    data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+                                    # vLLM writes compact JSON: swap the decoder's id and time for ours in
+                                    # place (the ids first: `m` points into the chunk as it came).
                                     if not want_ids:
-                                        data = migrate.strip_token_ids(data)
+                                        data = migrate.strip_token_ids(data, m)
+                                    data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
                                 else:
                                     chunk = up.chunk(data)
                                     chunk["id"], chunk["created"] = rid, created
@@ -136,7 +139,10 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     data = limits.dumps(chunk)
                                 out.append(b"data: " + data + b"\n\n")
                             if out:
-                                await resp.write(b"".join(out))
+                                if up.done:  # [DONE] came with it: one write with the stream's end
+                                    last_batch = b"".join(out)
+                                else:
+                                    await resp.write(b"".join(out))
                             now = time.perf_counter()
                             metrics.itl.observe(now - last)
                             last = now
@@ -162,7 +168,8 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                                    body.get("min_tokens") and body["min_tokens"] - 1)
     except ProxyError as e:
         # Headers are out: tell the client in the stream, OpenAI-style, then end it.
-        await resp.write(sse(error_body(e.status, e.message, e.kind)))
+        await resp.write(last_batch + sse(error_body(e.status, e.message, e.kind)))
+        last_batch = b""
     except (asyncio.CancelledError, ConnectionResetError):
         if not finished and first_leg and leg_open:  # the client left: the decoder drops the request
             migrate.client_left(ctx, d, tid)
@@ -181,7 +188,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
         if fingerprint:
             u["system_fingerprint"] = fingerprint
         tail = sse(u)
-    await resp.write_eof(tail + b"data: [DONE]\n\n")
+    await resp.write_eof(last_batch + tail + b"data: [DONE]\n\n")
     metrics.total.observe(time.perf_counter() - t0)
     return resp
 

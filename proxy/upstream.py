@@ -41,9 +41,11 @@ class UpstreamClient:
         # is bounded by the read timeout, so a busy pool queues requests rather than failing them.
         timeout = aiohttp.ClientTimeout(total=None, connect=max(o.read_timeout, o.connect_timeout),
                                         sock_connect=o.connect_timeout, sock_read=o.read_timeout)
+        # --workers N: the connections are the proxy's, split between its workers (at least one each).
+        per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, limit_per_host=o.upstream_connections, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False)
+            limit=0, limit_per_host=per_worker, ttl_dns_cache=300, enable_cleanup_closed=True),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies: none kept
 
     async def close(self) -> None:
         if self.session is not None:
@@ -65,17 +67,18 @@ class Upstream:
     def __init__(self, router: LegWatcher, client: UpstreamClient, inst: Instance, prompt_tokens: int = 0,
                  leg: str = "decode") -> None:
         self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
+        self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
 
     def __enter__(self) -> Upstream:
-        self.inst.active += 1
-        self.inst.queued_tokens += self.tokens
-        self.router.in_flight(self.inst).inc()
+        i = self.inst
+        i.counted(i.active + 1, i.queued_tokens + self.tokens)
+        self.router.in_flight(i).inc()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.inst.active -= 1
-        self.inst.queued_tokens -= self.tokens
-        self.router.in_flight(self.inst).dec()
+        i = self.inst
+        i.counted(i.active - 1, i.queued_tokens - self.tokens)
+        self.router.in_flight(i).dec()
 
     def fail(self, kind: str, status: int, message: str) -> ProxyError:
         self.router.upstream_failed(self.inst, self.leg, kind, message)
@@ -154,6 +157,7 @@ class Upstream:
                                 # Read to the end of the body: a released, fully read response
                                 # keeps its connection for the next request.
                                 await resp.content.read()
+                                self.done = True
                                 if batch:
                                     yield batch
                                 return

@@ -100,6 +100,7 @@ class Stub:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize_endpoint)
         app.router.add_post("/stub/fail", self.set_fail)
         app.router.add_get("/stub/log", self.stub_log)
         app.router.add_post("/stub/reset", self.reset)
@@ -122,6 +123,13 @@ class Stub:
         self.dead = self.die_mid_stream = False
         self.verbatim = []
         return web.json_response({"ok": True})
+
+    async def tokenize_endpoint(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize (a prompt, or chat messages): what cache-aware routers ask before routing."""
+        body = await request.json()
+        text = render_chat(body["messages"]) if "messages" in body else str(body.get("prompt", ""))
+        ids = tokenize(text)
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "kvferry"}]})

@@ -224,3 +224,29 @@ def test_a_closed_stream_ends_its_loop_quietly(tmp_path: Path) -> None:
         s.close()
         await asyncio.wait_for(task, 5)  # returns: no exception for the supervisor to restart
     asyncio.run(go())
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_path: Path) -> None:
+    """A long text prompt's tokens for routing come from a thread (the loop serves others
+    meanwhile); a short one's from the loop itself; the same tokens either way."""
+    import threading
+
+    from kvferry.proxy.routing.tokens import OFF_LOOP_CHARS, PromptTokens
+    tok = PromptTokens(str(tiny_model_path))
+    threads: list[int] = []
+    real = tok._tok
+
+    class Spy:
+        def encode(self, text: str, add_special_tokens: bool = True):
+            threads.append(threading.get_ident())
+            return real.encode(text, add_special_tokens=add_special_tokens)
+    tok._tok = Spy()
+    long_text, short_text = "word " * (OFF_LOOP_CHARS // 4), "a short prompt"
+
+    async def run() -> tuple[list[int] | None, list[int] | None]:
+        return await tok.completion_async(long_text), await tok.completion_async(short_text)
+    long_ids, short_ids = asyncio.run(run())
+    here = threading.get_ident()
+    assert threads[0] != here and threads[1] == here
+    tok._tok = real
+    assert long_ids == tok.completion(long_text) and short_ids == tok.completion(short_text)

@@ -35,12 +35,13 @@ from tests.stub_procs import (
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[dict]:
-    """2 stub prefillers, 2 stub decoders, a plain stub for reference, one proxy in front."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def cluster(request) -> Iterator[dict]:
+    """2 stub prefillers, 2 stub decoders, a plain stub for reference, one proxy in front (one
+    process, or two workers: the same answers either way)."""
     *p, ref = stubs(0, 0, 0, 0, 0)
     procs = {"p": p[:2], "d": p[2:], "ref": ref}
-    procs["proxy"] = proxy(procs["p"], procs["d"], "--policy", "round_robin")
+    procs["proxy"] = proxy(procs["p"], procs["d"], "--policy", "round_robin", "--workers", str(request.param))
     try:
         yield procs
     finally:

@@ -96,7 +96,7 @@ def test_a_failed_sample_cancels_the_others() -> None:
 
 def test_upstream_connections_are_pooled_per_instance() -> None:
     p0, d0 = stubs(0, 0.02)
-    px = proxy([p0], [d0], "--upstream-connections", "1")
+    px = proxy([p0], [d0], "--upstream-connections", "1", "--workers", "1")  # with N workers: N, one each
     with _two_streams(px.url, {"model": "stub", "prompt": "pool", "max_tokens": 10, "stream": True}) as rs:
         texts = [list(r.iter_lines()) for r in rs]
     assert all(t[-2] == "data: [DONE]" for t in texts)  # the second waited for the connection

@@ -97,7 +97,7 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
     dc = {i: None if h is None else effective(h) for i, h in held.items()}
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
     # tokens; among equals, the one holding more of the prompt.
-    d = min(decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.queued_tokens, -(dc[i.id] or 0),
+    d = min(decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0),
                                      random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local:
@@ -107,7 +107,7 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
         h = view.cached(p, tokens, keys)
         reasons.add("no_tokens" if tokens is None else "stale_events" if h is None and p.id in view.streams
                     else "no_events" if h is None else "")
-        cost = max(0, ntok - effective(h)) + p.queued_tokens + opts.load_tokens_per_request * p.load
+        cost = max(0, ntok - effective(h)) + p.all_queued + opts.load_tokens_per_request * p.load
         if best is None or cost < best_cost or (cost == best_cost and random.random() < 0.5):
             best, best_cost, best_cached = p, cost, sum((h or {}).values())
     why = next((r for r in ("no_tokens", "stale_events", "no_events") if r in reasons), "cache_miss")

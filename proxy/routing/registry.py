@@ -11,6 +11,7 @@ from functools import cached_property
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
 from kvferry.proxy.options import InstanceSpec
+from kvferry.proxy.routing.board import LoadBoard
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
 
@@ -30,14 +31,34 @@ class Instance:
     discovery_id: str | None = None  # its instance_id in discovery (etcd or file); None: a static flag
     engine_load: int | None = None  # vLLM's running + waiting requests at the last /metrics scrape
     own_at_scrape: int = 0  # this proxy's in-flight requests then
+    # With --workers N: the load every worker sees (routing/board.py), at this row; None: one process.
+    board: LoadBoard | None = field(default=None, repr=False, compare=False)
+    row: int = 0
+
+    def counted(self, active: int, queued: int) -> None:
+        """A leg started or ended on this instance (this process's counts, shared with its peers)."""
+        self.active, self.queued_tokens = active, queued
+        if self.board is not None:
+            self.board.put(self.row, active, queued)
+
+    @property
+    def all_active(self) -> int:
+        """Requests in flight from this proxy: every worker's."""
+        return self.active if self.board is None else self.board.total(self.row)[0]
+
+    @property
+    def all_queued(self) -> int:
+        """Prompt tokens sent and not yet answered, from every worker of this proxy."""
+        return self.queued_tokens if self.board is None else self.board.total(self.row)[1]
 
     @property
     def load(self) -> int:
         """Requests on the engine from every proxy: its own count at the last scrape, plus this
         proxy's requests started (less those ended) since. Without a scrape, this proxy's own."""
+        active = self.all_active
         if self.engine_load is None:
-            return self.active
-        return max(self.active, self.engine_load + self.active - self.own_at_scrape)
+            return active
+        return max(active, self.engine_load + active - self.own_at_scrape)
 
     @property
     def role(self) -> str:
@@ -75,7 +96,7 @@ class Instance:
         """The instance for /health and /admin; `ports` adds a decoder's receiver ports (internal:
         only for callers with the admin key)."""
         d = {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy, "draining": self.draining,
-             "in_flight": self.active, "queued_prompt_tokens": self.queued_tokens, "served": self.served,
+             "in_flight": self.all_active, "queued_prompt_tokens": self.all_queued, "served": self.served,
              "errors": self.errors}
         if self.kv_usage is not None:
             d["kv_cache_usage"] = self.kv_usage
@@ -98,12 +119,16 @@ class Registry:
     instances: dict[str, Instance] = field(default_factory=dict)
     _rr: dict[str, itertools.count] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count())
+    board: LoadBoard | None = None  # --workers N: load shared with the other workers
+
 
     def add(self, spec: InstanceSpec) -> Instance:
         for inst in self.instances.values():
             if inst.url == spec.url:
                 raise ValueError(f"{spec.url} is already registered as {inst.id}")
         inst = Instance(spec, f"{spec.role[0]}{next(self._ids)}")
+        if self.board is not None:
+            inst.board, inst.row = self.board, self.board.row(spec.url)
         self.instances[inst.id] = inst
         return inst
 
@@ -123,10 +148,11 @@ class Registry:
         if len(pool) == 1:
             return pool[0]
         if self.policy == "round_robin":
-            return pool[next(self._rr.setdefault(role, itertools.count())) % len(pool)]
+            turn = self.board.turn(role) if self.board is not None else next(self._rr.setdefault(role, itertools.count()))
+            return pool[turn % len(pool)]
         a, b = random.sample(pool, 2)  # power of two choices on the role's load measure
-        return min((a, b), key=(lambda i: (i.queued_tokens, i.load)) if role == "prefiller"
-                   else (lambda i: (i.load, i.queued_tokens)))
+        return min((a, b), key=(lambda i: (i.all_queued, i.load)) if role == "prefiller"
+                   else (lambda i: (i.load, i.all_queued)))
 
     def ready(self) -> bool:
         return any(i.usable for i in self.of("prefiller")) and any(i.usable for i in self.of("decoder"))

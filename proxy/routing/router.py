@@ -15,6 +15,8 @@ from kvferry.common.log import get_logger
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
+from kvferry.proxy.peers import Peers
+from kvferry.proxy.routing.board import LoadBoard
 from kvferry.proxy.routing.cache import CacheView, Route, choose, effective, local_reason
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 from kvferry.proxy.upstream import Upstream, UpstreamClient
@@ -25,13 +27,15 @@ PROBE_TIMEOUT_S = 2.0  # a /health answer slower than this counts as a failed ch
 
 
 class Router:
-    def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics, client: UpstreamClient) -> None:
+    def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics, client: UpstreamClient,
+                 board: LoadBoard | None = None) -> None:
         self.opts, self.metrics, self.client = opts, metrics, client
-        self.registry = Registry(policy=opts.policy)
+        self.registry = Registry(policy=opts.policy, board=board)
         self._gauges: dict[str, Gauge] = {}
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
         self.cache = CacheView(opts, metrics)
         self.discovery = None  # proxy.discovery.Discovery when --discovery is set (the admin API drains through it)
+        self.peers: Peers | None = None  # --workers N: ejections shared with the other workers
 
     def register(self, spec: InstanceSpec, discovery_id: str | None = None) -> Instance:
         inst = self.registry.add(spec)
@@ -64,8 +68,8 @@ class Router:
             why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
-        self.metrics.routes.labels(r.reason).inc()
-        self.metrics.served.labels("single" if single else "local" if r.local else "disaggregated").inc()
+        self.metrics.count(self.metrics.routes, r.reason)
+        self.metrics.count(self.metrics.served, "single" if single else "local" if r.local else "disaggregated")
         return r
 
     def observed(self, inst: Instance, route: Route, answer: dict) -> None:
@@ -127,12 +131,19 @@ class Router:
         if good or self.registry.instances.get(inst.id) is not inst:
             return
         was = inst.healthy
-        inst.eject()
-        self.cache.forget(inst)
-        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
+        self.eject(inst)
+        if self.peers is not None:  # --workers N: every worker stops sending to it now
+            self.peers.publish({"op": "eject", "url": inst.url})
         if was:
             logger.warning("%s %s (%s) ejected: a request failed and %s; health checks every %gs re-admit it",
                            inst.role, inst.url, inst.id, why, self.opts.health_interval)
+
+    def eject(self, inst: Instance) -> None:
+        """Out of rotation until a health check passes (a failed request and a failed probe, here or
+        on another worker)."""
+        inst.eject()
+        self.cache.forget(inst)
+        self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
 
     async def check(self, inst: Instance, seconds: float) -> tuple[bool, str]:
         """GET /health: vLLM answers 200 while its EngineCore lives and 503 once it is dead (then
@@ -193,7 +204,7 @@ class Router:
         """One round of /metrics scrapes: every proxy sees the same engine counts (docs/proxy.md
         "Load across proxies")."""
         insts = [i for i in self.registry.instances.values() if i.healthy]
-        owns = [i.active for i in insts]
+        owns = [i.all_active for i in insts]
         results = await asyncio.gather(*(self.engine_load(i, seconds) for i in insts))
         for inst, own, (load, usage) in zip(insts, owns, results, strict=True):
             inst.engine_load, inst.own_at_scrape = load, own

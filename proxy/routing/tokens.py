@@ -9,6 +9,7 @@ computes only costs routing quality: the engines tokenize the prompt themselves,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from pathlib import Path
@@ -21,6 +22,10 @@ logger = get_logger(__name__)
 
 CACHE_TEXTS = 256  # recent prompt texts kept tokenized (a shared document is tokenized once)
 MAX_TEXT_CHARS = 1 << 20  # longer texts are not tokenized: routed by load
+# Longer texts are tokenized on a thread (the tokenizers library releases the GIL while it
+# encodes): a long prompt held the event loop, and every other request, for milliseconds. Shorter
+# ones stay on the loop, where the hop to a thread would cost more than the encoding.
+OFF_LOOP_CHARS = 4096
 
 
 class TokenizerError(ConfigurationError, ValueError):
@@ -90,6 +95,23 @@ class PromptTokens:
         if not isinstance(prompt, str) or self._tok is None or len(prompt) > MAX_TEXT_CHARS:
             return None
         return list(self._encode(prompt))
+
+    async def completion_async(self, prompt: Any) -> list[int] | None:
+        """completion(), on a thread for a long text prompt."""
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS and self._tok is not None:
+            return await asyncio.to_thread(self.completion, prompt)
+        return self.completion(prompt)
+
+    async def chat_async(self, body: dict) -> list[int] | None:
+        """chat(), on a thread for a long conversation (rendering its template included)."""
+        if self._tok is None or self._template is None:
+            return None
+        msgs = body.get("messages")
+        size = sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str)
+                   else OFF_LOOP_CHARS for m in msgs) if isinstance(msgs, list) else 0
+        if size > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(self.chat, body)
+        return self.chat(body)
 
     def _encode_text(self, text: str, special: bool = True) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=special).ids)

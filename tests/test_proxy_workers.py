@@ -1,0 +1,155 @@
+"""`kvferry-proxy --workers N`: several processes on one port route as one proxy (shared load,
+admin changes and ejections), /metrics counts every worker's requests, a dead worker is replaced,
+and nothing outlives the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+from tests.stub_procs import (
+    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
+    log,
+    proxy,
+    stub,
+    stubs,
+)
+
+
+def _workers(pid: int) -> set[int]:
+    out: set[int] = set()
+    for t in os.listdir(f"/proc/{pid}/task"):
+        out |= {int(c) for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()}
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}/stat").exists() else ""
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _blast(url: str, n: int, clients: int) -> list[int]:
+    """`n` completions from `clients` clients at once, each its own connection per request (the
+    kernel spreads connections over the workers); their statuses."""
+    async def run() -> list[int]:
+        todo = list(range(n))
+        statuses: list[int] = []
+
+        async def client() -> None:
+            while todo:
+                i = todo.pop()
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                        s.post(url + "/v1/completions", json={"model": "stub", "prompt": f"balance {i} " * 20,
+                                                              "max_tokens": 3}) as r:
+                    await r.read()
+                    statuses.append(r.status)
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return statuses
+    return asyncio.run(run())
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_two_workers_balance_prefillers_and_count_every_request() -> None:
+    # A prefill takes a while: the in-flight counts the workers share decide.
+    p0, p1 = (stub(0, False, "--prompt-delay", "0.005") for _ in range(2))
+    d0 = stub(0)
+    p0.wait(), p1.wait()
+    px = proxy([p0, p1], [d0], "--workers", "2")
+    try:
+        assert len(_workers(px.proc.pid)) == 2
+        statuses = _blast(px.url, 400, 48)
+        assert statuses.count(200) == 400, statuses
+        counts = [len(log(p)["requests"]) for p in (p0, p1)]
+        assert sum(counts) == 400 and max(counts) / max(1, min(counts)) <= 1.3, counts
+        text = httpx.get(px.url + "/metrics").text
+        assert _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}') == 400
+        assert _metric(text, "kvferry_proxy_request_seconds_count") == 400
+        assert _metric(text, 'kvferry_proxy_in_flight{instance="p0",role="prefiller"}') == 0
+    finally:
+        for p in (px, p0, p1, d0):
+            p.stop()
+
+
+def test_admin_changes_and_ejections_reach_every_worker() -> None:
+    p0, p1, d0 = stubs(0, 0, 0)
+    px = proxy([p0, p1], [d0], "--workers", "2", "--health-interval", "60")
+    try:
+        ids = {i["url"]: i["id"] for i in httpx.get(px.url + "/admin/instances").json()["instances"]}
+        assert httpx.post(f"{px.url}/admin/instances/{ids[p0.url]}/drain").json()["draining"]
+        for i in range(20):  # new connections: both workers answer some
+            with httpx.Client() as c:
+                assert c.post(px.url + "/v1/completions", json={"prompt": f"d{i}", "max_tokens": 2},
+                              timeout=30).status_code == 200
+        assert len(log(p0)["requests"]) == 0
+        httpx.post(f"{px.url}/admin/instances/{ids[p0.url]}/undrain").raise_for_status()
+        # p1 dies: the worker that meets it ejects it, and no worker sends to it after that.
+        p1.stop()
+        for i in range(20):
+            with httpx.Client() as c:
+                assert c.post(px.url + "/v1/completions", json={"prompt": f"e{i}", "max_tokens": 2},
+                              timeout=30).status_code == 200
+        time.sleep(0.5)  # the probe that confirms the ejection
+        text = httpx.get(px.url + "/metrics").text
+        assert _metric(text, f'kvferry_proxy_errors_total{{instance="{ids[p1.url]}",kind="unreachable"}}') <= 2
+    finally:
+        for p in (px, p0, p1, d0):
+            p.stop()
+
+
+def test_a_killed_worker_is_replaced_and_none_outlives_the_proxy() -> None:
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0], "--workers", "2")
+    try:
+        before = _workers(px.proc.pid)
+        assert len(before) == 2
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            now = _workers(px.proc.pid)
+            if len(now) == 2 and victim not in now:
+                break
+            time.sleep(0.1)
+        now = _workers(px.proc.pid)
+        assert len(now) == 2 and victim not in now, now
+        for i in range(10):
+            with httpx.Client() as c:
+                assert c.post(px.url + "/v1/completions", json={"prompt": f"k{i}", "max_tokens": 2},
+                              timeout=30).status_code == 200
+        text = httpx.get(px.url + "/metrics").text
+        assert _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}') == 10
+    finally:
+        px.proc.send_signal(signal.SIGTERM)  # the supervisor alone: it stops its workers
+        px.proc.wait(15)
+        for p in (px, p0, d0):
+            p.stop()
+    assert not any(_alive(pid) for pid in now)
+
+
+def test_workers_flag() -> None:
+    from kvferry.proxy.options import OptionError, parse
+    base = ["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,3,4"]
+    assert parse(base).workers == len(os.sched_getaffinity(0))
+    assert parse([*base, "--workers", "1"]).workers == 1
+    assert parse([*base, "--proxy-port", "7000"]).workers == 1
+    assert parse(["--discovery", "file:///tmp/none.yaml"]).workers == 1
+    try:
+        parse([*base, "--proxy-port", "7000", "--workers", "2"])
+        raise AssertionError("--workers 2 with --proxy-port was accepted")
+    except OptionError as e:
+        assert "--workers 1" in str(e)
