@@ -22,7 +22,8 @@ secret). Per repetition and chunk size:
 NIXL thread, write = posted to NIXL done; readable_after_post = posted to the receiver's commit).
 `--device cuda` puts the source and both pd_buffers in GPU memory (VRAM to VRAM over UCX).
 
-The sends alternate within each repetition (the two kvferry ones in turns first) so this VM's noise hits all alike; medians are
+The sends alternate within each repetition (the two kvferry ones in turns first) so this VM's noise hits all
+alike; medians are
 reported. Targets: ratio >= 0.9 for >= 1 MiB chunks and batches of >= 8; secret_cost < 0.02 at
 4 MiB chunks.
 """
@@ -243,7 +244,8 @@ def main() -> int:
     total = sum(r["chunk_bytes"] * r["batch"] for r in rows)
     raw_s = sum(r["chunk_bytes"] * r["batch"] / (r["raw_nixl_write_gbps"] * 1e9) for r in rows)
     our_s = sum(r["chunk_bytes"] * r["batch"] / (r["kvferry_gbps"] * 1e9) for r in rows)
-    result = {"device": args.device, "raw_nixl_write_gbps": round(total / raw_s / 1e9, 3), "kvferry_gbps": round(total / our_s / 1e9, 3),
+    result = {"device": args.device, "raw_nixl_write_gbps": round(total / raw_s / 1e9, 3),
+              "kvferry_gbps": round(total / our_s / 1e9, 3),
               "ratio": round(raw_s / our_s, 3),
               "p50_transfer_ms": statistics.median(r["p50_transfer_ms"] for r in rows),
               "p99_transfer_ms": max(r["p99_transfer_ms"] for r in rows),

@@ -72,8 +72,8 @@ def _device_planes(device: torch.device, table: RowTable) -> torch.Tensor:
 
 
 def copy_rows(device: torch.device, table: RowTable, rows: np.ndarray, counts: Sequence[int],
-              bufs: Sequence[torch.Tensor], nbytes: Sequence[int], to_chunk: bool, plane_rows: Sequence[int] | None = None,
-              first: Sequence[int] | None = None) -> int:
+              bufs: Sequence[torch.Tensor], nbytes: Sequence[int], to_chunk: bool,
+              plane_rows: Sequence[int] | None = None, first: Sequence[int] | None = None) -> int:
     """Copy rows of every plane between the cache and the chunk buffers `bufs`, in one launch.
 
     `rows` holds every chunk's checked row numbers (block ids, or token slots) one after the other,

@@ -35,7 +35,9 @@ class Admin:
         """May this caller see internal ports (receiver init/alloc ports, ZMQ errors naming
         addresses)? Only with the admin key, and only when one is set."""
         key = self.ctx.opts.admin_key
-        return bool(key) and cluster_secret.authorized(request.headers.get("Authorization"), key)
+        if not key:  # none set (or empty): nobody is trusted
+            return False
+        return cluster_secret.authorized(request.headers.get("Authorization"), key)
 
     async def health(self, request: web.Request) -> web.Response:
         registry = self.ctx.router.registry

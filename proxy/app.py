@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -80,7 +81,8 @@ class Proxy:
             tokens = PromptTokens(opts.tokenizer)
         except (OSError, ValueError, ImportError) as e:
             raise OptionError(f"--tokenizer {opts.tokenizer}: cannot load it ({type(e).__name__}: {e}); give the "
-                              "model's path or name, or leave it unset (text prompts are then routed by load)") from None
+                              "model's path or name, or leave it unset (text prompts are then routed by "
+                              "load)") from None
         ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts), tokens, peers)
         self.completions, self.chat = Completions(ctx), Chat(ctx)
         self.admin = Admin(ctx, self.loops)
@@ -145,7 +147,7 @@ class Proxy:
             if iid in self._streams:
                 continue
             self._tasks.append(asyncio.ensure_future(
-                supervise(self.loops[f"kv_events_{iid}"], lambda s=stream: s.run(probe))))
+                supervise(self.loops[f"kv_events_{iid}"], functools.partial(stream.run, probe))))
 
     def _attach(self, inst: Instance) -> None:
         """A discovered instance joined: follow its KV events (once the app runs)."""
@@ -154,7 +156,7 @@ class Proxy:
             return
         health = self.loops[f"kv_events_{inst.id}"] = LoopHealth(f"KV events of {inst.id}")
         probe = max(0.2, self.opts.kv_events_stale_after / 4)
-        self._streams[inst.id] = asyncio.ensure_future(supervise(health, lambda s=stream: s.run(probe)))
+        self._streams[inst.id] = asyncio.ensure_future(supervise(health, functools.partial(stream.run, probe)))
 
     def _detach(self, inst: Instance) -> None:
         """A discovered instance left: its KV-event loop stops (the router drops stream and index)."""

@@ -72,6 +72,7 @@ class Discovery:
         self.active: dict[str, tuple[Instance, m.InstanceRecord]] = {}  # discovery id -> (instance, record)
         self._logged: set[tuple[str, str]] = set()
         self.changes = 0
+        self.source: disc.EtcdWatch | disc.FileWatch
         if self.target.scheme == "etcd":
             self.source = disc.EtcdWatch(self.target, secret, self.apply, self._rejected)
         else:

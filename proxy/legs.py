@@ -58,6 +58,7 @@ def completion_decode_leg(body: dict, first: dict | None, tid: str, max_tokens: 
         return leg
     choice = first["choices"][0]
     ids = prompt_ids(first)
+    assert ids is not None  # a `first` passed here has them (the prefill answer was checked: mode "ids")
     leg = dict(body, prompt=ids + list(choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
                kv_transfer_params=decode_leg_params(tid), seed=body.get("seed"))
     for k in ("echo", "prompt_logprobs", "return_token_ids", "stream_options"):

@@ -36,7 +36,8 @@ class ProxyMetrics:
                                      "(no such transfer in flight), bad (not a valid notification)", ["result"],
                                      registry=r)
         self.kv_wait = Histogram("kvferry_proxy_kv_transfer_wait_seconds",
-                                 "How long the KV was still on its way after the prefiller answered: from its answer to "
+                                 "How long the KV was still on its way after the prefiller answered: from its answer "
+                                 "to "
                                  "the decoder's KV-arrived notification, 0 when the notification came first; one "
                                  "sample per transfer that arrived",
                                  buckets=_LAT, registry=r)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
@@ -51,19 +51,21 @@ def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:
     return data[:m.start()] + b'"token_ids":null' + data[m.end():]
 
 
-async def stalled(events: AsyncIterator[list[bytes]], seconds: float, up: Upstream) -> AsyncIterator[list[bytes]]:
+async def stalled(events: AsyncGenerator[list[bytes], None], seconds: float,
+                  up: Upstream) -> AsyncIterator[list[bytes]]:
     """`events`, failing as a "stall" when nothing arrives for `seconds` (the connection is then
     closed: a frozen engine cannot hold the client longer than that). Only the waits for the
     engine count, not the time the caller spends writing to its client.
 
     One timer per leg, re-armed when it fires early, rather than asyncio.timeout() around each
     read: that scheduled and cancelled a timer per batch (~10-20 us each, on every stream)."""
-    it = aiter(events)
+    it = events
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
     since = loop.time()  # when the current wait began
     waiting = fired = False
+    handle: asyncio.TimerHandle  # armed just below, re-armed by check()
 
     def check() -> None:
         nonlocal handle, fired

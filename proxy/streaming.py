@@ -160,11 +160,12 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                         first_leg = False
                     left = max_tokens - 1 - len(sent)
                     nd = mig.next_decoder(d, e) if left > 0 else None
-                    if nd is None:
+                    ids = prompt_ids(first)  # there: `sent` is kept only for a prefill answer with token ids
+                    if nd is None or ids is None:
                         raise
                     d, up = nd, ctx.router.upstream(nd)
                     shift = next_off
-                    leg = migrate.continuation_leg(leg, prompt_ids(first) + list(choice["token_ids"]), sent, left,
+                    leg = migrate.continuation_leg(leg, ids + list(choice["token_ids"]), sent, left,
                                                    body.get("min_tokens") and body["min_tokens"] - 1)
     except ProxyError as e:
         # Headers are out: tell the client in the stream, OpenAI-style, then end it.
@@ -312,7 +313,7 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
     while True:
         leg = move.leg()
         nd = move.mig.next_decoder(d, e) if leg is not None else None
-        if nd is None:
+        if nd is None or leg is None:
             await resp.write(sse(error_body(e.status, e.message, e.kind)))
             return
         move.moved = True

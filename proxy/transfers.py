@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 
 import zmq
+import zmq.asyncio
 
 from kvferry.common import messages as m
 from kvferry.common import netutil as net
@@ -40,8 +41,8 @@ class Transfers:
         self.opts, self.trust, self.metrics = opts, trust, metrics
         self._zmq = zmq.Context()
         self._abort_socks: dict[str, zmq.Socket] = {}
-        self._note_ctx: zmq.Context | None = None
-        self._note_sock: zmq.Socket | None = None
+        self._note_ctx: zmq.asyncio.Context | None = None
+        self._note_sock: zmq.asyncio.Socket | None = None
         # transfer_id -> when the prefiller answered (a float), or None while its prefill is still
         # running; kept only while notifications are read, and bounded: a notification that never
         # comes must not grow it forever.
@@ -90,7 +91,7 @@ class Transfers:
 
     def abort(self, decoder: Instance, tid: str, why: str) -> None:
         """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
-        if not tid:  # a prompt the decoder served alone: no transfer
+        if not tid or decoder.spec.alloc_port is None:  # served alone, or a decoder with no receiver: no transfer
             return
         sock = self._abort_socks.get(decoder.id)
         if sock is None:
@@ -106,13 +107,14 @@ class Transfers:
         self._arrivals.pop(tid, None)
         self._early.pop(tid, None)
 
-    def bind(self) -> zmq.Socket:
+    def bind(self) -> zmq.asyncio.Socket:
         """The notification socket on --proxy-port (bound at start-up, so a port in use is a
         start-up error, not a loop's)."""
         import zmq.asyncio
         if self._note_ctx is None:
             self._note_ctx = zmq.asyncio.Context()
         try:
+            assert self.opts.proxy_port is not None  # bound only with --proxy-port
             self._note_sock = zsock.listen(self._note_ctx, zmq.PULL, self.trust, self.notify_host,
                                            self.opts.proxy_port, "--proxy-port", max_bytes=NOTIFY_MAX_BYTES)
         except (zsock.BindError, zsock.ExposureError) as e:

@@ -3,7 +3,7 @@ which maps every failure to a client error and reports it to the router."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import aiohttp
@@ -30,6 +30,12 @@ class UpstreamClient:
         self.headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The session, between start() and close() (the app's lifetime: every request falls in it)."""
+        assert self.session is not None, "the upstream client is not started"
+        return self.session
 
     @property
     def is_open(self) -> bool:
@@ -88,7 +94,7 @@ class Upstream:
         """POST and return the response once its status is 2xx; errors become ProxyError."""
         c = self.client
         try:
-            resp = await c.session.post(f"{self.inst.url}{path}", data=limits.dumps(body), headers=c.headers)
+            resp = await c.http.post(f"{self.inst.url}{path}", data=limits.dumps(body), headers=c.headers)
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except TimeoutError:
@@ -112,7 +118,7 @@ class Upstream:
     async def get(self, path: str) -> tuple[int, bytes]:
         """A GET relayed as it is (status and body); only a failure to get an answer is an error."""
         try:
-            resp = await self.client.session.get(f"{self.inst.url}{path}", headers=self.client.headers)
+            resp = await self.client.http.get(f"{self.inst.url}{path}", headers=self.client.headers)
             body = await resp.read()
             resp.release()
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -137,7 +143,7 @@ class Upstream:
         finally:
             resp.release()
 
-    async def events(self, path: str, body: dict) -> AsyncIterator[list[bytes]]:
+    async def events(self, path: str, body: dict) -> AsyncGenerator[list[bytes], None]:
         """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
         whatever arrived in one read, so the proxy writes once per read, not once per event."""
         resp = await self.open(path, body)
@@ -146,7 +152,7 @@ class Upstream:
             async for blob in resp.content.iter_any():
                 buf += blob
                 *events, buf = buf.split(b"\n\n")
-                batch = []
+                batch: list[bytes] = []
                 for ev in events:
                     for line in ev.split(b"\n"):
                         if line.startswith(b"data: "):

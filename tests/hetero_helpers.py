@@ -45,7 +45,8 @@ def kv_rows(caches: list[torch.Tensor], layout: str, heads: int, blocks: list[in
         for kv, view in enumerate(lay.kv_views(t)):
             for i in range(n):
                 for h in range(heads):
-                    out[kv, layer, i, h] = bytes(view[blocks[i // BS], i % BS, h].contiguous().view(torch.uint8).numpy())
+                    row = view[blocks[i // BS], i % BS, h]
+                    out[kv, layer, i, h] = bytes(row.contiguous().view(torch.uint8).numpy())
     return out
 
 

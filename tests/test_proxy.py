@@ -445,7 +445,8 @@ def test_exposed_admin_api_warns_or_fails_at_start(monkeypatch) -> None:
     px = Proxy(parse([*base, "--proxy-port", str(free_port()), "--require-cluster-secret"]))
     assert px.notify_host == "127.0.0.1"
     px.transfers.close()
-    Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500", "--require-cluster-secret"])).transfers.close()
+    Proxy(parse([*base, "--proxy-host", "127.0.0.1", "--proxy-port", "7500",
+                 "--require-cluster-secret"])).transfers.close()
     # The one-line start-up error, exit code 2.
     r = subprocess.run([sys.executable, "-m", "kvferry.proxy", *base, "--host", "0.0.0.0", "--port", str(free_port()),
                         "--require-cluster-secret"], capture_output=True, text=True, timeout=60,
@@ -685,8 +686,8 @@ def test_a_dead_engine_is_ejected_at_once() -> None:
         for inst, kind in ((ps[0], "upstream_5xx"), (ps[1], "unreachable"), (ds[0], "stream_error")):
             assert f'kvferry_proxy_errors_total{{instance="{ids[inst.url]}",kind="{kind}"}}' in text, kind
             assert f'kvferry_proxy_instance_healthy{{instance="{ids[inst.url]}",role=' in text
-            assert f'instance="{ids[inst.url]}",role="{"decoder" if inst in ds else "prefiller"}",url="{inst.url}"}} 0.0' \
-                in text
+            role = "decoder" if inst in ds else "prefiller"
+            assert f'instance="{ids[inst.url]}",role="{role}",url="{inst.url}"}} 0.0' in text
     finally:
         px.stop()
         for p in [*ps, *ds]:
@@ -728,7 +729,8 @@ def test_cluster_secret_on_the_proxys_zmq_sockets(tmp_path: Path) -> None:
         abort = m.decode(frame, expect=m.AbortTransfer)
         assert (abort.transfer_id, abort.generation, abort.final) == (tid, 0, False)
         # Notifications: only a peer with the secret gets through.
-        assert post(px.url, "/v1/completions", {"model": "stub", "prompt": "notify", "max_tokens": 3}).status_code == 200
+        r = post(px.url, "/v1/completions", {"model": "stub", "prompt": "notify", "max_tokens": 3})
+        assert r.status_code == 200
         tid = log(ps[0])["requests"][-1]["kv_transfer_params"]["transfer_id"]
         note = m.encode(m.ProxyNotification(transfer_id=tid, receiver_id="d0", num_chunks=1, num_tokens=6))
         url = f"tcp://127.0.0.1:{note_port}"

@@ -169,7 +169,8 @@ def test_a_wrong_answer_is_a_502_naming_the_field(path: str, answer, field: str)
 
 
 @pytest.mark.parametrize("kvp,reason", [
-    ({"error": "kv_transfer_params.disagg_spec.receiver_host: Expected `str`"}, "did not send the KV: kv_transfer_params"),
+    ({"error": "kv_transfer_params.disagg_spec.receiver_host: Expected `str`"}, "did not send the KV: "
+                                                                                "kv_transfer_params"),
     ({"transfer_id": "t", "first_tok": 5, "kvferry_version": 2}, "version 2; this kvferry speaks version 1"),
     ({"transfer_id": 7}, "kv_transfer_params.transfer_id"),
 ])

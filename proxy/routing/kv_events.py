@@ -94,7 +94,8 @@ class EventStream:
         self.name, self.endpoint, self.replay_endpoint = name, endpoint, replay_endpoint
         self.trust = trust
         self.index, self.stale_after = index, stale_after
-        self.count = counter if counter is not None else (lambda result, n=1: None)  # (result, n): kvferry_proxy_kv_events_total
+        # (result, n): kvferry_proxy_kv_events_total
+        self.count = counter if counter is not None else (lambda result, n=1: None)
         self.last_seq: int | None = None
         self._recent: OrderedDict[int, bytes] = OrderedDict()  # seq -> payload digest, the last RECENT batches
         self.last_heard: float | None = None  # monotonic time of the last frame or replay answer

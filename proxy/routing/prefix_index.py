@@ -82,6 +82,7 @@ class PrefixIndex:
             raise ValueError(f"BlockStored with {len(hashes)} blocks of {block_size} but {len(tokens)} tokens")
         sub = self._split(block_size, m)
         bs = self.block_size
+        assert bs is not None  # _split set it
         prev = ROOT if parent is None else self._parent(m, parent)
         if prev is None:
             self.orphans += 1
@@ -134,6 +135,7 @@ class PrefixIndex:
         its first miss), then the CPU, then the disk tier."""
         out = {GPU: 0, CPU: 0, DISK: 0}
         gpu_run = True
+        m: str | None
         for k in keys:
             entry = self._blocks.get(k)
             if not entry:

@@ -148,7 +148,8 @@ class Registry:
         if len(pool) == 1:
             return pool[0]
         if self.policy == "round_robin":
-            turn = self.board.turn(role) if self.board is not None else next(self._rr.setdefault(role, itertools.count()))
+            turn = (self.board.turn(role) if self.board is not None
+                    else next(self._rr.setdefault(role, itertools.count())))
             return pool[turn % len(pool)]
         a, b = random.sample(pool, 2)  # power of two choices on the role's load measure
         return min((a, b), key=(lambda i: (i.all_queued, i.load)) if role == "prefiller"

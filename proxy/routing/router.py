@@ -5,7 +5,9 @@ that ejects a dead instance (the loop re-admits it)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +28,12 @@ logger = get_logger(__name__)
 PROBE_TIMEOUT_S = 2.0  # a /health answer slower than this counts as a failed check
 
 
+class DrainThrough(Protocol):
+    """What the admin API needs of discovery: drain (or undrain) a discovered instance for every proxy."""
+
+    async def set_drain(self, inst: Instance, draining: bool) -> None: ...
+
+
 class Router:
     def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics, client: UpstreamClient,
                  board: LoadBoard | None = None) -> None:
@@ -34,7 +42,7 @@ class Router:
         self._gauges: dict[str, Gauge] = {}
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
         self.cache = CacheView(opts, metrics)
-        self.discovery = None  # proxy.discovery.Discovery when --discovery is set (the admin API drains through it)
+        self.discovery: DrainThrough | None = None  # proxy.discovery.Discovery with --discovery
         self.peers: Peers | None = None  # --workers N: ejections shared with the other workers
 
     def register(self, spec: InstanceSpec, discovery_id: str | None = None) -> Instance:
@@ -124,7 +132,10 @@ class Router:
             return
         task = asyncio.ensure_future(self._probe(inst))
         self._probes[inst.id] = task
-        task.add_done_callback(lambda _t, iid=inst.id: self._probes.pop(iid, None))
+        task.add_done_callback(functools.partial(self._probe_done, inst.id))
+
+    def _probe_done(self, iid: str, _task: asyncio.Task) -> None:
+        self._probes.pop(iid, None)
 
     async def _probe(self, inst: Instance) -> None:
         good, why = await self.check(inst, PROBE_TIMEOUT_S)
@@ -150,7 +161,7 @@ class Router:
         its API server exits, and the port refuses connections)."""
         timeout = aiohttp.ClientTimeout(total=seconds)
         try:
-            async with self.client.session.get(f"{inst.url}/health", timeout=timeout,
+            async with self.client.http.get(f"{inst.url}/health", timeout=timeout,
                                                headers=self.client.headers) as r:
                 return r.status == 200, f"/health answered {r.status}"
         except TimeoutError:
@@ -162,7 +173,7 @@ class Router:
         """A decoder's vllm:kv_cache_usage_perc (0..1) from its /metrics; None when it has none."""
         timeout = aiohttp.ClientTimeout(total=seconds)
         try:
-            async with self.client.session.get(f"{inst.url}/metrics", timeout=timeout,
+            async with self.client.http.get(f"{inst.url}/metrics", timeout=timeout,
                                                headers=self.client.headers) as r:
                 if r.status != 200:
                     return None
@@ -180,7 +191,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=seconds)
         load, usage, seen = 0.0, None, False
         try:
-            async with self.client.session.get(f"{inst.url}/metrics", timeout=timeout,
+            async with self.client.http.get(f"{inst.url}/metrics", timeout=timeout,
                                                headers=self.client.headers) as r:
                 if r.status != 200:
                     return None, None
