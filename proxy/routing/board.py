@@ -16,13 +16,15 @@ import hashlib
 import mmap
 import multiprocessing as mp
 
+from kvferry.common.errors import UnavailableError
+
 ROWS = 1024  # instances one proxy can route to over its life (a removed one keeps its row)
 KEY = 16  # bytes of the URL's hash that name a row
 _CELLS = 2  # in flight, queued prompt tokens
 ROLES = ("prefiller", "decoder")
 
 
-class BoardFull(RuntimeError):
+class BoardFull(UnavailableError, RuntimeError):
     """Every row is taken."""
 
 
