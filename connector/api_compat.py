@@ -63,13 +63,13 @@ MUST_OVERRIDE = {
 }
 
 # Private vLLM names the connector reads, each with the test that fails if its meaning changes.
-_PD_1P1D = "tests/test_connector.py::test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance"
+_PD_1P1D = "tests/e2e/test_connector.py::test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance"
 PRIVATE_NAMES = {
-    "_kv_transfer_config": "tests/test_connector.py::test_kv_that_never_arrives_is_recomputed_within_the_timeout",
+    "_kv_transfer_config": "tests/e2e/test_connector.py::test_kv_that_never_arrives_is_recomputed_within_the_timeout",
     "_connector_metadata": _PD_1P1D,
     "_get_connector_metadata": _PD_1P1D,
-    "_gauge_cls": "tests/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
-    "_counter_cls": "tests/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
+    "_gauge_cls": "tests/transfer/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
+    "_counter_cls": "tests/transfer/test_pd_metrics.py::test_labelled_counters_and_gauges_reach_prometheus",
 }
 
 # Hooks kvferry implements that older releases in the range do not have yet (never called there).

@@ -1,6 +1,6 @@
 """A disaggregated kvferry cluster spread over network namespaces (tests/netns.py): vLLM servers and
 proxies each in a namespace of their own, listening on that namespace's address, with NIXL's bytes
-on TCP over the veths (`UCX_TLS=tcp`). Used by tests/test_netns_vllm.py and
+on TCP over the veths (`UCX_TLS=tcp`). Used by tests/e2e/test_netns_vllm.py and
 benchmarks/netns_bench.py.
 
 A server's `url` is its namespace's own address (what the test process reads /metrics from);

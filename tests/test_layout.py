@@ -190,8 +190,8 @@ def test_the_connector_imports_only_engine_api_and_common() -> None:
 
 
 def imported_test_modules(path: Path) -> set[str]:
-    """The test modules (tests.test_*, or test_* with tests/ on sys.path) a file imports."""
-    return {n for n in imports_of(path) if n.removeprefix("tests.").split(".")[0].startswith("test_")}
+    """The test modules (tests.<folder>.test_*, tests.test_*, or test_* on sys.path) a file imports."""
+    return {n for n in imports_of(path) if any(part.startswith("test_") for part in n.split("."))}
 
 
 def test_no_test_file_imports_another() -> None:
@@ -199,8 +199,28 @@ def test_no_test_file_imports_another() -> None:
     file imported by another is loaded twice (as tests.test_x beside pytest's test_x), each copy with
     its own globals."""
     bad = [f"{path.relative_to(REPO)} imports {name}"
-           for path in sorted((REPO / "tests").glob("*.py")) for name in sorted(imported_test_modules(path))]
+           for path in sorted((REPO / "tests").rglob("*.py")) for name in sorted(imported_test_modules(path))]
     assert not bad, "move what they share into a helper module under tests/: " + "; ".join(bad)
+
+
+# tests/ mirrors the library: a folder per layer (transfer = sender, receiver, buffer, kernels and the
+# PD engine), e2e for real-vLLM clusters; at its root only what checks the whole repository.
+TEST_FOLDERS = {"common", "proxy", "transfer", "engine", "controller", "launcher", "e2e"}
+REPO_WIDE_TESTS = {"test_layout.py", "test_docs.py", "test_errors.py", "test_benchmarks_run.py"}
+
+
+def test_test_files_live_in_the_folder_of_what_they_test() -> None:
+    """A new test file goes under tests/<folder>/ (helpers stay at tests/, named *_helpers.py or for
+    their job); pytest imports test files by basename, so two with one name would clash."""
+    tests = REPO / "tests"
+    at_root = {p.name for p in tests.glob("test_*.py")} - REPO_WIDE_TESTS
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")} - TEST_FOLDERS
+    nested = [str(p.relative_to(tests)) for p in tests.glob("*/*/test_*.py")]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    assert not (at_root or folders or nested or clashes), (
+        f"test files at tests/ {sorted(at_root)}, in unknown folders {sorted(folders)}, nested {nested}, "
+        f"same basename {clashes}: put each under tests/<one of {sorted(TEST_FOLDERS)}>/ with a name of its own")
 
 
 def _defined(path: Path) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 from kvferry.common.config import load_config
 from kvferry.engine.offload.planner import OffloadPlanner
 
-SEEDS = Path(__file__).parent.parent / "examples" / "seeds"
+SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
 NIXL = {"chunk_size": 256, "nixl_buffer_size": 1 << 30}
 
 

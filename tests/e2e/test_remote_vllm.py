@@ -7,7 +7,7 @@ kvferry-server killed mid-run turns into misses, and hits come back after its re
 corrupted chunk, and (with the cluster secret's MAC) another prompt's chunk served under this
 prompt's key, are counted misses and the prompt is recomputed to the same answer.
 
-Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
+Float32 for the same reason as tests/e2e/test_offload_vllm.py: loaded and computed paths then agree
 to 1e-4 in every logprob. All five servers start together (start-up dominates on 2 cores).
 """
 

@@ -181,7 +181,7 @@ def test_mla_offload_cpu_tier_serves_a_prefix_with_the_same_answer(mla_offload: 
         pytest.xfail(f"vLLM CPU_MLA's prefill is not causal here: a 40-token prefix's prompt logprobs move by "
                      f"{drift:.2f} when one token follows (0.0 for the Llama), so a loaded prefix cannot be "
                      "compared with a computed one (docs/pd.md); the tier round trip is byte-exact "
-                     "(tests/test_offload.py)")
+                     "(tests/engine/test_offload.py)")
     assert again[0] == first[0]
     assert max(abs(x - y) for x, y in zip(again[1], first[1], strict=True)) < 1e-3
 

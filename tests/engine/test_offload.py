@@ -243,7 +243,7 @@ def test_bad_setups_get_one_line_errors(tmp_path: Path) -> None:
 
 
 def test_standalone_cli_round_trip_with_the_readme_example(tmp_path: Path) -> None:
-    cfg = Path(__file__).resolve().parent.parent / "examples" / "offload" / "kvferry-offload-config.yaml"
+    cfg = Path(__file__).resolve().parents[2] / "examples" / "offload" / "kvferry-offload-config.yaml"
     cmd = [sys.executable, "-m", "kvferry.launcher.standalone", "--config", str(cfg), "--device", "cpu",
            "--model_name", "my_model", "--kvcache_shape_spec", "(2,2,256,4,16):float16:2"]
     env = {**os.environ, "KVFERRY_LOCAL_DISK": f"file://{tmp_path}/kv/"}  # env overrides the file's folder

@@ -3,7 +3,7 @@
 CPU tier after its MAC was made, a killed instance). The cluster runs with a cluster secret, as
 `kvferry up` makes one: every port speaks CurveZMQ and every lent chunk carries a keyed MAC.
 
-Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
+Float32 for the same reason as tests/e2e/test_offload_vllm.py: loaded and computed paths then agree
 to 1e-4 in every logprob. The instance-killing test runs last (it takes instance 1 down).
 """
 

@@ -5,7 +5,7 @@ so the decoder loads a prompt the prefiller computed instead of recomputing it (
 the tokens loaded, the greedy tokens are the same); with the master killed mid-stream every request
 still succeeds (misses), and hits resume after it restarts.
 
-Float32 for the same reason as tests/test_offload_vllm.py: loaded and computed paths then agree
+Float32 for the same reason as tests/e2e/test_offload_vllm.py: loaded and computed paths then agree
 to 1e-4 in every logprob."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Discovery through etcd across Linux network namespaces, fast (stub engines, no vLLM): etcd, two
 proxies, a prefiller and two decoders each in a namespace of its own, registered by `kvferry join
---attach` with a lease. The same story as tests/test_netns_vllm.py, which runs it on real vLLM
+--attach` with a lease. The same story as tests/e2e/test_netns_vllm.py, which runs it on real vLLM
 servers with the KV crossing the links; this one runs in every `make test` in seconds."""
 
 from __future__ import annotations

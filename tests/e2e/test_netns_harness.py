@@ -102,7 +102,7 @@ def test_netns_harness_sweeps_a_killed_runs_leftovers(tmp_path) -> None:
     """A run SIGKILLed mid-test leaves namespaces with a process in them; the next run removes both."""
     script = ("import sys, time; sys.path.insert(0, sys.argv[1]); from netns import NetnsCluster\n"
               "n = NetnsCluster(2).up(); n.popen(0, ['sleep', '600']); print(n.pid, flush=True); time.sleep(600)")
-    child = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parent)],
+    child = subprocess.Popen([sys.executable, "-c", script, str(Path(__file__).parents[1])],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert child.stdout is not None

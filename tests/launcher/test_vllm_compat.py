@@ -24,7 +24,7 @@ from kvferry.connector.vllm_version import (
     installed_vllm_version,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("KVFERRY_CACHE_DIR", Path.home() / ".cache" / "kvferry")) / "wheels"
 
 

@@ -19,7 +19,7 @@ from kvferry.engine.remote import mooncake_settings
 from kvferry.engine.remote.backends import parse_url
 from kvferry.launcher.stores import mooncake_master_binary
 
-COMPOSE = Path(__file__).parent.parent / "deploy" / "compose"
+COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "compose"
 FILES = sorted(COMPOSE.glob("*/docker-compose.yaml"))
 
 

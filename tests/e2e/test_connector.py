@@ -54,7 +54,7 @@ NOTE_PORT = free_port()  # the module proxy's --proxy-port: decoders push "KV ar
 DECODER_KEYS = {"pd_kv_ready_timeout": 6.0, "pd_lease_seconds": 15.0, "pd_alloc_timeout": 3.0,
                 "pd_proxy_host": "127.0.0.1", "pd_proxy_port": NOTE_PORT}
 VOCAB_LO, VOCAB_HI = 10, 4000
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def prompt(n: int, seed: int) -> list[int]:

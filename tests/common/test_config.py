@@ -8,7 +8,7 @@ import pytest
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 
-SEEDS = sorted((Path(__file__).resolve().parent.parent / "examples" / "seeds").glob("*.yaml"))
+SEEDS = sorted((Path(__file__).resolve().parents[2] / "examples" / "seeds").glob("*.yaml"))
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -175,7 +175,7 @@ _LIBRARY = ("buffer", "common", "connector", "controller", "engine", "kernels", 
 
 def _library_reads(key: str) -> bool:
     import re
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     pattern = re.compile(rf"\b{key}\b")
     return any(pattern.search(p.read_text(encoding="utf-8")) for d in _LIBRARY for p in (root / d).rglob("*.py")
                if p != root / "common" / "config.py")

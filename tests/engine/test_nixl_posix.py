@@ -14,7 +14,7 @@ from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.disk import HEADER_BYTES, DiskTier, rank_root
 from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
 
-SEEDS = Path(__file__).parent.parent / "examples" / "seeds"
+SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
 DIGEST = b"P" * 16
 N = 256 << 10
 

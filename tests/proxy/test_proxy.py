@@ -32,7 +32,7 @@ from tests.stub_procs import (
     stubs,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])

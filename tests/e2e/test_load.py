@@ -18,7 +18,7 @@ from kvferry.launcher.pd_instances import Decoder, Prefiller
 from tests.pd_helpers import completion, prom, running_proxy, source_tokens
 from tests.polling import until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 16
 
 

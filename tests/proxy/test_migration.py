@@ -1,4 +1,4 @@
-"""Failures mid-request, with stub engines (the proxy's logic; tests/test_migration_vllm.py runs
+"""Failures mid-request, with stub engines (the proxy's logic; tests/e2e/test_migration_vllm.py runs
 the same on real vLLM): a decode stream that breaks, dies or stalls continues on another decoder
 with no duplicate, no gap and usage equal to what the client received."""
 
@@ -20,7 +20,7 @@ BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8
 
 def _folded(ev: list) -> dict:
     """A stream folded: text, token ids, logprob tokens, the usage; no error events (the stubs'
-    text offsets are not vLLM's: tests/test_migration_vllm.py compares those)."""
+    text offsets are not vLLM's: tests/e2e/test_migration_vllm.py compares those)."""
     assert ev[-1] == "[DONE]", ev
     chunks = ev[:-1]
     assert not any("error" in c for c in chunks), chunks

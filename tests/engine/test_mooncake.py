@@ -52,7 +52,7 @@ def tier(m: MooncakeMaster, rank: int = 0, timeout: float = 2.0, **extra: object
 
 
 def test_the_seed_keys_are_read_and_checked() -> None:
-    seed = Path(__file__).parent.parent / "examples" / "seeds" / "mooncake-config.yaml"
+    seed = Path(__file__).resolve().parents[2] / "examples" / "seeds" / "mooncake-config.yaml"
     s = mooncake_settings.from_config(load_config(env={"LMCACHE_CONFIG_FILE": str(seed)}))
     assert (s.master, s.metadata_server, s.protocol, s.local_hostname) == (
         "localhost:50051", "http://localhost:8080/metadata", "tcp", "localhost")
