@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import zmq
@@ -140,6 +141,17 @@ class RawPeer:
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
+
+
+def every_rank_free(d: Decoder, fp: m.LayoutFingerprint, name: str) -> None:
+    """Every rank of a TP>1 decoder has all of its pd_buffer pages free (a raw handshake per rank asks)."""
+    for rank in range(len(d.init_ports)):
+        addr = SimpleNamespace(host=d.host, init_port=d.init_ports[rank], alloc_port=d.alloc_ports[rank])
+        peer = RawPeer(addr, fp, name=f"{name}-{rank}")  # host and ports are all it reads of a Decoder
+        try:
+            assert peer.fully_free(), f"decoder rank {rank}: pd_buffer pages still held"
+        finally:
+            peer.close()
 
 @contextlib.contextmanager
 def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_port: int | None = None) -> Iterator[str]:

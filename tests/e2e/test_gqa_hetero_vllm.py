@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, plain, source_tokens, tiny_fingerprint
+from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, source_tokens, tiny_fingerprint
 
 FP32 = ["--dtype", "float32"]
 
@@ -113,11 +112,5 @@ def test_gqa_hetero_tp1_prefiller_to_tp2_decoder(gqa_tp1_to_tp2, tiny_model_path
     fp = tiny_fingerprint(tiny_model_path)
     fp = msgspec.structs.replace(fp, dtype="float32", tp_size=2, num_kv_heads=fp.num_kv_heads // 2,
                                  page_bytes=fp.page_bytes)  # half the heads in float32: the same bytes
-    for rank in range(2):
-        addr = SimpleNamespace(host=d.host, init_port=d.init_ports[rank], alloc_port=d.alloc_ports[rank])
-        peer = RawPeer(addr, fp, name=f"gqa-tp2-test-peer-{rank}")
-        try:
-            assert peer.fully_free(), f"decoder rank {rank}: pd_buffer pages still held"
-        finally:
-            peer.close()
+    every_rank_free(d, fp, "gqa-tp2-test-peer")
     same_answers(answers)

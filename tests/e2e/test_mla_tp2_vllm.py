@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -21,7 +20,7 @@ from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.mla_helpers import FP32, answers_match, mla_fingerprint
-from tests.pd_helpers import RawPeer, disagg, plain, source_tokens
+from tests.pd_helpers import disagg, every_rank_free, plain, source_tokens
 
 TP2 = ["--dtype", "float32", "--tensor-parallel-size", "2"]
 CORES = "0|1"
@@ -64,11 +63,5 @@ def test_mla_hetero_tp1_prefiller_to_tp2_decoder(mla_tp1_to_tp2) -> None:
     assert got.get("local_compute", 0) == len(prompts), got
     assert got.get("external_kv_transfer", 0) == sum(map(len, prompts)), got
     fp = msgspec.structs.replace(mla_fingerprint(model), tp_size=2)
-    for rank in range(2):
-        addr = SimpleNamespace(host=d.host, init_port=d.init_ports[rank], alloc_port=d.alloc_ports[rank])
-        peer = RawPeer(addr, fp, name=f"tp2-test-peer-{rank}")
-        try:
-            assert peer.fully_free(), f"decoder rank {rank}: pd_buffer pages still held"
-        finally:
-            peer.close()
+    every_rank_free(d, fp, "tp2-test-peer")
     answers_match(answers)
