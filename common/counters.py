@@ -16,4 +16,4 @@ class Counters:
     prefix = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {f"{self.prefix}{k}": v for k, v in asdict(self).items()}  # type: ignore[call-overload]
+        return {f"{self.prefix}{k}": v for k, v in asdict(self).items()}  # type: ignore[call-overload]  # subclasses are dataclasses
