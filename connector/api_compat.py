@@ -378,7 +378,7 @@ def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> No
             n += 1
             for k in sorted(kwargs - set(fields)):
                 rep.problems.append(f"connector/kv_events.py:{line} passes {k}= to {cls}, which this vLLM does not "
-                                    f"have")
+                                    "have")
             for k in sorted(k for k, m in fields.items() if not m.has_default and k not in kwargs):
                 rep.problems.append(f"connector/kv_events.py:{line} does not pass {cls}.{k}, required in this vLLM "
                                     f"({fields[k].where})")

@@ -41,7 +41,7 @@ def parse_monitor_ports(text: str) -> dict[str, int]:
     unknown = set(ports) - {"pull", "reply", "heartbeat"}
     if unknown:
         raise MonitorPortsError(f"--monitor-ports: unknown key(s) {sorted(unknown)}; the keys are pull, reply, "
-                                f"heartbeat")
+                                "heartbeat")
     for k in ("pull", "reply"):
         if k not in ports:
             raise MonitorPortsError(f"--monitor-ports needs a {k!r} port (the workers' controller_{k}_url)")

@@ -26,10 +26,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvferry.common import messages as m
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.receiver.transfers import TransferTable
 
 logger = get_logger(__name__)
+_stray = RateLimitedLog(logger)  # a peer can send stray notifications at will: at most one line per 10 s
 
 Reserve = Callable[[m.AllocRequest, bytes, float], Awaitable[m.Msg]]
 
@@ -137,7 +138,7 @@ class Joints:
             if j is None:
                 return None
             if generation != j.generation or writer not in j.joined.values():
-                logger.warning("notification for transfer %s from writer %d (generation %d) ignored: not a writer "
+                _stray.warning("notification for transfer %s from writer %d (generation %d) ignored: not a writer "
                                "that joined it", transfer_id, writer, generation)
                 return False
             j.notified.add(writer)

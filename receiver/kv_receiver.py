@@ -289,8 +289,8 @@ class KVReceiver(ReceiverSleep):
 
         if req.epoch != self.epoch:
             await peering.reply(sock, ident, error("stale_epoch", f"receiver {self.receiver_id} restarted "
-                                                   f"(epoch {self.epoch}, request carried {req.epoch}): handshake "
-                                                   f"again"))
+                                                   f"(epoch {self.epoch}, request carried {req.epoch}): "
+                                                   "handshake again"))
             return
         if req.writers > 1 and tid in self.joints:  # another prefiller rank of a transfer already reserved
             await peering.reply(sock, ident, await self.joints.join(req, ident, self.cfg.alloc_timeout))
