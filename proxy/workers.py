@@ -36,6 +36,8 @@ logger = get_logger(__name__)
 
 RESTART_PAUSE_S = 0.5  # between a worker's death and its replacement (no tight loop on a crash at start)
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this
+START_S = 300.0  # a worker not listening by then is killed (loading a tokenizer takes seconds, not minutes)
+START_PROGRESS_S = 15.0  # a line while one is still starting
 _PR_SET_PDEATHSIG = 1
 
 
@@ -85,6 +87,7 @@ class Supervisor:
                 os._exit(code)
         os.close(w)
         self.pids[pid] = index
+        started = next_line = time.monotonic()
         try:
             while not self._stop:
                 readable, _, _ = select.select([r], [], [], 0.2)
@@ -92,6 +95,15 @@ class Supervisor:
                     if os.read(r, 1):
                         return None
                     break  # the pipe closed without a word: the worker exited
+                waited = time.monotonic() - started
+                if waited >= START_S:
+                    logger.error("proxy worker %d (pid %d) is not listening after %.0f s: killed", index, pid, waited)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    break
+                if time.monotonic() - next_line >= START_PROGRESS_S:
+                    next_line = time.monotonic()
+                    logger.info("proxy worker %d (pid %d) still starting (%.0f s)", index, pid, waited)
             else:
                 return None
         finally:

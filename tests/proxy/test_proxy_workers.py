@@ -153,3 +153,23 @@ def test_workers_flag() -> None:
         raise AssertionError("--workers 2 with --proxy-port was accepted")
     except OptionError as e:
         assert "--workers 1" in str(e)
+
+
+def test_a_worker_that_never_listens_is_killed_after_the_start_deadline(monkeypatch) -> None:
+    """No unbounded wait: the supervisor gives up on a worker stuck before it listens, kills it,
+    and stops (nothing left running)."""
+    from kvferry.proxy import workers
+    from kvferry.proxy.options import parse
+
+    monkeypatch.setattr(workers, "START_S", 1.0)
+
+    def stuck(opts, board, peers, index, ready) -> int:
+        time.sleep(600)  # never calls ready()
+        return 0
+
+    opts = parse(["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,7000,7001"])
+    sup = workers.Supervisor(opts, 1, stuck)
+    t0 = time.monotonic()
+    assert sup.run() == 1
+    assert time.monotonic() - t0 < 10
+    assert not sup.pids
