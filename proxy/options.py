@@ -67,7 +67,7 @@ class ProxyOptions:
     max_batch_prompts: int = 256  # prompts in one /v1/completions list; each is two upstream requests
     max_in_flight: int = 1024  # client requests handled at once; more get 503 with Retry-After
     max_n: int = 16  # samples per request (n): each is its own pair of legs
-    upstream_connections: int = 512  # open connections per instance (aiohttp's pool; 0 was unbounded)
+    upstream_connections: int = 512  # open connections per instance (http_client.Pool; 0 was unbounded)
     # Cache-aware routing (docs/proxy.md "Routing").
     kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # url -> (endpoint, replay)
     tokenizer: str | None = None  # the model's tokenizer: predicts a text prompt's tokens before routing

@@ -5,7 +5,8 @@ max_tokens=1 and kv_transfer_params naming the decoder's receiver (prefill.py, l
 first token to the client at once, then stream the decoder's continuation as one well-formed
 OpenAI stream (streaming.py). completions.py and chat.py hold each endpoint's flow; admin.py the
 proxy's own pages; transfers.py aborts and arrival notifications; upstream.py the requests to the
-engines and their failures; app.py wires the parts into one aiohttp application.
+engines and their failures (over http_client.py's pool); app.py wires the parts into one aiohttp
+application.
 
 No client `kv_transfer_params` ever reaches an engine: the proxy alone chooses where KV goes
 (DESIGN.md "Trust"). An upstream failure is logged (role, URL, leg, cause), counted, and answered
@@ -13,7 +14,8 @@ by an immediate /health probe of that instance, which ejects it when the probe f
 health loop re-admits it. The health loop and the notification reader run supervised (shown on
 /health).
 
-aiohttp on both sides (its client costs a fraction of httpx's CPU per request); imports neither
+aiohttp serves the clients; the legs to the engines go through http_client.py's keep-alive pool
+(a fraction of aiohttp's client's CPU per request, itself a fraction of httpx's); imports neither
 torch nor vLLM.
 """
 

@@ -1,5 +1,6 @@
-"""Requests to the engines: the one aiohttp session, and `Upstream`, one leg to one instance,
-which maps every failure to a client error and reports it to the router."""
+"""Requests to the engines: the legs' connection pool (http_client.py) and the aiohttp session
+the health checks use, and `Upstream`, one leg to one instance, which maps every failure to a
+client error and reports it to the router."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy import answers, limits
 from kvferry.proxy.answers import BadAnswer
 from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.http_client import Broken, Pool, Response, Timeout, Unreachable
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
+_TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connections, waited up to --read-timeout",
+                  "read": "--read-timeout"}
 
 
 class UpstreamClient:
-    """The session every leg and health check uses (open between the app's start and cleanup),
+    """The legs' pool and the health checks' session (open between the app's start and cleanup),
     and the headers every upstream request carries."""
 
     def __init__(self, opts: ProxyOptions) -> None:
         self.opts = opts
         self.session: aiohttp.ClientSession | None = None
+        self._pool: Pool | None = None
         self.headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
@@ -38,22 +43,32 @@ class UpstreamClient:
         return self.session
 
     @property
+    def pool(self) -> Pool:
+        """The legs' connections, between start() and close()."""
+        assert self._pool is not None, "the upstream client is not started"
+        return self._pool
+
+    @property
     def is_open(self) -> bool:
         return self.session is not None and not self.session.closed
 
     def start(self) -> None:
         o = self.opts
-        # sock_connect bounds the TCP connect; connect (waiting for a pooled connection included)
-        # is bounded by the read timeout, so a busy pool queues requests rather than failing them.
-        timeout = aiohttp.ClientTimeout(total=None, connect=max(o.read_timeout, o.connect_timeout),
-                                        sock_connect=o.connect_timeout, sock_read=o.read_timeout)
+        # Waiting for a free connection is bounded by the read timeout (at least the connect
+        # timeout), so a busy pool queues requests rather than failing them.
+        wait = max(o.read_timeout, o.connect_timeout)
         # --workers N: the connections are the proxy's, split between its workers (at least one each).
         per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
+        self._pool = Pool(per_worker, o.connect_timeout, wait, o.read_timeout, self.headers)
+        timeout = aiohttp.ClientTimeout(total=None, connect=wait, sock_connect=o.connect_timeout,
+                                        sock_read=o.read_timeout)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, limit_per_host=per_worker, ttl_dns_cache=300, enable_cleanup_closed=True),
+            limit=0, limit_per_host=4, ttl_dns_cache=300, enable_cleanup_closed=True),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies: none kept
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
         if self.session is not None:
             await self.session.close()
 
@@ -90,23 +105,24 @@ class Upstream:
         self.router.upstream_failed(self.inst, self.leg, kind, message)
         return ProxyError(status, message, kind)
 
-    async def open(self, path: str, body: dict) -> aiohttp.ClientResponse:
+    async def open(self, path: str, body: dict) -> Response:
         """POST and return the response once its status is 2xx; errors become ProxyError."""
         c = self.client
         try:
-            resp = await c.http.post(f"{self.inst.url}{path}", data=limits.dumps(body), headers=c.headers)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            resp = await c.pool.request("POST", self.inst.url, path, limits.dumps(body))
+        except (Unreachable, Broken) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
-        except TimeoutError:
-            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url}: no connection within "
-                                            f"{c.opts.connect_timeout:g}s (--connect-timeout), or no free one of "
-                                            f"its {c.opts.upstream_connections} (--upstream-connections)") from None
-        except aiohttp.ClientError as e:
-            raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url}: {type(e).__name__}: {e}"
-                            ) from None
+        except Timeout as e:
+            flag = _TIMEOUT_FLAGS[e.what]
+            raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url}: {e} ({flag})") from None
         if resp.status >= 400:
-            raw = await resp.read()
-            resp.release()
+            try:
+                raw = await resp.read()
+            except (Broken, TimeoutError) as e:
+                raise self.fail("upstream_5xx" if resp.status >= 500 else "bad_upstream", 502,
+                                f"{self.inst.role} {self.inst.url} answered {resp.status}, then: {e}") from None
+            finally:
+                resp.release()
             if resp.status < 500:
                 self._refused(resp.status, raw.decode(errors="replace"))
                 raise ProxyError(resp.status, raw.decode(errors="replace")[:500], "upstream_4xx", body=raw)
@@ -118,10 +134,12 @@ class Upstream:
     async def get(self, path: str) -> tuple[int, bytes]:
         """A GET relayed as it is (status and body); only a failure to get an answer is an error."""
         try:
-            resp = await self.client.http.get(f"{self.inst.url}{path}", headers=self.client.headers)
-            body = await resp.read()
-            resp.release()
-        except (aiohttp.ClientError, TimeoutError) as e:
+            resp = await self.client.pool.request("GET", self.inst.url, path)
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+        except (Unreachable, Broken, TimeoutError) as e:
             raise self.fail("unreachable", 503, f"{self.inst.url}: {e}") from None
         return resp.status, body
 
@@ -138,7 +156,7 @@ class Upstream:
         except TimeoutError:
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} did not answer within "
                                             f"{self.client.opts.read_timeout:.0f}s (--read-timeout)") from None
-        except (aiohttp.ClientError, ValueError) as e:
+        except (Broken, ValueError) as e:
             raise self.fail("bad_upstream", 502, f"{self.inst.role} {self.inst.url}: unreadable answer ({e})") from None
         finally:
             resp.release()
@@ -149,7 +167,7 @@ class Upstream:
         resp = await self.open(path, body)
         buf = b""
         try:
-            async for blob in resp.content.iter_any():
+            async for blob in resp.pieces():
                 buf += blob
                 *events, buf = buf.split(b"\n\n")
                 batch: list[bytes] = []
@@ -162,7 +180,7 @@ class Upstream:
                             if data == b"[DONE]":
                                 # Read to the end of the body: a released, fully read response
                                 # keeps its connection for the next request.
-                                await resp.content.read()
+                                await resp.read()
                                 self.done = True
                                 if batch:
                                     yield batch
@@ -170,7 +188,7 @@ class Upstream:
                             batch.append(data)
                 if batch:
                     yield batch
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        except Broken as e:
             raise self.fail("stream_broken", 502, f"{self.inst.role} {self.inst.url} broke its stream: {e}") from None
         except TimeoutError:
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} stalled for "

@@ -1,0 +1,363 @@
+"""The engines' hot path over HTTP/1.1: keep-alive connections per instance on asyncio Protocols,
+parsed by httptools (llhttp, the parser aiohttp's server and uvicorn use).
+
+Why not aiohttp's client, which the health checks still use: per request it builds request,
+response, stream-reader and timer objects and runs ~500 Python calls; the proxy only POSTs a JSON
+body and reads the whole answer or its pieces as they arrive. Here a piece goes from the socket
+to the waiting leg in one callback.
+
+Bounds: a connect within `connect_timeout`; a free connection (at most `limit` per instance)
+within `wait_timeout`; and while a leg waits for bytes, no more than `read_timeout` between them,
+checked by one sweep per pool rather than a timer per read. A connection is reused only after a
+whole answer the engine did not mark `Connection: close`; an answer left half-read closes it.
+Buffered pieces are capped: the socket stops being read until the leg takes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+MAX_BUFFERED = 1 << 20  # bytes of an answer held before the socket stops being read
+_NO_TIME = float("inf")
+
+
+class Unreachable(OSError):
+    """No connection to the engine, or it closed one before its answer began."""
+
+
+class Broken(ConnectionError):
+    """The engine's answer stopped part way (its connection closed, or bytes that are not HTTP)."""
+
+
+class Timeout(TimeoutError):
+    """A bound passed: `what` is "connect", "wait" (for a free connection) or "read"."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; httptools calls back into it as the answer is parsed."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: Response | None = None
+        self.host: _Host | None = None  # set once connected; None again once closed
+        self.closed = False
+        self.ticks = 0  # reads so far: the sweep's sign of life
+        self.seen = -1
+        self.quiet_since = _NO_TIME
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one without subclassing it
+
+    def data_received(self, data: bytes) -> None:
+        r = self.resp
+        if r is None:  # bytes nobody asked for: the connection is not safe to reuse
+            self.close()
+            return
+        self.ticks += 1
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            r.fail(Broken(f"not an HTTP answer ({e})"))
+            self.close()
+        if r.size > MAX_BUFFERED and self.transport is not None and not r.paused:
+            r.paused = True
+            self.transport.pause_reading()
+        r.wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        r = self.resp
+        if r is not None and not r.complete:
+            cause = f": {exc}" if exc else ""
+            r.fail(Broken(f"connection closed mid-answer{cause}") if r.status else
+                   Unreachable(f"connection closed before an answer{cause}"))
+            r.wake()
+
+    def on_headers_complete(self) -> None:
+        r = self.resp
+        assert r is not None
+        r.status = self.parser.get_status_code()
+        r.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        r = self.resp
+        assert r is not None
+        r.parts.append(body)
+        r.size += len(body)
+
+    def on_message_complete(self) -> None:
+        r = self.resp
+        assert r is not None
+        r.complete = True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool.forget(self)
+            if self.transport is not None:
+                self.transport.close()
+
+
+class Response:
+    """An engine's answer: `status` once `Pool.request` returns; the body whole (`read`) or in
+    the pieces each read brought (`pieces`). `release()` always, when done with it."""
+
+    __slots__ = ("conn", "status", "keep_alive", "parts", "size", "complete", "error", "waiter", "paused")
+
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.status = 0
+        self.keep_alive = False
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+
+    def fail(self, e: Exception) -> None:
+        if self.error is None:
+            self.error = e
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        c = self.conn
+        if self.paused and c.transport is not None:
+            self.paused = False
+            c.transport.resume_reading()
+        self.waiter = w = asyncio.get_running_loop().create_future()
+        c.seen, c.quiet_since = c.ticks, c.pool.loop.time()
+        try:
+            await w
+        finally:
+            self.waiter = None
+            c.quiet_since = _NO_TIME
+
+    def _take(self) -> bytes:
+        parts = self.parts
+        blob = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        self.size = 0
+        return blob
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.complete:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+        return self._take()
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: everything read since the last piece, joined."""
+        while True:
+            if self.parts:
+                yield self._take()
+                continue
+            if self.complete:
+                return
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    def release(self) -> None:
+        """Give the connection back (a whole answer on a keep-alive connection) or close it."""
+        c = self.conn
+        if c.resp is not self:
+            return
+        c.resp = None
+        if self.complete and self.keep_alive and self.error is None and not c.closed:
+            if self.paused and c.transport is not None:
+                c.transport.resume_reading()
+            c.pool.put_back(c)
+        else:
+            c.close()
+
+
+class _Host:
+    """One instance's connections: idle ones, how many are open, who waits for one."""
+
+    __slots__ = ("host", "port", "head", "idle", "open", "waiters")
+
+    def __init__(self, host: str, port: int, head: bytes) -> None:
+        self.host, self.port, self.head = host, port, head
+        self.idle: deque[_Conn] = deque()
+        self.open = 0
+        self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
+
+
+class Pool:
+    """Keep-alive connections to the engines, at most `limit` per instance."""
+
+    def __init__(self, limit: int, connect_timeout: float, wait_timeout: float, read_timeout: float,
+                 headers: dict[str, str]) -> None:
+        self.limit, self.connect_timeout, self.wait_timeout = limit, connect_timeout, wait_timeout
+        self.read_timeout = read_timeout
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.hosts: dict[str, _Host] = {}
+        self.busy: set[_Conn] = set()
+        self.loop = asyncio.get_running_loop()
+        self._sweep = self.loop.create_task(self._sweeper())
+
+    def _host(self, base: str) -> _Host:
+        h = self.hosts.get(base)
+        if h is None:
+            u = urlsplit(base)
+            if u.scheme != "http" or not u.hostname:
+                raise Unreachable(f"{base}: only http:// engines are reached this way")
+            port = u.port or 80
+            host_header = u.netloc.rsplit("@", 1)[-1]
+            h = self.hosts[base] = _Host(u.hostname, port, f"Host: {host_header}\r\n{self.extra}".encode())
+        return h
+
+    async def request(self, method: str, base: str, path: str, body: bytes | None = None) -> Response:
+        """Send one request to the engine at `base` (http://host:port); the answer once its head came.
+        Raises Unreachable, Broken or Timeout."""
+        h = self._host(base)
+        for attempt in (0, 1):
+            conn, reused = await self._conn(h)
+            r = Response(conn)
+            conn.resp = r
+            self.busy.add(conn)
+            head = f"{method} {path} HTTP/1.1\r\n".encode() + h.head
+            assert conn.transport is not None
+            if body is None:
+                conn.transport.write(head + b"\r\n")
+            else:
+                conn.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
+            try:
+                while not r.status:
+                    if r.error is not None:
+                        raise r.error
+                    await r._wait()
+            except Unreachable:
+                r.release()
+                # A kept connection the engine closed as the request went out (its idle timeout):
+                # it read nothing of it, so one fresh connection may try again.
+                if reused and not attempt:
+                    continue
+                raise
+            except BaseException:
+                r.release()
+                raise
+            return r
+        raise AssertionError("unreachable")
+
+    async def _conn(self, h: _Host) -> tuple[_Conn, bool]:
+        """An idle connection (reused: True), else a new one while fewer than `limit` are open,
+        else the first one freed, waited for within `wait_timeout`."""
+        deadline = None
+        while True:
+            while h.idle:
+                c = h.idle.pop()
+                if not c.closed:
+                    return c, True
+            if h.open < self.limit:
+                return await self._open(h), False
+            if deadline is None:
+                deadline = self.loop.time() + self.wait_timeout
+            w: asyncio.Future[_Conn | None] = self.loop.create_future()
+            h.waiters.append(w)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    got = await w
+            except BaseException as e:
+                if w.done() and not w.cancelled() and (lost := w.result()) is not None:
+                    self.put_back(lost)  # handed over as the wait ended: not this request's
+                if isinstance(e, TimeoutError):
+                    raise Timeout("wait", f"no free connection of {self.limit} within {self.wait_timeout:g}s"
+                                  ) from None
+                raise
+            finally:
+                with contextlib.suppress(ValueError):
+                    h.waiters.remove(w)
+            if got is not None:
+                return got, True
+            # None: a connection closed, so one may be opened in its place (checked again above).
+
+    async def _open(self, h: _Host) -> _Conn:
+        h.open += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, c = await self.loop.create_connection(lambda: _Conn(self), h.host, h.port)
+        except BaseException as e:
+            h.open -= 1
+            self._hand_on(h, None)
+            if isinstance(e, TimeoutError):
+                raise Timeout("connect", f"no connection within {self.connect_timeout:g}s") from None
+            if isinstance(e, OSError):
+                raise Unreachable(str(e)) from None
+            raise
+        c.host = h
+        return c
+
+    def _hand_on(self, h: _Host, c: _Conn | None) -> bool:
+        """A freed connection (or, None, a freed slot) to the first waiter still waiting."""
+        while h.waiters:
+            w = h.waiters.popleft()
+            if not w.done():
+                w.set_result(c)
+                return True
+        return False
+
+    def put_back(self, c: _Conn) -> None:
+        self.busy.discard(c)
+        h = c.host
+        if h is not None and not self._hand_on(h, c):
+            h.idle.append(c)
+
+    def forget(self, c: _Conn) -> None:
+        """A closed connection leaves its host's count (once); a waiter may open one in its place."""
+        self.busy.discard(c)
+        h, c.host = c.host, None
+        if h is None:
+            return
+        with contextlib.suppress(ValueError):
+            h.idle.remove(c)
+        h.open -= 1
+        self._hand_on(h, None)
+
+    async def _sweeper(self) -> None:
+        """Fails a leg that waited `read_timeout` with no byte from its engine."""
+        every = min(1.0, self.read_timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = self.loop.time()
+            for c in list(self.busy):
+                r = c.resp
+                if r is None or r.waiter is None:
+                    continue
+                if c.ticks != c.seen:
+                    c.seen, c.quiet_since = c.ticks, now
+                elif now - c.quiet_since >= self.read_timeout:
+                    r.fail(Timeout("read", f"nothing received for {self.read_timeout:g}s"))
+                    c.close()
+                    r.wake()
+
+    async def close(self) -> None:
+        self._sweep.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweep
+        for h in self.hosts.values():
+            for c in list(h.idle):
+                c.close()
+        for c in list(self.busy):
+            c.close()

@@ -1,0 +1,297 @@
+"""proxy/http_client.py against real sockets: engines that keep, close, stall, break or garble
+their connections (raw asyncio servers in the test's loop), under asyncio's loop and uvloop's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+import uvloop
+
+from kvferry.common.netutil import free_port
+from kvferry.proxy.http_client import MAX_BUFFERED, Broken, Pool, Timeout, Unreachable
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+def ok(body: bytes = b'{"ok":true}', close: bool = False) -> bytes:
+    extra = b"Connection: close\r\n" if close else b""
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s" % (
+        extra, len(body), body)
+
+
+async def read_request(r: asyncio.StreamReader) -> bytes:
+    """One request's head and body (Content-Length), b"" once the client closed."""
+    head = await r.readuntil(b"\r\n\r\n") if not r.at_eof() else b""
+    n = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+             0)
+    return head + (await r.readexactly(n) if n else b"")
+
+
+class Engine:
+    """A raw HTTP server: `handler(reader, writer, connection number)` per connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler, self.connections = handler, 0
+        self.port = free_port()
+
+    async def __aenter__(self) -> Engine:
+        async def on(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(r, w, self.connections)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                w.close()
+        self.server = await asyncio.start_server(on, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def run(coro_fn: Callable[[], Awaitable[None]], loop_kind: str) -> None:
+    if loop_kind == "uvloop":
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            r.run(coro_fn())
+    else:
+        asyncio.run(coro_fn())
+
+
+def pool(limit: int = 4, read: float = 5.0, wait: float = 5.0) -> Pool:
+    return Pool(limit, connect_timeout=2.0, wait_timeout=wait, read_timeout=read,
+                headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+
+
+LOOPS = pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+
+
+@LOOPS
+def test_a_whole_answer_keeps_its_connection_for_the_next_request(loop_kind: str) -> None:
+    requests: list[bytes] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while req := await read_request(r):
+            requests.append(req)
+            w.write(ok(b'{"n":%d}' % len(requests)))
+            await w.drain()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            for i in range(3):
+                resp = await p.request("POST", e.url, "/v1/completions", b'{"prompt":"x"}')
+                assert resp.status == 200 and await resp.read() == b'{"n":%d}' % (i + 1)
+                resp.release()
+            await p.close()
+            assert e.connections == 1
+        head = requests[0]
+        assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n") and head.endswith(b'\r\n\r\n{"prompt":"x"}')
+        assert b"Host: 127.0.0.1:%d\r\n" % e.port in head and b"Authorization: Bearer k\r\n" in head
+        assert b"Content-Length: 14\r\n" in head
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_connection_close_and_a_half_read_answer_are_not_reused(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await read_request(r):
+            if n == 1:
+                w.write(ok(close=True))
+            else:  # a big answer the client leaves half read
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1000)
+            await w.drain()
+            if n == 1:
+                return
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("GET", e.url, "/a")
+            assert await resp.read() == b'{"ok":true}'
+            resp.release()
+            resp = await p.request("GET", e.url, "/b")
+            assert resp.status == 200
+            resp.release()  # half read: closed
+            resp = await p.request("GET", e.url, "/c")
+            resp.release()
+            await p.close()
+            assert e.connections == 3
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_at_most_limit_connections_and_waiting_for_one_is_bounded(loop_kind: str) -> None:
+    open_now = peak = 0
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        nonlocal open_now, peak
+        open_now += 1
+        peak = max(peak, open_now)
+        try:
+            while await read_request(r):
+                await asyncio.sleep(0.2)
+                w.write(ok())
+                await w.drain()
+        finally:
+            open_now -= 1
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool(limit=2)
+
+            async def one() -> bytes:
+                resp = await p.request("POST", e.url, "/x", b"{}")
+                try:
+                    return await resp.read()
+                finally:
+                    resp.release()
+            assert await asyncio.gather(*(one() for _ in range(6))) == [b'{"ok":true}'] * 6
+            assert peak == 2 and e.connections == 2
+            await p.close()
+            p = pool(limit=1, wait=0.3)
+            first = await p.request("POST", e.url, "/x", b"{}")  # holds the only connection
+            with pytest.raises(Timeout) as ex:
+                await p.request("POST", e.url, "/x", b"{}")
+            assert ex.value.what == "wait" and "no free connection of 1 within 0.3s" in str(ex.value)
+            first.release()
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_an_engine_that_sends_nothing_times_out_on_the_read_timeout(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        if n == 2:  # the head, one piece, then silence
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await w.drain()
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool(read=0.4)
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(Timeout) as ex:
+                await p.request("POST", e.url, "/x", b"{}")
+            took = asyncio.get_running_loop().time() - t0
+            assert ex.value.what == "read" and 0.35 <= took < 2.0, took
+            resp = await p.request("POST", e.url, "/x", b"{}")
+            got = []
+            with pytest.raises(Timeout):
+                async for piece in resp.pieces():
+                    got.append(piece)
+            resp.release()
+            assert got == [b"hello"]
+            assert not p.busy and all(not h.idle and h.open == 0 for h in p.hosts.values())
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_a_stream_cut_mid_answer_gives_its_pieces_then_broken(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"f\r\ndata: {\"a\":1}\n\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.transport.abort()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("POST", e.url, "/x", b"{}")
+            got = []
+            with pytest.raises(Broken, match="mid-answer"):
+                async for piece in resp.pieces():
+                    got.append(piece)
+            resp.release()
+            assert b"".join(got) == b'data: {"a":1}\n\n'
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_bytes_that_are_not_http_and_a_refused_connection_are_errors_not_hangs(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool(read=3)
+            with pytest.raises(Broken, match="not an HTTP answer"):
+                await p.request("POST", e.url, "/x", b"{}")
+            with pytest.raises(Unreachable):
+                await p.request("POST", f"http://127.0.0.1:{free_port()}", "/x", b"{}")
+            assert all(h.open == 0 for h in p.hosts.values())
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_a_kept_connection_closed_as_the_request_went_out_is_tried_once_on_a_new_one(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        if n == 1:  # answers, then drops the next request unanswered (an idle timeout's race)
+            w.write(ok(b'{"n":1}'))
+            await w.drain()
+            await read_request(r)
+            return
+        if n == 2:
+            w.write(ok(b'{"n":2}'))
+            await w.drain()
+            await read_request(r)
+        # connection 3: opened fresh, its request dropped: no retry
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("POST", e.url, "/x", b"{}")
+            assert await resp.read() == b'{"n":1}'
+            resp.release()
+            resp = await p.request("POST", e.url, "/x", b"{}")  # on connection 1, dropped: retried on 2
+            assert await resp.read() == b'{"n":2}'
+            resp.release()
+            p2 = pool()
+            e.connections = 2
+            with pytest.raises(Unreachable, match="before an answer"):
+                await p2.request("POST", e.url, "/x", b"{}")
+            await p.close()
+            await p2.close()
+    run(main, loop_kind)
+
+
+@LOOPS
+def test_a_reader_slower_than_its_engine_stops_the_socket_not_the_memory(loop_kind: str) -> None:
+    size = 8 * MAX_BUFFERED
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for i in range(size // 65536):
+            w.write(bytes([i % 251]) * 65536)
+            await w.drain()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("GET", e.url, "/big")
+            await asyncio.sleep(0.5)  # the engine sends on; the client does not read
+            assert resp.paused and resp.size <= MAX_BUFFERED + (1 << 18)
+            got = bytearray()
+            async for piece in resp.pieces():
+                got += piece
+            resp.release()
+            assert len(got) == size and got[:65536] == bytes([0]) * 65536 and got[-1] == (size // 65536 - 1) % 251
+            await p.close()
+    run(main, loop_kind)
