@@ -38,11 +38,11 @@ def test_hetero_block_size_same_tp_every_token_lands_in_the_decoders_blocks(bs_s
         assert p.sender.counters.bytes == n * LAYERS * 2 * 4 * HEAD * 2
 
 
-@pytest.mark.parametrize("bs_src,bs_dst", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("bs_src,bs_dst", [(16, 32), (32, 16), (16, 16)])
 def test_hetero_block_size_without_an_early_grant_still_writes_the_decoders_blocks(bs_src: int,
                                                                                     bs_dst: int) -> None:
     """No early grant (the pages are reserved when the prompt ended): the decoder's block size,
-    known only after the handshake, still decides the runs."""
+    known only after the handshake, still decides the runs (the same block size: whole chunks)."""
     with hetero(1, 1, 4, "flash_hnd", bs_src=bs_src, bs_dst=bs_dst) as h:
         n = 45
         src_blocks, dst_blocks = run_prompt(h, f"N{bs_src}-{bs_dst}", n, early=False)
