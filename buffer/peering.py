@@ -76,7 +76,9 @@ def check_welcome(w: m.Welcome, where: str, me: str, others: set[str], max_metad
 LAYOUT_FIXES = {
     "model": "serve the same model on both sides",
     "kv_kind": "serve the same model on both sides (one is MLA, the other has K/V heads)",
-    "block_size": "start both sides with the same --block-size (vLLM CPU forces 16 for MLA models)",
+    "block_size": "start both sides with the same --block-size (a kvferry prefiller maps block sizes only for "
+                  "a K/V-head model in a GPU flash layout whose chunk_size is a multiple of both; vLLM CPU's "
+                  "blocks keep K transposed per block size, and vLLM CPU forces 16 for MLA models)",
     "tp_size": "start both sides with the same --tensor-parallel-size, or use a prefiller that slices K/V heads "
                "per decoder rank (kvferry's does, for the same model; docs/pd.md)",
     "num_kv_heads": "start both sides with the same --tensor-parallel-size (KV heads per rank differ)",
@@ -94,6 +96,22 @@ def slicing(roles: tuple[str, str], mine: m.LayoutFingerprint, theirs: m.LayoutF
             and mine.total_kv_heads == theirs.total_kv_heads > 0)
 
 
+# Layouts whose blocks keep each token's head vector whole (at token x head), whatever the block
+# size: vLLM's flash layouts. vLLM CPU's blocks do not (its attention stores K transposed, or
+# VNNI-packed in 16-token tiles, within each block): whole blocks copy, tokens cannot be mapped.
+TOKEN_ADDRESSABLE = ("flash_nhd", "flash_hnd")
+
+
+def maps_blocks(roles: tuple[str, str], mine: m.LayoutFingerprint, theirs: m.LayoutFingerprint) -> bool:
+    """Whether a PD sender will write each decoder page in the decoder's block size, so the block
+    sizes may differ: a slicing sender (its byte runs address tokens), layouts whose blocks are
+    token-addressable on both sides, and a chunk_size that is a multiple of both block sizes
+    (docs/pd.md, "Different block sizes")."""
+    bs = (mine.block_size, theirs.block_size)
+    return (slicing(roles, mine, theirs) and min(bs) > 0 and all(mine.chunk_size % b == 0 for b in bs)
+            and all(fp.kv_layout.split(":", 1)[0] in TOKEN_ADDRESSABLE for fp in (mine, theirs)))
+
+
 def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutFingerprint,
                  theirs: m.LayoutFingerprint) -> str | None:
     """The one message for a layout mismatch, both sides' fields shown; None when they agree.
@@ -107,6 +125,8 @@ def layout_error(roles: tuple[str, str], names: tuple[str, str], mine: m.LayoutF
     elif slicing(roles, mine, theirs):
         # The sender writes each decoder rank exactly its heads, in its chunk format (docs/pd.md).
         diff = [d for d in diff if not d.startswith(("tp_size:", "num_kv_heads:", "page_bytes:"))]
+        if maps_blocks(roles, mine, theirs):  # the sender's runs put each token where this block size wants it
+            diff = [d for d in diff if not d.startswith("block_size:")]
     if not diff:
         return None
     fixes = dict.fromkeys(LAYOUT_FIXES[f] for f in mine.__struct_fields__

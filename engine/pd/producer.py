@@ -40,7 +40,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
-from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank
+from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank, same_rank
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import SendError, failure_reason
@@ -289,7 +289,9 @@ class PDProducer:
                 fut = next(w for w in out.writes if not _ok(w))
             elif out.grant is not None:  # the early alloc failed: its id is spent on the receiver
                 fut = out.grant
-            elif out.slice is not None:  # no early grant, sliced: reserve as one of the writers, then write
+            elif out.slice is not None or self._slicer is not None:
+                # No early grant, and the decoder's layout (known after the handshake) may ask for runs:
+                # reserve (as one of the writers when sliced), then write.
                 fut = self._send_sliced(out)
             else:  # no early grant: reserve and write now, as one transfer
                 fut = self.sender.send(out.transfer_id, out.receiver, out.keys, self._all_chunks(out, 0),
@@ -306,19 +308,23 @@ class PDProducer:
         return self._salt if share is None else key_salt(as_decoder_rank(self.fp, share))
 
     def _runs(self, out: _Outgoing, grant: Grant, first: int, count: int) -> list | None:
-        """The byte runs of chunks first..first+count for the decoder rank of `grant` (None: whole chunks)."""
-        if out.slice is None:
+        """The byte runs of chunks first..first+count for the decoder rank of `grant` (None: whole
+        chunks): its heads (another TP size) in its block size (docs/pd.md, "Different block sizes")."""
+        dst = grant.peer.welcome.fingerprint
+        share = out.slice or same_rank(self.fp, self.tp_rank, dst)
+        if share is None:
             return None
         if self._slicer is None:
             raise StagingError(f"transfer {out.transfer_id}: a sliced write, and this prefiller does not slice")
         sizes = [min(self.fp.chunk_size, out.num_tokens - s) for s in range(0, out.num_tokens, self.fp.chunk_size)]
-        return self._slicer.runs(grant.peer.welcome.fingerprint, out.slice, sizes[first:first + count])
+        return self._slicer.runs(dst, share, sizes[first:first + count])
 
     def _send_sliced(self, out: _Outgoing) -> concurrent.futures.Future[SendResult]:
-        """Reserve as writer `out.slice.writer`, then write every chunk's runs with the notification."""
+        """Reserve (as writer `out.slice.writer` when sliced), then write every chunk (its runs where
+        the decoder's layout asks for them) with the notification."""
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
-        assert out.slice is not None  # called for a sliced prompt only
-        granted = self.sender.reserve(out.transfer_id, out.receiver, out.keys, out.num_tokens, share=out.slice.share)
+        granted = self.sender.reserve(out.transfer_id, out.receiver, out.keys, out.num_tokens,
+                                      share=out.slice.share if out.slice else (1, 0))
 
         def write(f: concurrent.futures.Future[Grant]) -> None:
             if not _ok(f):

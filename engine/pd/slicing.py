@@ -58,6 +58,15 @@ def feeds(fp: m.LayoutFingerprint, src_rank: int, dst_tp: int) -> list[tuple[int
     return out
 
 
+def same_rank(fp: m.LayoutFingerprint, rank: int, dst: m.LayoutFingerprint) -> Slice | None:
+    """The slice a prefiller rank writes into the decoder rank of its own TP rank when only the
+    block sizes differ (block format: the decoder's pages hold its own blocks); None when whole
+    chunks fit as they are (same block size, or the token format, which has no blocks)."""
+    if dst.block_size == fp.block_size or fp.chunk_format == "token" or fp.kv_kind != "mha":
+        return None
+    return Slice(fp.tp_size, rank, 1, 0)
+
+
 def as_decoder_rank(fp: m.LayoutFingerprint, s: Slice) -> m.LayoutFingerprint:
     """`fp` with the heads per rank of the decoder rank `s` writes into: what that rank's own
     fingerprint says, for the chunk keys' salt (shared.key_salt)."""
@@ -95,8 +104,11 @@ class Slicer:
         return [self._one(dst_fp, s, n) for n in token_counts]
 
     def _one(self, dst_fp: m.LayoutFingerprint, s: Slice, n: int) -> np.ndarray:
-        if self.fp.chunk_format == "block":  # whole blocks, as an unsliced write: fewer, longer runs
-            n = -(-n // self.fp.block_size) * self.fp.block_size
+        if self.fp.chunk_format == "block" and dst_fp.block_size == self.fp.block_size:
+            n = -(-n // self.fp.block_size) * self.fp.block_size  # whole blocks, as an unsliced write: longer runs
+        # Other block sizes: the chunk's real tokens only. A partial chunk's blocks per layer (its
+        # layer stride) differ between the sides, so rounding up to one side's block would shift
+        # the other's layers.
         key = (dst_fp, s, n)
         got = self._cache.get(key)
         if got is None:

@@ -12,43 +12,13 @@ import time
 
 import msgspec
 import pytest
-import torch
 
 pytest.importorskip("nixl._api")
 
 from kvferry.buffer import peering  # noqa: E402
 from kvferry.common import messages as m  # noqa: E402
-from tests.hetero_helpers import BS, CHUNK, NBLOCKS, dying_writer_main, hetero  # noqa: E402
+from tests.hetero_helpers import CHUNK, blocks, dying_writer_main, hetero, run_prompt  # noqa: E402
 from tests.polling import until  # noqa: E402
-
-
-def blocks(seed: int, n: int) -> list[int]:
-    return torch.randperm(NBLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
-
-
-def run_prompt(h, tid: str, n: int, pieces: bool = True) -> tuple[list[int], list[int]]:
-    """One prompt of `n` tokens through every prefiller rank (early grant, a piece while it
-    computes, the last write with the notification) into every decoder rank; returns the block
-    tables (prefiller side, decoder side)."""
-    tokens = list(range(1000, 1000 + n))
-    src_blocks, dst_blocks = blocks(11, -(-n // BS)), blocks(12, -(-n // BS))
-    for d, c in enumerate(h.consumers):
-        c.expect(f"req{d}", tid, tokens, dst_blocks, n - 1)  # the decoder computes the last token
-    for r, p in enumerate(h.producers):
-        for addr, s in h.feeds(r):
-            p.open(tid, addr, tokens, n, s)
-    if pieces:
-        for r, p in enumerate(h.producers):
-            want = len(h.feeds(r))
-            until(lambda p=p, want=want: p.progress(tid, src_blocks[:4], 64) or p.counters.pieces >= want, 10,
-                  f"prefiller rank {r}'s first piece")
-    results = [p.submit(tid, addr, tokens, src_blocks, n, s)
-               for r, p in enumerate(h.producers) for addr, s in h.feeds(r)]
-    for f in results:
-        assert f.result(10).sent_chunks == -(-n // CHUNK)
-    for d, c in enumerate(h.consumers):
-        assert until(lambda c=c: c.poll(0.05)[0], 10, f"decoder rank {d} loaded") == {f"req{d}"}
-    return src_blocks, dst_blocks
 
 
 @pytest.mark.parametrize("layout", ["cpu", "flash_nhd"])

@@ -129,8 +129,9 @@ def test_fingerprint_mismatch_is_refused_showing_both(receiver, sender) -> None:
                                              ("kv_kind", "mla", "one is MLA")])
 def test_block_size_tp2_and_mla_mismatch_is_refused_naming_the_fix(receiver, sender, field: str, value: object,
                                                                     fix: str) -> None:
-    """Different block sizes, TP sizes (until hetero TP is wired into transfers) or an MLA model on one
-    side only: refused at the handshake, both sides' values and the fix named."""
+    """Different block sizes or TP sizes from a sender that does not slice (docs/pd.md: a slicing
+    prefiller maps both), or an MLA model on one side only: refused at the handshake, both sides'
+    values and the fix named."""
     r = receiver()
     s, src = sender(fp=msgspec.structs.replace(fingerprint(), **{field: value}))
     with pytest.raises(FingerprintMismatch) as e:
