@@ -83,6 +83,9 @@ LAYOUT_FIXES = {
                "per decoder rank (kvferry's does, for the same model; docs/pd.md)",
     "num_kv_heads": "start both sides with the same --tensor-parallel-size (KV heads per rank differ)",
     "total_kv_heads": "serve the same model on both sides (the number of KV heads differs)",
+    "kv_layout": "run both sides with the same KV cache layout; on vLLM CPU its attention kernels (isa=) "
+                 "must match too: bf16 on a CPU with AMX packs blocks unlike one without AMX, so pair such "
+                 "machines with their like, or serve --dtype float32 on both",
     "chunk_size": "set the same chunk_size on both sides",
     "chunk_format": "set the same pd_chunk_format on both sides",
 }

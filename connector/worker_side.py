@@ -17,6 +17,7 @@ from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.live_gauges import LiveGauges, gauge_path
 from kvferry.common.log import get_logger
+from kvferry.connector.cpu_isa import attention_isa
 from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta, OpenOp, SaveOp
 from kvferry.connector.roles import Roles, engine_id, model_name, salt
 from kvferry.engine.api import (
@@ -83,9 +84,10 @@ class WorkerSide:
         kv = PagedKV(tensors, layout)
         model = model_name(self.vc)
         fmt = cfg.pd_chunk_format if roles.pd else "block"
-        fp = fingerprint(kv, model, cfg.chunk_size, fmt, self.tp_size, mc.get_total_num_kv_heads())
+        isa = attention_isa(layout, self.vc.cache_config.cache_dtype)
+        fp = fingerprint(kv, model, cfg.chunk_size, fmt, self.tp_size, mc.get_total_num_kv_heads(), isa=isa)
         if roles.offload:
-            ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size)
+            ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size, isa=isa)
             digest = layout_digest(msgspec.msgpack.encode(ofp))
             self.offload = OffloadWorker(cfg, kv, self.tp_rank, digest)
             if cfg.enable_p2p and self.offload.cpu is not None:

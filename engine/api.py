@@ -21,12 +21,12 @@ from kvferry.engine.pd.producer import PDProducer
 from kvferry.engine.pd.shared import fingerprint
 from kvferry.engine.pd.slicing import Slice, feeds
 from kvferry.engine.remote.base import RemoteError
-from kvferry.kernels.layout import detect_layout
+from kvferry.kernels.layout import KVLayout, detect_layout
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
     "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker",
-    "PDConsumer", "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "Slice", "detect_layout", "feeds",
-    "fingerprint", "layout_digest", "loaded_blocks", "notice_addr", "offload_salt",
+    "KVLayout", "PDConsumer", "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "Slice", "detect_layout",
+    "feeds", "fingerprint", "layout_digest", "loaded_blocks", "notice_addr", "offload_salt",
 ]

@@ -20,11 +20,13 @@ KV_LAYOUT_NAMES = {
 
 
 def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_size: int = 1,
-                total_kv_heads: int = 0, slices: bool = True) -> m.LayoutFingerprint:
+                total_kv_heads: int = 0, slices: bool = True, isa: str = "") -> m.LayoutFingerprint:
     """What a prefiller and a decoder must agree on, from the KV caches vLLM registered.
     `total_kv_heads`: the model's (vLLM's get_total_num_kv_heads); 0 means heads x TP size, which
     is wrong only for replicated heads (fewer than TP). `slices`: as a sender, this side writes
-    each decoder rank only its heads, so a decoder of another TP size is accepted (docs/pd.md)."""
+    each decoder rank only its heads, so a decoder of another TP size is accepted (docs/pd.md).
+    `isa`: vLLM CPU attention's kernel family (connector/cpu_isa.py), which decides what a block
+    holds: named in kv_layout, so two CPUs that pack blocks differently never exchange them."""
     lay = kv.layout
     if chunk_format == "block" and chunk_size % lay.block_size:
         raise LayoutError(f"chunk_size {chunk_size} is not a multiple of vLLM's block_size {lay.block_size}: "
@@ -35,7 +37,8 @@ def fingerprint(kv: PagedKV, model: str, chunk_size: int, chunk_format: str, tp_
     return m.LayoutFingerprint(
         model=model, dtype=str(lay.dtype).removeprefix("torch."), num_layers=kv.num_layers,
         num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
-        kv_layout=KV_LAYOUT_NAMES[lay.name], chunk_format=chunk_format, chunk_size=chunk_size,
+        kv_layout=KV_LAYOUT_NAMES[lay.name] + (f" isa={isa}" if isa else ""), chunk_format=chunk_format,
+        chunk_size=chunk_size,
         tp_size=tp_size, page_bytes=kv.chunk_nbytes(chunk_format, chunk_size),
         kv_kind="mla" if lay.is_mla else "mha", slices=slices and not lay.is_mla,
         total_kv_heads=1 if lay.is_mla else total_kv_heads or lay.num_kv_heads * tp_size)

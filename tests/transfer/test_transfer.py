@@ -126,11 +126,13 @@ def test_fingerprint_mismatch_is_refused_showing_both(receiver, sender) -> None:
 
 @pytest.mark.parametrize("field,value,fix", [("block_size", 16, "same --block-size"),
                                              ("tp_size", 2, "same --tensor-parallel-size"),
-                                             ("kv_kind", "mla", "one is MLA")])
+                                             ("kv_kind", "mla", "one is MLA"),
+                                             ("kv_layout", "cpu isa=amx", "packs blocks unlike one without AMX")])
 def test_block_size_tp2_and_mla_mismatch_is_refused_naming_the_fix(receiver, sender, field: str, value: object,
                                                                     fix: str) -> None:
     """Different block sizes or TP sizes from a sender that does not slice (docs/pd.md: a slicing
-    prefiller maps both), or an MLA model on one side only: refused at the handshake, both sides'
+    prefiller maps both), an MLA model on one side only, or vLLM CPU attention kernels that pack
+    blocks differently (an AMX CPU beside one without): refused at the handshake, both sides'
     values and the fix named."""
     r = receiver()
     s, src = sender(fp=msgspec.structs.replace(fingerprint(), **{field: value}))
