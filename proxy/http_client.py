@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import cast
@@ -195,10 +196,10 @@ class Response:
 class _Host:
     """One instance's connections: idle ones, how many are open, who waits for one."""
 
-    __slots__ = ("host", "port", "head", "idle", "open", "waiters")
+    __slots__ = ("host", "port", "head", "tls", "idle", "open", "waiters")
 
-    def __init__(self, host: str, port: int, head: bytes) -> None:
-        self.host, self.port, self.head = host, port, head
+    def __init__(self, host: str, port: int, head: bytes, tls: ssl.SSLContext | None) -> None:
+        self.host, self.port, self.head, self.tls = host, port, head, tls
         self.idle: deque[_Conn] = deque()
         self.open = 0
         self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
@@ -214,6 +215,7 @@ class Pool:
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.hosts: dict[str, _Host] = {}
         self.busy: set[_Conn] = set()
+        self._tls: ssl.SSLContext | None = None
         self.loop = asyncio.get_running_loop()
         self._sweep = self.loop.create_task(self._sweeper())
 
@@ -221,11 +223,13 @@ class Pool:
         h = self.hosts.get(base)
         if h is None:
             u = urlsplit(base)
-            if u.scheme != "http" or not u.hostname:
-                raise Unreachable(f"{base}: only http:// engines are reached this way")
-            port = u.port or 80
-            host_header = u.netloc.rsplit("@", 1)[-1]
-            h = self.hosts[base] = _Host(u.hostname, port, f"Host: {host_header}\r\n{self.extra}".encode())
+            if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+                raise Unreachable(f"{base}: not http(s)://host:port")
+            tls = None
+            if u.scheme == "https":  # verified as aiohttp's client does by default (SSL_CERT_FILE is honoured)
+                tls = self._tls = self._tls or ssl.create_default_context()
+            h = self.hosts[base] = _Host(u.hostname, u.port or (443 if tls else 80),
+                                         f"Host: {u.netloc}\r\n{self.extra}".encode(), tls)
         return h
 
     async def request(self, method: str, base: str, path: str, body: bytes | None = None) -> Response:
@@ -297,7 +301,7 @@ class Pool:
         h.open += 1
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, c = await self.loop.create_connection(lambda: _Conn(self), h.host, h.port)
+                _, c = await self.loop.create_connection(lambda: _Conn(self), h.host, h.port, ssl=h.tls)
         except BaseException as e:
             h.open -= 1
             self._hand_on(h, None)

@@ -295,3 +295,44 @@ def test_a_reader_slower_than_its_engine_stops_the_socket_not_the_memory(loop_ki
             assert len(got) == size and got[:65536] == bytes([0]) * 65536 and got[-1] == (size // 65536 - 1) % 251
             await p.close()
     run(main, loop_kind)
+
+
+def test_an_https_engine_is_verified_as_aiohttp_verifies_it(tmp_path, monkeypatch) -> None:
+    """A TLS engine whose certificate the system trusts (SSL_CERT_FILE here) answers; one it does
+    not trust is Unreachable, naming the verification failure."""
+    import ssl
+    import subprocess
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=engine",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def main(trusted: bool) -> None:
+        async def on(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await read_request(r)
+                w.write(ok(b'{"tls":true}'))
+                await w.drain()
+            except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                w.close()
+        port = free_port()
+        server = await asyncio.start_server(on, "127.0.0.1", port, ssl=server_ctx)
+        try:
+            p = pool()
+            if trusted:
+                resp = await p.request("GET", f"https://127.0.0.1:{port}", "/v1/models")
+                assert await resp.read() == b'{"tls":true}'
+                resp.release()
+            else:
+                with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                    await p.request("GET", f"https://127.0.0.1:{port}", "/v1/models")
+            await p.close()
+        finally:
+            server.close()
+    asyncio.run(main(False))
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    asyncio.run(main(True))
