@@ -84,10 +84,16 @@ def tier_value(server: VLLMServer, name: str, tier: str) -> float:
 
 
 def tiny_fingerprint(model_path: Path) -> m.LayoutFingerprint:
+    """The tiny Llama's fingerprint on this machine's vLLM CPU (bf16, blocks of 128)."""
+    import torch
+
+    from kvferry.connector.cpu_isa import attention_isa
+    from kvferry.kernels.layout import KVLayout
     c = json.loads((model_path / "config.json").read_text())
     heads, hd, layers = c["num_key_value_heads"], c["head_dim"], c["num_hidden_layers"]
+    isa = attention_isa(KVLayout("cpu", 1, 128, heads, hd, torch.bfloat16), "auto")
     return m.LayoutFingerprint(model=model_path.name, dtype="bfloat16", num_layers=layers, num_kv_heads=heads,
-                               head_size=hd, block_size=128, kv_layout=KV_LAYOUT_NAMES["cpu"],
+                               head_size=hd, block_size=128, kv_layout=f"{KV_LAYOUT_NAMES['cpu']} isa={isa}",
                                chunk_format="block", chunk_size=256, tp_size=1,
                                page_bytes=layers * 256 * heads * hd * 2 * 2)
 
