@@ -25,6 +25,16 @@ logger = get_logger(__name__)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers go out with its first event, in one write (aiohttp's
+    StreamResponse sends them alone at prepare(): a syscall more per request)."""
+
+    _send_headers_immediately = False
+
+    def __init__(self) -> None:
+        super().__init__(headers=SSE_HEADERS)
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + limits.dumps(obj) + b"\n\n"
 
@@ -56,7 +66,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     fingerprint = None  # vLLM's system_fingerprint, on the usage chunk as vLLM puts it
     up = ctx.router.upstream(d)
     finished = done
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = EventStream()
     first_leg = True
     leg_open = False  # the decode leg's request went out: the decoder may hold it
     last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
@@ -231,7 +241,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     metrics = ctx.metrics
     # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
     events = migrate.stalled(up.events(path, body), ctx.opts.stall_timeout, up)
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = EventStream()
     started = False
     rid = created = model = None
     skip = first_text or ""
@@ -346,7 +356,7 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
 async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: dict, t0: float
                          ) -> web.StreamResponse:
     """A chat answer the prefiller already finished, written as the stream the client asked for."""
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = EventStream()
     await resp.prepare(request)
     choice = out["choices"][0]
     msg = choice.get("message") or {}
