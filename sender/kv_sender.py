@@ -200,8 +200,7 @@ class KVSender(SenderSleep):
             return out
         grant.posted = True
         grant.finishing = grant.finishing or notify
-        notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation,
-                                         writer=grant.share[1])) if notify else b""
+        notif = grant.notice if notify else b""
         xf = self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
                              grant.peer.agent, notif, grant.deadline)
         grant.writes.add(xf)
