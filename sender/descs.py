@@ -23,7 +23,7 @@ MAX_TEMPLATES = 64
 class _Template:
     """One checked run array as descriptor rows relative to its chunk (local) and page (remote)."""
 
-    __slots__ = ("local", "remote", "end", "widest", "nbytes")
+    __slots__ = ("both", "end", "widest", "nbytes")
 
     def __init__(self, r: np.ndarray, device_id: int, remote_device_id: int) -> None:
         lens = r[:, 2]
@@ -32,12 +32,19 @@ class _Template:
         self.end = int((r[:, 0] + lens).max())  # the chunk must hold this many bytes
         self.widest = int((r[:, 1] + lens).max())
         self.nbytes = int(lens.sum())
-        self.local = np.stack([r[:, 0], lens, np.full(len(r), device_id, dtype=np.int64)], axis=1)[None]
-        self.remote = np.stack([r[:, 1], lens, np.full(len(r), remote_device_id, dtype=np.int64)], axis=1)[None]
+        dev = np.full(len(r), device_id, dtype=np.int64)
+        rdev = np.full(len(r), remote_device_id, dtype=np.int64)
+        # [local, remote][1][run][address, bytes, device]: a chunk's and a page's start add to it.
+        self.both = np.stack([np.stack([r[:, 0], lens, dev], axis=1), np.stack([r[:, 1], lens, rdev], axis=1)])[:, None]
+
+
+_I64 = np.dtype(np.int64)
+_ADDRESS = np.array([1, 0, 0], dtype=np.int64)  # a start moves the address column only
 
 
 def _template(runs: object, device_id: int, remote_device_id: int) -> _Template | None:
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    r = runs if type(runs) is np.ndarray and runs.dtype is _I64 and runs.ndim == 2 and runs.shape[1] == 3 \
+        else np.asarray(runs, dtype=np.int64).reshape(-1, 3)
     if not r.size:
         return None
     key = (r.tobytes(), device_id, remote_device_id)
@@ -78,13 +85,14 @@ def write_descs(chunks: Sequence[tuple[int, int]], pages: Sequence[int], region:
             j += 1
         t = _template(runs[i], device_id, region.device_id)
         if t is not None:
-            if t.end > min(n for _, n in chunks[i:j]):
+            seg = chunks[i:j]
+            if t.end > min([n for _, n in seg]):
                 raise ChunkError("a byte run lies outside its chunk (or is empty)")
-            offs = np.zeros((2, j - i, 1, 3), dtype=np.int64)  # each row's chunk (local) and page (remote) start
-            offs[0, :, 0, 0] = [a for a, _ in chunks[i:j]]
-            offs[1, :, 0, 0] = [region.addr + p * region.page_bytes for p in pages[i:j]]
-            locs.append((t.local + offs[0]).reshape(-1, 3))
-            rems.append((t.remote + offs[1]).reshape(-1, 3))
+            starts = [a for a, _ in seg]
+            starts += [region.addr + p * region.page_bytes for p in pages[i:j]]
+            both = t.both + np.array(starts, dtype=np.int64).reshape(2, j - i, 1, 1) * _ADDRESS
+            locs.append(both[0].reshape(-1, 3))
+            rems.append(both[1].reshape(-1, 3))
             nbytes += t.nbytes * (j - i)
             widest = max(widest, t.widest)
         i = j
