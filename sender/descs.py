@@ -39,7 +39,6 @@ class _Template:
 
 
 _I64 = np.dtype(np.int64)
-_ADDRESS = np.array([1, 0, 0], dtype=np.int64)  # a start moves the address column only
 
 
 def _template(runs: object, device_id: int, remote_device_id: int) -> _Template | None:
@@ -90,7 +89,9 @@ def write_descs(chunks: Sequence[tuple[int, int]], pages: Sequence[int], region:
                 raise ChunkError("a byte run lies outside its chunk (or is empty)")
             starts = [a for a, _ in seg]
             starts += [region.addr + p * region.page_bytes for p in pages[i:j]]
-            both = t.both + np.array(starts, dtype=np.int64).reshape(2, j - i, 1, 1) * _ADDRESS
+            offs = np.zeros((2, j - i, 1, 3), dtype=np.int64)  # a start moves the address column only
+            offs.reshape(-1, 3)[:, 0] = starts
+            both = t.both + offs
             locs.append(both[0].reshape(-1, 3))
             rems.append(both[1].reshape(-1, 3))
             nbytes += t.nbytes * (j - i)
