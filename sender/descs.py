@@ -16,8 +16,11 @@ Desc = tuple[int, int, int]  # (address, bytes, device id)
 # Checked run arrays by content (their bytes and the device ids): one layout's runs are the same
 # for every full chunk of every write, so each write checks and lays them out once, not per chunk.
 # Keyed by content, not identity: a caller that changes its array afterwards gets a new entry.
+# Bounded in entries and in size: a large run array (thousands of runs: the token-major format) is
+# checked afresh each time, its descriptors' numpy work small next to its transfer.
 _TEMPLATES: dict[tuple[bytes, int, int], _Template] = {}
-MAX_TEMPLATES = 64
+MAX_TEMPLATES = 32
+MAX_TEMPLATE_KEY_BYTES = 64 << 10
 
 
 class _Template:
@@ -50,9 +53,10 @@ def _template(runs: object, device_id: int, remote_device_id: int) -> _Template 
     t = _TEMPLATES.get(key)
     if t is None:
         t = _Template(r, device_id, remote_device_id)
-        if len(_TEMPLATES) >= MAX_TEMPLATES:
-            _TEMPLATES.clear()
-        _TEMPLATES[key] = t
+        if len(key[0]) <= MAX_TEMPLATE_KEY_BYTES:
+            if len(_TEMPLATES) >= MAX_TEMPLATES:
+                _TEMPLATES.clear()
+            _TEMPLATES[key] = t
     return t
 
 

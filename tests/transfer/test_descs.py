@@ -72,3 +72,19 @@ def test_write_descs_refuses_mismatched_or_empty_runs() -> None:
         write_descs([(0, 64), (64, 64)], [0], REGION, 0, [runs, runs])
     with pytest.raises(ChunkError):
         write_descs([(0, 64)], [0], REGION, 0, [np.zeros((0, 3), np.int64)])
+
+
+def test_write_descs_template_cache_stays_bounded() -> None:
+    """Many distinct run arrays (a shorter last chunk per prompt length) and a huge one: the cache of
+    checked templates keeps at most MAX_TEMPLATES entries, none of them huge."""
+    from kvferry.sender import descs
+
+    size = 1 << 20
+    for k in range(1, 3 * descs.MAX_TEMPLATES):
+        runs = np.array([[0, 0, k]], np.int64)
+        write_descs([(0, size)], [0], REGION, 0, [runs])
+    huge = np.stack([np.arange(0, size, 64), np.arange(0, size, 64), np.full(size // 64, 8)], axis=1)
+    local, _, nbytes, _ = write_descs([(0, size)], [0], REGION, 0, [huge])
+    assert len(local) == size // 64 and nbytes == 8 * (size // 64)
+    assert len(descs._TEMPLATES) <= descs.MAX_TEMPLATES
+    assert all(len(key[0]) <= descs.MAX_TEMPLATE_KEY_BYTES for key in descs._TEMPLATES)
