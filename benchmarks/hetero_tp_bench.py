@@ -8,8 +8,11 @@ same `batch` pages of one receiver (this process) in the decoder's 8-head chunk 
 only its heads' byte runs (kernels/head_map.py `chunk_runs`: one run per layer and block here).
 Per repetition and chunk size, both ranks start at one agreed CLOCK_MONOTONIC instant:
 
-- raw: each rank posts one NIXL WRITE of its runs (the very descriptors kvferry posts) into pages
-  reserved beforehand; the time is until the later of the two reports done;
+- raw: each rank posts one NIXL WRITE of its runs (the very descriptors kvferry posts, built before
+  the start) into pages reserved beforehand, with a NIXL notification of kvferry's notice's size;
+  the time is until the receiver's NIXL thread (polling as for a transfer of its own) got the later
+  of the two notifications, the point at which a decoder can know the bytes are there
+  (`raw_sender_done_p50_ms`: until the later sender's NIXL reported its WRITE done instead);
 - kvferry (`ratio`): the pages were reserved by both ranks while the prompt computed (untimed: the
   first rank's alloc, the second joining it), then each rank's `KVSender.write(runs=...)` with its
   notification; the time is until the receiver committed the transfer, i.e. both notifications came.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -38,6 +42,7 @@ from kvferry.sender.kv_sender import KVSender, SenderConfig
 
 HEADS, HEAD, LAYERS, BS = 8, 128, 8, 16
 TOKEN_BYTES = LAYERS * HEADS * HEAD * 2 * 2  # every layer's K and V of one token, all heads, bf16
+RAW_NOTE = b"kvf-bench-raw:"  # a raw WRITE's notification: this prefix, the pages' id and the rank
 
 
 def fingerprint(tp: int, chunk: int) -> m.LayoutFingerprint:
@@ -61,6 +66,10 @@ def _until(t: float) -> None:
     time.sleep(max(0.0, t - 0.002 - time.monotonic()))
     while time.monotonic() < t:
         pass
+
+
+def grants_notice(rank: int) -> bytes:
+    return m.encode(m.ArrivalNotice(transfer_id="t10", generation=1 << 20, writer=rank))
 
 
 def sender_main(conn, rank: int, addr: tuple, chunk: int, batch: int) -> None:
@@ -87,10 +96,12 @@ def sender_main(conn, rank: int, addr: tuple, chunk: int, batch: int) -> None:
                 res = s.write(grants.pop(cmd[1]), chunks, 0, notify=True, runs=runs).result(60)
                 conn.send(res.posted_at)
             else:  # raw: the same descriptors, one bare NIXL WRITE into reserved pages
-                conn.send(_raw(s, raddr, chunks, cmd[1], runs, cmd[2]))
+                # As long as kvferry's notice (msgspec: transfer id, generation, writer), padded.
+                note = (RAW_NOTE + f"{cmd[3]}:{rank}:".encode()).ljust(len(grants_notice(rank)), b".")
+                conn.send(_raw(s, raddr, chunks, cmd[1], runs, cmd[2], note))
 
 
-def _raw(s: KVSender, addr: ReceiverAddr, chunks, pages: list[int], runs, start: float) -> float:
+def _raw(s: KVSender, addr: ReceiverAddr, chunks, pages: list[int], runs, start: float, note: bytes) -> float:
     import asyncio
 
     async def peer():
@@ -103,7 +114,7 @@ def _raw(s: KVSender, addr: ReceiverAddr, chunks, pages: list[int], runs, start:
         _until(start)
         ld = agent.get_xfer_descs(local, "DRAM")
         rd = agent.get_xfer_descs(remote, region.mem_type)
-        h = agent.initialize_xfer("WRITE", ld, rd, p.agent)
+        h = agent.initialize_xfer("WRITE", ld, rd, p.agent, note)
         state = agent.transfer(h)
         while state == "PROC":
             state = agent.check_xfer_state(h)
@@ -123,6 +134,25 @@ def bench_size(chunk: int, batch: int, reps: int) -> dict:
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     with KVReceiver(ReceiverConfig(*addr), buf, fingerprint(1, chunk)) as r:
+        # The receiver's NIXL thread hands raw WRITEs' notifications here, with when it got them;
+        # kvferry's go on to its own handling as always.
+        seen: dict[bytes, float] = {}
+        seen_cv = threading.Condition()
+        sender_done: list[float] = []
+        kvferry_notif = r._on_notif
+
+        def on_notif(note: bytes, proxy) -> None:
+            if not note.startswith(RAW_NOTE):
+                kvferry_notif(note, proxy)
+                return
+            with seen_cv:
+                seen[note.rstrip(b".")] = time.monotonic()
+                seen_cv.notify_all()
+
+        def notes(i: int) -> list[bytes]:
+            return [RAW_NOTE + f"raw{i}:{rank}:".encode() for rank in range(2)]
+
+        r._on_notif = on_notif
         try:
             for rank in range(2):
                 mine, child = ctx.Pipe()
@@ -152,9 +182,14 @@ def bench_size(chunk: int, batch: int, reps: int) -> dict:
                 r.table.add(Incoming(f"raw{i}", "bench", [b"x"] * batch, 0, res, conn=b"bench"))
                 r._kick.set()  # poll as fast as for a transfer: UCX needs this side's progress
                 start = time.monotonic() + 0.01
-                done = ask_all("raw", list(res.pages), start)
+                done = ask_all("raw", list(res.pages), start, f"raw{i}")
+                with seen_cv:  # bounded: both notifications follow their WRITEs' data
+                    if not seen_cv.wait_for(lambda: all(k in seen for k in notes(i)), 10):
+                        raise RuntimeError(f"raw{i}: the receiver did not get both raw notifications")
+                    got = max(seen.pop(k) for k in notes(i))
                 r.table.abort(f"raw{i}", 0, "raw write done", conn=b"bench", final=True)
-                return max(done) - start
+                sender_done.append(max(done) - start)
+                return got - start
 
             kvferry("warm")
             raw(-1)
@@ -178,7 +213,9 @@ def bench_size(chunk: int, batch: int, reps: int) -> dict:
             "kvferry_gbps": round(nbytes / kv / 1e9, 3), "ratio": round(rw / kv, 3),
             "p50_transfer_ms": round(kv * 1e3, 3),
             "p99_transfer_ms": round(kv_sorted[min(len(kv_sorted) - 1, int(0.99 * len(kv_sorted)))] * 1e3, 3),
-            "raw_p50_ms": round(rw * 1e3, 3), "overhead_p50_us": round((kv - rw) * 1e6, 1)}
+            "raw_p50_ms": round(rw * 1e3, 3),
+            "raw_sender_done_p50_ms": round(statistics.median(sender_done[1:]) * 1e3, 3),
+            "overhead_p50_us": round((kv - rw) * 1e6, 1)}
 
 
 def run(sizes_mib: list[float], batch: int, reps: int) -> dict:

@@ -121,9 +121,11 @@ class NixlThread:
         return fut
 
     def post(self, op: str, local: Any, local_mem: str, remote: Any, remote_mem: str, agent_name: str,
-             notif: bytes, deadline: float) -> concurrent.futures.Future[XferDone]:
-        """`xfer` for a caller on any thread, with no event loop between it and NIXL."""
-        fut: concurrent.futures.Future[XferDone] = concurrent.futures.Future()
+             notif: bytes, deadline: float, fut: concurrent.futures.Future[XferDone] | None = None
+             ) -> concurrent.futures.Future[XferDone]:
+        """`xfer` for a caller on any thread, with no event loop between it and NIXL. `fut`: the
+        caller's own future, its callbacks attached before the post is queued."""
+        fut = concurrent.futures.Future() if fut is None else fut
         self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
         return fut
 

@@ -200,12 +200,11 @@ class KVSender(SenderSleep):
             return out
         grant.posted = True
         grant.finishing = grant.finishing or notify
-        notif = m.encode(m.ArrivalNotice(transfer_id=grant.transfer_id, generation=grant.generation,
-                                         writer=grant.share[1])) if notify else b""
-        xf = self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
-                             grant.peer.agent, notif, grant.deadline)
-        grant.writes.add(xf)
+        xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
+        grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
+        self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
+                        grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf)
         return out
 
     def release(self, grant: Grant, reason: str) -> None:
