@@ -25,19 +25,21 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvferry.common.errors import UnavailableError
+
 MAX_BUFFERED = 1 << 20  # bytes of an answer held before the socket stops being read
 _NO_TIME = float("inf")
 
 
-class Unreachable(OSError):
+class Unreachable(UnavailableError, OSError):
     """No connection to the engine, or it closed one before its answer began."""
 
 
-class Broken(ConnectionError):
+class Broken(UnavailableError, ConnectionError):
     """The engine's answer stopped part way (its connection closed, or bytes that are not HTTP)."""
 
 
-class Timeout(TimeoutError):
+class Timeout(UnavailableError, TimeoutError):
     """A bound passed: `what` is "connect", "wait" (for a free connection) or "read"."""
 
     def __init__(self, what: str, message: str) -> None:

@@ -54,7 +54,7 @@ def vllm_config(role: str, keys: dict) -> SimpleNamespace:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=keys, engine_id="sleepy"),
         model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=BS))
+        cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"))
 
 
 @pytest.fixture
