@@ -20,7 +20,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, source_tokens, tiny_fingerprint
+from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, same_answers, source_tokens, tiny_fingerprint
 
 FP32 = ["--dtype", "float32"]
 
@@ -68,12 +68,6 @@ def test_gqa_hetero_tp2_prefiller_to_tp1_decoder(gqa_tp2_to_tp1, tiny_model_path
     finally:
         peer.close()
     same_answers(answers)
-
-
-def same_answers(answers: list) -> None:
-    for i, ((toks, lps), (want_toks, want_lps)) in enumerate(answers):
-        assert toks == want_toks, f"prompt {i}: tokens differ"
-        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 1e-3, f"prompt {i}: logprobs differ"
 
 
 @pytest.fixture(scope="module")
