@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test each: its servers stop before the next test starts its own
 def gqa_tp2_to_tp1(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
     tmp = tmp_path_factory.mktemp("gqa-tp2")
@@ -70,7 +70,7 @@ def test_gqa_hetero_tp2_prefiller_to_tp1_decoder(gqa_tp2_to_tp1, tiny_model_path
     same_answers(answers)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test each: its servers stop before the next test starts its own
 def gqa_tp1_to_tp2(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
     tmp = tmp_path_factory.mktemp("gqa-tp1-tp2")
