@@ -11,12 +11,18 @@ from pathlib import Path
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from kvferry.launcher import tiny_model
 
-    out = Path(args.out) if args.out else tiny_model.default_dir(args.arch)
-    if tiny_model.is_current(out) and not args.force:
+    kv_heads = tiny_model.KV_HEADS if args.kv_heads is None else args.kv_heads
+    try:
+        default = tiny_model.default_dir(args.arch, kv_heads)  # checks --arch with --kv-heads
+    except ValueError as e:
+        print(f"kvferry make-tiny-model: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default
+    if tiny_model.is_current(out, kv_heads if args.arch == "llama" else None) and not args.force:
         print(f"tiny model already built: {out}")
         return 0
     print(f"building tiny model into {out} ...", flush=True)
-    tiny_model.build(out, args.arch)
+    tiny_model.build(out, args.arch, kv_heads)
     print(f"tiny model ready: {out}")
     return 0
 
@@ -79,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("make-tiny-model", help="build the random-weight test model (no network)")
     p.add_argument("--arch", choices=("llama", "deepseek"), default="llama",
                    help="llama: dense GQA (default); deepseek: DeepSeek-V2 MLA (docs/pd.md)")
-    p.add_argument("--out", help="output directory (default ~/.cache/kvferry/tiny-<arch>)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="llama only: KV heads, dividing its 8 attention heads (default 8; fewer than a TP size "
+                        "replicates them, docs/pd.md); another value builds into tiny-llama-kv<N>")
+    p.add_argument("--out", help="output directory (default ~/.cache/kvferry/tiny-<arch>, or "
+                                 "tiny-llama-kv<N> with --kv-heads N other than 8)")
     p.add_argument("--force", action="store_true", help="rebuild even if a current one exists")
     p.set_defaults(func=_make_tiny_model)
     p = sub.add_parser("secret", help="make a new cluster secret (docs/security.md)")

@@ -9,6 +9,10 @@ No network: the tokenizer is trained on seeded synthetic text and the weights ar
 seeded torch generator, so every machine builds the same files. Sized so vLLM's CPU build loads
 it in seconds while its KV cache is 16 KiB per token (8 layers x 8 KV heads x 64 x 2 x bf16).
 
+``kv_heads`` builds the Llama with fewer KV heads than its 8 (e.g. 1: at TP=2 every rank holds a
+copy of the one head, vLLM's replicated heads), into a directory of its own (``tiny-llama-kv1``);
+the default 8 is the model above, byte for byte, in ``tiny-llama``. The tokenizer is the same.
+
 Initialisation is at unit scale (not the usual 0.02) so attention, not just the last token,
 decides the next token: a transfer that delivers wrong KV changes the output.
 """
@@ -85,16 +89,24 @@ DEEPSEEK_ARCH: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 ARCHES = ("llama", "deepseek")
+KV_HEADS = ARCH["num_key_value_heads"]  # the Llama's default; fewer must divide its attention heads
 
 
-def default_dir(arch: str = "llama") -> Path:
-    _check_arch(arch)
-    return cache_root() / f"tiny-{arch}"
+def default_dir(arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
+    _check_arch(arch, kv_heads)
+    return cache_root() / (f"tiny-{arch}" if kv_heads == KV_HEADS else f"tiny-{arch}-kv{kv_heads}")
 
 
-def _check_arch(arch: str) -> None:
+def _check_arch(arch: str, kv_heads: int = KV_HEADS) -> None:
     if arch not in ARCHES:
         raise ValueError(f"tiny model arch {arch!r} is not one of {ARCHES}")
+    if kv_heads == KV_HEADS:
+        return
+    if arch != "llama":
+        raise ValueError(f"kv_heads applies to the llama tiny model only (the {arch} model is MLA)")
+    nh = ARCH["num_attention_heads"]
+    if not 1 <= kv_heads <= nh or nh % kv_heads:
+        raise ValueError(f"kv_heads {kv_heads} must divide the tiny Llama's {nh} attention heads")
 
 
 def _corpus(n_lines: int = 20000) -> list[str]:
@@ -142,13 +154,13 @@ def _train_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def _write_weights(out: Path, vocab: int, eos_id: int) -> None:
+def _write_weights(out: Path, vocab: int, eos_id: int, kv_heads: int = KV_HEADS) -> None:
     import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(SEED)
     h, inter = ARCH["hidden_size"], ARCH["intermediate_size"]
-    nh, nkv, hd = ARCH["num_attention_heads"], ARCH["num_key_value_heads"], ARCH["head_dim"]
+    nh, nkv, hd = ARCH["num_attention_heads"], kv_heads, ARCH["head_dim"]
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
@@ -207,7 +219,7 @@ def _write_deepseek_weights(out: Path, vocab: int, eos_id: int) -> None:
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict:
+def _config(arch: str, vocab: int, ids: dict[str, int], kv_heads: int = KV_HEADS) -> dict:
     common = {
         "vocab_size": vocab,
         "bos_token_id": ids["<s>"],
@@ -221,7 +233,8 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict:
         "initializer_range": 0.02,
     }
     if arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **ARCH}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **ARCH,
+                "num_key_value_heads": kv_heads}
     return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
             **DEEPSEEK_ARCH, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
             "moe_intermediate_size": 256, "moe_layer_freq": 1, "topk_method": "greedy",
@@ -229,9 +242,10 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict:
             "first_k_dense_replace": DEEPSEEK_ARCH["num_hidden_layers"]}
 
 
-def build(out: Path, arch: str = "llama") -> Path:
-    """Write the tiny model of architecture `arch` into `out` (atomically) and return it."""
-    _check_arch(arch)
+def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
+    """Write the tiny model of architecture `arch` (the Llama with `kv_heads` KV heads) into `out`
+    (atomically) and return it."""
+    _check_arch(arch, kv_heads)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
@@ -240,14 +254,19 @@ def build(out: Path, arch: str = "llama") -> Path:
         tok = json.loads((tmp / "tokenizer.json").read_text())
         ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
         vocab = (tok_vocab + 63) // 64 * 64
-        config = _config(arch, vocab, ids)
+        config = _config(arch, vocab, ids, kv_heads)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
-        (_write_weights if arch == "llama" else _write_deepseek_weights)(tmp, vocab, ids["</s>"])
+        if arch == "llama":
+            _write_weights(tmp, vocab, ids["</s>"], kv_heads)
+        else:
+            _write_deepseek_weights(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
-        (tmp / STAMP).write_text(json.dumps(
-            {"version": TINY_MODEL_VERSION, "arch": arch, "seed": SEED, "weights_sha256": digest}, indent=2))
+        stamp: dict[str, Any] = {"version": TINY_MODEL_VERSION, "arch": arch, "seed": SEED, "weights_sha256": digest}
+        if kv_heads != KV_HEADS:  # the default model's stamp stays as it was
+            stamp["kv_heads"] = kv_heads
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -257,24 +276,29 @@ def build(out: Path, arch: str = "llama") -> Path:
     return out
 
 
-def is_current(path: Path) -> bool:
+def is_current(path: Path, kv_heads: int | None = None) -> bool:
+    """A model of this version is built at `path` (with `kv_heads` KV heads, when given)."""
     try:
-        return json.loads((Path(path) / STAMP).read_text())["version"] == TINY_MODEL_VERSION
-    except (OSError, ValueError, KeyError):
+        stamp = json.loads((Path(path) / STAMP).read_text())
+        return stamp["version"] == TINY_MODEL_VERSION and (
+            kv_heads is None or stamp.get("kv_heads", KV_HEADS) == kv_heads)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
-def ensure(path: Path | None = None, arch: str = "llama") -> Path:
+def ensure(path: Path | None = None, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
     """The tiny model's directory, built on first use (or when its version is stale)."""
     import fcntl
 
-    path = Path(path) if path else default_dir(arch)
-    if is_current(path):
+    path = Path(path) if path else default_dir(arch, kv_heads)
+    # The stamp's kv_heads is checked for the Llama only (a built deepseek stamp names none).
+    want = kv_heads if arch == "llama" else None
+    if is_current(path, want):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # Several test processes may ask at once: one builds, the others wait and reuse it.
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_current(path):
-            build(path, arch)
+        if not is_current(path, want):
+            build(path, arch, kv_heads)
     return path

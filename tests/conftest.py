@@ -46,6 +46,13 @@ def tiny_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kv1_model_path() -> Path:
+    """The tiny Llama with one KV head (replicated on every rank at TP > 1), built once and cached
+    in ~/.cache/kvferry/tiny-llama-kv1."""
+    return tiny_model.ensure(kv_heads=1)
+
+
+@pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = os.environ.get("KVFERRY_TEST_LOG_DIR")
     return Path(d) if d else tmp_path_factory.mktemp("logs")

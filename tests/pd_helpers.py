@@ -41,6 +41,19 @@ def plain(server: VLLMServer, prompt: list[int], max_tokens: int) -> tuple[list[
     return tokens_and_logprobs(completion(server, prompt, max_tokens))
 
 
+def same_answers(answers: list, tol: float = 1e-3) -> float:
+    """Each ((tokens, logprobs), (plain tokens, plain logprobs)) pair: the same greedy tokens, logprobs
+    within `tol` (float32 across TP sizes: the sums are rounded differently). Returns the largest
+    logprob difference."""
+    worst = 0.0
+    for i, ((toks, lps), (want_toks, want_lps)) in enumerate(answers):
+        assert toks == want_toks, f"prompt {i}: tokens differ: {toks} != {want_toks}"
+        diff = max(abs(a - b) for a, b in zip(lps, want_lps, strict=True))
+        assert diff < tol, f"prompt {i}: logprobs differ by {diff}"
+        worst = max(worst, diff)
+    return worst
+
+
 def disagg(p: VLLMServer, d: Decoder, prompt: list[int], max_tokens: int, transfer_id: str | None = None,
            client: httpx.Client | None = None) -> tuple[list[int], list[float], dict]:
     """Prefill on `p` (max_tokens=1) with its KV sent to `d`, then decode the rest on `d`."""

@@ -20,7 +20,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, source_tokens, tiny_fingerprint
+from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, same_answers, source_tokens, tiny_fingerprint
 
 FP32 = ["--dtype", "float32"]
 
@@ -30,7 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test each: its servers stop before the next test starts its own
 def gqa_tp2_to_tp1(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
     tmp = tmp_path_factory.mktemp("gqa-tp2")
@@ -70,13 +70,7 @@ def test_gqa_hetero_tp2_prefiller_to_tp1_decoder(gqa_tp2_to_tp1, tiny_model_path
     same_answers(answers)
 
 
-def same_answers(answers: list) -> None:
-    for i, ((toks, lps), (want_toks, want_lps)) in enumerate(answers):
-        assert toks == want_toks, f"prompt {i}: tokens differ"
-        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 1e-3, f"prompt {i}: logprobs differ"
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test each: its servers stop before the next test starts its own
 def gqa_tp1_to_tp2(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[tuple[Prefiller, Decoder, VLLMServer]]:
     tmp = tmp_path_factory.mktemp("gqa-tp1-tp2")

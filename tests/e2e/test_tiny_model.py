@@ -38,6 +38,41 @@ def test_stale_model_is_rebuilt(tmp_path: Path) -> None:
     assert tiny_model.is_current(out) and (out / "model.safetensors").exists()
 
 
+def test_fewer_kv_heads_build_their_own_model_with_the_same_tokenizer(
+        tmp_path: Path, tiny_model_path: Path, tiny_kv1_model_path: Path) -> None:
+    """`make-tiny-model --kv-heads 1`: the Llama with one KV head (replicated at TP 2) in a directory of
+    its own; the default model (8 heads) and its stamp are what they were, and one is never taken for
+    the other."""
+    from safetensors import safe_open
+
+    assert tiny_kv1_model_path.name == "tiny-llama-kv1" and tiny_model.default_dir() == tiny_model_path
+    c = json.loads((tiny_kv1_model_path / "config.json").read_text())
+    assert c["num_key_value_heads"] == 1 and c["num_attention_heads"] == 8
+    with safe_open(str(tiny_kv1_model_path / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape()) == (64, 512)
+    assert sha(tiny_kv1_model_path / "tokenizer.json") == sha(tiny_model_path / "tokenizer.json")
+    assert "kv_heads" not in json.loads((tiny_model_path / tiny_model.STAMP).read_text())
+    assert tiny_model.is_current(tiny_kv1_model_path, 1) and not tiny_model.is_current(tiny_kv1_model_path, 8)
+    assert tiny_model.is_current(tiny_model_path, 8) and not tiny_model.is_current(tiny_model_path, 1)
+    fresh = tiny_model.build(tmp_path / "kv1", kv_heads=1)
+    assert sha(fresh / "model.safetensors") == sha(tiny_kv1_model_path / "model.safetensors")
+    # Asked for one KV head where the 8-head model lies, ensure rebuilds it rather than serve the wrong one.
+    other = tiny_model.build(tmp_path / "m")
+    assert tiny_model.ensure(other, kv_heads=1) == other and tiny_model.is_current(other, 1)
+    for bad, arch in ((3, "llama"), (0, "llama"), (16, "llama"), (1, "deepseek")):
+        with pytest.raises(ValueError):
+            tiny_model.default_dir(arch, bad)
+
+
+def test_make_tiny_model_cli_names_a_bad_kv_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.launcher.cli import main
+
+    assert main(["make-tiny-model", "--kv-heads", "3"]) == 2
+    assert "must divide" in capsys.readouterr().err
+    assert main(["make-tiny-model", "--arch", "deepseek", "--kv-heads", "1"]) == 2
+    assert "llama tiny model only" in capsys.readouterr().err
+
+
 def complete(server: VLLMServer, prompt: str | list[int], n: int = 16) -> list[int]:
     r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
         "model": server.served_name, "prompt": prompt, "max_tokens": n, "temperature": 0,
