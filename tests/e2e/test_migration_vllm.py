@@ -156,10 +156,19 @@ def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Strea
     while _healthy_decoders(url) < 2:
         assert time.monotonic() < deadline, "a decoder did not come back"
         time.sleep(0.5)
-    streams = _both_in_flight(cluster)
     # The decoder running a stream (round robin puts one on each, unless earlier requests moved
-    # its turn): a frozen or killed decoder with no stream would test nothing.
-    d = next(d for d in cluster["decoders"] if _running(d["url"]))
+    # its turn): a frozen or killed decoder with no stream would test nothing. A stream lasts about
+    # a second: a pair may end between its 4th token and this look; then another pair.
+    for _ in range(4):
+        streams = _both_in_flight(cluster)
+        d = next((d for d in cluster["decoders"] if _running(d["url"])), None)
+        if d is not None:
+            break
+        for s in streams:
+            s.join(120)
+            assert s.done and s.error is None and not any("error" in c for c in s.chunks), (s.error, s.chunks[-3:])
+    else:
+        raise AssertionError("4 pairs of streams in a row ended before a decoder running one was seen")
     cluster["victim"] = d["url"]
     victim = d["pid"]
     os.killpg(victim, sig)
