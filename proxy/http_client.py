@@ -28,6 +28,7 @@ import httptools
 from kvferry.common.errors import UnavailableError
 
 MAX_BUFFERED = 1 << 20  # bytes of an answer held before the socket stops being read
+MAX_ANSWER = 1 << 28  # a whole (non-streamed) answer: a long prompt's ids and logprobs fit many times
 _NO_TIME = float("inf")
 
 
@@ -161,12 +162,18 @@ class Response:
         self.size = 0
         return blob
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int = MAX_ANSWER) -> bytes:
+        """The whole body; Broken once it passes `limit` bytes (an engine's answer is not trusted
+        to be small: the connection is dropped rather than the answer held)."""
         while not self.complete:
             if self.error is not None:
                 raise self.error
+            if self.size > limit:
+                self.conn.close()
+                raise Broken(f"an answer larger than {limit} bytes")
             await self._wait()
+        if self.size > limit:
+            raise Broken(f"an answer larger than {limit} bytes")
         return self._take()
 
     async def pieces(self) -> AsyncIterator[bytes]:

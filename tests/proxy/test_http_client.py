@@ -336,3 +336,23 @@ def test_an_https_engine_is_verified_as_aiohttp_verifies_it(tmp_path, monkeypatc
     asyncio.run(main(False))
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))
     asyncio.run(main(True))
+
+
+def test_a_whole_answer_past_its_limit_is_refused_not_held() -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (4 << 20))
+        for _ in range(64):
+            w.write(b"x" * 65536)
+            await w.drain()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("GET", e.url, "/big")
+            with pytest.raises(Broken, match="larger than 1048576 bytes"):
+                await resp.read(limit=1 << 20)
+            resp.release()
+            assert all(h.open == 0 for h in p.hosts.values())
+            await p.close()
+    asyncio.run(main())
