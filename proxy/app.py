@@ -21,6 +21,7 @@ from kvferry.proxy.completions import Completions
 from kvferry.proxy.context import Context
 from kvferry.proxy.discovery import Discovery, is_loopback
 from kvferry.proxy.errors import ProxyError, error_body, json_response
+from kvferry.proxy.front_door import FastRequest
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
 from kvferry.proxy.peers import Peers
@@ -240,6 +241,11 @@ class Proxy:
                 self.gate.leave()
         self.metrics.count(self.metrics.requests, endpoint, str(resp.status))
         return resp
+
+    async def fast(self, request: FastRequest) -> web.StreamResponse:
+        """A request of the front door's hot path (proxy/front_door.py), guarded as aiohttp's are."""
+        handle = self.completions.handle if request.path == "/v1/completions" else self.chat.handle
+        return await self._guard(request, handle)  # type: ignore[arg-type]
 
     async def models(self, request: web.Request) -> web.Response:
         """The first usable instance's /v1/models, decoders first."""

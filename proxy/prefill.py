@@ -4,8 +4,8 @@ transfer id; retried once on another prefiller when it fails before anything rea
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 
 from aiohttp import web
 
@@ -29,7 +29,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
     decoder, p = route.decoder, route.prefiller
     assert p is not None, "a local route has no prefill leg"
     for attempt in (0, 1):
-        tid = f"kvf-{uuid.uuid4().hex}"
+        tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, a fifth of its CPU
         leg = prefill_leg(body, tid, decoder)
         t0 = time.perf_counter()
         ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer

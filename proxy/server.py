@@ -22,6 +22,7 @@ torch nor vLLM.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -34,6 +35,7 @@ from kvferry.common import zsock
 from kvferry.common.log import get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.front_door import FrontDoor
 from kvferry.proxy.options import OptionError, ProxyOptions, parse
 from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.board import LoadBoard
@@ -43,6 +45,8 @@ __all__ = ["Proxy", "ProxyError", "main", "serve"]
 
 logger = get_logger(__name__)
 
+GC_THRESHOLD = 20_000  # young objects between collections (Python's default: 700)
+
 
 async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers | None = None,
                 worker: int | None = None, ready: Callable[[], None] | None = None) -> None:
@@ -51,14 +55,21 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
     proxy = Proxy(opts, board, peers)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, net.unbracket(opts.host), opts.port, reuse_address=True,
-                       reuse_port=worker is not None)
+    loop = asyncio.get_running_loop()
+    doors: set[FrontDoor] = set()
+    aiohttp_server = runner.server
+    assert aiohttp_server is not None
+
+    def door() -> FrontDoor:
+        return FrontDoor(proxy.fast, aiohttp_server, opts.max_body_bytes, doors)
     try:
-        await site.start()
+        server = await loop.create_server(door, net.unbracket(opts.host), opts.port, reuse_address=True,
+                                          reuse_port=worker is not None, backlog=128)
     except OSError as e:
         await runner.cleanup()
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
+    _calm_gc()
     if ready is not None:
         ready()
     if worker is None or worker == 0:
@@ -68,13 +79,28 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
                     "open (no --admin-key)", "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None
                     else "without a cluster secret")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:
+        server.close()
+        tasks = [d.task for d in doors if d.task is not None]
+        for d in list(doors):
+            d.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await runner.cleanup()
+
+
+def _calm_gc() -> None:
+    """What start-up made lives as long as the proxy: the collector stops scanning it (gc.freeze),
+    and it runs less often (a request's short-lived dicts and lists set it off: ~4% of the CPU
+    per request went to collections)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
 
 
 def _use_uvloop() -> None:

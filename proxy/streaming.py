@@ -17,22 +17,58 @@ from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
+from kvferry.proxy.metrics import observe_all
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 
+GAPS_BATCH = 64  # a long stream's gaps reach /metrics every this many batches
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"Transfer-Encoding: chunked\r\n")
 
 
 class EventStream(web.StreamResponse):
     """An SSE response whose headers go out with its first event, in one write (aiohttp's
-    StreamResponse sends them alone at prepare(): a syscall more per request)."""
+    StreamResponse sends them alone at prepare(): a syscall more per request). On the front
+    door's hot path (a request with a `door`, proxy/front_door.py) it writes the chunked
+    stream to the client's connection itself."""
 
     _send_headers_immediately = False
 
     def __init__(self) -> None:
         super().__init__(headers=SSE_HEADERS)
+        self._door: Any = None
+        self._pending = b""  # the head, sent with the first event
+        self._ended = False
+
+    async def prepare(self, request: Any) -> Any:
+        door = getattr(request, "door", None)
+        if door is None:
+            return await super().prepare(request)
+        self._door, self._pending = door, SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
+                                                           else b"Connection: close\r\n\r\n")
+        return None
+
+    async def write(self, data: Any) -> None:
+        if self._door is None:
+            await super().write(data)
+            return
+        if data:
+            out, self._pending = self._pending + b"%x\r\n%s\r\n" % (len(data), data), b""
+            await self._door.send(out)
+
+    async def write_eof(self, data: Any = b"") -> None:
+        if self._door is None:
+            await super().write_eof(data)
+            return
+        if self._ended:
+            return
+        self._ended = True
+        out = self._pending + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
+        self._pending = b""
+        await self._door.send(out)
 
 
 def sse(obj: Any) -> bytes:
@@ -70,6 +106,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     first_leg = True
     leg_open = False  # the decode leg's request went out: the decoder may hold it
     last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
+    gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
     try:
         # The first token goes out before the decode leg starts: sending both at once
         # measured slower here (an extra task and two writers on one loop).
@@ -154,8 +191,11 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 else:
                                     await resp.write(b"".join(out))
                             now = time.perf_counter()
-                            metrics.itl.observe(now - last)
+                            gaps.append(now - last)
                             last = now
+                            if len(gaps) >= GAPS_BATCH:
+                                observe_all(metrics.itl, gaps)
+                                gaps.clear()
                     finished = True
                     d.served += 1
                     break
@@ -187,6 +227,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             first_leg = False
         raise
     finally:
+        observe_all(metrics.itl, gaps)
         if not finished and first_leg:
             ctx.transfers.abort(d, tid, "decode leg did not finish")
     if sent is not None:

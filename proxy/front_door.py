@@ -1,0 +1,257 @@
+"""The clients' hot path on an asyncio Protocol: `POST /v1/completions` and `/v1/chat/completions`
+with a Content-Length body over HTTP/1.1 are parsed and answered here; every other request goes
+to aiohttp's server, which serves it as before.
+
+Why: aiohttp's server cost about a fifth of the proxy's CPU per request (its request, payload,
+writer, middleware and task objects). Its application still holds every route, the hot ones
+included, so each request has one handler whichever way it came in.
+
+How a request leaves the hot path: a request on another path or method, a chunked or `Expect`
+body, a version other than HTTP/1.1, a head longer than aiohttp takes, or a body over
+--max-body-bytes. Its connection is handed to aiohttp's protocol with every byte received since
+the request began. aiohttp then serves that connection for the rest of its life, refusing
+whatever it refuses.
+
+Kept as aiohttp keeps it:
+- a client that disconnects cancels its request's handler;
+- a slow client pauses the writer;
+- an idle keep-alive connection closes after 75 s;
+- a request's bytes are parsed only after the previous answer went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import cast
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+HOT = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+MAX_HEAD = 8190  # aiohttp's max_line_size and max_field_size: a longer head is aiohttp's to refuse
+IDLE_S = 75.0  # aiohttp's keepalive_timeout
+MAX_PENDING = 1 << 20  # bytes read ahead of the request being answered before reading pauses
+
+Handler = Callable[["FastRequest"], Awaitable[web.StreamResponse]]
+
+
+class FastRequest:
+    """The part of aiohttp's Request the proxy's handlers use: path, headers, the whole body."""
+
+    __slots__ = ("path", "headers", "content_length", "whole_body", "door")
+
+    def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, door: FrontDoor) -> None:
+        self.path, self.headers, self.whole_body, self.door = path, headers, body, door
+        self.content_length = len(body)
+
+
+class FrontDoor(asyncio.Protocol):
+    """One client connection until it leaves the hot path (then it is aiohttp's)."""
+
+    def __init__(self, handle: Handler, fallback: Callable[[], asyncio.Protocol], max_body: int,
+                 conns: set[FrontDoor]) -> None:
+        self.handle, self.fallback, self.max_body, self.conns = handle, fallback, max_body, conns
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self.keep_alive = True
+        self.sent = False  # the current request's answer began
+        self.reading = True
+        self.drained: asyncio.Future[None] | None = None  # set while the client's socket is full
+        self.idle: asyncio.TimerHandle | None = None
+        # A head read whose body is still arriving: (path, headers, body start, body length).
+        self.pending: tuple[str, CIMultiDict[str], int, int] | None = None
+        self.loop = asyncio.get_running_loop()
+
+    # ---- asyncio callbacks ----
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.conns.add(self)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.task is None:
+            if self.idle is not None:  # a request is arriving: no longer idle
+                self.idle.cancel()
+                self.idle = None
+            p = self.pending
+            if p is None or len(self.buf) >= p[2] + p[3]:
+                self._next()
+        elif len(self.buf) > MAX_PENDING and self.reading:
+            self.reading = False
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        return self.task is not None  # a half-closed client may still read its answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conns.discard(self)
+        if self.idle is not None:
+            self.idle.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the client left: its handler stops (aiohttp's handler_cancellation)
+        self._wake()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._wake()
+
+    # ---- requests ----
+    def _next(self) -> None:
+        """Start the next request if its head and body are here; hand over what is not hot."""
+        buf = self.buf
+        if self.pending is not None:  # the head was read before: its body is here now
+            path, headers, start, length = self.pending
+            self.pending = None
+            self._start(path, headers, start, length)
+            return
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > MAX_HEAD or (buf and not buf.startswith(b"POST "[:len(buf)])):
+                self._hand_over()
+            return
+        if end > MAX_HEAD:
+            self._hand_over()
+            return
+        lines = bytes(buf[:end]).split(b"\r\n")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3 or parts[0] != b"POST" or parts[1] not in HOT or parts[2] != b"HTTP/1.1":
+            self._hand_over()
+            return
+        headers: CIMultiDict[str] = CIMultiDict()
+        length = -1
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not name or name != name.strip() or b" " in name or b"\t" in name:
+                self._hand_over()  # aiohttp answers a malformed head
+                return
+            key, val = name.decode("latin-1"), value.strip().decode("latin-1")
+            low = key.lower()
+            if low == "content-length":
+                if length >= 0 or not val.isdigit() or not val.isascii():
+                    self._hand_over()
+                    return
+                length = int(val)
+            elif low in ("transfer-encoding", "expect", "upgrade"):
+                self._hand_over()
+                return
+            elif low == "connection" and val.lower() == "close":
+                self.keep_alive = False
+            headers.add(key, val)
+        if length < 0 or length > self.max_body:
+            self._hand_over()  # aiohttp refuses an over-size body from its Content-Length, unread
+            return
+        if len(buf) < end + 4 + length:  # the body is still on its way: other connections go on meanwhile
+            self.pending = (parts[1].decode(), headers, end + 4, length)
+            return
+        self._start(parts[1].decode(), headers, end + 4, length)
+
+    def _start(self, path: str, headers: CIMultiDict[str], start: int, length: int) -> None:
+        body = bytes(self.buf[start:start + length])
+        del self.buf[:start + length]
+        self.task = self.loop.create_task(self._serve(FastRequest(path, headers, body, self)))
+
+    async def _serve(self, request: FastRequest) -> None:
+        try:
+            resp = await self.handle(request)
+            if isinstance(resp, web.Response):
+                if self.sent:  # a stream began, then failed past its own handling: it cannot be answered again
+                    raise ConnectionResetError("answer already begun")
+                await self.send(head(resp.status, resp.reason, resp.headers, resp.body, self.keep_alive))
+            else:  # an event stream (streaming.EventStream) writes itself; its end, if not yet sent
+                await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.keep_alive = False
+        except Exception:  # noqa: BLE001 - past the handler's own guard: nothing more to tell the client
+            logger.exception("front door: answering %s", request.path)
+            self.keep_alive = False
+        finally:
+            self.task = None
+            self.sent = False
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if not self.keep_alive:
+            t.close()
+            return
+        if not self.reading:
+            self.reading = True
+            t.resume_reading()
+        if self.buf:
+            self._next()
+        else:
+            self._arm_idle()
+
+    async def send(self, data: bytes) -> None:
+        """Write to the client, waiting while its socket is full; ConnectionResetError once it left."""
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        t.write(data)
+        self.sent = True
+        if self.drained is not None:
+            await self.drained
+            if self.transport is None:
+                raise ConnectionResetError("the client closed its connection")
+
+    def _wake(self) -> None:
+        d, self.drained = self.drained, None
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def _arm_idle(self) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+        self.idle = self.loop.call_later(IDLE_S, self._idle_timeout)
+
+    def _idle_timeout(self) -> None:
+        self.idle = None
+        if self.task is None and self.transport is not None:
+            self.transport.close()
+
+    def _hand_over(self) -> None:
+        """The rest of this connection is aiohttp's, starting with the bytes of this request."""
+        t = self.transport
+        assert t is not None and self.task is None
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
+        self.conns.discard(self)
+        self.transport = None
+        proto = self.fallback()
+        t.set_protocol(proto)
+        proto.connection_made(t)
+        if not self.reading:
+            t.resume_reading()
+        data, self.buf = bytes(self.buf), bytearray()
+        if data:
+            proto.data_received(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | None,
+         keep_alive: bool) -> bytes:
+    """A whole answer with a Content-Length body."""
+    body = body or b""
+    lines = [f"HTTP/1.1 {status} {reason or ''}"]
+    for k, v in headers.items():
+        if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{k}: {v}")
+    lines.append(f"Content-Length: {len(body)}")
+    if not keep_alive:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -1,0 +1,211 @@
+"""proxy/front_door.py: the clients' hot path on its own protocol, and the hand-over to aiohttp.
+
+First a FrontDoor on a real socket in this process, with a tiny aiohttp application as its
+fallback. Then the proxy against stub engines: raw HTTP/1.1 on one connection, mixing hot and
+other requests, pipelined, chunked and malformed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from kvferry.proxy import front_door
+from kvferry.proxy.front_door import FastRequest, FrontDoor
+from kvferry.proxy.streaming import EventStream
+from tests.stub_procs import _no_process_outlives_its_test, proxy, stubs  # noqa: F401 - stops what a test started
+
+
+@asynccontextmanager
+async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse]],
+                      max_body: int = 1 << 20) -> AsyncIterator[tuple[int, set[FrontDoor]]]:
+    """A FrontDoor on a free port; aiohttp's side answers GET /other and POST /v1/completions
+    (with "aiohttp" in the body, so a test sees which side answered)."""
+    async def other(request: web.Request) -> web.Response:
+        return web.Response(text=f"aiohttp {request.method} {request.path} {len(await request.read())}")
+
+    app = web.Application(client_max_size=max_body)
+    app.router.add_get("/other", other)
+    app.router.add_post("/v1/completions", other)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    assert runner.server is not None
+    doors: set[FrontDoor] = set()
+    fallback = runner.server
+    server = await asyncio.get_running_loop().create_server(
+        lambda: FrontDoor(fast, fallback, max_body, doors), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], doors
+    finally:
+        server.close()
+        for d in list(doors):
+            d.close()
+        await runner.cleanup()
+
+
+async def echo(request: FastRequest) -> web.StreamResponse:
+    return web.json_response({"fast": True, "path": request.path, "body": request.whole_body.decode(),
+                              "x": request.headers.get("x-test")})
+
+
+def post_bytes(path: str, body: bytes, *extra: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: t", f"Content-Length: {len(body)}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+async def read_answer(r: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer: status, headers (lower-cased), body (Content-Length or chunked)."""
+    status = int((await r.readline()).split()[1])
+    if status == 100:  # "100 Continue": nothing follows until the body is sent
+        await r.readline()
+        return status, {}, b""
+    headers: dict[str, str] = {}
+    while (line := await r.readline()) != b"\r\n":
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        return status, headers, await r.readexactly(int(headers["content-length"]))
+    body = b""
+    while (size := int((await r.readline()).strip(), 16)) > 0:
+        body += await r.readexactly(size)
+        await r.readexactly(2)
+    await r.readexactly(2)
+    return status, headers, body
+
+
+def test_hot_requests_keep_alive_and_others_go_to_aiohttp_with_their_bytes() -> None:
+    async def run() -> None:
+        async with door_server(echo) as (port, _):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            # Two hot requests in one write (pipelined), split mid-head from a third.
+            w.write(post_bytes("/v1/completions", b'{"a":1}', "X-Test: one")
+                    + post_bytes("/v1/chat/completions", b"{}") + b"POST /v1/compl")
+            for want in ({"fast": True, "path": "/v1/completions", "body": '{"a":1}', "x": "one"},
+                         {"fast": True, "path": "/v1/chat/completions", "body": "{}", "x": None}):
+                status, _, body = await read_answer(r)
+                assert status == 200 and json.loads(body) == want
+            w.write(post_bytes("/v1/completions", b"[1]")[len(b"POST /v1/compl"):])
+            assert json.loads((await read_answer(r))[2])["body"] == "[1]"
+            # Another path: aiohttp answers it, and every later request on this connection.
+            w.write(b"GET /other HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, _, body = await read_answer(r)
+            assert (status, body) == (200, b"aiohttp GET /other 0")
+            w.write(post_bytes("/v1/completions", b"xyz"))
+            assert (await read_answer(r))[2] == b"aiohttp POST /v1/completions 3"
+            w.close()
+    asyncio.run(run())
+
+
+def test_what_is_not_plain_goes_to_aiohttp() -> None:
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    cases = {
+        "chunked": (chunked, 200, b"aiohttp POST /v1/completions 5"),
+        "expect": (post_bytes("/v1/completions", b"ab", "Expect: 100-continue"), 100, None),
+        "http/1.0": (post_bytes("/v1/completions", b"ab").replace(b"HTTP/1.1", b"HTTP/1.0", 1), 200,
+                     b"aiohttp POST /v1/completions 2"),
+        "too large": (post_bytes("/v1/completions", b"x" * 2000), 413, None),
+        "bad header": (b"POST /v1/completions HTTP/1.1\r\nHost t\r\nContent-Length: 0\r\n\r\n", 400, None),
+        "two lengths": (post_bytes("/v1/completions", b"ab", "Content-Length: 2"), 400, None),
+        "query": (post_bytes("/v1/completions?x=1", b"ab"), 200, b"aiohttp POST /v1/completions 2"),
+        "other method": (b"GET /v1/completions HTTP/1.1\r\nHost: t\r\n\r\n", 405, None),
+    }
+
+    async def run() -> None:
+        async with door_server(echo, max_body=1000) as (port, _):
+            for name, (raw, status, body) in cases.items():
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(raw)
+                got = await read_answer(r)
+                assert got[0] == status, (name, got)
+                assert body is None or got[2] == body, (name, got)
+                w.close()
+    asyncio.run(run())
+
+
+def test_a_slow_client_pauses_the_stream_and_one_that_leaves_cancels_it() -> None:
+    progress = {"sent": 0, "cancelled": False}
+
+    async def flood(request: FastRequest) -> web.StreamResponse:
+        resp = EventStream()
+        await resp.prepare(request)
+        try:
+            for _ in range(4096):  # 256 MiB if nothing held it back
+                await resp.write(b"data: " + b"x" * 65536 + b"\n\n")
+                progress["sent"] += 1
+        except asyncio.CancelledError:
+            progress["cancelled"] = True
+            raise
+        return resp
+
+    async def run() -> None:
+        async with door_server(flood) as (port, doors):
+            r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+            w.transport.set_write_buffer_limits(0)
+            w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            w.write(post_bytes("/v1/completions", b"{}"))
+            await r.readline()
+            await asyncio.sleep(1.0)  # the client reads nothing more meanwhile
+            (door,) = doors
+            assert door.transport is not None
+            assert progress["sent"] < 200, progress  # the writer waited, it did not buffer the stream
+            assert door.transport.get_write_buffer_size() < 16 << 20
+            w.transport.abort()
+            for _ in range(100):
+                if progress["cancelled"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert progress["cancelled"]
+    asyncio.run(run())
+
+
+def test_an_idle_connection_closes(monkeypatch) -> None:
+    monkeypatch.setattr(front_door, "IDLE_S", 0.3)
+
+    async def run() -> None:
+        async with door_server(echo) as (port, _):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post_bytes("/v1/completions", b"{}"))
+            assert (await read_answer(r))[0] == 200
+            assert await asyncio.wait_for(r.read(), 5) == b""  # closed by the proxy after 0.3 s idle
+    asyncio.run(run())
+
+
+def test_connection_close_is_honoured() -> None:
+    async def run() -> None:
+        async with door_server(echo) as (port, _):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post_bytes("/v1/completions", b"{}", "Connection: close"))
+            status, headers, _ = await read_answer(r)
+            assert status == 200 and headers["connection"] == "close"
+            assert await asyncio.wait_for(r.read(), 5) == b""
+    asyncio.run(run())
+
+
+def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection() -> None:
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0])
+    u = urlsplit(px.url)
+
+    async def run() -> None:
+        r, w = await asyncio.open_connection(u.hostname, u.port)
+        body = json.dumps({"model": "stub", "prompt": "hello there", "max_tokens": 5, "stream": True}).encode()
+        for _ in range(2):  # keep-alive: the same connection twice
+            w.write(post_bytes("/v1/completions", body, "Content-Type: application/json"))
+            status, headers, raw = await read_answer(r)
+            assert status == 200 and headers["content-type"] == "text/event-stream", headers
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and len(events) == 6, events  # 5 tokens, then [DONE]
+        w.write(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, raw = await read_answer(r)
+        assert status == 200 and json.loads(raw)["data"]
+        w.write(post_bytes("/v1/completions", b"{not json"))  # now on aiohttp's side: the same JSON error
+        status, headers, raw = await read_answer(r)
+        assert status == 400 and json.loads(raw)["error"]["code"] == "bad_json"
+        w.close()
+    asyncio.run(run())
