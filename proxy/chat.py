@@ -20,6 +20,7 @@ from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, json_response
 from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.merge import merge_samples
+from kvferry.proxy.metrics import observe
 from kvferry.proxy.prefill import prefill
 from kvferry.proxy.routing.cache import Route
 
@@ -43,11 +44,11 @@ class Chat:
         n = body.get("n") or 1
         if n > 1:  # stream=true was refused by the body reader
             outs = await fan_out(self.one(request, sample(body, n, i), max_key, max_tokens) for i in range(n))
-            ctx.metrics.total.observe(time.perf_counter() - t0)
+            observe(ctx.metrics.total, time.perf_counter() - t0)
             return json_response(merge_samples(outs, n))
         if not body.get("stream"):
             out = await self.one(request, body, max_key, max_tokens)
-            ctx.metrics.total.observe(time.perf_counter() - t0)
+            observe(ctx.metrics.total, time.perf_counter() - t0)
             return json_response(out)
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder

@@ -25,6 +25,7 @@ from kvferry.proxy.legs import (
     sample,
 )
 from kvferry.proxy.merge import merge_completion, merge_samples
+from kvferry.proxy.metrics import observe
 from kvferry.proxy.prefill import prefill
 
 logger = get_logger(__name__)
@@ -132,7 +133,7 @@ class Completions:
                     with ctx.router.upstream(d) as up:
                         t1 = time.perf_counter()
                         rest = await up.json("/v1/completions", leg, "completion")
-                        ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
+                        observe(ctx.metrics.decoder_first, time.perf_counter() - t1)
                     d.served += 1
                     break
                 except ProxyError as e:
@@ -162,7 +163,7 @@ class Completions:
                 c.pop("prompt_token_ids", None)
             out.pop("prompt_token_ids", None)
         out.pop("kv_transfer_params", None)
-        ctx.metrics.total.observe(time.perf_counter() - t0)
+        observe(ctx.metrics.total, time.perf_counter() - t0)
         return out
 
     async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> web.StreamResponse:

@@ -41,7 +41,8 @@ class Broken(UnavailableError, ConnectionError):
 
 
 class Timeout(UnavailableError, TimeoutError):
-    """A bound passed: `what` is "connect", "wait" (for a free connection) or "read"."""
+    """A bound passed: `what` is "connect", "wait" (for a free connection), "read" or "stall" (a
+    stream's)."""
 
     def __init__(self, what: str, message: str) -> None:
         super().__init__(message)
@@ -120,10 +121,11 @@ class Response:
     """An engine's answer: `status` once `Pool.request` returns; the body whole (`read`) or in
     the pieces each read brought (`pieces`). `release()` always, when done with it."""
 
-    __slots__ = ("conn", "status", "keep_alive", "parts", "size", "complete", "error", "waiter", "paused")
+    __slots__ = ("conn", "status", "keep_alive", "parts", "size", "complete", "error", "waiter", "paused", "stream")
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: _Conn, stream: bool = False) -> None:
         self.conn = conn
+        self.stream = stream  # bounded by the pool's stall_timeout rather than its read_timeout
         self.status = 0
         self.keep_alive = False
         self.parts: list[bytes] = []
@@ -218,9 +220,10 @@ class Pool:
     """Keep-alive connections to the engines, at most `limit` per instance."""
 
     def __init__(self, limit: int, connect_timeout: float, wait_timeout: float, read_timeout: float,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], stall_timeout: float | None = None) -> None:
         self.limit, self.connect_timeout, self.wait_timeout = limit, connect_timeout, wait_timeout
         self.read_timeout = read_timeout
+        self.stall_timeout = read_timeout if stall_timeout is None else stall_timeout
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.hosts: dict[str, _Host] = {}
         self.busy: set[_Conn] = set()
@@ -241,13 +244,15 @@ class Pool:
                                          f"Host: {u.netloc}\r\n{self.extra}".encode(), tls)
         return h
 
-    async def request(self, method: str, base: str, path: str, body: bytes | None = None) -> Response:
+    async def request(self, method: str, base: str, path: str, body: bytes | None = None,
+                      stream: bool = False) -> Response:
         """Send one request to the engine at `base` (http://host:port); the answer once its head came.
-        Raises Unreachable, Broken or Timeout."""
+        `stream`: a stream whose waits are bounded by `stall_timeout` (Timeout "stall"). Raises
+        Unreachable, Broken or Timeout."""
         h = self._host(base)
         for attempt in (0, 1):
             conn, reused = await self._conn(h)
-            r = Response(conn)
+            r = Response(conn, stream)
             conn.resp = r
             self.busy.add(conn)
             head = f"{method} {path} HTTP/1.1\r\n".encode() + h.head
@@ -349,8 +354,9 @@ class Pool:
         self._hand_on(h, None)
 
     async def _sweeper(self) -> None:
-        """Fails a leg that waited `read_timeout` with no byte from its engine."""
-        every = min(1.0, self.read_timeout / 4)
+        """Fails a leg that waited `read_timeout` (a stream: `stall_timeout`) with no byte from its
+        engine: one sweep for every connection, rather than a timer per read."""
+        every = min(1.0, self.read_timeout / 4, self.stall_timeout / 4)
         while True:
             await asyncio.sleep(every)
             now = self.loop.time()
@@ -358,10 +364,11 @@ class Pool:
                 r = c.resp
                 if r is None or r.waiter is None:
                     continue
+                bound = self.stall_timeout if r.stream else self.read_timeout
                 if c.ticks != c.seen:
                     c.seen, c.quiet_since = c.ticks, now
-                elif now - c.quiet_since >= self.read_timeout:
-                    r.fail(Timeout("read", f"nothing received for {self.read_timeout:g}s"))
+                elif now - c.quiet_since >= bound:
+                    r.fail(Timeout("stall" if r.stream else "read", f"nothing received for {bound:g}s"))
                     c.close()
                     r.wake()
 

@@ -11,15 +11,12 @@ no gap; usage counts the tokens the client received. At most `--max-migrations` 
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.routing.registry import Instance
-from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 
@@ -49,51 +46,6 @@ def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:
     if m is None or m is False:
         return data
     return data[:m.start()] + b'"token_ids":null' + data[m.end():]
-
-
-async def stalled(events: AsyncGenerator[list[bytes], None], seconds: float,
-                  up: Upstream) -> AsyncIterator[list[bytes]]:
-    """`events`, failing as a "stall" when nothing arrives for `seconds` (the connection is then
-    closed: a frozen engine cannot hold the client longer than that). Only the waits for the
-    engine count, not the time the caller spends writing to its client.
-
-    One timer per leg, re-armed when it fires early, rather than asyncio.timeout() around each
-    read: that scheduled and cancelled a timer per batch (~10-20 us each, on every stream)."""
-    it = events
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    since = loop.time()  # when the current wait began
-    waiting = fired = False
-    handle: asyncio.TimerHandle  # armed just below, re-armed by check()
-
-    def check() -> None:
-        nonlocal handle, fired
-        now = loop.time()
-        if waiting and now - since >= seconds:
-            fired = True
-            task.cancel()
-        else:
-            handle = loop.call_at((since if waiting else now) + seconds, check)
-    handle = loop.call_at(since + seconds, check)
-    try:
-        while True:
-            since, waiting = loop.time(), True
-            try:
-                batch = await anext(it)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if fired and task.uncancel() == 0:  # our cancel, and no one else's
-                    raise up.fail("stall", 504, f"{up.inst.role} {up.inst.url} sent nothing for {seconds:g}s "
-                                                f"(--stall-timeout)") from None
-                raise
-            finally:
-                waiting = False
-            yield batch
-    finally:
-        handle.cancel()
-        await it.aclose()
 
 
 class Migration:

@@ -15,6 +15,7 @@ from kvferry.common.transfer_params import ParamsError, prefill_answer
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.legs import prefill_leg
+from kvferry.proxy.metrics import observe
 from kvferry.proxy.routing.cache import Route
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
@@ -39,7 +40,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
                 _check_answer(up, out)
             p.served += 1
             ctx.router.observed(p, route, out)
-            ctx.metrics.prefill.observe(time.perf_counter() - t0)
+            observe(ctx.metrics.prefill, time.perf_counter() - t0)
             ctx.transfers.prefilled(tid)
             return out, tid, p
         except asyncio.CancelledError:  # the client left: nobody will read this transfer

@@ -33,6 +33,7 @@ from aiohttp import web
 from kvferry.common import netutil as net
 from kvferry.common import zsock
 from kvferry.common.log import get_logger
+from kvferry.proxy import metrics
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.front_door import FrontDoor
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             _port_free(opts)
             return Supervisor(opts, opts.workers, _worker).run()
         _use_uvloop()
+        metrics.one_process()
         asyncio.run(serve(opts))
     except OptionError as e:
         print(f"kvferry-proxy: error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
-from kvferry.proxy.metrics import observe_all
+from kvferry.proxy.metrics import observe, observe_all
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
@@ -120,7 +120,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             c0["token_ids"] = choice.get("token_ids") if want_ids else None
             await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [c0]}))
-            metrics.ttft.observe(time.perf_counter() - t0)
+            observe(metrics.ttft, time.perf_counter() - t0)
         if not done:
             leg = completion_decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
             if mode == "regen":
@@ -134,8 +134,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                 ended = False  # a chunk with a finish_reason went out
                 try:
                     with up:
-                        async for batch in migrate.stalled(up.events("/v1/completions", leg),
-                                                           ctx.opts.stall_timeout, up):
+                        async for batch in up.events("/v1/completions", leg):
                             out = []
                             for data in batch:
                                 if swap is None:
@@ -143,9 +142,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
                                             f'"created":{chunk.get("created")}'.encode(),
                                             f'"created":{created}'.encode())
-                                    metrics.decoder_first.observe(time.perf_counter() - t1)
+                                    observe(metrics.decoder_first, time.perf_counter() - t1)
                                     if mode == "regen" and first_leg:
-                                        metrics.ttft.observe(time.perf_counter() - t0)
+                                        observe(metrics.ttft, time.perf_counter() - t0)
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
                                     if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
@@ -241,7 +240,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             u["system_fingerprint"] = fingerprint
         tail = sse(u)
     await resp.write_eof(last_batch + tail + b"data: [DONE]\n\n")
-    metrics.total.observe(time.perf_counter() - t0)
+    observe(metrics.total, time.perf_counter() - t0)
     return resp
 
 
@@ -281,7 +280,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     drop the decoder's repeat of it."""
     metrics = ctx.metrics
     # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
-    events = migrate.stalled(up.events(path, body), ctx.opts.stall_timeout, up)
+    events = up.events(path, body)
     resp = EventStream()
     started = False
     rid = created = model = None
@@ -293,7 +292,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
         started = repeat = True
         # The client's own request says which fields it asked for (the leg asks for token ids).
         await resp.write(first_chat_chunks(first, first_text, move.body if move is not None else body))
-        metrics.ttft.observe(time.perf_counter() - t0)
+        observe(metrics.ttft, time.perf_counter() - t0)
     # Without the prefiller's first token, nothing is rewritten (id, created and model come
     # from the stream itself): each chunk goes out as the engine wrote it, as a completion
     # stream's do; parsing and re-encoding each one would cost CPU on every token.
@@ -338,7 +337,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
             if not started:
                 await resp.prepare(request)
                 started = True
-                metrics.ttft.observe(time.perf_counter() - t0)
+                observe(metrics.ttft, time.perf_counter() - t0)
             await resp.write(b"".join(out))
     except ProxyError as e:
         if not started:
@@ -351,7 +350,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     if not started:
         await resp.prepare(request)
     await resp.write_eof(b"data: [DONE]\n\n")
-    metrics.total.observe(time.perf_counter() - t0)
+    observe(metrics.total, time.perf_counter() - t0)
     return resp
 
 
@@ -371,7 +370,7 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
         up = ctx.router.upstream(nd)
         try:
             with up:
-                async for batch in migrate.stalled(up.events("/v1/completions", leg), ctx.opts.stall_timeout, up):
+                async for batch in up.events("/v1/completions", leg):
                     out = []
                     for data in batch:
                         ch = up.chunk(data)
@@ -407,7 +406,7 @@ async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: di
     await resp.write(sse(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", **delta},
                                               "logprobs": choice.get("logprobs"),
                                               "finish_reason": choice.get("finish_reason")}])))
-    ctx.metrics.ttft.observe(time.perf_counter() - t0)
+    observe(ctx.metrics.ttft, time.perf_counter() - t0)
     if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
         await resp.write(sse(dict(head, choices=[], usage=out["usage"])))
     await resp.write(b"data: [DONE]\n\n")

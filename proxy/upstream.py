@@ -21,7 +21,7 @@ from kvferry.proxy.routing.registry import Instance
 logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
 _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connections, waited up to --read-timeout",
-                  "read": "--read-timeout"}
+                  "read": "--read-timeout", "stall": "--stall-timeout"}
 
 
 class UpstreamClient:
@@ -59,7 +59,7 @@ class UpstreamClient:
         wait = max(o.read_timeout, o.connect_timeout)
         # --workers N: the connections are the proxy's, split between its workers (at least one each).
         per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
-        self._pool = Pool(per_worker, o.connect_timeout, wait, o.read_timeout, self.headers)
+        self._pool = Pool(per_worker, o.connect_timeout, wait, o.read_timeout, self.headers, o.stall_timeout)
         timeout = aiohttp.ClientTimeout(total=None, connect=wait, sock_connect=o.connect_timeout,
                                         sock_read=o.read_timeout)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
@@ -89,6 +89,7 @@ class Upstream:
                  leg: str = "decode") -> None:
         self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
         self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
+        self._stream: Response | None = None  # events()'s answer: released at the latest on __exit__
 
     def __enter__(self) -> Upstream:
         i = self.inst
@@ -97,6 +98,9 @@ class Upstream:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._stream is not None:  # a stream left part way (its generator is closed later, by
+            self._stream.release()   # the loop): its connection is closed now, the engine sees it
+            self._stream = None
         i = self.inst
         i.counted(i.active - 1, i.queued_tokens - self.tokens)
         self.router.in_flight(i).dec()
@@ -105,14 +109,17 @@ class Upstream:
         self.router.upstream_failed(self.inst, self.leg, kind, message)
         return ProxyError(status, message, kind)
 
-    async def open(self, path: str, body: dict) -> Response:
-        """POST and return the response once its status is 2xx; errors become ProxyError."""
+    async def open(self, path: str, body: dict, stream: bool = False) -> Response:
+        """POST and return the response once its status is 2xx; errors become ProxyError. `stream`:
+        a decode stream, whose every wait --stall-timeout bounds (its failure: kind "stall")."""
         c = self.client
         try:
-            resp = await c.pool.request("POST", self.inst.url, path, limits.dumps(body))
+            resp = await c.pool.request("POST", self.inst.url, path, limits.dumps(body), stream)
         except (Unreachable, Broken) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except Timeout as e:
+            if e.what == "stall":
+                raise self._stalled() from None
             flag = _TIMEOUT_FLAGS[e.what]
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url}: {e} ({flag})") from None
         if resp.status >= 400:
@@ -163,8 +170,11 @@ class Upstream:
 
     async def events(self, path: str, body: dict) -> AsyncGenerator[list[bytes], None]:
         """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
-        whatever arrived in one read, so the proxy writes once per read, not once per event."""
-        resp = await self.open(path, body)
+        whatever arrived in one read, so the proxy writes once per read, not once per event. A
+        stream that sends nothing for --stall-timeout fails as a "stall" (the connection is then
+        closed: a frozen engine cannot hold the client longer); only the waits for the engine
+        count, not the time the caller spends writing to its client."""
+        resp = self._stream = await self.open(path, body, stream=True)
         buf = b""
         try:
             async for blob in resp.pieces():
@@ -190,11 +200,18 @@ class Upstream:
                     yield batch
         except Broken as e:
             raise self.fail("stream_broken", 502, f"{self.inst.role} {self.inst.url} broke its stream: {e}") from None
-        except TimeoutError:
+        except TimeoutError as e:
+            if isinstance(e, Timeout) and e.what == "stall":
+                raise self._stalled() from None
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} stalled for "
                                             f"{self.client.opts.read_timeout:.0f}s (--read-timeout)") from None
         finally:
             resp.release()
+            self._stream = None
+
+    def _stalled(self) -> ProxyError:
+        return self.fail("stall", 504, f"{self.inst.role} {self.inst.url} sent nothing for "
+                                       f"{self.client.opts.stall_timeout:g}s (--stall-timeout)")
 
     def bad(self, why: str) -> ProxyError:
         """An answer the proxy cannot use (answers.py): a 502 naming the field, never a guess."""

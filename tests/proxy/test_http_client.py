@@ -195,6 +195,36 @@ def test_an_engine_that_sends_nothing_times_out_on_the_read_timeout(loop_kind: s
 
 
 @LOOPS
+def test_a_stream_that_sends_nothing_fails_on_the_stall_timeout(loop_kind: str) -> None:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        if n >= 2:  # the head and one piece; then silence (the first: silence at once)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await w.drain()
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = Pool(4, connect_timeout=2.0, wait_timeout=5.0, read_timeout=30.0, headers={}, stall_timeout=0.4)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(Timeout) as ex:  # the wait for the head counts too
+                await p.request("POST", e.url, "/x", b"{}", stream=True)
+            assert ex.value.what == "stall" and 0.35 <= loop.time() - t0 < 2.0
+            resp = await p.request("POST", e.url, "/x", b"{}", stream=True)
+            got, t0 = [], loop.time()
+            with pytest.raises(Timeout) as ex:
+                async for piece in resp.pieces():
+                    got.append(piece)
+                    await asyncio.sleep(0.8)  # the caller's own time: not the engine's silence
+            resp.release()
+            assert ex.value.what == "stall" and got == [b"hello"] and 1.15 <= loop.time() - t0 < 3.0
+            assert not p.busy and all(not h.idle and h.open == 0 for h in p.hosts.values())
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
 def test_a_stream_cut_mid_answer_gives_its_pieces_then_broken(loop_kind: str) -> None:
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await read_request(r)
