@@ -6,7 +6,26 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+import msgspec
+
 from kvferry.common.errors import BadDataError
+
+# A prompt's token ids kept as the engine's JSON (msgspec.Raw) rather than a list: a long prompt's
+# ids were a prefill answer's whole decoding cost, and again its decode leg's encoding, per request.
+RAW_IDS_MIN = 64  # bytes: a shorter list is parsed as it is
+_DIGITS_AND_SPACE = b"0123456789, \t\r\n"
+_generic = msgspec.json.Decoder()
+
+
+class _IdsChoice(msgspec.Struct):
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()  # as written, null included (msgspec.Raw takes no union)
+
+
+class _IdsAnswer(msgspec.Struct):
+    choices: list[_IdsChoice] = []
+
+
+_ids_only = msgspec.json.Decoder(_IdsAnswer)  # other fields are skipped, not built
 
 
 class BadAnswer(BadDataError, ValueError):
@@ -14,9 +33,58 @@ class BadAnswer(BadDataError, ValueError):
     message names the field."""
 
 
+def loads_completion(buf: bytes) -> Any:
+    """A completion answer as loads() gives it, but with choices[0].prompt_token_ids left as the
+    engine wrote them (msgspec.Raw) when they are long: see ids_list / join_ids. The ids are cut
+    from the text before it is parsed; where the cut could have hit another field (the same bytes
+    earlier in the answer), the answer is parsed whole."""
+    try:
+        head = _ids_only.decode(buf)
+    except msgspec.ValidationError:
+        return _generic.decode(buf)  # not the usual shape: choice0() names what is wrong
+    raw = head.choices[0].prompt_token_ids if head.choices else None
+    if raw is None or len(raw) < RAW_IDS_MIN:  # short, absent or null: parsed as they are
+        return _generic.decode(buf)
+    ids = bytes(raw)
+    at = buf.find(ids)
+    out = _generic.decode(buf[:at] + b"null" + buf[at + len(ids):])
+    c0 = out["choices"][0]  # there: the same text parsed as _IdsAnswer had it
+    if not isinstance(c0, dict) or "prompt_token_ids" not in c0 or c0["prompt_token_ids"] is not None:
+        return _generic.decode(buf)  # the cut hit another field
+    c0["prompt_token_ids"] = raw
+    return out
+
+
+def ids_list(v: Any) -> Any:
+    """A prompt's token ids as a list, where loads_completion kept them raw."""
+    return msgspec.json.decode(v) if isinstance(v, msgspec.Raw) else v
+
+
+def count_ids(v: Any) -> int:
+    """How many ids (0 for None), without parsing raw ones."""
+    if isinstance(v, msgspec.Raw):
+        return bytes(v).count(b",") + 1
+    return len(v or [])
+
+
+def join_ids(ids: Any, more: list[int]) -> Any:
+    """`ids` followed by `more` (both checked by is_ids): raw ids stay raw, for the encoder to copy."""
+    if not isinstance(ids, msgspec.Raw):
+        return ids + list(more)
+    if not more:
+        return ids
+    return msgspec.Raw(bytes(ids).rstrip()[:-1] + b"," + b",".join(b"%d" % t for t in more) + b"]")
+
+
 def is_ids(v: Any) -> bool:
     """A non-empty list of token ids (non-negative 64-bit ints). Checked in C by array(): a
-    Python loop over a long prompt's ids held the event loop for a second."""
+    Python loop over a long prompt's ids held the event loop for a second. Raw ids (valid JSON,
+    as msgspec read them) are a list of non-negative integers when they hold only digits, commas
+    and spaces between their one pair of brackets (a number too large is then the engine's to
+    refuse, as vLLM refuses an id outside its vocabulary)."""
+    if isinstance(v, msgspec.Raw):
+        b = bytes(v)
+        return b.translate(None, _DIGITS_AND_SPACE) == b"[]" and b.strip(b"[] \t\r\n") != b""
     if not isinstance(v, list) or not v:
         return False
     try:

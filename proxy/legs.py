@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common.transfer_params import decode_leg_params, prefill_leg_params
+from kvferry.proxy import answers
 from kvferry.proxy.body import GREEDY_EPS
 from kvferry.proxy.routing.registry import Instance
 
@@ -59,7 +60,7 @@ def completion_decode_leg(body: dict, first: dict | None, tid: str, max_tokens: 
     choice = first["choices"][0]
     ids = prompt_ids(first)
     assert ids is not None  # a `first` passed here has them (the prefill answer was checked: mode "ids")
-    leg = dict(body, prompt=ids + list(choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
+    leg = dict(body, prompt=answers.join_ids(ids, choice["token_ids"]), max_tokens=max_tokens - 1, stream=stream,
                kv_transfer_params=decode_leg_params(tid), seed=body.get("seed"))
     for k in ("echo", "prompt_logprobs", "return_token_ids", "stream_options"):
         leg.pop(k, None)
@@ -100,8 +101,9 @@ def same_first_token(body: dict) -> bool:
     return isinstance(seed, int) and not isinstance(seed, bool)
 
 
-def prompt_ids(first: dict) -> list | None:
-    """The prompt's token ids in a prefiller's answer (vLLM puts them on the choice)."""
+def prompt_ids(first: dict) -> Any:
+    """The prompt's token ids in a prefiller's answer (vLLM puts them on the choice): a list, or
+    msgspec.Raw (answers.loads_completion; answers.ids_list, count_ids and join_ids take either)."""
     c = first["choices"][0]
     ids = c.get("prompt_token_ids")
     return ids if ids is not None else first.get("prompt_token_ids")

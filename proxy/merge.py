@@ -63,7 +63,7 @@ def merge_completion(first: dict, rest: dict) -> dict:
             raise BadAnswer("choices[0].logprobs without tokens/token_logprobs lists") from None
     out["choices"] = [c]
     pu, du = answers.usage(first), answers.usage(rest)
-    prompt_tokens = pu.get("prompt_tokens") or len(prompt_ids(first) or [])
+    prompt_tokens = pu.get("prompt_tokens") or answers.count_ids(prompt_ids(first))
     completion = (pu.get("completion_tokens") or 1) + (du.get("completion_tokens") or 0)
     out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                     "total_tokens": prompt_tokens + completion}

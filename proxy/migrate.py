@@ -12,9 +12,11 @@ no gap; usage counts the tokens the client received. At most `--max-migrations` 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
+from kvferry.proxy import answers
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.routing.registry import Instance
 
@@ -76,10 +78,10 @@ class Migration:
         return d
 
 
-def continuation_leg(leg: dict, prompt: list[int], sent: list[int], max_tokens: int, min_tokens: int | None) -> dict:
+def continuation_leg(leg: dict, prompt: Any, sent: list[int], max_tokens: int, min_tokens: int | None) -> dict:
     """A completion leg that goes on after `sent`: prompt + sent as its prompt, the rest of the
     token budget, no transfer (the new decoder computes that prompt's KV itself)."""
-    out = dict(leg, prompt=list(prompt) + list(sent), max_tokens=max_tokens)
+    out = dict(leg, prompt=list(answers.ids_list(prompt)) + list(sent), max_tokens=max_tokens)
     out.pop("kv_transfer_params", None)
     if min_tokens:
         out["min_tokens"] = max(0, min_tokens - len(sent))

@@ -36,7 +36,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
         ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
         try:
             with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
-                out = await up.json(path, leg, kind)
+                out = await up.json(path, leg, kind, raw_ids=kind == "completion")
                 _check_answer(up, out)
             p.served += 1
             ctx.router.observed(p, route, out)

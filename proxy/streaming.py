@@ -87,7 +87,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     rid = first.get("id") or f"cmpl-{uuid.uuid4().hex}"
     created, model = first.get("created") or int(time.time()), first.get("model")
     usage = answers.usage(first)
-    prompt_tokens = usage.get("prompt_tokens") or len(prompt_ids(first) or [])
+    prompt_tokens = usage.get("prompt_tokens") or answers.count_ids(prompt_ids(first))
     completion_tokens = usage.get("completion_tokens", 1) if mode != "regen" else 0
     done = mode == "done"
     # Plain vLLM's text offsets run on across chunks: the decoder's start at 0 again.
@@ -214,7 +214,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                         raise
                     d, up = nd, ctx.router.upstream(nd)
                     shift = next_off
-                    leg = migrate.continuation_leg(leg, ids + list(choice["token_ids"]), sent, left,
+                    leg = migrate.continuation_leg(leg, answers.join_ids(ids, choice["token_ids"]), sent, left,
                                                    body.get("min_tokens") and body["min_tokens"] - 1)
     except ProxyError as e:
         # Headers are out: tell the client in the stream, OpenAI-style, then end it.

@@ -150,11 +150,13 @@ class Upstream:
             raise self.fail("unreachable", 503, f"{self.inst.url}: {e}") from None
         return resp.status, body
 
-    async def json(self, path: str, body: dict, kind: str | None = None) -> dict:
-        """A non-streamed answer; with `kind` ("completion" or "chat") its choices[0] is checked."""
+    async def json(self, path: str, body: dict, kind: str | None = None, raw_ids: bool = False) -> dict:
+        """A non-streamed answer; with `kind` ("completion" or "chat") its choices[0] is checked.
+        `raw_ids`: a long prompt's token ids are kept as the engine wrote them (answers.loads_completion)."""
         resp = await self.open(path, body)
         try:
-            out = limits.loads(await resp.read())
+            raw = await resp.read()
+            out = answers.loads_completion(raw) if raw_ids else limits.loads(raw)
             if kind is not None:
                 answers.choice0(out, kind)
             return out

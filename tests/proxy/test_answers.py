@@ -1,0 +1,63 @@
+"""proxy/answers.py's raw prompt ids: a prefill answer parsed with its long prompt_token_ids kept
+as the engine wrote them equals the answer parsed whole, whatever the engine sends."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from kvferry.proxy import answers
+from kvferry.proxy.migrate import continuation_leg
+
+IDS = list(range(100, 400))
+
+
+def answer(ids, sep: tuple[str, str] = (",", ":"), **extra) -> bytes:
+    c = {"index": 0, "text": " w", "logprobs": None, "finish_reason": "length", "token_ids": [7],
+         "prompt_token_ids": ids}
+    return json.dumps({"id": "cmpl-1", **extra, "choices": [c], "usage": {"prompt_tokens": 300}},
+                      separators=sep).encode()
+
+
+def whole(buf: bytes):
+    out = answers.loads_completion(buf)
+    c0 = out["choices"][0] if isinstance(out, dict) and isinstance(out.get("choices"), list) else None
+    if isinstance(c0, dict) and "prompt_token_ids" in c0:
+        c0["prompt_token_ids"] = answers.ids_list(c0["prompt_token_ids"])
+    return out
+
+
+@pytest.mark.parametrize("buf", [
+    answer(IDS), answer(IDS, (", ", ": ")),  # vLLM's compact JSON; json.dumps's default spacing
+    answer(IDS, before=IDS),  # the same bytes earlier in the answer: parsed whole, right
+    answer([1, 2, 3]), answer(None), answer(IDS[:5]),  # short or no ids: parsed as they are
+    b'{"choices": "nope"}', b'{"choices": [5]}', b"[1,2]", b'{"x": 1}',  # not the usual shape
+])
+def test_parsed_with_raw_ids_equals_parsed_whole(buf: bytes) -> None:
+    assert whole(buf) == json.loads(buf)
+
+
+def test_long_ids_stay_raw_and_fit_every_use() -> None:
+    out = answers.loads_completion(answer(IDS, (", ", ": ")))
+    raw = out["choices"][0]["prompt_token_ids"]
+    assert isinstance(raw, msgspec.Raw) and answers.is_ids(raw)
+    assert answers.count_ids(raw) == len(IDS) and answers.ids_list(raw) == IDS
+    leg = msgspec.json.decode(msgspec.json.encode({"prompt": answers.join_ids(raw, [7, 8])}))
+    assert leg["prompt"] == IDS + [7, 8]
+    assert continuation_leg({"prompt": None, "max_tokens": 9}, raw, [5], 3, None)["prompt"] == IDS + [5]
+    assert answers.join_ids(IDS, [7]) == IDS + [7] and answers.join_ids(raw, []) is raw
+
+
+@pytest.mark.parametrize("ids, ok", [
+    (IDS, True), ([0] * 40, True),
+    ([-1] + IDS, False), ([1.5] + IDS, False), (["7"] + IDS, False), ([[1]] + IDS, False),
+    ([None] + IDS, False), ([{"a": 1}] + IDS, False),
+])
+def test_raw_ids_are_checked_as_lists_are(ids, ok: bool) -> None:
+    c0 = answers.loads_completion(answer(ids))["choices"][0]
+    assert answers.is_ids(c0["prompt_token_ids"]) is ok
+    assert answers.is_ids(ids) is ok
+    assert answers.is_ids(msgspec.Raw(b"[" + b" " * 80 + b"]")) is False  # empty, however long
+    assert answers.is_ids(msgspec.Raw(b"[true, " + b"1, " * 40 + b"1]")) is False  # not a number
