@@ -71,6 +71,34 @@ class EventStream(web.StreamResponse):
         await self._door.send(out)
 
 
+def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], want_ids: bool,
+                keep_ids: bool) -> tuple[bytes, list[int], bool] | None:
+    """A batch of a completion stream's chunks as the client gets them, rewritten in a few passes
+    over the whole batch rather than chunk by chunk: (the SSE bytes, the token ids in it, whether a
+    chunk had a finish_reason). None when any chunk is not the usual one (a usage or prompt ids
+    chunk, one without its id, time or token ids): the caller then takes each chunk as it comes.
+    vLLM writes compact JSON, and a quote inside a string is escaped, so each pattern matches a key
+    of a chunk, never its text."""
+    n = len(batch)
+    blob = b"\n\n".join(batch)
+    if (b'"usage"' in blob or b'"prompt_token_ids":[' in blob
+            or not all(swap[0] in d and swap[2] in d for d in batch)):
+        return None
+    ids: list[int] = []
+    if keep_ids or not want_ids:
+        found = migrate.TOKEN_IDS.findall(blob)
+        if len(found) != n:
+            return None
+        if keep_ids:
+            for inner in found:
+                ids += [int(x) for x in inner.split(b",")] if inner.strip() else []
+        if not want_ids:
+            blob = migrate.TOKEN_IDS.sub(b'"token_ids":null', blob)
+    ended = blob.count(b'"finish_reason":') != blob.count(b'"finish_reason":null')
+    blob = blob.replace(swap[0], swap[1]).replace(swap[2], swap[3])
+    return b"data: " + blob.replace(b"\n\n", b"\n\ndata: ") + b"\n\n", ids, ended
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + limits.dumps(obj) + b"\n\n"
 
@@ -135,16 +163,22 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                 try:
                     with up:
                         async for batch in up.events("/v1/completions", leg):
+                            if swap is None:
+                                chunk = up.chunk(batch[0])
+                                swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                        f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
+                                observe(metrics.decoder_first, time.perf_counter() - t1)
+                                if mode == "regen" and first_leg:
+                                    observe(metrics.ttft, time.perf_counter() - t0)
+                            fast = None if parse_lp else plain_batch(batch, swap, want_ids, sent is not None)
                             out = []
+                            if fast is not None:  # the usual batch, rewritten whole
+                                out.append(fast[0])
+                                if sent is not None:
+                                    sent += fast[1]
+                                ended = ended or fast[2]
+                                batch = []
                             for data in batch:
-                                if swap is None:
-                                    chunk = up.chunk(data)
-                                    swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
-                                            f'"created":{chunk.get("created")}'.encode(),
-                                            f'"created":{created}'.encode())
-                                    observe(metrics.decoder_first, time.perf_counter() - t1)
-                                    if mode == "regen" and first_leg:
-                                        observe(metrics.ttft, time.perf_counter() - t0)
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
                                     if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
