@@ -97,8 +97,8 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
     dc = {i: None if h is None else effective(h) for i, h in held.items()}
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
     # tokens; among equals, the one holding more of the prompt.
-    d = min(decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0),
-                                     random.random()))
+    d = decoders[0] if len(decoders) == 1 else min(
+        decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0), random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local:
         return Route(d, None, local, sum((held[d.id] or {}).values()))
