@@ -149,7 +149,7 @@ class Response:
         if self.paused and c.transport is not None:
             self.paused = False
             c.transport.resume_reading()
-        self.waiter = w = asyncio.get_running_loop().create_future()
+        self.waiter = w = c.pool.loop.create_future()  # not get_running_loop(): a getpid() syscall per call
         c.seen, c.quiet_since = c.ticks, c.pool.loop.time()
         try:
             await w

@@ -170,14 +170,18 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 observe(metrics.decoder_first, time.perf_counter() - t1)
                                 if mode == "regen" and first_leg:
                                     observe(metrics.ttft, time.perf_counter() - t0)
-                            fast = None if parse_lp else plain_batch(batch, swap, want_ids, sent is not None)
+                            # The decode leg's usage chunk comes last: the chunks before it may still be usual.
+                            tail = batch[-1:] if b'"usage"' in batch[-1] else []
+                            head = batch[:-1] if tail else batch
+                            fast = None if parse_lp or not head else plain_batch(head, swap, want_ids,
+                                                                                 sent is not None)
                             out = []
-                            if fast is not None:  # the usual batch, rewritten whole
+                            if fast is not None:  # the usual chunks, rewritten whole
                                 out.append(fast[0])
                                 if sent is not None:
                                     sent += fast[1]
                                 ended = ended or fast[2]
-                                batch = []
+                                batch = tail
                             for data in batch:
                                 if b'"usage"' in data:
                                     u = up.chunk(data)

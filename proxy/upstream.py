@@ -24,6 +24,17 @@ _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connection
                   "read": "--read-timeout", "stall": "--stall-timeout"}
 
 
+def plain_events(whole: bytes) -> list[bytes] | None:
+    """The payloads of whole SSE events, each one `data:` line (vLLM's), split in one pass; None
+    when any event is otherwise (more lines, a carriage return, an error event). A payload is
+    JSON, whose strings escape newlines, so a newline only ends a line."""
+    n = whole.count(b"\n\n") + 1
+    if (whole.startswith(b"data: ") and whole.count(b"\n") == 2 * (n - 1) and whole.count(b"data: ") == n
+            and b"\r" not in whole and b'{"error"' not in whole):
+        return whole[6:].split(b"\n\ndata: ")
+    return None
+
+
 class UpstreamClient:
     """The legs' pool and the health checks' session (open between the app's start and cleanup),
     and the headers every upstream request carries."""
@@ -181,23 +192,29 @@ class Upstream:
         try:
             async for blob in resp.pieces():
                 buf += blob
-                *events, buf = buf.split(b"\n\n")
-                batch: list[bytes] = []
-                for ev in events:
-                    for line in ev.split(b"\n"):
-                        if line.startswith(b"data: "):
-                            data = line[6:].rstrip(b"\r")
-                            if data.startswith(b'{"error"'):
-                                self._stream_error(data)
-                            if data == b"[DONE]":
-                                # Read to the end of the body: a released, fully read response
-                                # keeps its connection for the next request.
-                                await resp.read()
-                                self.done = True
-                                if batch:
-                                    yield batch
-                                return
-                            batch.append(data)
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                whole, buf = buf[:cut], buf[cut + 2:]
+                batch = plain_events(whole)
+                if batch is None:  # the general case, line by line
+                    batch = []
+                    for ev in whole.split(b"\n\n"):
+                        for line in ev.split(b"\n"):
+                            if line.startswith(b"data: "):
+                                data = line[6:].rstrip(b"\r")
+                                if data.startswith(b'{"error"'):
+                                    self._stream_error(data)
+                                batch.append(data)
+                if b"[DONE]" in batch:
+                    # Read to the end of the body: a released, fully read response keeps its
+                    # connection for the next request.
+                    batch = batch[:batch.index(b"[DONE]")]
+                    await resp.read()
+                    self.done = True
+                    if batch:
+                        yield batch
+                    return
                 if batch:
                     yield batch
         except Broken as e:

@@ -1,6 +1,7 @@
-"""proxy/streaming.plain_batch: a batch of a decoder's chunks rewritten whole equals each chunk
-rewritten alone (id and created the client's, token ids kept and stripped), and anything unusual
-is left to the chunk-by-chunk path."""
+"""proxy/upstream.plain_events and proxy/streaming.plain_batch: a read of SSE events split in one
+pass, and a batch of a decoder's chunks rewritten whole, equal what the line-by-line and
+chunk-by-chunk paths give (id and created the client's, token ids kept and stripped); anything
+unusual is left to those paths."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pytest
 
 from kvferry.proxy.streaming import plain_batch
+from kvferry.proxy.upstream import plain_events
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
 
@@ -57,3 +59,21 @@ def test_a_batch_rewritten_whole_equals_each_chunk_rewritten(want_ids: bool) -> 
 ])
 def test_an_unusual_chunk_is_left_to_the_chunk_by_chunk_path(batch: list[bytes]) -> None:
     assert plain_batch(batch, SWAP, False, keep_ids=True) is None
+
+
+def test_plain_events_split_what_the_line_by_line_reader_splits() -> None:
+    chunks = [chunk(0, "x"), chunk(1, "y\nz"), b"[DONE]"]  # a newline in a text is escaped
+    whole = b"\n\n".join(b"data: " + c for c in chunks)
+    assert plain_events(whole) == chunks
+    assert plain_events(b"data: " + chunks[0]) == chunks[:1]
+
+
+@pytest.mark.parametrize("whole", [
+    b"data: {}\r\n\r\ndata: {}",  # carriage returns
+    b"event: x\ndata: {}\n\ndata: {}",  # another field
+    b'data: {}\n\ndata: {"error": {"message": "gone"}}',  # an error event: checked line by line
+    b": keep-alive\n\ndata: {}",  # a comment
+    b"data: " + chunk(1, "data: inside the text"),  # the prefix in a text: counted, so not split here
+])
+def test_plain_events_leave_the_rest_to_the_line_by_line_reader(whole: bytes) -> None:
+    assert plain_events(whole) is None
