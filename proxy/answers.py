@@ -17,41 +17,40 @@ _DIGITS_AND_SPACE = b"0123456789, \t\r\n"
 _generic = msgspec.json.Decoder()
 
 
-class _IdsChoice(msgspec.Struct):
-    prompt_token_ids: msgspec.Raw = msgspec.Raw()  # as written, null included (msgspec.Raw takes no union)
-
-
-class _IdsAnswer(msgspec.Struct):
-    choices: list[_IdsChoice] = []
-
-
-_ids_only = msgspec.json.Decoder(_IdsAnswer)  # other fields are skipped, not built
-
-
 class BadAnswer(BadDataError, ValueError):
     """An engine's answer lacks a field the proxy needs, or has it with the wrong type; the
     message names the field."""
 
 
+_KEY = b'"prompt_token_ids":'
+_CUT = b'"\\u0000kvferry:prompt_token_ids"'  # what stands in for the ids while the rest is parsed
+_CUT_STR = "\x00kvferry:prompt_token_ids"
+
+
 def loads_completion(buf: bytes) -> Any:
     """A completion answer as loads() gives it, but with choices[0].prompt_token_ids left as the
-    engine wrote them (msgspec.Raw) when they are long: see ids_list / join_ids. The ids are cut
-    from the text before it is parsed; where the cut could have hit another field (the same bytes
-    earlier in the answer), the answer is parsed whole."""
-    try:
-        head = _ids_only.decode(buf)
-    except msgspec.ValidationError:
-        return _generic.decode(buf)  # not the usual shape: choice0() names what is wrong
-    raw = head.choices[0].prompt_token_ids if head.choices else None
-    if raw is None or len(raw) < RAW_IDS_MIN:  # short, absent or null: parsed as they are
+    engine wrote them (msgspec.Raw) when they are a long flat list: see ids_list / join_ids. The
+    list is found by its key (a key inside a string would have its quotes escaped), cut out and
+    replaced by a marker while the rest is parsed; unless the marker is then exactly
+    choices[0].prompt_token_ids, the answer is parsed whole."""
+    k = buf.find(_KEY)
+    if k < 0:
         return _generic.decode(buf)
-    ids = bytes(raw)
-    at = buf.find(ids)
-    out = _generic.decode(buf[:at] + b"null" + buf[at + len(ids):])
-    c0 = out["choices"][0]  # there: the same text parsed as _IdsAnswer had it
-    if not isinstance(c0, dict) or "prompt_token_ids" not in c0 or c0["prompt_token_ids"] is not None:
-        return _generic.decode(buf)  # the cut hit another field
-    c0["prompt_token_ids"] = raw
+    start = k + len(_KEY)
+    while buf[start:start + 1] in (b" ", b"\t", b"\r", b"\n"):
+        start += 1
+    end = buf.find(b"]", start) + 1
+    if (buf[start:start + 1] != b"[" or end - start < RAW_IDS_MIN or _CUT in buf
+            or buf[start:end].translate(None, _DIGITS_AND_SPACE) != b"[]"):
+        return _generic.decode(buf)  # short, absent, not a flat list of numbers: parsed as it is
+    try:
+        out = _generic.decode(buf[:start] + _CUT + buf[end:])
+        c0 = out["choices"][0]
+        if c0["prompt_token_ids"] != _CUT_STR:
+            raise TypeError
+    except (ValueError, TypeError, KeyError, IndexError):
+        return _generic.decode(buf)  # the key was another field's: parsed whole
+    c0["prompt_token_ids"] = msgspec.Raw(buf[start:end])
     return out
 
 

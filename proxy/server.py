@@ -36,7 +36,7 @@ from kvferry.common.log import get_logger
 from kvferry.proxy import metrics
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.errors import ProxyError
-from kvferry.proxy.front_door import FrontDoor
+from kvferry.proxy.front_door import FrontDoor, close_idle
 from kvferry.proxy.options import OptionError, ProxyOptions, parse
 from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.board import LoadBoard
@@ -71,6 +71,7 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
     _calm_gc()
+    sweep = loop.create_task(close_idle(doors))
     if ready is not None:
         ready()
     if worker is None or worker == 0:
@@ -86,6 +87,7 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
         await stop.wait()
     finally:
         server.close()
+        sweep.cancel()
         tasks = [d.task for d in doors if d.task is not None]
         for d in list(doors):
             d.close()

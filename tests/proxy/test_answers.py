@@ -31,7 +31,10 @@ def whole(buf: bytes):
 
 @pytest.mark.parametrize("buf", [
     answer(IDS), answer(IDS, (", ", ": ")),  # vLLM's compact JSON; json.dumps's default spacing
-    answer(IDS, before=IDS),  # the same bytes earlier in the answer: parsed whole, right
+    answer(IDS, before=IDS),  # the same bytes earlier in the answer
+    answer(IDS, prompt_token_ids=IDS[::-1]),  # the key itself earlier (top level): parsed whole, right
+    answer(IDS, note="\x00kvferry:prompt_token_ids"),  # the marker in the answer: parsed whole
+    answer([[1, 2]] + IDS), answer(["1"] + IDS), answer(IDS + [-1]),  # not a flat list of ids
     answer([1, 2, 3]), answer(None), answer(IDS[:5]),  # short or no ids: parsed as they are
     b'{"choices": "nope"}', b'{"choices": [5]}', b"[1,2]", b'{"x": 1}',  # not the usual shape
 ])

@@ -39,9 +39,11 @@ async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse
     fallback = runner.server
     server = await asyncio.get_running_loop().create_server(
         lambda: FrontDoor(fast, fallback, max_body, doors), "127.0.0.1", 0)
+    sweep = asyncio.get_running_loop().create_task(front_door.close_idle(doors))
     try:
         yield server.sockets[0].getsockname()[1], doors
     finally:
+        sweep.cancel()
         server.close()
         for d in list(doors):
             d.close()
