@@ -108,9 +108,8 @@ class FrontDoor(asyncio.Protocol):
         """Start the next request if its head and body are here; hand over what is not hot."""
         buf = self.buf
         if self.pending is not None:  # the head was read before: its body is here now
-            path, headers, start, length = self.pending
+            self._start(*self.pending)
             self.pending = None
-            self._start(path, headers, start, length)
             return
         end = buf.find(b"\r\n\r\n")
         if end < 0:
@@ -162,6 +161,8 @@ class FrontDoor(asyncio.Protocol):
         try:
             resp = await self.handle(request)
             if isinstance(resp, web.Response):
+                if not isinstance(resp.body, (bytes, bytearray)):
+                    raise TypeError(f"a {type(resp.body).__name__} body")  # the hot handlers answer bytes
                 if self.sent:  # a stream began, then failed past its own handling: it cannot be answered again
                     raise ConnectionResetError("answer already begun")
                 await self.send(head(resp.status, resp.reason, resp.headers, resp.body, self.keep_alive))
@@ -238,7 +239,7 @@ async def close_idle(doors: set[FrontDoor]) -> None:
                 d.close()
 
 
-def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | None,
+def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | bytearray | None,
          keep_alive: bool) -> bytes:
     """A whole answer with a Content-Length body."""
     body = body or b""

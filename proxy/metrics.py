@@ -126,7 +126,7 @@ class LoopValue:
     def __init__(self, typ: str, metric_name: str, name: str, labelnames: Sequence[str],
                  labelvalues: Sequence[str], help_text: str, **kwargs: object) -> None:
         self._value = 0.0
-        self._exemplar = None
+        self._exemplar: object = None
 
     def inc(self, amount: float) -> None:
         self._value += amount
@@ -134,13 +134,13 @@ class LoopValue:
     def set(self, value: float, timestamp: float | None = None) -> None:
         self._value = value
 
-    def set_exemplar(self, exemplar) -> None:  # type: ignore[no-untyped-def]
+    def set_exemplar(self, exemplar: object) -> None:
         self._exemplar = exemplar
 
     def get(self) -> float:
         return self._value
 
-    def get_exemplar(self):  # type: ignore[no-untyped-def]
+    def get_exemplar(self) -> object:
         return self._exemplar
 
 

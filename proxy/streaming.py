@@ -171,8 +171,8 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 if mode == "regen" and first_leg:
                                     observe(metrics.ttft, time.perf_counter() - t0)
                             # The decode leg's usage chunk comes last: the chunks before it may still be usual.
-                            tail = batch[-1:] if b'"usage"' in batch[-1] else []
-                            head = batch[:-1] if tail else batch
+                            usage_tail = batch[-1:] if b'"usage"' in batch[-1] else []
+                            head = batch[:-1] if usage_tail else batch
                             fast = None if parse_lp or not head else plain_batch(head, swap, want_ids,
                                                                                  sent is not None)
                             out = []
@@ -181,7 +181,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 if sent is not None:
                                     sent += fast[1]
                                 ended = ended or fast[2]
-                                batch = tail
+                                batch = usage_tail
                             for data in batch:
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
