@@ -37,8 +37,8 @@ class EventStream(web.StreamResponse):
 
     _send_headers_immediately = False
 
-    def __init__(self) -> None:
-        super().__init__(headers=SSE_HEADERS)
+    def __init__(self) -> None:  # aiohttp's own state: made by prepare(), on its path only
+        self._status = 200  # what the front door's guard reads, on either path
         self._door: Any = None
         self._pending = b""  # the head, sent with the first event
         self._ended = False
@@ -46,6 +46,7 @@ class EventStream(web.StreamResponse):
     async def prepare(self, request: Any) -> Any:
         door = getattr(request, "door", None)
         if door is None:
+            web.StreamResponse.__init__(self, headers=SSE_HEADERS)
             return await super().prepare(request)
         self._door, self._pending = door, SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
                                                            else b"Connection: close\r\n\r\n")

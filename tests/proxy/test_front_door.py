@@ -189,6 +189,19 @@ def test_connection_close_is_honoured() -> None:
     asyncio.run(run())
 
 
+def anonymous(events: list[str]) -> list:
+    """SSE events without what differs per request (id, created)."""
+    out = []
+    for e in events:
+        body = e.removeprefix("data: ")
+        c = json.loads(body) if body.startswith("{") else body
+        if isinstance(c, dict):
+            c.pop("id", None)
+            c.pop("created", None)
+        out.append(c)
+    return out
+
+
 def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection() -> None:
     p0, d0 = stubs(0, 0)
     px = proxy([p0], [d0])
@@ -209,5 +222,9 @@ def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection
         w.write(post_bytes("/v1/completions", b"{not json"))  # now on aiohttp's side: the same JSON error
         status, headers, raw = await read_answer(r)
         assert status == 400 and json.loads(raw)["error"]["code"] == "bad_json"
+        w.write(post_bytes("/v1/completions", body, "Content-Type: application/json"))  # a stream, from aiohttp
+        status, headers, raw = await read_answer(r)
+        assert status == 200 and headers["content-type"] == "text/event-stream", headers
+        assert anonymous([e for e in raw.decode().split("\n\n") if e]) == anonymous(events), raw
         w.close()
     asyncio.run(run())
