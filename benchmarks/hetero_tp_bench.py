@@ -88,8 +88,9 @@ def sender_main(conn, rank: int, addr: tuple, chunk: int, batch: int) -> None:
             if cmd[0] == "stop":
                 break
             if cmd[0] == "reserve":
-                grants[cmd[1]] = s.reserve(cmd[1], raddr, keys, batch * chunk // TOKEN_BYTES,
-                                           share=(2, rank)).result(60)
+                grants[cmd[1]] = g = s.reserve(cmd[1], raddr, keys, batch * chunk // TOKEN_BYTES,
+                                               share=(2, rank)).result(60)
+                s.prepare(g, chunks, 0, runs)  # as engine/pd/producer.py does when an early grant comes
                 conn.send("ok")
             elif cmd[0] == "write":
                 _until(cmd[2])

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -55,6 +56,7 @@ class Grant:
     # The notifying write's NIXL notification, encoded when the pages are granted: one step
     # fewer between the caller's write and its post.
     notice: bytes = field(init=False, default=b"")
+    prepared: Any = None  # sender/prepared.py: the descriptors of a write built ahead (KVSender.prepare)
 
     def __post_init__(self) -> None:
         self.notice = m.encode(m.ArrivalNotice(transfer_id=self.transfer_id, generation=self.generation,

@@ -36,8 +36,8 @@ from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
+from kvferry.sender import prepared
 from kvferry.sender.addr import ReceiverAddr
-from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import (
     AllocFailed,
     ChunkError,
@@ -59,6 +59,7 @@ from kvferry.sender.grants import (
     renew_until_done,
     send_abort,
 )
+from kvferry.sender.prepared import checked_descs
 from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
@@ -121,6 +122,7 @@ class KVSender(SenderSleep):
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.device = device
+        self._device_id = nixl_agent.device_id(device)
         self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}", cfg.net_devices)
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
@@ -181,18 +183,11 @@ class KVSender(SenderSleep):
         """Write `chunks` into the grant's pages from `first` on (straight to the NIXL thread); with
         `runs`, only those byte runs of each chunk (sender/descs.py). Only the last write may
         `notify` (the transfer is read once notified): post it after the others end."""
-        check_ranges(self._ranges, chunks)
         self._check_open(grant.transfer_id)
-        if not chunks:
-            raise ChunkError(f"transfer {grant.transfer_id}: a write needs at least one chunk")
-        if first < 0 or first + len(chunks) > len(grant.pages):
-            raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
-                             f"its {len(grant.pages)} pages")
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = pd_region(grant.peer)
-        pages = grant.pages[first:first + len(chunks)]
-        local, remote, nbytes, widest = write_descs(chunks, pages, region, nixl_agent.device_id(self.device), runs)
+        local, remote, nbytes, widest = checked_descs(grant, chunks, first, runs, self._ranges, self._device_id)
         refused = refusal(grant, [(0, widest)], called)
         if refused is not None:
             err, reason = refused  # no reason: it ended already, nothing to abort
@@ -206,6 +201,14 @@ class KVSender(SenderSleep):
         self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
                         grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf)
         return out
+
+    def prepare(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
+                runs: Sequence[np.ndarray] | None = None) -> None:
+        """Check and build now the descriptors of a later `write(grant, chunks, first, runs=runs)`
+        (sender/prepared.py), which then only posts them; raises what that write would."""
+        self._check_open(grant.transfer_id)
+        grant.prepared = prepared.prepare(self._agent, grant, chunks, first, runs, self._ranges, self._device_id,
+                                          nixl_agent.mem_type(self.device))
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (see grants.nothing_in_flight)."""

@@ -669,6 +669,28 @@ def test_an_early_grant_written_in_pieces_is_readable_only_when_notified_and_kep
     assert r.wait_fully_free(5), r.state()
 
 
+def test_a_prepared_write_lands_byte_exact_and_a_write_of_other_chunks_does_not_post_the_preparation(
+        receiver, sender) -> None:
+    """KVSender.prepare on the grant (sender/prepared.py): the write of the prepared chunks posts
+    them; a write of other chunks into the same grant builds its own, and those chunks land."""
+    r = receiver(pages=8)
+    s, src = sender("prep")
+    grant = s.reserve("PR", r.addr, keys(4), 4 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 4), 0)
+    assert grant.prepared is not None
+    assert s.write(grant, chunks_of(src, 4), 0, notify=True).result(30).bytes == 4 * PAGE
+    kind, _, data = r.ask("claim", "PR", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(4))
+    grant = s.reserve("PS", r.addr, keys(4, 1), 4 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 4), 0)
+    s.write(grant, chunks_of(src, 4, 4), 0, notify=True).result(30)  # chunks 4..7, not the prepared 0..3
+    kind, _, data = r.ask("claim", "PS", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[(4 + i) * PAGE:(5 + i) * PAGE].numpy()) for i in range(4))
+    with pytest.raises(ValueError, match="not in memory registered"):
+        s.prepare(grant, [(16, PAGE)], 0)
+    assert r.wait_fully_free(5), r.state()
+
+
 def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_kept_expires(receiver, sender) -> None:
     r = receiver(pages=4, lease_seconds=1.0)
     s, src = sender("early")
