@@ -7,7 +7,10 @@ write's added time).
 A preparation is used only by a write of the very same chunks (addresses and sizes) into the very
 same pages, from the same first page, with the same run arrays (the same objects, and their content
 unchanged since); any other write builds its own, as without one. It holds NIXL descriptor lists
-(no agent state: only addresses), so it stays right across sleep mode and needs no release.
+(no agent state: only addresses) and, once the NIXL thread made it, the notifying write's NIXL
+transfer handle, which that write posts as it is (NIXL's own checks and set-up, `initialize_xfer`,
+done too). `Handles` releases a handle not posted, on the NIXL thread, before anything it points at
+goes: the grant ends, the receiver's agent is removed, the memory is deregistered (sleep mode).
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.common.log import get_logger
 from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import ChunkError
 from kvferry.sender.grants import Grant, check_ranges, pd_region
+
+logger = get_logger(__name__)
 
 
 class Prepared:
     """The descriptors of one write into one grant, and what they were built from."""
 
-    __slots__ = ("first", "chunks", "pages", "runs", "run_bytes", "local", "remote", "nbytes", "widest")
+    __slots__ = ("first", "chunks", "pages", "runs", "run_bytes", "local", "remote", "nbytes", "widest", "peer",
+                 "agent_name", "notif", "handle", "closed")
 
     def __init__(self, first: int, chunks: list[tuple[int, int]], pages: list[int], runs: list | None,
                  built: tuple[Any, Any, int, int]) -> None:
@@ -33,6 +40,10 @@ class Prepared:
         # Each distinct run array's content when prepared: one changed in place since is not these.
         self.run_bytes = [] if runs is None else [(r, r.tobytes()) for r in _distinct(runs)]
         self.local, self.remote, self.nbytes, self.widest = built
+        self.peer: Any = None
+        self.agent_name, self.notif = "", b""
+        self.handle: Any = None  # the NIXL transfer handle: only the NIXL thread touches it
+        self.closed = False
 
     def matches(self, first: int, chunks: Sequence[tuple[int, int]], pages: list[int],
                 runs: Sequence[np.ndarray] | None) -> bool:
@@ -53,6 +64,70 @@ class Prepared:
         return True
 
 
+    # ---- on the NIXL thread ----
+    def make(self, agent: Any, agent_name: str, notif: bytes) -> None:
+        """Make the notifying write's transfer handle (NIXL checks the descriptors against the
+        registrations here, as it would at the write), unless released meanwhile."""
+        if self.closed:
+            return
+        try:
+            self.handle = agent.initialize_xfer("WRITE", self.local, self.remote, agent_name, notif)
+        except Exception as e:  # noqa: BLE001 - the write then makes its own, and reports
+            logger.debug("no prepared NIXL handle: %s", e)
+            return
+        self.agent_name, self.notif = agent_name, notif
+
+    def take(self, op: str, agent_name: str, notif: bytes) -> Any:
+        """The handle, for a post of these descriptors by `op` to `agent_name` with `notif`; it is
+        the post's from now on (released when the transfer ends). None: make one."""
+        h = self.handle
+        if h is None or self.closed or op != "WRITE" or agent_name != self.agent_name or notif != self.notif:
+            return None
+        self.handle = None
+        return h
+
+    def release(self, agent: Any) -> None:
+        self.closed = True
+        h, self.handle = self.handle, None
+        if h is not None:
+            agent.release_xfer_handle(h)
+
+
+class Handles:
+    """A sender's preparations that hold, or will hold, a NIXL transfer handle not yet posted.
+    Handles are made and released on the NIXL thread, in its queue's order: each `close` is queued
+    before what would leave the handle dangling (the peer's agent removal, a deregistration)."""
+
+    def __init__(self, nixl: Any) -> None:
+        self._nixl = nixl
+        self._open: set[Prepared] = set()
+
+    def make(self, grant: Grant) -> None:
+        prep = grant.prepared
+        if prep is None or grant.ended or grant.peer.dropped:
+            return
+        prep.peer = grant.peer
+        self._open.add(prep)  # before the make is queued: a close from now on is queued after it
+        self._nixl.run(prep.make, self._nixl.agent, grant.peer.agent, grant.notice)
+
+    def close(self, prep: Prepared | None) -> None:
+        if prep is not None and prep in self._open:
+            self._open.discard(prep)
+            self._nixl.run(prep.release, self._nixl.agent)
+
+    def close_peer(self, peer: Any) -> None:
+        for prep in list(self._open):
+            if prep.peer is peer:
+                self.close(prep)
+
+    def close_all(self) -> None:
+        for prep in list(self._open):
+            self.close(prep)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
 def _distinct(runs: Sequence[np.ndarray]) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     for r in runs:
@@ -62,20 +137,21 @@ def _distinct(runs: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def checked_descs(grant: Grant, chunks: Sequence[tuple[int, int]], first: int, runs: Sequence[np.ndarray] | None,
-                  ranges: list[tuple[int, int]], device_id: int) -> tuple[Any, Any, int, int]:
-    """What `KVSender.write` posts for these arguments: (local, remote, bytes, widest page write),
-    the grant's preparation when it matches, else built now (every check of a write on the way)."""
+                  ranges: list[tuple[int, int]], device_id: int) -> tuple[Any, Any, int, int, Prepared | None]:
+    """What `KVSender.write` posts for these arguments: (local, remote, bytes, widest page write,
+    the preparation they are), the grant's preparation when it matches, else built now (every
+    check of a write on the way)."""
     pages = grant.pages[first:first + len(chunks)]
     prep = grant.prepared
     if prep is not None and prep.matches(first, chunks, pages, runs):
-        return prep.local, prep.remote, prep.nbytes, prep.widest
+        return prep.local, prep.remote, prep.nbytes, prep.widest, prep
     check_ranges(ranges, chunks)
     if not chunks:
         raise ChunkError(f"transfer {grant.transfer_id}: a write needs at least one chunk")
     if first < 0 or first + len(chunks) > len(grant.pages):
         raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
                          f"its {len(grant.pages)} pages")
-    return write_descs(chunks, pages, pd_region(grant.peer), device_id, runs)
+    return (*write_descs(chunks, pages, pd_region(grant.peer), device_id, runs), None)
 
 
 def prepare(agent: Any, grant: Grant, chunks: Sequence[tuple[int, int]], first: int,
@@ -88,7 +164,7 @@ def prepare(agent: Any, grant: Grant, chunks: Sequence[tuple[int, int]], first: 
     run_list = None if runs is None else list(runs)
     if run_list is not None and any(type(r) is not np.ndarray for r in run_list):
         return None
-    local, remote, nbytes, widest = checked_descs(grant, chunks, first, run_list, ranges, device_id)
+    local, remote, nbytes, widest, _ = checked_descs(grant, chunks, first, run_list, ranges, device_id)
     built = (agent.get_xfer_descs(local, local_mem), agent.get_xfer_descs(remote, pd_region(grant.peer).mem_type),
              nbytes, widest)
     return Prepared(first, chunks, list(grant.pages[first:first + len(chunks)]), run_list, built)

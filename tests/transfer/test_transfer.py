@@ -677,17 +677,34 @@ def test_a_prepared_write_lands_byte_exact_and_a_write_of_other_chunks_does_not_
     s, src = sender("prep")
     grant = s.reserve("PR", r.addr, keys(4), 4 * 32).result(30)
     s.prepare(grant, chunks_of(src, 4), 0)
-    assert grant.prepared is not None
+    prep = grant.prepared
+    assert prep is not None
+    until(lambda: prep.handle is not None, 5, "the NIXL thread made the prepared handle")
     assert s.write(grant, chunks_of(src, 4), 0, notify=True).result(30).bytes == 4 * PAGE
+    assert prep.handle is None, "the write did not post the prepared handle"
     kind, _, data = r.ask("claim", "PR", 10)
     assert kind == "ok" and all(data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(4))
     grant = s.reserve("PS", r.addr, keys(4, 1), 4 * 32).result(30)
     s.prepare(grant, chunks_of(src, 4), 0)
+    prep = grant.prepared
+    until(lambda: prep.handle is not None, 5, "the NIXL thread made the prepared handle")
     s.write(grant, chunks_of(src, 4, 4), 0, notify=True).result(30)  # chunks 4..7, not the prepared 0..3
     kind, _, data = r.ask("claim", "PS", 10)
     assert kind == "ok" and all(data[i] == bytes(src[(4 + i) * PAGE:(5 + i) * PAGE].numpy()) for i in range(4))
+    until(lambda: prep.closed and prep.handle is None, 5, "the unposted handle released at the grant's end")
     with pytest.raises(ValueError, match="not in memory registered"):
         s.prepare(grant, [(16, PAGE)], 0)
+    # Prepared before sleep mode, written after: the handle went with the registrations, the
+    # descriptors stay right.
+    grant = s.reserve("PZ", r.addr, keys(2, 2), 2 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 2), 0)
+    s.suspend()
+    assert grant.prepared.closed and grant.prepared.handle is None
+    s.resume()
+    s.write(grant, chunks_of(src, 2), 0, notify=True).result(30)
+    kind, _, data = r.ask("claim", "PZ", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(2))
+    assert len(s._preps) == 0
     assert r.wait_fully_free(5), r.state()
 
 
