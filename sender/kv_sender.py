@@ -126,7 +126,7 @@ class KVSender(SenderSleep):
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.device = device
-        self._device_id = nixl_agent.device_id(device)
+        self._device_id, self._mem = nixl_agent.device_id(device), nixl_agent.mem_type(device)
         self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}", cfg.net_devices)
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
@@ -193,7 +193,7 @@ class KVSender(SenderSleep):
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = pd_region(grant.peer)
         local, remote, nbytes, widest, prep = checked_descs(grant, chunks, first, runs, self._ranges, self._device_id)
-        refused = refusal(grant, [(0, widest)], called)
+        refused = refusal(grant, widest, called)
         if refused is not None:
             err, reason = refused  # no reason: it ended already, nothing to abort
             self._fail(grant, out, err, reason) if reason else out.set_exception(err)
@@ -203,7 +203,7 @@ class KVSender(SenderSleep):
         xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
         grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
-        self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
+        self._nixl.post("WRITE", local, self._mem, remote, region.mem_type,
                         grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf, prep)
         return out
 
@@ -213,7 +213,7 @@ class KVSender(SenderSleep):
         (sender/prepared.py), which then only posts them; raises what that write would."""
         self._check_open(grant.transfer_id)
         grant.prepared = prepared.prepare(self._agent, grant, chunks, first, runs, self._ranges, self._device_id,
-                                          nixl_agent.mem_type(self.device))
+                                          self._mem)
         self._preps.make(grant)
 
     def release(self, grant: Grant, reason: str) -> None:

@@ -708,6 +708,16 @@ def test_a_prepared_write_lands_byte_exact_and_a_write_of_other_chunks_does_not_
     assert r.wait_fully_free(5), r.state()
 
 
+def test_a_chunk_larger_than_the_receivers_pages_is_refused_before_the_post_and_the_pages_come_back(
+        receiver, sender) -> None:
+    r = receiver(pages=4)
+    s, src = sender("big")
+    grant = s.reserve("BIG", r.addr, keys(1), 32).result(30)
+    with pytest.raises(SendError, match=f"a {2 * PAGE}-byte chunk does not fit .* {PAGE}-byte pages"):
+        s.write(grant, [(src.data_ptr(), 2 * PAGE)], 0, notify=True).result(30)
+    assert r.wait_fully_free(2), r.state()
+
+
 def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_kept_expires(receiver, sender) -> None:
     r = receiver(pages=4, lease_seconds=1.0)
     s, src = sender("early")
