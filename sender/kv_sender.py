@@ -211,10 +211,10 @@ class KVSender(SenderSleep):
                 runs: Sequence[np.ndarray] | None = None) -> None:
         """Check and build now the descriptors of a later `write(grant, chunks, first, runs=runs)`
         (sender/prepared.py), which then only posts them; raises what that write would."""
+        gen = self._preps.gen  # read before the check: a sleep from here on makes this preparation's handle stale
         self._check_open(grant.transfer_id)
-        grant.prepared = prepared.prepare(self._agent, grant, chunks, first, runs, self._ranges, self._device_id,
-                                          self._mem)
-        self._preps.make(grant)
+        self._preps.make(grant, prepared.prepare(self._agent, grant, chunks, first, runs, self._ranges,
+                                                 self._device_id, self._mem), gen)
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (see grants.nothing_in_flight)."""

@@ -32,7 +32,7 @@ class Prepared:
     """The descriptors of one write into one grant, and what they were built from."""
 
     __slots__ = ("first", "chunks", "pages", "runs", "run_bytes", "local", "remote", "nbytes", "widest", "peer",
-                 "agent_name", "notif", "handle", "closed")
+                 "agent_name", "notif", "handle", "closed", "owner", "gen")
 
     def __init__(self, first: int, chunks: list[tuple[int, int]], pages: list[int], runs: list | None,
                  built: tuple[Any, Any, int, int]) -> None:
@@ -44,6 +44,8 @@ class Prepared:
         self.agent_name, self.notif = "", b""
         self.handle: Any = None  # the NIXL transfer handle: only the NIXL thread touches it
         self.closed = False
+        self.owner: Handles | None = None
+        self.gen = 0  # the owner's sleep generation when prepared: a handle of an older one is stale
 
     def matches(self, first: int, chunks: Sequence[tuple[int, int]], pages: list[int],
                 runs: Sequence[np.ndarray] | None) -> bool:
@@ -68,7 +70,7 @@ class Prepared:
     def make(self, agent: Any, agent_name: str, notif: bytes) -> None:
         """Make the notifying write's transfer handle (NIXL checks the descriptors against the
         registrations here, as it would at the write), unless released meanwhile."""
-        if self.closed:
+        if self.closed or self._stale():
             return
         try:
             self.handle = agent.initialize_xfer("WRITE", self.local, self.remote, agent_name, notif)
@@ -81,10 +83,15 @@ class Prepared:
         """The handle, for a post of these descriptors by `op` to `agent_name` with `notif`; it is
         the post's from now on (released when the transfer ends). None: make one."""
         h = self.handle
-        if h is None or self.closed or op != "WRITE" or agent_name != self.agent_name or notif != self.notif:
+        if h is None or self.closed or op != "WRITE" or agent_name != self.agent_name or notif != self.notif or \
+                self._stale():
             return None
         self.handle = None
         return h
+
+    def _stale(self) -> bool:
+        """Prepared before a sleep (the registrations its handle points at were dropped since)."""
+        return self.owner is not None and self.gen != self.owner.gen
 
     def release(self, agent: Any) -> None:
         self.closed = True
@@ -101,12 +108,16 @@ class Handles:
     def __init__(self, nixl: Any) -> None:
         self._nixl = nixl
         self._open: set[Prepared] = set()
+        self.gen = 0  # sleeps so far (close_all): a preparation begun before one never posts its handle
 
-    def make(self, grant: Grant) -> None:
-        prep = grant.prepared
+    def make(self, grant: Grant, prep: Prepared | None, gen: int) -> None:
+        """`prep` is `grant`'s preparation now (an earlier one is closed); its handle is made on the
+        NIXL thread. `gen`: this `gen` as read before the preparation began."""
+        self.close(grant.prepared)
+        grant.prepared = prep
         if prep is None or grant.ended or grant.peer.dropped:
             return
-        prep.peer = grant.peer
+        prep.peer, prep.owner, prep.gen = grant.peer, self, gen
         self._open.add(prep)  # before the make is queued: a close from now on is queued after it
         self._nixl.run(prep.make, self._nixl.agent, grant.peer.agent, grant.notice)
 
@@ -121,6 +132,9 @@ class Handles:
                 self.close(prep)
 
     def close_all(self) -> None:
+        """Sleep mode, before the deregistration is queued: every handle goes, and one whose
+        preparation began before now is never made or posted (the write makes its own)."""
+        self.gen += 1
         for prep in list(self._open):
             self.close(prep)
 

@@ -27,6 +27,8 @@ class FakeAgent:
     """get_xfer_descs as NIXL's, minus NIXL: a copy of the descriptors, tagged with the memory type."""
 
     def get_xfer_descs(self, descs, mem_type):
+        if isinstance(descs, tuple) and descs[0] == "dlist":  # NIXL passes a descriptor list through
+            return descs
         return ("dlist", np.array(descs, dtype=np.int64).reshape(-1, 3), mem_type)
 
 
@@ -139,8 +141,7 @@ class QueuedNixl:
 def prepped(nixl: QueuedNixl, handles: Handles, pages: list[int]) -> Grant:
     g = grant(pages)
     g.peer.agent, g.peer.dropped = "remote", False
-    g.prepared = prepare(nixl.agent, g, chunks(len(pages)), 0, None, RANGES, 0, "DRAM")
-    handles.make(g)
+    handles.make(g, prepare(nixl.agent, g, chunks(len(pages)), 0, None, RANGES, 0, "DRAM"), handles.gen)
     return g
 
 
@@ -189,6 +190,29 @@ def test_a_handle_not_posted_is_released_at_the_grants_end_the_peers_drop_or_sle
     # A grant that ended or whose peer dropped gets no handle at all.
     e = grant([5])
     e.peer.agent, e.peer.dropped = "remote", True
-    e.prepared = prepare(nixl.agent, e, chunks(1), 0, None, RANGES, 0, "DRAM")
-    handles.make(e)
-    assert not nixl.q and len(handles) == 0
+    handles.make(e, prepare(nixl.agent, e, chunks(1), 0, None, RANGES, 0, "DRAM"), handles.gen)
+    assert e.prepared is not None and not nixl.q and len(handles) == 0
+
+
+def test_preparing_again_releases_the_first_and_one_begun_before_a_sleep_never_posts_its_handle() -> None:
+    nixl = QueuedNixl()
+    handles = Handles(nixl)
+    g = prepped(nixl, handles, [0, 1])
+    nixl.drain()
+    first = g.prepared
+    handles.make(g, prepare(nixl.agent, g, chunks(2), 0, None, RANGES, 0, "DRAM"), handles.gen)
+    nixl.drain()
+    assert first.closed and first.handle is None and len(nixl.agent.released) == 1 and len(handles) == 1
+    assert g.prepared is not first and g.prepared.take("WRITE", "remote", g.notice) is not None
+    # A preparation that began (gen read) before a sleep and reached make() after it: stale.
+    gen = handles.gen
+    handles.close_all()
+    s = grant([2])
+    s.peer.agent, s.peer.dropped = "remote", False
+    handles.make(s, prepare(nixl.agent, s, chunks(1), 0, None, RANGES, 0, "DRAM"), gen)
+    nixl.drain()
+    assert s.prepared.handle is None and s.prepared.take("WRITE", "remote", s.notice) is None
+    # After the sleep, a new preparation's handle is made and posted as usual.
+    t = prepped(nixl, handles, [3])
+    nixl.drain()
+    assert t.prepared.take("WRITE", "remote", t.notice) is not None
