@@ -9,13 +9,16 @@ only its heads' byte runs (kernels/head_map.py `chunk_runs`: one run per layer a
 Per repetition and chunk size, both ranks start at one agreed CLOCK_MONOTONIC instant:
 
 - raw: each rank posts one NIXL WRITE of its runs (the very descriptors kvferry posts, built before
-  the start) into pages reserved beforehand, with a NIXL notification of kvferry's notice's size;
+  the start; NIXL's lists and transfer handle made after it, as a plain NIXL user does) into pages
+  reserved beforehand, with a NIXL notification of kvferry's notice's size;
   the time is until the receiver's NIXL thread (polling as for a transfer of its own) got the later
   of the two notifications, the point at which a decoder can know the bytes are there
   (`raw_sender_done_p50_ms`: until the later sender's NIXL reported its WRITE done instead);
 - kvferry (`ratio`): the pages were reserved by both ranks while the prompt computed (untimed: the
-  first rank's alloc, the second joining it), then each rank's `KVSender.write(runs=...)` with its
-  notification; the time is until the receiver committed the transfer, i.e. both notifications came.
+  first rank's alloc, the second joining it) and each rank prepared its write on its grant, as
+  engine/pd/producer.py does when an early grant comes (`KVSender.prepare`: descriptors and NIXL
+  handle), then each rank's `KVSender.write(runs=...)` with its notification; the time is until the
+  receiver committed the transfer, i.e. both notifications came.
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def sender_main(conn, rank: int, addr: tuple, chunk: int, batch: int) -> None:
             if cmd[0] == "stop":
                 break
             if cmd[0] == "reserve":
-                grants[cmd[1]] = s.reserve(cmd[1], raddr, keys, batch * chunk // TOKEN_BYTES,
-                                           share=(2, rank)).result(60)
+                grants[cmd[1]] = g = s.reserve(cmd[1], raddr, keys, batch * chunk // TOKEN_BYTES,
+                                               share=(2, rank)).result(60)
+                s.prepare(g, chunks, 0, runs)  # as engine/pd/producer.py does when an early grant comes
                 conn.send("ok")
             elif cmd[0] == "write":
                 _until(cmd[2])

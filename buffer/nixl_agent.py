@@ -117,17 +117,24 @@ class NixlThread:
              notif: bytes, deadline: float) -> asyncio.Future:
         """Post one WRITE or READ; the future gets "DONE", "EXPIRED" (cancelled at `deadline`) or "ERR ..."."""
         fut = self._loop.create_future()
-        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
+        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, None), fut))
         return fut
 
     def post(self, op: str, local: Any, local_mem: str, remote: Any, remote_mem: str, agent_name: str,
-             notif: bytes, deadline: float, fut: concurrent.futures.Future[XferDone] | None = None
-             ) -> concurrent.futures.Future[XferDone]:
+             notif: bytes, deadline: float, fut: concurrent.futures.Future[XferDone] | None = None,
+             prepped: Any = None) -> concurrent.futures.Future[XferDone]:
         """`xfer` for a caller on any thread, with no event loop between it and NIXL. `fut`: the
-        caller's own future, its callbacks attached before the post is queued."""
+        caller's own future, its callbacks attached before the post is queued. `prepped`: what may
+        hold a transfer handle made ahead for exactly this post (sender/prepared.py), taken and
+        posted instead of making one here when its ``take(op, agent_name, notif)`` returns it."""
         fut = concurrent.futures.Future() if fut is None else fut
-        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline), fut))
+        self._q.put(("xfer", (op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, prepped), fut))
         return fut
+
+    def run(self, fn, *args) -> None:
+        """Run `fn(*args)` on this thread, in queue order, from any thread; nothing waits for it
+        (its errors are logged)."""
+        self._q.put(("call", fn, args, None))
 
     def wake(self) -> None:
         """Re-check `progress` now (the thread may be blocked on its queue)."""
@@ -175,9 +182,15 @@ class NixlThread:
                 elif item[0] == "call":
                     _, fn, args, fut = item
                     try:
-                        self._resolve(fut, fn(*args))
+                        got = fn(*args)
                     except Exception as e:  # noqa: BLE001 - handed to the caller
-                        self._resolve(fut, exc=e)
+                        if fut is None:
+                            logger.warning("a call on the NIXL thread failed: %s: %s", fn, e)
+                        else:
+                            self._resolve(fut, exc=e)
+                    else:
+                        if fut is not None:
+                            self._resolve(fut, got)
                 else:  # ("xfer", (op, local, ..., deadline), fut)
                     self._post(item[1], item[2])
             self._poll()
@@ -196,19 +209,21 @@ class NixlThread:
                 return
             if item[0] == "xfer":
                 self._resolve(item[2], "ERR (sender closed)")
-            elif item[0] == "call":
+            elif item[0] == "call" and item[3] is not None:
                 self._resolve(item[3], exc=RuntimeError("the NIXL thread stopped"))
 
     def _post(self, xfer: tuple, fut: Any) -> None:
-        op, local, local_mem, remote, remote_mem, agent_name, notif, deadline = xfer
+        op, local, local_mem, remote, remote_mem, agent_name, notif, deadline, prepped = xfer
         posted = time.monotonic()
         if posted >= deadline:
             self._resolve(fut, "EXPIRED")
             return
         a = self.agent
         try:
-            handle = a.initialize_xfer(op, a.get_xfer_descs(local, local_mem),
-                                       a.get_xfer_descs(remote, remote_mem), agent_name, notif)
+            handle = None if prepped is None else prepped.take(op, agent_name, notif)
+            if handle is None:
+                handle = a.initialize_xfer(op, a.get_xfer_descs(local, local_mem),
+                                           a.get_xfer_descs(remote, remote_mem), agent_name, notif)
             state = a.transfer(handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own types
             self._resolve(fut, f"ERR ({e})", posted=posted)

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -55,6 +56,7 @@ class Grant:
     # The notifying write's NIXL notification, encoded when the pages are granted: one step
     # fewer between the caller's write and its post.
     notice: bytes = field(init=False, default=b"")
+    prepared: Any = None  # sender/prepared.py: the descriptors of a write built ahead (KVSender.prepare)
 
     def __post_init__(self) -> None:
         self.notice = m.encode(m.ArrivalNotice(transfer_id=self.transfer_id, generation=self.generation,
@@ -119,9 +121,10 @@ def nothing_in_flight(grant: Grant) -> bool:
     return not grant.posted or (not grant.writes and grant.clean)
 
 
-def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tuple[SendError, str] | None:
-    """Why `chunks` may not be written into `grant` now, and the reason to abort it with ("" if
-    it ended already), or None."""
+def refusal(grant: Grant, widest: int, now: float) -> tuple[SendError, str] | None:
+    """Why a write reaching `widest` bytes into its pages may not go into `grant` now, and the
+    reason to abort it with ("" if it ended already), or None. A few plain checks: this runs on the
+    caller's thread before each write's post."""
     if grant.ended:
         return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
                          "more may be written into them"), ""
@@ -129,10 +132,9 @@ def refusal(grant: Grant, chunks: Sequence[tuple[int, int]], now: float) -> tupl
         return SendError(f"transfer {grant.transfer_id}: the connection to receiver {grant.addr} closed; the "
                          "receiver gives the pages it reserved on it back, so nothing more may be written into "
                          "them"), "the connection to the receiver closed"
-    region = pd_region(grant.peer)
-    big = next((n for _, n in chunks if n > region.page_bytes), None)
-    if big is not None:
-        return SendError(f"a {big}-byte chunk does not fit receiver {grant.addr}'s {region.page_bytes}-byte "
+    page_bytes = pd_region(grant.peer).page_bytes
+    if widest > page_bytes:
+        return SendError(f"a {widest}-byte chunk does not fit receiver {grant.addr}'s {page_bytes}-byte "
                          "pages"), "chunk too large"
     if now >= grant.deadline:
         return LeaseExpired(f"transfer {grant.transfer_id}: the lease ran out before the write could start; raise "

@@ -36,8 +36,8 @@ from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
+from kvferry.sender import prepared
 from kvferry.sender.addr import ReceiverAddr
-from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import (
     AllocFailed,
     ChunkError,
@@ -59,6 +59,7 @@ from kvferry.sender.grants import (
     renew_until_done,
     send_abort,
 )
+from kvferry.sender.prepared import checked_descs
 from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
@@ -93,6 +94,10 @@ class SenderCounters(Counters):
     alloc_wait_seconds: float = 0.0  # alloc request sent -> pages granted or refused
     alloc_waits: int = 0
 
+    def waited(self, sent_at: float) -> None:
+        self.alloc_wait_seconds += time.monotonic() - sent_at
+        self.alloc_waits += 1
+
 
 @dataclass
 class SendResult:
@@ -121,6 +126,7 @@ class KVSender(SenderSleep):
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.device = device
+        self._device_id, self._mem = nixl_agent.device_id(device), nixl_agent.mem_type(device)
         self._agent = nixl_agent.make_agent(f"kvf-send-{cfg.sender_id}-{id(self):x}", cfg.net_devices)
         self._metadata = b""  # refreshed after each registration
         self._regs: list = []
@@ -130,6 +136,7 @@ class KVSender(SenderSleep):
         self._loop = asyncio.new_event_loop()
         self._ctx = zmq.asyncio.Context()
         self._nixl = nixl_agent.NixlThread(self._agent, self._loop, POLL_S)
+        self._preps = prepared.Handles(self._nixl)  # prepared writes' NIXL handles, released in time
         self._peers = peering.PeerTable(
             self._ctx, cfg.trust, self._nixl, self._hello, fingerprint, roles=("sender", "receiver"), me=cfg.sender_id,
             timeout_key="pd_handshake_timeout", on_drop=self._on_drop, max_peers=cfg.max_receivers,
@@ -181,19 +188,12 @@ class KVSender(SenderSleep):
         """Write `chunks` into the grant's pages from `first` on (straight to the NIXL thread); with
         `runs`, only those byte runs of each chunk (sender/descs.py). Only the last write may
         `notify` (the transfer is read once notified): post it after the others end."""
-        check_ranges(self._ranges, chunks)
         self._check_open(grant.transfer_id)
-        if not chunks:
-            raise ChunkError(f"transfer {grant.transfer_id}: a write needs at least one chunk")
-        if first < 0 or first + len(chunks) > len(grant.pages):
-            raise ChunkError(f"chunks {first}..{first + len(chunks)} of transfer {grant.transfer_id} do not fit "
-                             f"its {len(grant.pages)} pages")
         called = time.monotonic()
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = pd_region(grant.peer)
-        pages = grant.pages[first:first + len(chunks)]
-        local, remote, nbytes, widest = write_descs(chunks, pages, region, nixl_agent.device_id(self.device), runs)
-        refused = refusal(grant, [(0, widest)], called)
+        local, remote, nbytes, widest, prep = checked_descs(grant, chunks, first, runs, self._ranges, self._device_id)
+        refused = refusal(grant, widest, called)
         if refused is not None:
             err, reason = refused  # no reason: it ended already, nothing to abort
             self._fail(grant, out, err, reason) if reason else out.set_exception(err)
@@ -203,9 +203,18 @@ class KVSender(SenderSleep):
         xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
         grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
-        self._nixl.post("WRITE", local, nixl_agent.mem_type(self.device), remote, region.mem_type,
-                        grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf)
+        self._nixl.post("WRITE", local, self._mem, remote, region.mem_type,
+                        grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf, prep)
         return out
+
+    def prepare(self, grant: Grant, chunks: Sequence[tuple[int, int]], first: int = 0,
+                runs: Sequence[np.ndarray] | None = None) -> None:
+        """Check and build now the descriptors of a later `write(grant, chunks, first, runs=runs)`
+        (sender/prepared.py), which then only posts them; raises what that write would."""
+        gen = self._preps.gen  # read before the check: a sleep from here on makes this preparation's handle stale
+        self._check_open(grant.transfer_id)
+        self._preps.make(grant, prepared.prepare(self._agent, grant, chunks, first, runs, self._ranges,
+                                                 self._device_id, self._mem), gen)
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (see grants.nothing_in_flight)."""
@@ -268,6 +277,7 @@ class KVSender(SenderSleep):
         return peer, new
 
     def _on_drop(self, peer: peering.Peer[AllocLink], why: str) -> None:
+        self._preps.close_peer(peer)  # queued before the peer's agent is removed
         if peer.state.reader is not None:
             peer.state.reader.cancel()
         for fut in peer.state.pending.values():
@@ -336,12 +346,12 @@ class KVSender(SenderSleep):
                 await asyncio.wait_for(peer.sock.send(request), wait)
                 reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
             except TimeoutError:
-                self._waited(sent_at)
+                self.counters.waited(sent_at)
                 pending.pop(tid, None)
                 await send_abort(peer, tid, 0, "alloc timed out", final=True)
                 raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
                                              f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
-            self._waited(sent_at)
+            self.counters.waited(sent_at)
             if isinstance(reply, m.ErrorReply):
                 if reply.code == "stale_epoch":
                     self._peers.drop(peer, "the receiver restarted")
@@ -362,10 +372,6 @@ class KVSender(SenderSleep):
         finally:
             if not granted:
                 peer.busy -= 1
-
-    def _waited(self, sent_at: float) -> None:
-        self.counters.alloc_wait_seconds += time.monotonic() - sent_at
-        self.counters.alloc_waits += 1
 
     def _written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
                  f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
@@ -399,6 +405,7 @@ class KVSender(SenderSleep):
         """On the loop: the grant is over (finished, failed or given up); once per grant."""
         if grant.ended:
             return
+        self._preps.close(grant.prepared)
         peer = grant.peer
         if abort:
             await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))

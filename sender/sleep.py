@@ -19,6 +19,7 @@ class SenderSleep:
     _metadata: bytes
     _agent: Any
     _call: Any
+    _preps: Any
 
     def suspend(self) -> None:
         """vLLM sleep mode: deregister every region from NIXL; the caller drained the writes that
@@ -26,6 +27,7 @@ class SenderSleep:
         if self._asleep:
             return
         self._asleep = True
+        self._preps.close_all()  # no prepared handle outlives the registrations it reads
         for descs in self._regs:
             self._call(self._agent.deregister_memory, descs)
         self._regs.clear()

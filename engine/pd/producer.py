@@ -11,7 +11,7 @@ A transfer goes in up to three calls from the connector, none of which waits on 
 - :meth:`PDProducer.submit` after the step that computed the prompt's last token: the rest is
   gathered and written with the notification, once every earlier write is done (the decoder
   reads the transfer only when notified). Only this last piece's copy and write are on the
-  critical path.
+  critical path; that write's descriptors were built when the early grant came (whole prompts).
 
 Without an early grant (no staging pages free at open) `submit` sends the whole prompt itself,
 as one transfer; an early alloc that failed fails the transfer (its id is spent). Gathering is
@@ -152,7 +152,20 @@ class PDProducer:
             logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
             self.staging.release(res)
             return
+        out.grant.add_done_callback(lambda f: self._prepare(out, f))
         self._open.setdefault(transfer_id, {})[receiver] = out
+
+    def _prepare(self, out: _Outgoing, f: concurrent.futures.Future[Grant]) -> None:
+        """The early grant came (on the sender's thread, while the prompt computes): build the whole
+        prompt's notifying write now (sender/prepared.py), so that write, at the prompt's end, only
+        posts. A chunked prefill's last write, fewer chunks, builds its own."""
+        if not _ok(f):
+            return
+        try:
+            chunks = self._all_chunks(out, 0)
+            self.sender.prepare(f.result(), chunks, 0, self._runs(out, f.result(), 0, len(chunks)))
+        except Exception as e:  # noqa: BLE001 - a done-callback must not raise; the write itself reports it
+            logger.debug("transfer %s: its write not prepared: %s", out.transfer_id, e)
 
     def progress(self, transfer_id: str, block_ids: Sequence[int], computed_tokens: int) -> None:
         """A step computed the prompt up to `computed_tokens`: write the chunks it completed (to every

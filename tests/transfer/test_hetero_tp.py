@@ -8,6 +8,7 @@ prefiller rank fails."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 
 import msgspec
@@ -36,6 +37,34 @@ def test_hetero_tp2_to_tp1_gqa_two_prefiller_ranks_fill_one_decoder_rank_byte_ex
         assert joint.counters.arrivals == 1 and joint.joints.sizes() == 0
         until(h.all_free, 5, "every page back on all ranks")
         assert all(not p.counters.failures and p.counters.early == 1 for p in h.producers)
+
+
+def test_hetero_tp2_to_tp1_the_last_write_posts_descriptors_built_when_the_early_grant_came(monkeypatch) -> None:
+    """engine/pd/producer.py prepares each rank's notifying write on its early grant: the write at
+    the prompt's end builds no descriptors of its own (sender/prepared.py), and every byte lands."""
+    from kvferry.sender import prepared
+
+    built: list[str] = []
+    preps: list[object] = []
+    real_build, real_prepare = prepared.write_descs, prepared.prepare
+
+    def counted(*a, **kw):
+        built.append(threading.current_thread().name)
+        return real_build(*a, **kw)
+
+    def prepare(*a, **kw):
+        preps.append(real_prepare(*a, **kw))
+        return preps[-1]
+    monkeypatch.setattr(prepared, "write_descs", counted)
+    monkeypatch.setattr(prepared, "prepare", prepare)
+    with hetero(2, 1, 4) as h:
+        n = 80
+        src_blocks, dst_blocks = run_prompt(h, "GP", n, pieces=False)
+        assert h.landed(src_blocks, dst_blocks, n - 1) == 2 * 2 * (n - 1) * 4
+        assert len(preps) == 2 and all(p is not None for p in preps), preps
+        # Once per rank, when prepared: the writes built none.
+        assert len(built) == 2, f"descriptors built {len(built)} times for two ranks' writes: {built}"
+        until(h.all_free, 5, "every page back on all ranks")
 
 
 def test_hetero_tp1_to_tp2_gqa_one_prefiller_rank_feeds_each_decoder_rank_its_heads() -> None:

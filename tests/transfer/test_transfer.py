@@ -669,6 +669,55 @@ def test_an_early_grant_written_in_pieces_is_readable_only_when_notified_and_kep
     assert r.wait_fully_free(5), r.state()
 
 
+def test_a_prepared_write_lands_byte_exact_and_a_write_of_other_chunks_does_not_post_the_preparation(
+        receiver, sender) -> None:
+    """KVSender.prepare on the grant (sender/prepared.py): the write of the prepared chunks posts
+    them; a write of other chunks into the same grant builds its own, and those chunks land."""
+    r = receiver(pages=8)
+    s, src = sender("prep")
+    grant = s.reserve("PR", r.addr, keys(4), 4 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 4), 0)
+    prep = grant.prepared
+    assert prep is not None
+    until(lambda: prep.handle is not None, 5, "the NIXL thread made the prepared handle")
+    assert s.write(grant, chunks_of(src, 4), 0, notify=True).result(30).bytes == 4 * PAGE
+    assert prep.handle is None, "the write did not post the prepared handle"
+    kind, _, data = r.ask("claim", "PR", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(4))
+    grant = s.reserve("PS", r.addr, keys(4, 1), 4 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 4), 0)
+    prep = grant.prepared
+    until(lambda: prep.handle is not None, 5, "the NIXL thread made the prepared handle")
+    s.write(grant, chunks_of(src, 4, 4), 0, notify=True).result(30)  # chunks 4..7, not the prepared 0..3
+    kind, _, data = r.ask("claim", "PS", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[(4 + i) * PAGE:(5 + i) * PAGE].numpy()) for i in range(4))
+    until(lambda: prep.closed and prep.handle is None, 5, "the unposted handle released at the grant's end")
+    with pytest.raises(ValueError, match="not in memory registered"):
+        s.prepare(grant, [(16, PAGE)], 0)
+    # Prepared before sleep mode, written after: the handle went with the registrations, the
+    # descriptors stay right.
+    grant = s.reserve("PZ", r.addr, keys(2, 2), 2 * 32).result(30)
+    s.prepare(grant, chunks_of(src, 2), 0)
+    s.suspend()
+    assert grant.prepared.closed and grant.prepared.handle is None
+    s.resume()
+    s.write(grant, chunks_of(src, 2), 0, notify=True).result(30)
+    kind, _, data = r.ask("claim", "PZ", 10)
+    assert kind == "ok" and all(data[i] == bytes(src[i * PAGE:(i + 1) * PAGE].numpy()) for i in range(2))
+    assert len(s._preps) == 0
+    assert r.wait_fully_free(5), r.state()
+
+
+def test_a_chunk_larger_than_the_receivers_pages_is_refused_before_the_post_and_the_pages_come_back(
+        receiver, sender) -> None:
+    r = receiver(pages=4)
+    s, src = sender("big")
+    grant = s.reserve("BIG", r.addr, keys(1), 32).result(30)
+    with pytest.raises(SendError, match=f"a {2 * PAGE}-byte chunk does not fit .* {PAGE}-byte pages"):
+        s.write(grant, [(src.data_ptr(), 2 * PAGE)], 0, notify=True).result(30)
+    assert r.wait_fully_free(2), r.state()
+
+
 def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_kept_expires(receiver, sender) -> None:
     r = receiver(pages=4, lease_seconds=1.0)
     s, src = sender("early")
