@@ -21,7 +21,7 @@ from kvferry.proxy.routing.registry import Instance
 logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
 _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connections, waited up to --read-timeout",
-                  "read": "--read-timeout", "stall": "--stall-timeout"}
+                  "read": "--read-timeout"}  # "stall": Upstream._stalled names its flag
 
 
 def plain_events(whole: bytes) -> list[bytes] | None:

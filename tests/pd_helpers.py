@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import zmq
@@ -198,3 +199,18 @@ def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_po
     finally:
         px.terminate()
         px.wait(10)
+
+
+@contextlib.contextmanager
+def serving(*servers: Any) -> Iterator[tuple[Any, ...]]:
+    """Start every server at once, wait for each (10 minutes at most: TP=2 on 2 cores is slow),
+    and stop them all when the block ends, however it ends."""
+    for s in servers:
+        s.start()
+    try:
+        for s in servers:
+            s.wait_ready(timeout=600)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()

@@ -18,7 +18,7 @@ import pytest
 
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, plain, source_tokens, tiny_fingerprint
+from tests.pd_helpers import RawPeer, disagg, plain, serving, source_tokens, tiny_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +27,8 @@ def p32_d128(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.Temp
     tmp = tmp_path_factory.mktemp("bs32-128")
     p = Prefiller(str(tiny_model_path), log_dir, "0", tmp, server={"extra_args": ["--block-size", "32"]})
     d = Decoder(str(tiny_model_path), log_dir, "1", tmp, pd_kv_ready_timeout=5.0)  # vLLM CPU's default: 128
-    servers = [p, d]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p, d):
         yield p, d
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm

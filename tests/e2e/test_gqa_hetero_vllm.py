@@ -20,7 +20,16 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import RawPeer, disagg, every_rank_free, plain, same_answers, source_tokens, tiny_fingerprint
+from tests.pd_helpers import (
+    RawPeer,
+    disagg,
+    every_rank_free,
+    plain,
+    same_answers,
+    serving,
+    source_tokens,
+    tiny_fingerprint,
+)
 
 FP32 = ["--dtype", "float32"]
 
@@ -39,16 +48,8 @@ def gqa_tp2_to_tp1(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytes
     d = Decoder(str(tiny_model_path), log_dir, "1", tmp, server={"extra_args": FP32}, pd_kv_ready_timeout=30.0)
     port = free_port()
     ref = VLLMServer(str(tiny_model_path), port, log_dir / f"vllm-gqa-plain-{port}.log", cores="0", extra_args=FP32)
-    servers = [p2, d, ref]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p2, d, ref):
         yield p2, d, ref
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm
@@ -81,16 +82,8 @@ def gqa_tp1_to_tp2(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytes
     port = free_port()
     ref = VLLMServer(str(tiny_model_path), port, log_dir / f"vllm-gqa-tp2-plain-{port}.log", cores="0|1",
                      extra_args=tp2)
-    servers = [p, d, ref]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p, d, ref):
         yield p, d, ref
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm

@@ -20,7 +20,7 @@ from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.mla_helpers import FP32, answers_match, mla_fingerprint
-from tests.pd_helpers import disagg, every_rank_free, plain, source_tokens
+from tests.pd_helpers import disagg, every_rank_free, plain, serving, source_tokens
 
 TP2 = ["--dtype", "float32", "--tensor-parallel-size", "2"]
 CORES = "0|1"
@@ -40,16 +40,8 @@ def mla_tp1_to_tp2(log_dir: Path, tmp_path_factory: pytest.TempPathFactory
     d = Decoder(str(model), log_dir, CORES, tmp, server={"extra_args": TP2}, tp_size=2, pd_kv_ready_timeout=30.0)
     port = free_port()
     ref = VLLMServer(str(model), port, log_dir / f"vllm-tp2-plain-{port}.log", cores=CORES, extra_args=TP2)
-    servers = [p, d, ref]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p, d, ref):
         yield p, d, ref, model
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm

@@ -36,6 +36,7 @@ from tests.pd_helpers import (
     completion,
     disagg,
     plain,
+    serving,
     source_tokens,
     tier_value,
     tokens_and_logprobs,
@@ -67,16 +68,8 @@ def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
     ref = VLLMServer(str(deepseek_model), port, log_dir / f"vllm-mla-plain-{port}.log", cores="0", extra_args=FP32)
     p2 = Prefiller(str(deepseek_model), log_dir, "0|1", tmp,
                    server={"extra_args": FP32 + ["--tensor-parallel-size", "2"]})
-    servers = [p, d, ref, p2]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p, d, ref, p2):
         yield p, d, ref, p2
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.fixture(scope="module")

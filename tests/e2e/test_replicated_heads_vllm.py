@@ -23,7 +23,7 @@ from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from tests.pd_helpers import disagg, every_rank_free, plain, same_answers, source_tokens, tiny_fingerprint
+from tests.pd_helpers import disagg, every_rank_free, plain, same_answers, serving, source_tokens, tiny_fingerprint
 from tests.polling import until
 
 FP32 = ["--dtype", "float32"]
@@ -84,16 +84,8 @@ def replicated_tp2_to_tp1(tiny_kv1_model_path: Path, log_dir: Path, tmp_path_fac
     d = Decoder(model, log_dir, "1", tmp, server={"extra_args": FP32}, pd_kv_ready_timeout=30.0)
     port = free_port()
     ref = VLLMServer(model, port, log_dir / f"vllm-replicated-plain-{port}.log", cores="0", extra_args=FP32)
-    servers = [p2, d, ref]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p2, d, ref):
         yield p2, d, ref
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm
@@ -118,16 +110,8 @@ def replicated_tp1_to_tp2(tiny_kv1_model_path: Path, log_dir: Path, tmp_path_fac
     d = Decoder(model, log_dir, "0|1", tmp, server={"extra_args": TP2}, tp_size=2, pd_kv_ready_timeout=30.0)
     port = free_port()
     ref = VLLMServer(model, port, log_dir / f"vllm-replicated-tp2-plain-{port}.log", cores="0|1", extra_args=TP2)
-    servers = [p, d, ref]
-    for s in servers:
-        s.start()
-    try:
-        for s in servers:
-            s.wait_ready(timeout=600)
+    with serving(p, d, ref):
         yield p, d, ref
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.vllm
