@@ -174,11 +174,12 @@ def every_rank_free(d: Decoder, fp: m.LayoutFingerprint, name: str) -> None:
             peer.close()
 
 @contextlib.contextmanager
-def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_port: int | None = None) -> Iterator[str]:
+def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_port: int | None = None,
+                  extra: tuple[str, ...] = ()) -> Iterator[str]:
     """kvferry's proxy (its own process) in front of these instances; yields its URL once healthy.
-    `proxy_port`: its KV-arrived notification port (the decoders' pd_proxy_port)."""
+    `proxy_port`: its KV-arrived notification port (the decoders' pd_proxy_port); `extra`: more flags."""
     port = free_port()
-    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port)]
+    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), *extra]
     if proxy_port:
         args += ["--proxy-host", "127.0.0.1", "--proxy-port", str(proxy_port)]
     for p in prefillers:

@@ -347,9 +347,12 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
         p2.wait_ready()
         d2.wait_ready()
         before = [source_tokens(d).get("external_kv_transfer", 0) for d in (d1, d2)]
-        # Through kvferry's proxy, which spreads them over the two prefillers and two decoders.
-        with running_proxy([p1, p2], [d1, d2]) as url, httpx.Client(limits=httpx.Limits(max_connections=32)) \
-                as client, concurrent.futures.ThreadPoolExecutor(16) as pool:
+        # Through kvferry's proxy, which spreads them over the two prefillers and two decoders. One
+        # worker: /health's `served` counts are each worker's own, so with two the one answering it
+        # may have served few or none of these (seen: every count 0).
+        with running_proxy([p1, p2], [d1, d2], extra=("--workers", "1")) as url, \
+                httpx.Client(limits=httpx.Limits(max_connections=32)) as client, \
+                concurrent.futures.ThreadPoolExecutor(16) as pool:
             body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True, "logprobs": 1}
             futs = [pool.submit(client.post, url + "/v1/completions", json=dict(body, prompt=pr), timeout=300)
                     for pr in prompts]
