@@ -89,7 +89,7 @@ class Chat:
                     leg["return_token_ids"] = True
                 r = await streaming.relay_chat(ctx, request, up, PATH, leg, t0, first_text=fast, first=first,
                                                move=move)
-                d.served += 1
+                d.served_one()
                 return r
         except (asyncio.CancelledError, ConnectionResetError):
             migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
@@ -120,7 +120,7 @@ class Chat:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
             with ctx.router.upstream(p, ntok, "single") as up:
                 out = await up.json(PATH, body, "chat")
-            p.served += 1
+            p.served_one()
             return out
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         if first["choices"][0].get("finish_reason") in FINISHED:
@@ -137,7 +137,7 @@ class Chat:
             try:
                 with ctx.router.upstream(d) as up:
                     out = await up.json(PATH, leg, "chat")
-                d.served += 1
+                d.served_one()
                 break
             except ProxyError as e:
                 # Nothing reached the client: the conversation runs again, whole, on another decoder.

@@ -134,7 +134,7 @@ class Completions:
                         t1 = time.perf_counter()
                         rest = await up.json("/v1/completions", leg, "completion")
                         observe(ctx.metrics.decoder_first, time.perf_counter() - t1)
-                    d.served += 1
+                    d.served_one()
                     break
                 except ProxyError as e:
                     # Nothing reached the client yet: the whole decode leg runs again on another

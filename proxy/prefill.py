@@ -29,6 +29,14 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
     (the leg failed, the client left) is aborted on the decoder at once."""
     decoder, p = route.decoder, route.prefiller
     assert p is not None, "a local route has no prefill leg"
+    with decoder.claimed():
+        return await _prefill(ctx, request, path, body, route, prompt_tokens, kind)
+
+
+async def _prefill(ctx: Context, request: web.Request, path: str, body: dict, route: Route,
+                   prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
+    decoder, p = route.decoder, route.prefiller
+    assert p is not None
     for attempt in (0, 1):
         tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, a fifth of its CPU
         leg = prefill_leg(body, tid, decoder)
@@ -38,7 +46,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
             with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
                 out = await up.json(path, leg, kind, raw_ids=kind == "completion")
                 _check_answer(up, out)
-            p.served += 1
+            p.served_one()
             ctx.router.observed(p, route, out)
             observe(ctx.metrics.prefill, time.perf_counter() - t0)
             ctx.transfers.prefilled(tid)

@@ -235,7 +235,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 observe_all(metrics.itl, gaps)
                                 gaps.clear()
                     finished = True
-                    d.served += 1
+                    d.served_one()
                     break
                 except ProxyError as e:
                     if ended:  # the client has the whole answer: only the stream's end was lost
@@ -419,7 +419,7 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
                             out.append(sse(cc))
                     if out:
                         await resp.write(b"".join(out))
-            nd.served += 1
+            nd.served_one()
             break
         except ProxyError as e2:
             if not move.can_move(e2):

@@ -1,5 +1,6 @@
 """The load every worker of one proxy sees (`kvferry-proxy --workers N`): each instance's requests in
-flight and queued prompt tokens, per worker, in memory the workers share.
+flight and queued prompt tokens, and its requests served and failed, per worker, in memory the
+workers share.
 
 A table made once by the supervisor before it forks its workers (an anonymous shared mapping:
 every child sees the same pages). An instance has a row (found by its URL, claimed under a lock
@@ -7,7 +8,8 @@ the first time any worker registers it); a row has one column per worker, and ea
 only its own column: no two processes write one cell, so no atomic operations are needed, and a
 reader sums the row (a sum read while another worker moves on is one request stale, as a
 single proxy's count is the moment after it is read). A dead worker's column is zeroed by the
-supervisor before its replacement starts: its requests died with it.
+supervisor before its replacement starts: its requests died with it (its served and failed counts
+stay: the replacement goes on from them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvferry.common.errors import UnavailableError
 
 ROWS = 1024  # instances one proxy can route to over its life (a removed one keeps its row)
 KEY = 16  # bytes of the URL's hash that name a row
-_CELLS = 2  # in flight, queued prompt tokens
+_CELLS = 4  # in flight, queued prompt tokens, served, failed
 ROLES = ("prefiller", "decoder")
 
 
@@ -73,6 +75,27 @@ class LoadBoard:
         self._cells[at] = active
         self._cells[at + 1] = queued
 
+    def put_done(self, row: int, served: int, errors: int) -> None:
+        """This worker's requests served by the instance and its failures, since the proxy started."""
+        at = (row * self.workers + self.worker) * _CELLS
+        self._cells[at + 2] = served
+        self._cells[at + 3] = errors
+
+    def own_done(self, row: int) -> tuple[int, int]:
+        """This worker's column's (served, failed): where a replaced worker's count stopped."""
+        at = (row * self.workers + self.worker) * _CELLS
+        return self._cells[at + 2], self._cells[at + 3]
+
+    def done(self, row: int) -> tuple[int, int]:
+        """(served, failed) on the instance from every worker."""
+        c, at = self._cells, row * self.workers * _CELLS
+        served = errors = 0
+        for _ in range(self.workers):
+            served += c[at + 2]
+            errors += c[at + 3]
+            at += _CELLS
+        return served, errors
+
     def total(self, row: int) -> tuple[int, int]:
         """(in flight, queued prompt tokens) on the instance from every worker."""
         c, at = self._cells, row * self.workers * _CELLS
@@ -98,7 +121,7 @@ class LoadBoard:
         return n
 
     def clear_worker(self, worker: int) -> None:
-        """A dead worker's counts: its requests died with it."""
+        """A dead worker's load: its requests died with it (what it served stays counted)."""
         for row in range(ROWS):
             at = (row * self.workers + worker) * _CELLS
             self._cells[at] = self._cells[at + 1] = 0

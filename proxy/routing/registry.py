@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -25,8 +27,8 @@ class Instance:
     fails: int = 0
     active: int = 0  # requests in flight (decoder: active sequences)
     queued_tokens: int = 0  # prefiller: prompt tokens sent and not yet answered
-    served: int = 0
-    errors: int = 0
+    own_served: int = 0  # this process's (with --workers N, `served` sums every worker's)
+    own_errors: int = 0
     kv_usage: float | None = None  # decoder: vLLM's vllm:kv_cache_usage_perc at the last health check
     discovery_id: str | None = None  # its instance_id in discovery (etcd or file); None: a static flag
     engine_load: int | None = None  # vLLM's running + waiting requests at the last /metrics scrape
@@ -40,6 +42,38 @@ class Instance:
         self.active, self.queued_tokens = active, queued
         if self.board is not None:
             self.board.put(self.row, active, queued)
+
+    @contextlib.contextmanager
+    def claimed(self) -> Iterator[None]:
+        """A request whose KV is on its way here (its prefill runs): counted in flight from its
+        route on, so the requests routed meanwhile see it rather than all take the same idle decoder."""
+        self.counted(self.active + 1, self.queued_tokens)
+        try:
+            yield
+        finally:
+            self.counted(self.active - 1, self.queued_tokens)
+
+    def served_one(self) -> None:
+        """A request answered by this instance."""
+        self.own_served += 1
+        if self.board is not None:
+            self.board.put_done(self.row, self.own_served, self.own_errors)
+
+    def failed_one(self) -> None:
+        """An upstream failure on this instance."""
+        self.own_errors += 1
+        if self.board is not None:
+            self.board.put_done(self.row, self.own_served, self.own_errors)
+
+    @property
+    def served(self) -> int:
+        """Requests this instance answered for this proxy: every worker's."""
+        return self.own_served if self.board is None else self.board.done(self.row)[0]
+
+    @property
+    def errors(self) -> int:
+        """Upstream failures on this instance seen by this proxy: every worker's."""
+        return self.own_errors if self.board is None else self.board.done(self.row)[1]
 
     @property
     def all_active(self) -> int:
@@ -129,6 +163,7 @@ class Registry:
         inst = Instance(spec, f"{spec.role[0]}{next(self._ids)}")
         if self.board is not None:
             inst.board, inst.row = self.board, self.board.row(spec.url)
+            inst.own_served, inst.own_errors = self.board.own_done(inst.row)
         self.instances[inst.id] = inst
         return inst
 

@@ -121,7 +121,7 @@ class Router:
     def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None:
         """One upstream failure (not a 4xx: that is the client's): a log line, the error counter,
         and an immediate /health probe that ejects the instance if it is dead."""
-        inst.errors += 1
+        inst.failed_one()
         self.metrics.errors.labels(kind, inst.id).inc()
         logger.warning("%s %s (%s) failed on the %s leg: %s: %s", inst.role, inst.url, inst.id, leg, kind,
                        " ".join(cause.split()))

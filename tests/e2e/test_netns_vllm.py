@@ -164,7 +164,8 @@ def test_netns_discovery_etcd_two_proxies_1p2d_same_tokens_lease_expiry_join_and
     k = 0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         while not all(px.instances().get(d3.url, {}).get("served", 0) > 0 for px in (pa, pb)):
-            assert time.monotonic() - at < 2.0, "a proxy sent the new decoder nothing within 2 s of its registration"
+            assert time.monotonic() - at < 2.0, ("a proxy sent the new decoder nothing within 2 s of its "
+                                                 f"registration: {[px.instances() for px in (pa, pb)]}")
             futs = [pool.submit(px.complete, prompt(12, seed=32_000 + k + n), 2) for n, px in enumerate((pa, pb) * 2)]
             k += 4
             for f in futs:

@@ -5,6 +5,7 @@ cluster secret on the ZMQ ports)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -305,6 +306,30 @@ def test_affinity_header_sticks() -> None:
     finally:
         for p in [px, *ps, *ds]:
             p.stop()
+
+
+def test_a_burst_routed_while_its_prefills_run_spreads_evenly_over_idle_decoders() -> None:
+    """Each request counts on its decoder from its route on: sixteen routed together, while the
+    prefiller still holds every one of them, go eight to each decoder (counted only once their
+    decode legs began, each route would see two idle decoders and pick either)."""
+    p = stub(0, False, "--prompt-delay", "0.5")
+    d0, d1 = stubs(0, 0)
+    p.wait()
+    px = proxy([p], [d0, d1], "--workers", "1")
+    try:
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                rs = await asyncio.gather(*(c.post(px.url + "/v1/completions",
+                                                   json={"prompt": f"burst {i}", "max_tokens": 2})
+                                            for i in range(16)))
+            return [r.status_code for r in rs]
+        assert asyncio.run(burst()) == [200] * 16
+        assert [len(log(d)["requests"]) for d in (d0, d1)] == [8, 8]
+        health = httpx.get(px.url + "/health").json()["instances"]
+        assert [i["in_flight"] for i in health] == [0, 0, 0], health  # every claim given back
+    finally:
+        for x in (px, p, d0, d1):
+            x.stop()
 
 
 def test_health_ejects_dead_instances_and_admin_api() -> None:

@@ -80,6 +80,12 @@ def test_two_workers_balance_prefillers_and_count_every_request() -> None:
         assert _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}') == 400
         assert _metric(text, "kvferry_proxy_request_seconds_count") == 400
         assert _metric(text, 'kvferry_proxy_in_flight{instance="p0",role="prefiller"}') == 0
+        # /health's served counts are every worker's, whichever worker answers (new connections)
+        for _ in range(4):
+            with httpx.Client() as c:
+                health = {i["url"]: i for i in c.get(px.url + "/health").json()["instances"]}
+            assert [health[p.url]["served"] for p in (p0, p1)] == counts, (health, counts)
+            assert health[d0.url]["served"] == 400 and health[d0.url]["in_flight"] == 0
     finally:
         for p in (px, p0, p1, d0):
             p.stop()
@@ -117,6 +123,11 @@ def test_a_killed_worker_is_replaced_and_none_outlives_the_proxy() -> None:
     try:
         before = _workers(px.proc.pid)
         assert len(before) == 2
+        for i in range(6):
+            with httpx.Client() as c:
+                assert c.post(px.url + "/v1/completions", json={"prompt": f"j{i}", "max_tokens": 2},
+                              timeout=30).status_code == 200
+        served_before = 6
         victim = min(before)
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 15
@@ -132,7 +143,12 @@ def test_a_killed_worker_is_replaced_and_none_outlives_the_proxy() -> None:
                 assert c.post(px.url + "/v1/completions", json={"prompt": f"k{i}", "max_tokens": 2},
                               timeout=30).status_code == 200
         text = httpx.get(px.url + "/metrics").text
-        assert _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}') == 10
+        ok = _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}')
+        assert ok == 10 + served_before  # the dead worker's count is kept
+        for _ in range(4):  # the replaced worker's served count is kept
+            with httpx.Client() as c:
+                health = {i["url"]: i for i in c.get(px.url + "/health").json()["instances"]}
+            assert health[d0.url]["served"] == 10 + served_before, health
     finally:
         px.proc.send_signal(signal.SIGTERM)  # the supervisor alone: it stops its workers
         px.proc.wait(15)
