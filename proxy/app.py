@@ -29,6 +29,7 @@ from kvferry.proxy.routing.board import LoadBoard
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
+from kvferry.proxy.streaming import CLIENT_STALL_S
 from kvferry.proxy.transfers import Transfers, notify_host
 from kvferry.proxy.upstream import UpstreamClient
 
@@ -124,6 +125,7 @@ class Proxy:
     def app(self) -> web.Application:
         # The body reader reads within --max-body-bytes itself; client_max_size backs up any other reader.
         app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
+        app[CLIENT_STALL_S] = self.opts.stall_timeout
         app.router.add_post("/v1/completions", self.completions.handle)
         app.router.add_post("/v1/chat/completions", self.chat.handle)
         app.router.add_get("/v1/models", self.models)

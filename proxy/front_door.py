@@ -14,7 +14,8 @@ whatever it refuses.
 
 Kept as aiohttp keeps it:
 - a client that disconnects cancels its request's handler;
-- a slow client pauses the writer;
+- a slow client pauses the writer; one that reads nothing of its answer for --stall-timeout is
+  cut off (aiohttp waits for it forever), so its decoder and connection come back;
 - an idle keep-alive connection closes after 75 s;
 - a request's bytes are parsed only after the previous answer went out.
 """
@@ -63,6 +64,7 @@ class FrontDoor(asyncio.Protocol):
         self.sent = False  # the current request's answer began
         self.reading = True
         self.drained: asyncio.Future[None] | None = None  # set while the client's socket is full
+        self.full_since: float | None = None  # the client's socket is full since (close_idle's to cut)
         self.idle_since: float | None = None  # waiting for a request since (close_idle's to close)
         # A head read whose body is still arriving: (path, headers, body start, body length).
         self.pending: tuple[str, CIMultiDict[str], int, int] | None = None
@@ -99,8 +101,11 @@ class FrontDoor(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.drained is None:
             self.drained = self.loop.create_future()
+        if self.full_since is None:
+            self.full_since = self.loop.time()
 
     def resume_writing(self) -> None:
+        self.full_since = None
         self._wake()
 
     # ---- requests ----
@@ -227,16 +232,22 @@ class FrontDoor(asyncio.Protocol):
             self.transport.close()
 
 
-async def close_idle(doors: set[FrontDoor]) -> None:
-    """Closes the connections that waited IDLE_S for a request: one sweep for all of them, checked
-    every quarter of IDLE_S (at most 5 s), rather than a timer set and cancelled per request."""
+async def close_idle(doors: set[FrontDoor], stall_s: float) -> None:
+    """Closes the connections that waited IDLE_S for a request, and cuts those whose client read
+    nothing of its answer for `stall_s` (--stall-timeout; its handler is cancelled as if the client
+    had left): one sweep for all of them, checked every quarter of the shorter bound (at most 5 s),
+    rather than a timer set and cancelled per request or per write."""
     loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(min(5.0, IDLE_S / 4))
+        await asyncio.sleep(min(5.0, IDLE_S / 4, stall_s / 4))
         now = loop.time()
         for d in list(doors):
             if d.task is None and d.idle_since is not None and now - d.idle_since >= IDLE_S:
                 d.close()
+            elif d.full_since is not None and now - d.full_since >= stall_s and d.transport is not None:
+                logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)",
+                            stall_s)
+                d.transport.abort()  # close() would wait for the client to read what is buffered
 
 
 def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | bytearray | None,

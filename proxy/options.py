@@ -247,7 +247,8 @@ OPTIONS: tuple[Opt, ...] = (
                                 "load that every proxy sees); default 0.5 with --discovery, 0 (off) without",
         {"type": float}),
     Opt("stall_timeout", "positive", "seconds a decode stream may send nothing before it counts as failed and "
-                                     "moves to another decoder (default 60)"),
+                                     "moves to another decoder, and a client may read nothing of its answer "
+                                     "before it is cut off (default 60)"),
     Opt("max_migrations", "count", "how many times one request may move to another decoder after its stream broke "
                                    "(default 2; 0: never)"),
     Opt("workers", "size", "processes serving --port, routing as one proxy (default: the cores available; 1 "

@@ -25,6 +25,7 @@ logger = get_logger(__name__)
 
 GAPS_BATCH = 64  # a long stream's gaps reach /metrics every this many batches
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+CLIENT_STALL_S = web.AppKey("client_stall_s", float)  # --stall-timeout, for a stream on aiohttp's path
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n")
 
@@ -33,7 +34,8 @@ class EventStream(web.StreamResponse):
     """An SSE response whose headers go out with its first event, in one write (aiohttp's
     StreamResponse sends them alone at prepare(): a syscall more per request). On the front
     door's hot path (a request with a `door`, proxy/front_door.py) it writes the chunked
-    stream to the client's connection itself."""
+    stream to the client's connection itself. A client that reads nothing for --stall-timeout is
+    cut off on either path (the door's sweep; here a bound on each write)."""
 
     _send_headers_immediately = False
 
@@ -42,11 +44,13 @@ class EventStream(web.StreamResponse):
         self._door: Any = None
         self._pending = b""  # the head, sent with the first event
         self._ended = False
+        self._stall_s = 60.0
 
     async def prepare(self, request: Any) -> Any:
         door = getattr(request, "door", None)
         if door is None:
             web.StreamResponse.__init__(self, headers=SSE_HEADERS)
+            self._stall_s = request.app.get(CLIENT_STALL_S, self._stall_s)
             return await super().prepare(request)
         self._door, self._pending = door, SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
                                                            else b"Connection: close\r\n\r\n")
@@ -54,7 +58,7 @@ class EventStream(web.StreamResponse):
 
     async def write(self, data: Any) -> None:
         if self._door is None:
-            await super().write(data)
+            await self._bounded(super().write(data))
             return
         if data:
             out, self._pending = self._pending + b"%x\r\n%s\r\n" % (len(data), data), b""
@@ -62,7 +66,7 @@ class EventStream(web.StreamResponse):
 
     async def write_eof(self, data: Any = b"") -> None:
         if self._door is None:
-            await super().write_eof(data)
+            await self._bounded(super().write_eof(data))
             return
         if self._ended:
             return
@@ -70,6 +74,21 @@ class EventStream(web.StreamResponse):
         out = self._pending + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
         self._pending = b""
         await self._door.send(out)
+
+
+    async def _bounded(self, write: Any) -> None:
+        """aiohttp's write, which waits for a full socket without a bound: cut after --stall-timeout."""
+        try:
+            async with asyncio.timeout(self._stall_s):
+                await write
+        except TimeoutError:
+            logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)",
+                        self._stall_s)
+            t = self._req.transport if self._req is not None else None
+            if t is not None:
+                t.abort()  # close() would wait for the client to read what is buffered
+            # As when a client leaves: aiohttp cancels its handler (the front door's path does the same).
+            raise asyncio.CancelledError from None
 
 
 def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], want_ids: bool,

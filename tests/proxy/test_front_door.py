@@ -7,23 +7,26 @@ other requests, pipelined, chunked and malformed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
+import httpx
+import pytest
 from aiohttp import web
 
 from kvferry.proxy import front_door
 from kvferry.proxy.front_door import FastRequest, FrontDoor
 from kvferry.proxy.streaming import EventStream
-from tests.stub_procs import _no_process_outlives_its_test, proxy, stubs  # noqa: F401 - stops what a test started
+from tests.stub_procs import _no_process_outlives_its_test, log, proxy, stubs  # noqa: F401 - stops what a test started
 
 
 @asynccontextmanager
 async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse]],
-                      max_body: int = 1 << 20) -> AsyncIterator[tuple[int, set[FrontDoor]]]:
+                      max_body: int = 1 << 20, stall_s: float = 60.0) -> AsyncIterator[tuple[int, set[FrontDoor]]]:
     """A FrontDoor on a free port; aiohttp's side answers GET /other and POST /v1/completions
     (with "aiohttp" in the body, so a test sees which side answered)."""
     async def other(request: web.Request) -> web.Response:
@@ -39,7 +42,7 @@ async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse
     fallback = runner.server
     server = await asyncio.get_running_loop().create_server(
         lambda: FrontDoor(fast, fallback, max_body, doors), "127.0.0.1", 0)
-    sweep = asyncio.get_running_loop().create_task(front_door.close_idle(doors))
+    sweep = asyncio.get_running_loop().create_task(front_door.close_idle(doors, stall_s))
     try:
         yield server.sockets[0].getsockname()[1], doors
     finally:
@@ -228,3 +231,81 @@ def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection
         assert anonymous([e for e in raw.decode().split("\n\n") if e]) == anonymous(events), raw
         w.close()
     asyncio.run(run())
+
+
+def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
+    """Nothing waits forever on a client that stopped reading: its connection is cut and its
+    handler cancelled after `stall_s` (--stall-timeout), so what the handler holds comes back."""
+    progress = {"cancelled": False}
+
+    async def flood(request: FastRequest) -> web.StreamResponse:
+        resp = EventStream()
+        await resp.prepare(request)
+        try:
+            while True:
+                await resp.write(b"data: " + b"x" * 65536 + b"\n\n")
+        except asyncio.CancelledError:
+            progress["cancelled"] = True
+            raise
+
+    async def run() -> None:
+        async with door_server(flood, stall_s=0.4) as (port, doors):
+            r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+            w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            w.write(post_bytes("/v1/completions", b"{}"))
+            await r.readline()
+            await asyncio.sleep(0.3)
+            assert doors and not progress["cancelled"]  # not yet: the bound has not passed
+            for _ in range(150):
+                if progress["cancelled"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert progress["cancelled"] and not doors
+            with contextlib.suppress(ConnectionResetError):  # what was in flight, then the end
+                while await r.read(1 << 16):
+                    pass
+            w.close()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("path", ["hot", "aiohttp"])
+def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decoder(path: str) -> None:
+    """The client reads the head of a long stream, then nothing: after --stall-timeout its
+    connection is cut and its decode leg ended, on the hot path and on aiohttp's (a chunked
+    request); the decoder is not blamed (no error, still healthy)."""
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0], "--stall-timeout", "2", "--workers", "1")
+    u = urlsplit(px.url)
+    body = json.dumps({"model": "stub", "prompt": "hello there", "max_tokens": 60_000, "stream": True}).encode()
+    if path == "hot":
+        raw = post_bytes("/v1/completions", body, "Content-Type: application/json")
+    else:  # a chunked body: aiohttp's server answers it
+        raw = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+    def decoder() -> dict:
+        return next(i for i in httpx.get(px.url + "/health").json()["instances"] if i["role"] == "decoder")
+
+    async def run() -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+        s.connect((u.hostname, u.port))
+        r, w = await asyncio.open_connection(sock=s, limit=1 << 12)
+        w.write(raw)
+        assert (await r.readline()).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(0.5)  # reading nothing more
+        assert decoder()["in_flight"] == 1
+        for _ in range(100):
+            if decoder()["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        d = decoder()
+        assert d["in_flight"] == 0 and d["errors"] == 0 and d["healthy"], d
+        got = 0
+        with contextlib.suppress(ConnectionResetError):  # what was in flight, then the end: no [DONE]
+            while chunk := await asyncio.wait_for(r.read(1 << 16), 10):
+                got += len(chunk)
+        w.close()
+        assert 0 < got < 11 << 20  # the stream's 60,000 events are about 12 MiB
+    asyncio.run(run())
+    assert log(d0)["cut_streams"] == 1
