@@ -23,6 +23,10 @@ Kept as aiohttp keeps it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from typing import cast
 
@@ -64,7 +68,10 @@ class FrontDoor(asyncio.Protocol):
         self.sent = False  # the current request's answer began
         self.reading = True
         self.drained: asyncio.Future[None] | None = None  # set while the client's socket is full
-        self.full_since: float | None = None  # the client's socket is full since (close_idle's to cut)
+        # The client's socket is full and nothing of what waits was taken since (close_idle's to cut);
+        # what waits then: a client that reads, however slowly, moves both on.
+        self.full_since: float | None = None
+        self.full_left = 0
         self.idle_since: float | None = None  # waiting for a request since (close_idle's to close)
         # A head read whose body is still arriving: (path, headers, body start, body length).
         self.pending: tuple[str, CIMultiDict[str], int, int] | None = None
@@ -102,7 +109,7 @@ class FrontDoor(asyncio.Protocol):
         if self.drained is None:
             self.drained = self.loop.create_future()
         if self.full_since is None:
-            self.full_since = self.loop.time()
+            self.full_since, self.full_left = self.loop.time(), 1 << 62
 
     def resume_writing(self) -> None:
         self.full_since = None
@@ -244,10 +251,25 @@ async def close_idle(doors: set[FrontDoor], stall_s: float) -> None:
         for d in list(doors):
             if d.task is None and d.idle_since is not None and now - d.idle_since >= IDLE_S:
                 d.close()
-            elif d.full_since is not None and now - d.full_since >= stall_s and d.transport is not None:
+            elif d.full_since is None or d.transport is None:
+                continue
+            elif (left := unsent(d.transport)) < d.full_left:
+                d.full_since, d.full_left = now, left  # the client read some: not stalled
+            elif now - d.full_since >= stall_s:
                 logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)",
                             stall_s)
                 d.transport.abort()  # close() would wait for the client to read what is buffered
+
+
+def unsent(t: asyncio.Transport) -> int:
+    """Bytes written to the client and not yet taken by it: the transport's buffer and the kernel's
+    send queue (the transport's alone does not move while a large kernel buffer drains slowly)."""
+    n = t.get_write_buffer_size()
+    sock = t.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return n
 
 
 def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | bytearray | None,
