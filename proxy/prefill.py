@@ -29,40 +29,33 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
     (the leg failed, the client left) is aborted on the decoder at once."""
     decoder, p = route.decoder, route.prefiller
     assert p is not None, "a local route has no prefill leg"
-    with decoder.claimed():
-        return await _prefill(ctx, request, path, body, route, prompt_tokens, kind)
-
-
-async def _prefill(ctx: Context, request: web.Request, path: str, body: dict, route: Route,
-                   prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
-    decoder, p = route.decoder, route.prefiller
-    assert p is not None
-    for attempt in (0, 1):
-        tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, a fifth of its CPU
-        leg = prefill_leg(body, tid, decoder)
-        t0 = time.perf_counter()
-        ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
-        try:
-            with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
-                out = await up.json(path, leg, kind, raw_ids=kind == "completion")
-                _check_answer(up, out)
-            p.served_one()
-            ctx.router.observed(p, route, out)
-            observe(ctx.metrics.prefill, time.perf_counter() - t0)
-            ctx.transfers.prefilled(tid)
-            return out, tid, p
-        except asyncio.CancelledError:  # the client left: nobody will read this transfer
-            ctx.transfers.abort(decoder, tid, CLIENT_LEFT)
-            raise
-        except ProxyError as e:
-            ctx.transfers.abort(decoder, tid, f"prefill failed: {e.message}"[:200])
-            if attempt or e.status < 500:
-                raise
+    with decoder.claimed():  # the decoder counts this request from now: see Instance.claimed
+        for attempt in (0, 1):
+            tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, a fifth of its CPU
+            leg = prefill_leg(body, tid, decoder)
+            t0 = time.perf_counter()
+            ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
             try:
-                p = ctx.router.pick(request, "prefiller", exclude=p)
-            except ProxyError:
-                raise e from None  # nobody to retry on: the client hears what went wrong
-            logger.info("retrying the prefill leg on %s %s", p.id, p.url)
+                with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
+                    out = await up.json(path, leg, kind, raw_ids=kind == "completion")
+                    _check_answer(up, out)
+                p.served_one()
+                ctx.router.observed(p, route, out)
+                observe(ctx.metrics.prefill, time.perf_counter() - t0)
+                ctx.transfers.prefilled(tid)
+                return out, tid, p
+            except asyncio.CancelledError:  # the client left: nobody will read this transfer
+                ctx.transfers.abort(decoder, tid, CLIENT_LEFT)
+                raise
+            except ProxyError as e:
+                ctx.transfers.abort(decoder, tid, f"prefill failed: {e.message}"[:200])
+                if attempt or e.status < 500:
+                    raise
+                try:
+                    p = ctx.router.pick(request, "prefiller", exclude=p)
+                except ProxyError:
+                    raise e from None  # nobody to retry on: the client hears what went wrong
+                logger.info("retrying the prefill leg on %s %s", p.id, p.url)
     raise AssertionError("unreachable")
 
 
