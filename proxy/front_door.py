@@ -256,9 +256,14 @@ async def close_idle(doors: set[FrontDoor], stall_s: float) -> None:
             elif (left := unsent(d.transport)) < d.full_left:
                 d.full_since, d.full_left = now, left  # the client read some: not stalled
             elif now - d.full_since >= stall_s:
-                logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)",
-                            stall_s)
-                d.transport.abort()  # close() would wait for the client to read what is buffered
+                cut_off(d.transport, stall_s)
+
+
+def cut_off(t: asyncio.Transport, stall_s: float) -> None:
+    """Drop a client that read nothing of its answer for `stall_s` (--stall-timeout): the
+    connection's loss cancels its handler, as when a client leaves."""
+    logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)", stall_s)
+    t.abort()  # close() would wait for the client to read what is buffered
 
 
 def unsent(t: asyncio.Transport) -> int:

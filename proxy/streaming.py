@@ -15,6 +15,7 @@ from kvferry.common.log import get_logger
 from kvferry.proxy import answers, limits, migrate
 from kvferry.proxy.context import Context
 from kvferry.proxy.errors import ProxyError, error_body
+from kvferry.proxy.front_door import cut_off
 from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
 from kvferry.proxy.merge import offset_after, shift_offsets
 from kvferry.proxy.metrics import observe, observe_all
@@ -44,13 +45,13 @@ class EventStream(web.StreamResponse):
         self._door: Any = None
         self._pending = b""  # the head, sent with the first event
         self._ended = False
-        self._stall_s = 60.0
+        self._stall_s = 0.0  # aiohttp's path: --stall-timeout, from the application at prepare()
 
     async def prepare(self, request: Any) -> Any:
         door = getattr(request, "door", None)
         if door is None:
             web.StreamResponse.__init__(self, headers=SSE_HEADERS)
-            self._stall_s = request.app.get(CLIENT_STALL_S, self._stall_s)
+            self._stall_s = request.app[CLIENT_STALL_S]
             return await super().prepare(request)
         self._door, self._pending = door, SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
                                                            else b"Connection: close\r\n\r\n")
@@ -75,20 +76,16 @@ class EventStream(web.StreamResponse):
         self._pending = b""
         await self._door.send(out)
 
-
     async def _bounded(self, write: Any) -> None:
         """aiohttp's write, which waits for a full socket without a bound: cut after --stall-timeout."""
         try:
             async with asyncio.timeout(self._stall_s):
                 await write
         except TimeoutError:
-            logger.info("cut a client connection that read nothing of its answer for %gs (--stall-timeout)",
-                        self._stall_s)
             t = self._req.transport if self._req is not None else None
             if t is not None:
-                t.abort()  # close() would wait for the client to read what is buffered
-            # As when a client leaves: aiohttp cancels its handler (the front door's path does the same).
-            raise asyncio.CancelledError from None
+                cut_off(t, self._stall_s)
+            raise asyncio.CancelledError from None  # as aiohttp's cancel on the connection's loss would
 
 
 def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], want_ids: bool,

@@ -70,41 +70,40 @@ class LoadBoard:
         return r
 
     def put(self, row: int, active: int, queued: int) -> None:
-        """This worker's counts for the instance."""
-        at = (row * self.workers + self.worker) * _CELLS
-        self._cells[at] = active
-        self._cells[at + 1] = queued
+        """This worker's load on the instance."""
+        self._put(row, 0, active, queued)
 
     def put_done(self, row: int, served: int, errors: int) -> None:
         """This worker's requests served by the instance and its failures, since the proxy started."""
-        at = (row * self.workers + self.worker) * _CELLS
-        self._cells[at + 2] = served
-        self._cells[at + 3] = errors
+        self._put(row, 2, served, errors)
+
+    def _put(self, row: int, cell: int, a: int, b: int) -> None:
+        at = (row * self.workers + self.worker) * _CELLS + cell
+        self._cells[at] = a
+        self._cells[at + 1] = b
 
     def own_done(self, row: int) -> tuple[int, int]:
         """This worker's column's (served, failed): where a replaced worker's count stopped."""
-        at = (row * self.workers + self.worker) * _CELLS
-        return self._cells[at + 2], self._cells[at + 3]
+        at = (row * self.workers + self.worker) * _CELLS + 2
+        return self._cells[at], self._cells[at + 1]
 
     def done(self, row: int) -> tuple[int, int]:
         """(served, failed) on the instance from every worker."""
-        c, at = self._cells, row * self.workers * _CELLS
-        served = errors = 0
-        for _ in range(self.workers):
-            served += c[at + 2]
-            errors += c[at + 3]
-            at += _CELLS
-        return served, errors
+        return self._sums(row, 2)
 
     def total(self, row: int) -> tuple[int, int]:
         """(in flight, queued prompt tokens) on the instance from every worker."""
-        c, at = self._cells, row * self.workers * _CELLS
-        active = queued = 0
+        return self._sums(row, 0)
+
+    def _sums(self, row: int, cell: int) -> tuple[int, int]:
+        """Cells `cell` and `cell + 1` of the row, summed over the workers' columns."""
+        c, at = self._cells, row * self.workers * _CELLS + cell
+        a = b = 0
         for _ in range(self.workers):
-            active += c[at]
-            queued += c[at + 1]
+            a += c[at]
+            b += c[at + 1]
             at += _CELLS
-        return active, queued
+        return a, b
 
     def put_clients(self, n: int) -> None:
         """This worker's client requests in flight (--max-in-flight holds for all workers together)."""

@@ -55,25 +55,21 @@ class Instance:
 
     def served_one(self) -> None:
         """A request answered by this instance."""
-        self.own_served += 1
-        if self.board is not None:
-            self.board.put_done(self.row, self.own_served, self.own_errors)
+        self._done(1, 0)
 
     def failed_one(self) -> None:
         """An upstream failure on this instance."""
-        self.own_errors += 1
+        self._done(0, 1)
+
+    def _done(self, served: int, errors: int) -> None:
+        self.own_served += served
+        self.own_errors += errors
         if self.board is not None:
             self.board.put_done(self.row, self.own_served, self.own_errors)
 
-    @property
-    def served(self) -> int:
-        """Requests this instance answered for this proxy: every worker's."""
-        return self.own_served if self.board is None else self.board.done(self.row)[0]
-
-    @property
-    def errors(self) -> int:
-        """Upstream failures on this instance seen by this proxy: every worker's."""
-        return self.own_errors if self.board is None else self.board.done(self.row)[1]
+    def done(self) -> tuple[int, int]:
+        """(requests answered, upstream failures) on this instance for this proxy: every worker's."""
+        return (self.own_served, self.own_errors) if self.board is None else self.board.done(self.row)
 
     @property
     def all_active(self) -> int:
@@ -129,9 +125,10 @@ class Instance:
     def describe(self, ports: bool = True) -> dict:
         """The instance for /health and /admin; `ports` adds a decoder's receiver ports (internal:
         only for callers with the admin key)."""
+        served, errors = self.done()
         d = {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy, "draining": self.draining,
-             "in_flight": self.all_active, "queued_prompt_tokens": self.all_queued, "served": self.served,
-             "errors": self.errors}
+             "in_flight": self.all_active, "queued_prompt_tokens": self.all_queued, "served": served,
+             "errors": errors}
         if self.kv_usage is not None:
             d["kv_cache_usage"] = self.kv_usage
         if self.engine_load is not None:
