@@ -7,13 +7,18 @@ This process is the sender, spawned children are the receivers (one plain, one w
 secret). Per repetition and chunk size:
 
 - raw: one NIXL WRITE of `batch` chunks (one descriptor each) from the sender's registered
-  memory into pages of the receiver's pd_buffer, timed until NIXL reports it done. The pages are
-  reserved beforehand (untimed) so the receiver polls UCX as fast as for its own transfers:
-  UCX's rendezvous protocol needs the target's progress to move large messages;
-- kvferry (`ratio`): the transfer as the PD path runs it: the decoder's pages were reserved
-  while the prompt computed (`KVSender.reserve`, untimed), then `KVSender.write` of the chunks
-  with the notification, timed from the call to the moment the receiver's NIXL thread committed
-  the transfer (CLOCK_MONOTONIC is one clock for both processes);
+  memory into pages of the receiver's pd_buffer, with a NIXL notification, its descriptor lists
+  and handle made after the start (as a plain NIXL user posting at the prompt's end does); timed
+  until the receiver's NIXL thread got the notification, the point at which a decoder can know
+  the bytes are there (`raw_p50_ms`; `raw_sender_done_p50_ms`: until the sender's NIXL reported
+  the WRITE done instead). The pages are reserved beforehand (untimed) so the receiver polls UCX
+  as fast as for its own transfers: UCX's rendezvous protocol needs the target's progress to move
+  large messages;
+- kvferry (`ratio`, `overhead_p50_us`): the transfer as the PD path runs it: the decoder's pages
+  were reserved while the prompt computed (`KVSender.reserve`, untimed) and the write prepared on
+  the grant (`KVSender.prepare`, untimed, as engine/pd/producer.py does when the grant comes), then
+  `KVSender.write` of the chunks with the notification, timed from the call to the moment the
+  receiver's NIXL thread committed the transfer (CLOCK_MONOTONIC is one clock for all processes);
 - kvferry cold (`ratio_cold`): `KVSender.send()`, the alloc round trip included;
 - kvferry with a cluster secret: the same, sender and receiver speaking CurveZMQ
   (`secret_cost`: the fraction of kvferry's throughput authentication costs).
@@ -24,8 +29,8 @@ NIXL thread, write = posted to NIXL done; readable_after_post = posted to the re
 
 The sends alternate within each repetition (the two kvferry ones in turns first) so this VM's noise hits all
 alike; medians are
-reported. Targets: ratio >= 0.9 for >= 1 MiB chunks and batches of >= 8; secret_cost < 0.02 at
-4 MiB chunks.
+reported. Targets: ratio >= 0.9 for >= 1 MiB chunks and batches of >= 8 (with `--device cuda`:
+kvferry's p50 minus raw's <= 150 us); secret_cost < 0.02 at 4 MiB chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -52,6 +58,7 @@ from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.kv_sender import KVSender, SenderConfig
 
 DEBUG = bool(os.environ.get("KVFERRY_BENCH_DEBUG"))
+RAW_NOTE = b"kvf-bench-raw:"  # a raw WRITE's notification: this prefix and the raw write's id
 SECRET = secret.generate()
 
 
@@ -71,6 +78,21 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
     buf = PDBuffer(page * pages, device, page)
     t = zsock.Trust(secret.from_text(key, "bench")) if key else zsock.PLAIN
     with KVReceiver(ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=t), buf, fingerprint(page)) as r:
+        # The receiver's NIXL thread hands raw WRITEs' notifications here, with when it got them;
+        # kvferry's go on to its own handling as always.
+        seen: dict[str, float] = {}
+        seen_cv = threading.Condition()
+        kvferry_notif = r._on_notif
+
+        def on_notif(note: bytes, proxy) -> None:
+            if not note.startswith(RAW_NOTE):
+                kvferry_notif(note, proxy)
+                return
+            with seen_cv:
+                seen[note[len(RAW_NOTE):].rstrip(b".").decode()] = time.monotonic()
+                seen_cv.notify_all()
+
+        r._on_notif = on_notif
         conn.send("ready")
         while True:
             cmd = conn.recv()
@@ -81,6 +103,10 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
                 r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], 0, res, conn=b"bench"))
                 r._kick.set()
                 conn.send(list(res.pages))
+            elif cmd[0] == "seen":  # when the raw write's notification came (bounded: it follows the data)
+                with seen_cv:
+                    came = seen_cv.wait_for(lambda tid=cmd[1]: tid in seen, 10)
+                    conn.send(seen.pop(cmd[1]) if came else None)
             elif cmd[0] == "drop":  # the raw write is done: nothing more can land in its pages
                 r.table.abort(cmd[1], 0, "raw write done", conn=b"bench", final=True)
                 conn.send(True)
@@ -89,28 +115,32 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
                     conn.send(got.arrived_at)
 
 
-def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]], pages: list[int]) -> float:
-    """A bare NIXL WRITE into the receiver's `pages`, through the sender's own agent and
-    connection (bench-only access to its internals), timed until NIXL says done."""
-    async def run() -> float:
+def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]], pages: list[int],
+              tid: str) -> tuple[float, float]:
+    """A bare NIXL WRITE into the receiver's `pages` with a notification naming `tid`, through the
+    sender's own agent and connection (bench-only access to its internals): (start, seconds until
+    NIXL says done)."""
+    note = (RAW_NOTE + tid.encode()).ljust(64, b".")  # about the size of kvferry's notice
+
+    async def run() -> tuple[float, float]:
         peer, _ = await sender._peer(addr)
         return await sender._nixl.call(timed, peer)
 
-    def timed(peer) -> float:  # on the sender's NIXL thread, the agent's only user
+    def timed(peer) -> tuple[float, float]:  # on the sender's NIXL thread, the agent's only user
         agent, region = sender._agent, peer.welcome.region
         t = time.monotonic()
         local = agent.get_xfer_descs([(a, n, nixl_agent.device_id(sender.device)) for a, n in chunks],
                                      nixl_agent.mem_type(sender.device))
         remote = agent.get_xfer_descs([(region.addr + p * region.page_bytes, n, region.device_id)
                                        for p, (_, n) in zip(pages, chunks, strict=True)], region.mem_type)
-        h = agent.initialize_xfer("WRITE", local, remote, peer.agent)
+        h = agent.initialize_xfer("WRITE", local, remote, peer.agent, note)
         state = agent.transfer(h)
         while state == "PROC":
             state = agent.check_xfer_state(h)
         dt = time.monotonic() - t
         agent.release_xfer_handle(h)
         assert state == "DONE", state
-        return dt
+        return t, dt
     return asyncio.run_coroutine_threadsafe(run(), sender._loop).result(60)
 
 
@@ -149,13 +179,14 @@ def bench_size(chunk: int, batch: int, reps: int, device: str) -> dict:
         keys = [i.to_bytes(16, "little") for i in range(1, batch + 1)]
         with KVSender(SenderConfig("bench"), fingerprint(chunk), device) as sender, \
                 KVSender(SenderConfig("bench-secret", trust=trust(True)), fingerprint(chunk), device) as secured:
-            times: dict[str, list[float]] = {"raw": [], "plain": [], "secret": [], "early": []}
+            times: dict[str, list[float]] = {"raw": [], "raw_done": [], "plain": [], "secret": [], "early": []}
 
             def send(s: KVSender, r: Receiver, tid: str, early: bool = False) -> float:
                 """Call -> readable on the receiver. `early`: the pages were reserved beforehand
                 (untimed), as the PD path reserves them while the prefill computes."""
                 if early:
                     grant = s.reserve(tid, r.addr, keys, batch).result(60)
+                    s.prepare(grant, chunks, 0)
                     t0 = time.monotonic()
                     res = s.write(grant, chunks, 0, notify=True).result(60)
                 else:
@@ -183,10 +214,14 @@ def bench_size(chunk: int, batch: int, reps: int, device: str) -> dict:
                 # the sends are done (so no send gets the pages a raw write just warmed), and the
                 # two sends in turns first.
                 order = ("plain", "secret") if i % 2 else ("secret", "plain")
-                raw, t = {}, {}
+                raw, raw_done, t = {}, {}, {}
                 for name in order:
                     s, r = pairs[name]
-                    raw[name] = raw_write(s, r.addr, chunks, r.ask("hold", f"raw{i}", batch))
+                    start, raw_done[name] = raw_write(s, r.addr, chunks, r.ask("hold", f"raw{i}", batch), f"raw{i}")
+                    seen = r.ask("seen", f"raw{i}")
+                    if seen is None:
+                        raise RuntimeError(f"raw{i}: the receiver did not get the raw write's notification")
+                    raw[name] = seen - start
                 for name in order + ("early",) if i % 2 else ("early",) + order:
                     s, r = pairs.get(name, pairs["plain"])
                     t[name] = send(s, r, f"{name}{i}", early=name == "early")
@@ -196,6 +231,7 @@ def bench_size(chunk: int, batch: int, reps: int, device: str) -> dict:
                     phases.clear()  # the warm-up's handshake and first allocs are not the steady state
                 else:
                     times["raw"].append(raw["plain"])
+                    times["raw_done"].append(raw_done["plain"])
                     for name, v in t.items():
                         times[name].append(v)
     finally:
@@ -209,6 +245,7 @@ def bench_size(chunk: int, batch: int, reps: int, device: str) -> dict:
             "ratio": round(r / e, 3), "p50_transfer_ms": round(e * 1e3, 3),
             "p99_transfer_ms": round(early_sorted[min(len(early_sorted) - 1, int(0.99 * len(early_sorted)))] * 1e3, 3),
             "raw_p50_ms": round(r * 1e3, 3), "overhead_p50_us": round((e - r) * 1e6, 1),
+            "raw_sender_done_p50_ms": round(statistics.median(times["raw_done"]) * 1e3, 3),
             "cold_gbps": round(nbytes / o / 1e9, 3), "ratio_cold": round(r / o, 3),
             "cold_p50_transfer_ms": round(o * 1e3, 3),
             "kvferry_secret_gbps": round(nbytes / c / 1e9, 3), "secret_cost": round(1 - o / c, 3),

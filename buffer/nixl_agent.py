@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -53,10 +54,21 @@ def make_agent(name: str, net_devices: str | None = None) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise NixlUnavailable(f"nixl is not installed ({e}): pip install nixl") from None
+    _nixl_logs_to_stderr()
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     if "UCX" not in agent.backends:
         raise NixlUnavailable("nixl has no UCX plugin here: reinstall nixl (pip install --force-reinstall nixl)")
     return agent
+
+
+def _nixl_logs_to_stderr() -> None:
+    """NIXL's Python logger writes to stdout; a log line there corrupts what a command prints (a
+    benchmark's JSON, `--json` output), so it goes to stderr with every other log line."""
+    import logging  # noqa: PLC0415 - only where NIXL is used
+
+    for h in logging.getLogger("nixl").handlers:
+        if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
+            h.setStream(sys.stderr)
 
 
 def tight_sleeps() -> None:

@@ -33,6 +33,7 @@ def test_transfer_bench_runs() -> None:
     (row,) = out["rows"]
     assert row["chunk_bytes"] == 1 << 20 and row["batch"] == 2
     assert row["raw_nixl_write_gbps"] > 0 and row["kvferry_gbps"] > 0 and row["kvferry_secret_gbps"] > 0
+    assert row["raw_p50_ms"] > 0 and row["raw_sender_done_p50_ms"] > 0  # raw timed to its notification, and to done
 
 
 def test_transfer_bench_hetero_tp2_to_tp1_runs() -> None:

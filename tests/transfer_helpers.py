@@ -56,7 +56,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
 
     torch.set_num_threads(1)
     fp = fingerprint(**opts.pop("fingerprint", {}))
-    buf = PDBuffer(pages * PAGE, "cpu", PAGE)
+    buf = PDBuffer(pages * PAGE, opts.pop("device", "cpu"), PAGE)
     host = opts.pop("host", "127.0.0.1")
     live = opts.pop("live_path", None)
     cfg = ReceiverConfig(host, init_port, alloc_port, trust=trust(opts.pop("secret", None)), **opts)
@@ -77,7 +77,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
                 tid, timeout = args
                 try:
                     with r.claim(tid, timeout) as got:
-                        data = {i: bytes(v.numpy()) for i, v in got.pages.items()}
+                        data = {i: bytes(v.cpu().numpy()) for i, v in got.pages.items()}
                         conn.send(("ok", got.num_tokens, data))
                 except TransferError as e:
                     conn.send(("err", type(e).__name__, str(e)))

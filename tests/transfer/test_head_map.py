@@ -53,8 +53,10 @@ def check(kv: PagedKV, logical: torch.Tensor, heads: list[int], ids: list[int], 
 
 
 def hetero(name: str, fmt_p: str, fmt_d: str, total: int, tp_p: int, tp_d: int, bs_p: int = 16, bs_d: int = 16,
-           layers: int = 2, tokens: int = 64, name_d: str | None = None) -> int:
-    """Move one chunk of `tokens` from a TP=`tp_p` prefiller to a TP=`tp_d` decoder; returns runs used."""
+           layers: int = 2, tokens: int = 64, name_d: str | None = None, device: str = "cpu") -> int:
+    """Move one chunk of `tokens` from a TP=`tp_p` prefiller to a TP=`tp_d` decoder; returns runs used.
+    With `device="cuda"` both sides' paged caches and chunks are in GPU memory, so PagedKV's gather
+    and scatter run the Triton kernel; the byte runs are applied on the host, as NIXL would move them."""
     mla = name == "mla"
     name_d = name_d or name
     logical = logical_kv(1 if mla else 2, layers, tokens, 1 if mla else total, seed=tp_p * 10 + tp_d)
@@ -66,15 +68,16 @@ def hetero(name: str, fmt_p: str, fmt_d: str, total: int, tp_p: int, tp_d: int, 
         kv = PagedKV(rank_cache(name, layers, nb, bs_p, heads, seed=p), name)
         ids = rng.permutation(nb)[:kv.layout.num_blocks_for(tokens)].tolist()
         place(kv, logical, heads, ids)
-        buf = torch.zeros(kv.chunk_nbytes(fmt_p, tokens), dtype=torch.uint8)
+        kv = PagedKV([t.to(device) for t in kv.caches], name)
+        buf = torch.zeros(kv.chunk_nbytes(fmt_p, tokens), dtype=torch.uint8, device=device)
         kv.gather(ids, buf, fmt_p, tokens)
-        chunks.append(buf.numpy())
+        chunks.append(buf.cpu().numpy())
         geos.append(ChunkGeometry(kv.layout, fmt_p, layers))
     nruns = 0
     for d in range(tp_d):
         heads = rank_heads(total, tp_d, d, mla)
         nb = tokens // bs_d + 5
-        kv = PagedKV(rank_cache(name_d, layers, nb, bs_d, heads, seed=100 + d), name_d)
+        kv = PagedKV([t.to(device) for t in rank_cache(name_d, layers, nb, bs_d, heads, seed=100 + d)], name_d)
         page = np.zeros(kv.chunk_nbytes(fmt_d, tokens), dtype=np.uint8)
         covered = np.zeros(page.size, dtype=np.int64)
         dst = ChunkGeometry(kv.layout, fmt_d, layers)
@@ -87,7 +90,8 @@ def hetero(name: str, fmt_p: str, fmt_d: str, total: int, tp_p: int, tp_d: int, 
             nruns += len(runs)
         assert (covered == 1).all(), f"decoder rank {d}: bytes written {set(covered.tolist())} times, not once each"
         ids = rng.permutation(nb)[:kv.layout.num_blocks_for(tokens)].tolist()
-        kv.scatter(torch.from_numpy(page), ids, fmt_d, tokens)
+        kv.scatter(torch.from_numpy(page).to(device), ids, fmt_d, tokens)
+        kv = PagedKV([t.cpu() for t in kv.caches], name_d)
         check(kv, logical, heads, ids, f"P TP={tp_p} -> D rank {d}/{tp_d}")
     return nruns
 
@@ -172,3 +176,26 @@ def test_hetero_tp_mla_handshake_accepts_another_tp_size_gqa_does_not() -> None:
     gqa = msgspec.structs.replace(mla, kv_kind="mha", num_kv_heads=8, head_size=64, kv_layout="cpu")
     err = layout_error(roles, names, gqa, msgspec.structs.replace(gqa, tp_size=2, num_kv_heads=4))
     assert err is not None and "tp_size: 1 != 2" in err and "same --tensor-parallel-size" in err
+
+
+GPU_CASES = [  # (name, fmt, total heads, tp_p, tp_d): GQA both ways, replicated heads, MLA
+    ("cpu", "block", 4, 2, 1), ("flash_nhd", "token", 4, 2, 1), ("flash_hnd", "block", 4, 1, 2),
+    ("flash_nhd", "block", 2, 4, 2), ("flash_hnd", "token", 2, 1, 4), ("mla", "block", 1, 2, 1),
+    ("mla", "token", 1, 1, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,fmt,total,tp_p,tp_d", GPU_CASES)
+def test_hetero_tp_gpu_triton_kernel_every_head_lands_in_place(name: str, fmt: str, total: int, tp_p: int,
+                                                               tp_d: int) -> None:
+    """The same byte-level check with both sides' caches in GPU memory (PagedKV runs the Triton kernel)."""
+    hetero(name, fmt, fmt, total=total, tp_p=tp_p, tp_d=tp_d, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hetero_block_size_and_tp_gpu_triton_kernel_every_head_lands_in_place() -> None:
+    hetero("flash_nhd", "block", "token", total=4, tp_p=2, tp_d=2, bs_p=32, bs_d=16, name_d="flash_hnd",
+           device="cuda")

@@ -340,6 +340,19 @@ def test_registers_once_with_a_real_nixl_agent() -> None:
     buf.deregister()
 
 
+def test_nixls_log_lines_go_to_stderr_not_into_what_a_command_prints() -> None:
+    """NIXL logs to stdout by default: a benchmark's JSON or a `--json` answer would carry its lines."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("nixl._api")
+    code = "from kvferry.buffer.nixl_agent import make_agent; make_agent('kvf-log-probe'); print('{}')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == "{}\n", f"stdout carries more than the command printed: {r.stdout[:500]!r}"
+    assert "Initialized NIXL agent: kvf-log-probe" in r.stderr
+
+
 def test_pd_buffer_device_is_the_kv_caches_or_refused_with_the_fix() -> None:
     """pd_buffer_device may only name the KV cache's device: the copy kernels read both."""
     import torch

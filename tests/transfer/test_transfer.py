@@ -88,6 +88,25 @@ def test_round_trip_is_byte_exact_and_read_once(receiver, sender) -> None:
     assert r.ask("claim", "t2", 10)[0] == "ok"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_memory_to_gpu_memory_round_trip_is_byte_exact_and_frees_the_pages(receiver) -> None:
+    """pd_buffer_device: cuda: the sender's chunks and the receiver's pd_buffer both in GPU memory,
+    written over NIXL between two processes (UCX's CUDA transports), read back byte for byte."""
+    r = receiver(device="cuda")
+    with KVSender(SenderConfig("p0"), fingerprint(), "cuda") as s:
+        src = torch.randint(0, 256, (16 * PAGE,), dtype=torch.uint8, device="cuda")
+        s.register(src)
+        res = s.send("g1", r.addr, keys(8), chunks_of(src, 8, 3), 8 * 32).result(60)
+        assert res.sent_chunks == 8 and res.bytes == 8 * PAGE
+        kind, num_tokens, data = r.ask("claim", "g1", 30)
+        assert kind == "ok" and num_tokens == 8 * 32 and sorted(data) == list(range(8))
+        want = src.cpu()
+        for i in range(8):
+            assert data[i] == bytes(want[(3 + i) * PAGE:(4 + i) * PAGE].numpy()), f"chunk {i} differs"
+        assert r.wait_fully_free(10)
+
+
 def test_unknown_transfer_wait_is_bounded(receiver) -> None:
     r = receiver()
     t = time.monotonic()
