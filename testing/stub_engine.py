@@ -17,7 +17,9 @@ client cut. ``{"answer": {...}}`` makes the next answer that object verbatim (20
 with a different API shape would); ``GET /metrics`` gives vLLM's ``vllm:num_requests_running`` /
 ``vllm:num_requests_waiting`` (``--max-running`` bounds the first, the rest wait; ``--prompt-delay``
 adds seconds to each completion) for the proxy's load scrapes; ``--no-token-ids`` plays an engine that ignores
-``return_token_ids`` (an older vLLM, another engine behind the same API).
+``return_token_ids`` (an older vLLM, another engine behind the same API). With
+``KVFERRY_STUB_TRACE=1`` in its environment, ``GET /stub/trace`` returns (and forgets) each
+completion's CLOCK_MONOTONIC timestamps (benchmarks/c1_segments.py; off: no cost).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 
@@ -33,6 +36,24 @@ from aiohttp import web
 from kvferry.common.transfer_params import ParamsError, answer, error_answer, prefill_params
 
 EOS = 2
+# KVFERRY_STUB_TRACE=1: each completion's CLOCK_MONOTONIC times (ns), kept in memory and read (and
+# cleared) by GET /stub/trace: [request no., "P" (not streamed) or "D", handler entered, body read,
+# first chunk written (a whole answer: its end), last chunk written]. The request number is the
+# prompt's first word (a text prompt, or a byte-tokenized one: benchmarks' prompts begin with it).
+TRACE = bool(os.environ.get("KVFERRY_STUB_TRACE"))
+_now = time.monotonic_ns
+
+
+def _prompt_no(prompt: object) -> int:
+    if isinstance(prompt, str):
+        head = prompt.split(" ", 1)[0]
+    elif isinstance(prompt, list):
+        head = "".join(chr(t - 10) for t in prompt[:12]).split(" ", 1)[0]
+    else:
+        return -1
+    return int(head) if head.isdigit() else -1
+
+
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."  # vLLM's words
 
 
@@ -85,6 +106,11 @@ class Stub:
         self.cut_streams = 0
         self.dead = False
         self.die_mid_stream = False
+        self.trace: list[list] = []
+
+    async def stub_trace(self, request: web.Request) -> web.Response:
+        out, self.trace = self.trace, []
+        return web.json_response(out)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="", status=503 if self.dead else 200)
@@ -104,6 +130,7 @@ class Stub:
         app.router.add_post("/stub/fail", self.set_fail)
         app.router.add_get("/stub/log", self.stub_log)
         app.router.add_post("/stub/reset", self.reset)
+        app.router.add_get("/stub/trace", self.stub_trace)
         return app
 
     async def set_fail(self, request: web.Request) -> web.Response:
@@ -191,7 +218,12 @@ class Stub:
                 self.slots.release()
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        t_in = _now() if TRACE else 0
         body = await request.json()
+        tr: list = []
+        if TRACE:
+            tr = [_prompt_no(body.get("prompt")), "D" if body.get("stream") else "P", t_in, _now(), 0, 0]
+            self.trace.append(tr)
         self.log.append(body)
         if (r := await self._maybe_fail()) is not None:
             return r
@@ -223,8 +255,13 @@ class Stub:
                 choice["token_ids"] = toks
                 choice["prompt_token_ids"] = ids
             await asyncio.sleep(self.token_delay * len(toks))
-            return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": "stub",
-                                      "choices": [choice], "usage": usage, **extra})
+            r = web.json_response({"id": rid, "object": "text_completion", "created": created, "model": "stub",
+                                   "choices": [choice], "usage": usage, **extra})
+            if TRACE:
+                await r.prepare(request)
+                await r.write_eof()
+                tr[4] = tr[5] = _now()
+            return r
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -237,6 +274,8 @@ class Stub:
                     c["token_ids"] = [t]
                 await resp.write(b"data: " + _dumps({"id": rid, "object": "text_completion", "created": created,
                                                          "model": "stub", "choices": [c]}).encode() + b"\n\n")
+                if TRACE and i == 0:
+                    tr[4] = _now()
                 if self.die_mid_stream:
                     await self._die(resp)
                     return resp
@@ -245,6 +284,8 @@ class Stub:
                                                          "model": "stub", "choices": [], "usage": usage}).encode()
                                  + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
+            if TRACE:
+                tr[5] = _now()
         except (ConnectionResetError, asyncio.CancelledError):
             self.cut_streams += 1
             raise
