@@ -57,3 +57,13 @@ def test_discovery_bench_runs(etcd_available) -> None:
                     "--concurrency", "4")
     assert out["errors"] == 0 and 0 < out["join_to_routed_p50_s"] < 5 and out["balance_max_over_min"] >= 1
     assert sum(out["balance_requests"].values()) == 80
+
+
+def test_c1_segments_bench_runs() -> None:
+    """Each request's segments come from the stubs' traces (KVFERRY_STUB_TRACE) and the client's clock."""
+    out = run_bench("benchmarks/c1_segments.py", "--requests", "5", "--rounds", "1", "--warm", "2",
+                    "--no-vllm-router")
+    s = out["summary"]
+    assert set(s) == {"direct", "kvferry"}
+    assert s["kvferry"]["n"] == 5 and s["direct"]["n"] == 5
+    assert s["kvferry"]["3 middle (P written -> D in)"] > 0 and s["kvferry"]["added total"] > 0
