@@ -43,7 +43,7 @@ from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta
 from kvferry.connector.roles import roles
 from kvferry.connector.scheduler_side import SchedulerSide
 from kvferry.connector.stats import KVFerryPromMetrics, KVFerryStats, deltas
-from kvferry.connector.vllm_version import check_vllm_version, installed_vllm_version
+from kvferry.connector.vllm_version import check_vllm_version, installed_vllm_version, warn_cpu_mla_rotary
 from kvferry.connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class KVFerryConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_cpu_mla_rotary(vllm_config)
             self._sched = SchedulerSide(self.roles, vllm_config, kv_cache_config)
             # vLLM reads this right after building the scheduler's connector. A failed load from an
             # offload tier is always recomputed; a decoder follows pd_kv_timeout_action.

