@@ -190,7 +190,8 @@ GPU_CASES = [  # (name, fmt, total heads, tp_p, tp_d): GQA both ways, replicated
 @pytest.mark.parametrize("name,fmt,total,tp_p,tp_d", GPU_CASES)
 def test_hetero_tp_gpu_triton_kernel_every_head_lands_in_place(name: str, fmt: str, total: int, tp_p: int,
                                                                tp_d: int) -> None:
-    """The same byte-level check with both sides' caches in GPU memory (PagedKV runs the Triton kernel)."""
+    """The same byte-level check with both sides' caches in GPU memory: PagedKV's CUDA path (the Triton
+    kernel; torch indexing for a layout whose token rows are not memory rows, flash HND's token format)."""
     hetero(name, fmt, fmt, total=total, tp_p=tp_p, tp_d=tp_d, device="cuda")
 
 
