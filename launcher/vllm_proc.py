@@ -16,7 +16,6 @@ from pathlib import Path
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.netutil import advertised, http_url, unbracket
-from kvferry.connector.vllm_version import CPU_MLA_ROTARY_FIX
 
 
 def die_with_parent() -> None:
@@ -80,6 +79,9 @@ def cpu_mla_args(model: str, extra_args: Sequence[str]) -> list[str]:
         return []
     if not _is_mla(model):
         return []
+    # Here, not at the top: the proxy-only install (no vLLM, no `packaging`) imports this module.
+    from kvferry.connector.vllm_version import CPU_MLA_ROTARY_FIX
+
     return ["--compilation-config", json.dumps(CPU_MLA_ROTARY_FIX)]
 
 
