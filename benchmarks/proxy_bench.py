@@ -2,7 +2,7 @@
 
     python benchmarks/proxy_bench.py --json [--concurrency 1,32,256] [--requests 2000] [--tokens 16]
         [--prompt-words 256] [--endpoint completions|chat] [--rounds 2] [--workers 1]
-        [--baseline-path DIR] [--no-vllm-router]
+        [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS]
 
 "direct" streams from the decoder stub itself; "kvferry" goes through kvferry's proxy (prefill leg
 on the prefiller stub, decode leg on the decoder stub), same load, same run. When `vllm-router`
@@ -188,11 +188,13 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=None, help="kvferry-proxy --workers (default: its own)")
     ap.add_argument("--baseline-path", default=None, help="also run the proxy imported from this directory")
     ap.add_argument("--no-vllm-router", action="store_true")
+    ap.add_argument("--token-delay", type=float, default=0.0,
+                    help="seconds the stubs take per token (0: a burst; a real decode step is milliseconds)")
     args = ap.parse_args()
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     bodies = [request_body(args.endpoint, args.prompt_words, args.tokens, i) for i in range(args.requests)]
     ps, ds = free_port(), free_port()
-    stub = [sys.executable, "-m", "kvferry.testing.stub_engine", "--port"]
+    stub = [sys.executable, "-m", "kvferry.testing.stub_engine", "--token-delay", str(args.token_delay), "--port"]
     procs = [start([*stub, str(ps)], f"http://127.0.0.1:{ps}/health"),
              start([*stub, str(ds)], f"http://127.0.0.1:{ds}/health")]
     try:
@@ -200,7 +202,8 @@ def main() -> int:
         procs += targets.values()
         result: dict = {"direct": {}, **{name: {} for name in targets}, "added": {name: {} for name in targets},
                         "setup": {"endpoint": args.endpoint, "prompt_words": args.prompt_words,
-                                  "tokens": args.tokens, "requests": args.requests, "workers": args.workers}}
+                                  "tokens": args.tokens, "requests": args.requests, "workers": args.workers,
+                                  "token_delay": args.token_delay}}
         for rnd in range(args.rounds):
             for c in (int(x) for x in args.concurrency.split(",")):
                 key = str(c) if args.rounds == 1 else f"{c}#{rnd}"
