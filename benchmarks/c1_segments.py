@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy_bench import request_body, start, tree, vllm_router_binary  # noqa: E402
+from proxy_bench import request_body, start, start_targets, tree  # noqa: E402
 
 from kvferry.common.netutil import free_port  # noqa: E402
 
@@ -225,31 +225,11 @@ def main() -> int:
     stub = [sys.executable, "-m", "kvferry.testing.stub_engine", "--port"]
     procs = [start([*stub, str(ps)], f"http://127.0.0.1:{ps}/health", env),
              start([*stub, str(ds)], f"http://127.0.0.1:{ds}/health", env)]
-    targets: dict[str, int] = {"direct": ds}
-    tpids: dict[str, int] = {}
     try:
-        kv = [("kvferry", None)] + ([("kvferry_base", str(Path(args.baseline_path).resolve()))]
-                                     if args.baseline_path else [])
-        for name, path in kv:
-            px = free_port()
-            e = dict(os.environ)
-            if path:
-                e["PYTHONPATH"] = path
-            cmd = [sys.executable, "-m", "kvferry.proxy", "--port", str(px), "--prefiller", f"http://127.0.0.1:{ps}",
-                   "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30",
-                   "--workers", str(args.workers)]
-            procs.append(start(cmd, f"http://127.0.0.1:{px}/metrics", e))
-            targets[name] = px
-            tpids[name] = procs[-1].pid
-        binary = None if args.no_vllm_router else vllm_router_binary()
-        if binary:
-            port = free_port()
-            cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-                   "--prefill", f"http://127.0.0.1:{ps}", "--decode", f"http://127.0.0.1:{ds}",
-                   "--prometheus-port", str(free_port()), "--log-level", "error", "--policy", "round_robin"]
-            procs.append(start(cmd, f"http://127.0.0.1:{port}/health"))
-            targets["vllm_router_rr"] = port
-            tpids["vllm_router_rr"] = procs[-1].pid
+        routers = start_targets(args, ps, ds, routers=("vllm_router_rr",))
+        procs += routers.values()
+        targets = {"direct": ds} | {n: int(r.url.rsplit(":", 1)[1]) for n, r in routers.items()}
+        tpids = {n: r.pid for n, r in routers.items()}
         print("pids", [p.pid for p in procs], file=sys.stderr, flush=True)
         results: dict[str, list[dict]] = {k: [] for k in targets}
         for rnd in range(args.rounds):

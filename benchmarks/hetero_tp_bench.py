@@ -48,6 +48,32 @@ TOKEN_BYTES = LAYERS * HEADS * HEAD * 2 * 2  # every layer's K and V of one toke
 RAW_NOTE = b"kvf-bench-raw:"  # a raw WRITE's notification: this prefix, the pages' id and the rank
 
 
+class RawNotes:
+    """Raw WRITEs' notifications as a receiver's NIXL thread gets them (RAW_NOTE, then an id padded
+    with dots), with when; kvferry's own notifications go on to the receiver as always."""
+
+    def __init__(self, r: KVReceiver) -> None:
+        self.seen: dict[bytes, float] = {}
+        self.cv = threading.Condition()
+        self._kvferry = r._on_notif
+        r._on_notif = self._on_notif
+
+    def _on_notif(self, note: bytes, proxy) -> None:
+        if not note.startswith(RAW_NOTE):
+            self._kvferry(note, proxy)
+            return
+        with self.cv:
+            self.seen[note[len(RAW_NOTE):].rstrip(b".")] = time.monotonic()
+            self.cv.notify_all()
+
+    def wait(self, ids: list[bytes], timeout: float) -> list[float] | None:
+        """When each of `ids` came (bounded: a notification follows its WRITE's data); None if not all did."""
+        with self.cv:
+            if not self.cv.wait_for(lambda: all(k in self.seen for k in ids), timeout):
+                return None
+            return [self.seen.pop(k) for k in ids]
+
+
 def fingerprint(tp: int, chunk: int) -> m.LayoutFingerprint:
     tokens = chunk // TOKEN_BYTES
     return m.LayoutFingerprint(model="bench", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS // tp,
@@ -138,25 +164,9 @@ def bench_size(chunk: int, batch: int, reps: int) -> dict:
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     with KVReceiver(ReceiverConfig(*addr), buf, fingerprint(1, chunk)) as r:
-        # The receiver's NIXL thread hands raw WRITEs' notifications here, with when it got them;
-        # kvferry's go on to its own handling as always.
-        seen: dict[bytes, float] = {}
-        seen_cv = threading.Condition()
+        notes = RawNotes(r)
         sender_done: list[float] = []
-        kvferry_notif = r._on_notif
 
-        def on_notif(note: bytes, proxy) -> None:
-            if not note.startswith(RAW_NOTE):
-                kvferry_notif(note, proxy)
-                return
-            with seen_cv:
-                seen[note.rstrip(b".")] = time.monotonic()
-                seen_cv.notify_all()
-
-        def notes(i: int) -> list[bytes]:
-            return [RAW_NOTE + f"raw{i}:{rank}:".encode() for rank in range(2)]
-
-        r._on_notif = on_notif
         try:
             for rank in range(2):
                 mine, child = ctx.Pipe()
@@ -187,10 +197,10 @@ def bench_size(chunk: int, batch: int, reps: int) -> dict:
                 r._kick.set()  # poll as fast as for a transfer: UCX needs this side's progress
                 start = time.monotonic() + 0.01
                 done = ask_all("raw", list(res.pages), start, f"raw{i}")
-                with seen_cv:  # bounded: both notifications follow their WRITEs' data
-                    if not seen_cv.wait_for(lambda: all(k in seen for k in notes(i)), 10):
-                        raise RuntimeError(f"raw{i}: the receiver did not get both raw notifications")
-                    got = max(seen.pop(k) for k in notes(i))
+                came = notes.wait([f"raw{i}:{rank}:".encode() for rank in range(2)], 10)
+                if came is None:
+                    raise RuntimeError(f"raw{i}: the receiver did not get both raw notifications")
+                got = max(came)
                 r.table.abort(f"raw{i}", 0, "raw write done", conn=b"bench", final=True)
                 sender_done.append(max(done) - start)
                 return got - start

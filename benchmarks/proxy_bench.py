@@ -147,8 +147,12 @@ def vllm_router_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("vllm-router")
 
 
-def start_targets(args: argparse.Namespace, ps: int, ds: int) -> dict[str, subprocess.Popen]:
-    """Every router under test, listening; name -> process."""
+ROUTER_POLICIES = {"vllm_router_rr": ["--policy", "round_robin"], "vllm_router_default": []}
+
+
+def start_targets(args: argparse.Namespace, ps: int, ds: int,
+                  routers: tuple[str, ...] = tuple(ROUTER_POLICIES)) -> dict[str, subprocess.Popen]:
+    """Every router under test (vllm-router with the `routers` policies), listening; name -> process."""
     out: dict[str, subprocess.Popen] = {}
     kv = [("kvferry", None)]
     if args.baseline_path:
@@ -166,11 +170,11 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int) -> dict[str, subpr
         out[name].url = f"http://127.0.0.1:{px}"  # type: ignore[attr-defined]
     binary = None if args.no_vllm_router else vllm_router_binary()
     if binary:
-        for name, policy in (("vllm_router_rr", ["--policy", "round_robin"]), ("vllm_router_default", [])):
+        for name in routers:
             port = free_port()
             cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
                    "--prefill", f"http://127.0.0.1:{ps}", "--decode", f"http://127.0.0.1:{ds}",
-                   "--prometheus-port", str(free_port()), "--log-level", "error", *policy]
+                   "--prometheus-port", str(free_port()), "--log-level", "error", *ROUTER_POLICIES[name]]
             out[name] = start(cmd, f"http://127.0.0.1:{port}/health")
             out[name].url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     return out

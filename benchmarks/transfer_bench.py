@@ -42,10 +42,11 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import threading
 import time
 
+import hetero_tp_bench  # this script's folder is first on sys.path
 import torch
+from hetero_tp_bench import RAW_NOTE, RawNotes
 
 from kvferry.buffer import nixl_agent
 from kvferry.buffer.pd_buffer import PDBuffer
@@ -58,7 +59,6 @@ from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.kv_sender import KVSender, SenderConfig
 
 DEBUG = bool(os.environ.get("KVFERRY_BENCH_DEBUG"))
-RAW_NOTE = b"kvf-bench-raw:"  # a raw WRITE's notification: this prefix and the raw write's id
 SECRET = secret.generate()
 
 
@@ -78,21 +78,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
     buf = PDBuffer(page * pages, device, page)
     t = zsock.Trust(secret.from_text(key, "bench")) if key else zsock.PLAIN
     with KVReceiver(ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=t), buf, fingerprint(page)) as r:
-        # The receiver's NIXL thread hands raw WRITEs' notifications here, with when it got them;
-        # kvferry's go on to its own handling as always.
-        seen: dict[str, float] = {}
-        seen_cv = threading.Condition()
-        kvferry_notif = r._on_notif
-
-        def on_notif(note: bytes, proxy) -> None:
-            if not note.startswith(RAW_NOTE):
-                kvferry_notif(note, proxy)
-                return
-            with seen_cv:
-                seen[note[len(RAW_NOTE):].rstrip(b".").decode()] = time.monotonic()
-                seen_cv.notify_all()
-
-        r._on_notif = on_notif
+        notes = RawNotes(r)
         conn.send("ready")
         while True:
             cmd = conn.recv()
@@ -103,10 +89,9 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
                 r.table.add(Incoming(cmd[1], "bench", [b"x"] * cmd[2], 0, res, conn=b"bench"))
                 r._kick.set()
                 conn.send(list(res.pages))
-            elif cmd[0] == "seen":  # when the raw write's notification came (bounded: it follows the data)
-                with seen_cv:
-                    came = seen_cv.wait_for(lambda tid=cmd[1]: tid in seen, 10)
-                    conn.send(seen.pop(cmd[1]) if came else None)
+            elif cmd[0] == "seen":  # when the raw write's notification came
+                came = notes.wait([cmd[1].encode()], 10)
+                conn.send(came[0] if came else None)
             elif cmd[0] == "drop":  # the raw write is done: nothing more can land in its pages
                 r.table.abort(cmd[1], 0, "raw write done", conn=b"bench", final=True)
                 conn.send(True)
@@ -266,8 +251,6 @@ def main() -> int:
     if args.hetero_tp:
         if args.device != "cpu":
             ap.error("--hetero-tp runs on the CPU only")
-        import hetero_tp_bench  # this script's folder is first on sys.path
-
         result = hetero_tp_bench.run([float(s) for s in args.chunk_mib.split(",")], args.batch, args.reps)
         print(json.dumps(result) if args.json else "\n".join(
             f"{r['chunk_bytes'] / (1 << 20):.2f} MiB x{r['batch']} from 2 ranks: raw {r['raw_nixl_write_gbps']:.2f} "

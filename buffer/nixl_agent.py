@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import queue
 import sys
@@ -64,8 +65,6 @@ def make_agent(name: str, net_devices: str | None = None) -> Any:
 def _nixl_logs_to_stderr() -> None:
     """NIXL's Python logger writes to stdout; a log line there corrupts what a command prints (a
     benchmark's JSON, `--json` output), so it goes to stderr with every other log line."""
-    import logging  # noqa: PLC0415 - only where NIXL is used
-
     for h in logging.getLogger("nixl").handlers:
         if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
             h.setStream(sys.stderr)

