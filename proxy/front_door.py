@@ -214,6 +214,16 @@ class FrontDoor(asyncio.Protocol):
             if self.transport is None:
                 raise ConnectionResetError("the client closed its connection")
 
+    def send_now(self, data: bytes) -> bool:
+        """Write from a callback, where nothing can wait: False (nothing written) while the client's
+        socket is full or gone; send() then does it."""
+        t = self.transport
+        if self.drained is not None or t is None or t.is_closing():
+            return False
+        t.write(data)
+        self.sent = True
+        return True
+
     def _wake(self) -> None:
         d, self.drained = self.drained, None
         if d is not None and not d.done():

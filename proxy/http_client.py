@@ -10,7 +10,9 @@ Bounds: a connect within `connect_timeout`; a free connection (at most `limit` p
 within `wait_timeout`; and while a leg waits for bytes, no more than `read_timeout` between them,
 checked by one sweep per pool rather than a timer per read. A connection is reused only after a
 whole answer the engine did not mark `Connection: close`; an answer left half-read closes it.
-Buffered pieces are capped: the socket stops being read until the leg takes them.
+Buffered pieces are capped: the socket stops being read until the leg takes them. A stream's
+usual reads can be relayed in the connection's callback itself (`Response.sink`), without waking
+the leg's task.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import contextlib
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -77,6 +79,13 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             r.fail(Broken(f"not an HTTP answer ({e})"))
             self.close()
+        w = r.waiter  # the sink only while the task waits, not woken yet: what it takes goes out in order
+        if r.sink is not None and w is not None and not w.done() and r.parts and not r.complete and r.error is None:
+            blob = r._take()
+            if r.sink(blob):
+                return  # relayed here: the leg's task sleeps on
+            r.parts.append(blob)
+            r.size = len(blob)
         if r.size > MAX_BUFFERED and self.transport is not None and not r.paused:
             r.paused = True
             self.transport.pause_reading()
@@ -121,7 +130,8 @@ class Response:
     """An engine's answer: `status` once `Pool.request` returns; the body whole (`read`) or in
     the pieces each read brought (`pieces`). `release()` always, when done with it."""
 
-    __slots__ = ("conn", "status", "keep_alive", "parts", "size", "complete", "error", "waiter", "paused", "stream")
+    __slots__ = ("conn", "status", "keep_alive", "parts", "size", "complete", "error", "waiter", "paused", "stream",
+                 "sink")
 
     def __init__(self, conn: _Conn, stream: bool = False) -> None:
         self.conn = conn
@@ -134,6 +144,10 @@ class Response:
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
+        # A stream's direct relay: while the leg's task waits in pieces(), each read's body bytes go
+        # to sink() in the connection's callback; True: taken (the task is not woken), False: they
+        # stay for pieces(). One wakeup and task switch less per token; it must not raise.
+        self.sink: Callable[[bytes], bool] | None = None
 
     def fail(self, e: Exception) -> None:
         if self.error is None:

@@ -37,7 +37,10 @@ def token_ids_in(data: bytes, m: re.Match | None | bool = True) -> list[int] | N
     if m is None or m is False:
         return None
     inner = m.group(1).strip()
-    return [int(x) for x in inner.split(b",")] if inner else []
+    try:
+        return [int(x) for x in inner.split(b",")] if inner else []
+    except ValueError:  # "1,,2": not JSON, so no ids the proxy can keep
+        return None
 
 
 def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:

@@ -65,6 +65,13 @@ class EventStream(web.StreamResponse):
             out, self._pending = self._pending + b"%x\r\n%s\r\n" % (len(data), data), b""
             await self._door.send(out)
 
+    def write_now(self, data: bytes) -> bool:
+        """Write one chunk from a callback (a decode leg's direct relay): False, nothing written, on
+        aiohttp's path, before the head went out, or while the client's socket is full."""
+        door = self._door
+        return (door is not None and not self._pending and not self._ended
+                and door.send_now(b"%x\r\n%s\r\n" % (len(data), data)))
+
     async def write_eof(self, data: Any = b"") -> None:
         if self._door is None:
             await self._bounded(super().write_eof(data))
@@ -107,13 +114,68 @@ def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], wan
         if len(found) != n:
             return None
         if keep_ids:
-            for inner in found:
-                ids += [int(x) for x in inner.split(b",")] if inner.strip() else []
+            try:
+                for inner in found:
+                    ids += [int(x) for x in inner.split(b",")] if inner.strip() else []
+            except ValueError:  # "1,,2": the chunk by chunk path decides
+                return None
         if not want_ids:
             blob = migrate.TOKEN_IDS.sub(b'"token_ids":null', blob)
     ended = blob.count(b'"finish_reason":') != blob.count(b'"finish_reason":null')
     blob = blob.replace(swap[0], swap[1]).replace(swap[2], swap[3])
     return b"data: " + blob.replace(b"\n\n", b"\n\ndata: ") + b"\n\n", ids, ended
+
+
+class DecodeRelay:
+    """A completion's decode stream as the client gets it: what its task and its direct relay
+    (`direct`, called in the decoder connection's callback: Upstream.events) share."""
+
+    __slots__ = ("resp", "itl", "want_ids", "parse_lp", "swap", "sent", "ended", "gaps", "last")
+
+    def __init__(self, resp: EventStream, itl: Any, want_ids: bool, parse_lp: bool, sent: list[int] | None) -> None:
+        self.resp, self.itl, self.want_ids, self.parse_lp = resp, itl, want_ids, parse_lp
+        self.swap: tuple[bytes, bytes, bytes, bytes] | None = None  # the leg's id and time, and ours
+        # The tokens the client got, to continue elsewhere if the decoder fails; None once a chunk
+        # came without its token ids.
+        self.sent = sent
+        self.ended = False  # a chunk with a finish_reason went out (on this leg)
+        self.gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
+        self.last = 0.0
+
+    def usual(self, head: list[bytes]) -> bytes | None:
+        """The usual chunks rewritten whole (plain_batch), their ids and end noted; None otherwise."""
+        fast = self._rewrite(head)
+        if fast is None:
+            return None
+        self._note(fast)
+        return fast[0]
+
+    def direct(self, batch: list[bytes]) -> bool:
+        """Write a read of usual chunks to the client at once; False (nothing changed) otherwise."""
+        fast = self._rewrite(batch)
+        if fast is None or not self.resp.write_now(fast[0]):
+            return False
+        self._note(fast)
+        self.tick()
+        return True
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.gaps.append(now - self.last)
+        self.last = now
+        if len(self.gaps) >= GAPS_BATCH:
+            observe_all(self.itl, self.gaps)
+            self.gaps.clear()
+
+    def _rewrite(self, head: list[bytes]) -> tuple[bytes, list[int], bool] | None:
+        if self.swap is None or self.parse_lp or not head:
+            return None
+        return plain_batch(head, self.swap, self.want_ids, self.sent is not None)
+
+    def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
+        if self.sent is not None:
+            self.sent += fast[1]
+        self.ended = self.ended or fast[2]
 
 
 def sse(obj: Any) -> bytes:
@@ -140,18 +202,16 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     shift = offset_after(lp)
     parse_lp = lp is not None  # every chunk's offsets are moved on, and the next one's start kept
     next_off = shift
-    # The tokens the client got, to continue elsewhere if the decoder fails ("ids" mode only: the
-    # proxy knows the prompt's token ids); None once a chunk came without its token ids.
-    sent: list[int] | None = [] if mode == "ids" else None
     mig = migrate.Migration(ctx, ctx.opts.max_migrations)
     fingerprint = None  # vLLM's system_fingerprint, on the usage chunk as vLLM puts it
     up = ctx.router.upstream(d)
     finished = done
     resp = EventStream()
+    # The tokens the client got are kept ("ids" mode only: the proxy knows the prompt's token ids).
+    rl = DecodeRelay(resp, metrics.itl, want_ids, parse_lp, [] if mode == "ids" else None)
     first_leg = True
     leg_open = False  # the decode leg's request went out: the decoder may hold it
     last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
-    gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
     try:
         # The first token goes out before the decode leg starts: sending both at once
         # measured slower here (an extra task and two writers on one loop).
@@ -174,51 +234,50 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                 leg["return_token_ids"] = True  # the proxy counts and keeps what the client got
             leg_open = True
             while True:
-                t1 = last = time.perf_counter()
-                swap = None
-                ended = False  # a chunk with a finish_reason went out
+                t1 = rl.last = time.perf_counter()
+                rl.swap = None
+                rl.ended = False
                 try:
                     with up:
-                        async for batch in up.events("/v1/completions", leg):
-                            if swap is None:
+                        # A read of usual chunks that comes while this task waits is written by
+                        # rl.direct in the decoder connection's callback: one task switch less per token.
+                        async for batch in up.events("/v1/completions", leg, rl.direct):
+                            if rl.swap is None:
                                 chunk = up.chunk(batch[0])
-                                swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
-                                        f'"created":{chunk.get("created")}'.encode(), f'"created":{created}'.encode())
+                                rl.swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
+                                           f'"created":{chunk.get("created")}'.encode(),
+                                           f'"created":{created}'.encode())
                                 observe(metrics.decoder_first, time.perf_counter() - t1)
                                 if mode == "regen" and first_leg:
                                     observe(metrics.ttft, time.perf_counter() - t0)
                             # The decode leg's usage chunk comes last: the chunks before it may still be usual.
                             usage_tail = batch[-1:] if b'"usage"' in batch[-1] else []
-                            head = batch[:-1] if usage_tail else batch
-                            fast = None if parse_lp or not head else plain_batch(head, swap, want_ids,
-                                                                                 sent is not None)
+                            usual = rl.usual(batch[:-1] if usage_tail else batch)
                             out = []
-                            if fast is not None:  # the usual chunks, rewritten whole
-                                out.append(fast[0])
-                                if sent is not None:
-                                    sent += fast[1]
-                                ended = ended or fast[2]
+                            if usual is not None:  # the usual chunks, rewritten whole
+                                out.append(usual)
                                 batch = usage_tail
+                            swap = rl.swap
                             for data in batch:
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
                                     if not u.get("choices") and u.get("usage"):  # the decode leg's own usage
                                         fingerprint = u.get("system_fingerprint") or fingerprint
-                                        if sent is None:
+                                        if rl.sent is None:
                                             completion_tokens += u["usage"].get("completion_tokens") or 0
                                         if mode == "regen":
                                             prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
                                         continue
                                 m = migrate.TOKEN_IDS.search(data)  # one search: the ids kept and stripped
-                                if sent is not None:
+                                if rl.sent is not None:
                                     ids = migrate.token_ids_in(data, m)
                                     if ids is None:
-                                        sent = None  # an engine that ignores return_token_ids: no moving
+                                        rl.sent = None  # an engine that ignores return_token_ids: no moving
                                         completion_tokens = 1
                                     else:
-                                        sent += ids
+                                        rl.sent += ids
                                 if b'"finish_reason":null' not in data and b'"finish_reason"' in data:
-                                    ended = True
+                                    rl.ended = True
                                 if (swap[0] in data and swap[2] in data and not parse_lp
                                         and b'"prompt_token_ids":[' not in data):
                                     # vLLM writes compact JSON: swap the decoder's id and time for ours in
@@ -244,19 +303,15 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     last_batch = b"".join(out)
                                 else:
                                     await resp.write(b"".join(out))
-                            now = time.perf_counter()
-                            gaps.append(now - last)
-                            last = now
-                            if len(gaps) >= GAPS_BATCH:
-                                observe_all(metrics.itl, gaps)
-                                gaps.clear()
+                            rl.tick()
                     finished = True
                     d.served_one()
                     break
                 except ProxyError as e:
-                    if ended:  # the client has the whole answer: only the stream's end was lost
+                    if rl.ended:  # the client has the whole answer: only the stream's end was lost
                         finished = True
                         break
+                    sent = rl.sent
                     if sent is None or not mig.can_move(e):
                         raise
                     if first_leg:
@@ -281,11 +336,11 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             first_leg = False
         raise
     finally:
-        observe_all(metrics.itl, gaps)
+        observe_all(metrics.itl, rl.gaps)
         if not finished and first_leg:
             ctx.transfers.abort(d, tid, "decode leg did not finish")
-    if sent is not None:
-        completion_tokens = 1 + len(sent)  # what the client received, whatever happened upstream
+    if rl.sent is not None:
+        completion_tokens = 1 + len(rl.sent)  # what the client received, whatever happened upstream
     tail = b""
     if include_usage:
         u = {"id": rid, "object": "text_completion", "created": created, "model": model,

@@ -4,7 +4,7 @@ client error and reports it to the router."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 import aiohttp
@@ -181,14 +181,31 @@ class Upstream:
         finally:
             resp.release()
 
-    async def events(self, path: str, body: dict) -> AsyncGenerator[list[bytes], None]:
+    async def events(self, path: str, body: dict, direct: Callable[[list[bytes]], bool] | None = None
+                     ) -> AsyncGenerator[list[bytes], None]:
         """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
         whatever arrived in one read, so the proxy writes once per read, not once per event. A
         stream that sends nothing for --stall-timeout fails as a "stall" (the connection is then
         closed: a frozen engine cannot hold the client longer); only the waits for the engine
-        count, not the time the caller spends writing to its client."""
+        count, not the time the caller spends writing to its client.
+
+        `direct(batch)`: offered each read of whole plain events (no [DONE], no error) that comes
+        while the caller waits for the next batch, in the connection's callback; True: it relayed
+        them itself and they are not yielded. It must not raise, nor change anything before it is
+        sure to return True."""
         resp = self._stream = await self.open(path, body, stream=True)
         buf = b""
+
+        if direct is not None:
+            relay = direct
+
+            def sink(blob: bytes) -> bool:
+                if buf or not blob.endswith(b"\n\n"):
+                    return False
+                batch = plain_events(blob[:-2])
+                return batch is not None and b"[DONE]" not in batch and relay(batch)
+
+            resp.sink = sink
         try:
             async for blob in resp.pieces():
                 buf += blob
@@ -210,6 +227,7 @@ class Upstream:
                     # Read to the end of the body: a released, fully read response keeps its
                     # connection for the next request.
                     batch = batch[:batch.index(b"[DONE]")]
+                    resp.sink = None
                     await resp.read()
                     self.done = True
                     if batch:
@@ -225,6 +243,7 @@ class Upstream:
             raise self.fail("timeout", 504, f"{self.inst.role} {self.inst.url} stalled for "
                                             f"{self.client.opts.read_timeout:.0f}s (--read-timeout)") from None
         finally:
+            resp.sink = None
             resp.release()
             self._stream = None
 

@@ -249,6 +249,48 @@ def test_a_stream_cut_mid_answer_gives_its_pieces_then_broken(loop_kind: str) ->
 
 
 @LOOPS
+def test_a_sink_takes_reads_in_the_callback_and_leaves_the_rest_to_pieces_in_order(loop_kind: str) -> None:
+    """Response.sink (a decode stream's direct relay): a read it takes never wakes the reader;
+    one it refuses comes out of pieces(), and the two together are the stream, in order."""
+    sent = [b"take 1.", b"take 2.", b"keep 3.", b"take 4.", b"keep 5.", b"take 6."]
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        for piece in sent:  # one read each: the reader is back waiting before the next
+            w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await w.drain()
+            await asyncio.sleep(0.05)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = pool()
+            resp = await p.request("POST", e.url, "/x", b"{}", stream=True)
+            order: list[bytes] = []
+
+            def sink(blob: bytes) -> bool:
+                if blob.startswith(b"take"):
+                    order.append(blob)
+                    return True
+                return False
+            resp.sink = sink
+            woken = []
+            async for piece in resp.pieces():
+                woken.append(piece)
+                order.append(piece)
+            resp.release()
+            assert woken == [b"keep 3.", b"keep 5."]  # the taken reads never woke the reader
+            assert order == sent
+            assert p.hosts[e.url].idle  # a whole answer: the connection is kept
+            await p.close()
+    run(main, loop_kind)
+
+
+@LOOPS
 def test_bytes_that_are_not_http_and_a_refused_connection_are_errors_not_hangs(loop_kind: str) -> None:
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await read_request(r)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from kvferry.proxy.migrate import strip_token_ids, token_ids_in
 from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
@@ -40,7 +41,7 @@ def _folded(ev: list) -> dict:
 def _reference(ref, body: dict) -> dict:
     want = post(ref.url, "/v1/completions", dict(body, stream=False)).json()
     c = want["choices"][0]
-    return {"text": c["text"], "token_ids": c["token_ids"], "tokens": c["logprobs"]["tokens"],
+    return {"text": c["text"], "token_ids": c["token_ids"], "tokens": (c["logprobs"] or {}).get("tokens", []),
             "finish_reason": c["finish_reason"], "usage": want["usage"]}
 
 
@@ -75,11 +76,15 @@ def test_a_stream_whose_decoder_dies_migrates_with_no_gap_and_true_usage() -> No
             p.stop()
 
 
-def test_a_sigkilled_decoder_mid_stream_migrates() -> None:
+@pytest.mark.parametrize("logprobs", [1, None], ids=["chunk_by_chunk", "direct_relay"])
+def test_a_sigkilled_decoder_mid_stream_migrates(logprobs: int | None) -> None:
+    """With logprobs each chunk's offsets are rewritten by the leg's task; without, the tokens
+    that come a read at a time are relayed in the decoder connection's callback (DecodeRelay.direct):
+    either way the tokens the client got are kept, and the stream continues from them."""
     p0, d0, d1, ref = stubs(0, 0.2, 0.2, 0)
     px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
     try:
-        body = dict(BODY, max_tokens=10)
+        body = dict(BODY, max_tokens=10, logprobs=logprobs)
         want = _reference(ref, body)
         result: dict = {}
 

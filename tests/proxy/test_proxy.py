@@ -186,6 +186,35 @@ def test_stream_is_one_well_formed_stream_with_usage(cluster) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
+def test_a_decoder_with_a_gap_between_tokens_streams_the_same_answer() -> None:
+    """A real decoder sends a token per step: each read is relayed in the decoder connection's
+    callback (streaming.DecodeRelay.direct), not by the leg's task. The client's stream is the
+    one the burst path gives: one id and time, the text, the token ids only when asked, the usage."""
+    p0, d0, ref = stubs(0, 0.02, 0)
+    px = proxy([p0], [d0], "--workers", "1")
+    try:
+        for want_ids in (False, True):
+            body = {"model": "stub", "prompt": "a gap between tokens", "max_tokens": 8, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": want_ids}
+            want = post(ref.url, "/v1/completions", dict(body, stream=False, return_token_ids=True)).json()
+            ev = events(px.url, "/v1/completions", body)
+            assert ev[-1] == "[DONE]"
+            chunks = ev[:-1]
+            assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+            assert len({c["created"] for c in chunks}) == 1
+            toks = [c["choices"][0] for c in chunks if c["choices"]]
+            assert len(toks) == 8  # a token a chunk: the first from the prefiller, each of the rest a read
+            assert "".join(t["text"] for t in toks) == want["choices"][0]["text"]
+            if want_ids:
+                assert [i for t in toks for i in t["token_ids"]] == want["choices"][0]["token_ids"]
+            else:
+                assert all(t["token_ids"] is None for t in toks)
+            assert toks[-1]["finish_reason"] == "length" and chunks[-1]["usage"] == want["usage"]
+    finally:
+        for p in (px, p0, d0, ref):
+            p.stop()
+
+
 def test_chat_both_ways_equals_one_engine(cluster) -> None:
     url, ref = cluster["proxy"].url, cluster["ref"].url
     body = {"model": "stub", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 7}
