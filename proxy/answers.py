@@ -27,12 +27,13 @@ _CUT = b'"\\u0000kvferry:prompt_token_ids"'  # what stands in for the ids while 
 _CUT_STR = "\x00kvferry:prompt_token_ids"
 
 
-def loads_completion(buf: bytes) -> Any:
-    """A completion answer as loads() gives it, but with choices[0].prompt_token_ids left as the
-    engine wrote them (msgspec.Raw) when they are a long flat list: see ids_list / join_ids. The
-    list is found by its key (a key inside a string would have its quotes escaped), cut out and
-    replaced by a marker while the rest is parsed; unless the marker is then exactly
-    choices[0].prompt_token_ids, the answer is parsed whole."""
+def loads_answer(buf: bytes) -> Any:
+    """A completion or chat answer as loads() gives it, but with the prompt's token ids
+    (choices[0].prompt_token_ids, a completion's; or the top-level prompt_token_ids, a chat
+    answer's) left as the engine wrote them (msgspec.Raw) when they are a long flat list: see
+    ids_list / join_ids. The first list under that key is found by its key (a key inside a string
+    would have its quotes escaped), cut out and replaced by a marker while the rest is parsed;
+    unless the marker is then exactly at one of those two places, the answer is parsed whole."""
     k = buf.find(_KEY)
     if k < 0:
         return _generic.decode(buf)
@@ -45,17 +46,17 @@ def loads_completion(buf: bytes) -> Any:
         return _generic.decode(buf)  # short, absent, not a flat list of numbers: parsed as it is
     try:
         out = _generic.decode(buf[:start] + _CUT + buf[end:])
-        c0 = out["choices"][0]
-        if c0["prompt_token_ids"] != _CUT_STR:
+        holder = out["choices"][0] if out.get("prompt_token_ids") != _CUT_STR else out
+        if holder["prompt_token_ids"] != _CUT_STR:
             raise TypeError
-    except (ValueError, TypeError, KeyError, IndexError):
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         return _generic.decode(buf)  # the key was another field's: parsed whole
-    c0["prompt_token_ids"] = msgspec.Raw(buf[start:end])
+    holder["prompt_token_ids"] = msgspec.Raw(buf[start:end])
     return out
 
 
 def ids_list(v: Any) -> Any:
-    """A prompt's token ids as a list, where loads_completion kept them raw."""
+    """A prompt's token ids as a list, where loads_answer kept them raw."""
     return msgspec.json.decode(v) if isinstance(v, msgspec.Raw) else v
 
 

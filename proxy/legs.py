@@ -103,7 +103,7 @@ def same_first_token(body: dict) -> bool:
 
 def prompt_ids(first: dict) -> Any:
     """The prompt's token ids in a prefiller's answer (vLLM puts them on the choice): a list, or
-    msgspec.Raw (answers.loads_completion; answers.ids_list, count_ids and join_ids take either)."""
+    msgspec.Raw (answers.loads_answer; answers.ids_list, count_ids and join_ids take either)."""
     c = first["choices"][0]
     ids = c.get("prompt_token_ids")
     return ids if ids is not None else first.get("prompt_token_ids")

@@ -119,11 +119,12 @@ class ChatMove:
     """A streamed chat request's state for a move: the prompt's token ids and every token id the
     client received (the proxy asks both legs for them)."""
 
-    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None, prompt: list[int] | None) -> None:
+    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None, prompt: Any) -> None:
         self.ctx, self.body, self.tid = ctx, body, tid
         self.mig = Migration(ctx, ctx.opts.max_migrations)
         self.want_ids = bool(body.get("return_token_ids"))
-        self.prompt: list[int] | None = list(prompt) if prompt else None  # the prefiller's, else the decoder's
+        # The prefiller's (a list, or msgspec.Raw as answers.loads_answer keeps them), else the decoder's.
+        self.prompt: Any = prompt or None
         self.first = list(first_ids or [])  # the prefiller's token, sent before the decoder's
         self.got: list[int] = []
         self.ok = True  # False once a chunk came without token ids, or with tool calls or reasoning
@@ -165,7 +166,7 @@ class ChatMove:
         mx = b.get("max_completion_tokens") or b.get("max_tokens")
         if mx is not None and mx - len(sent) <= 0:
             return None
-        leg.update(model=b.get("model"), prompt=list(self.prompt or []) + sent, stream=True,
+        leg.update(model=b.get("model"), prompt=list(answers.ids_list(self.prompt) or []) + sent, stream=True,
                    stream_options={"include_usage": True}, return_token_ids=True,
                    max_tokens=None if mx is None else mx - len(sent))
         if b.get("logprobs"):

@@ -37,7 +37,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
             ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
             try:
                 with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
-                    out = await up.json(path, leg, kind, raw_ids=kind == "completion")
+                    out = await up.json(path, leg, kind, raw_ids=True)
                     _check_answer(up, out)
                 p.served_one()
                 ctx.router.observed(p, route, out)

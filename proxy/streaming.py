@@ -95,18 +95,25 @@ class EventStream(web.StreamResponse):
             raise asyncio.CancelledError from None  # as aiohttp's cancel on the connection's loss would
 
 
-def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], want_ids: bool,
-                keep_ids: bool) -> tuple[bytes, list[int], bool] | None:
-    """A batch of a completion stream's chunks as the client gets them, rewritten in a few passes
-    over the whole batch rather than chunk by chunk: (the SSE bytes, the token ids in it, whether a
-    chunk had a finish_reason). None when any chunk is not the usual one (a usage or prompt ids
-    chunk, one without its id, time or token ids): the caller then takes each chunk as it comes.
-    vLLM writes compact JSON, and a quote inside a string is escaped, so each pattern matches a key
-    of a chunk, never its text."""
+# A chunk with one of these is not a usual one: a usage or prompt ids chunk; in chat, a delta that
+# is not plain content (a move continues plain text only: migrate.ChatMove).
+COMPLETION_UNUSUAL = (b'"usage"', b'"prompt_token_ids":[')
+CHAT_UNUSUAL = (*COMPLETION_UNUSUAL, b'"tool_calls"', b'"reasoning', b'"function_call"')
+
+
+def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
+                unusual: tuple[bytes, ...] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+    """A batch of a stream's chunks as the client gets them, rewritten in a few passes over the
+    whole batch rather than chunk by chunk: (the SSE bytes, the token ids in it, whether a chunk had
+    a finish_reason). `swap`: pairs of a decoder's key and value (its id, time, ...) and the
+    client's, flattened; every chunk must have each. None when any chunk is not the usual one (an
+    `unusual` key, one without a swapped key or, with `keep_ids` or not `want_ids`, its token ids):
+    the caller then takes each chunk as it comes. vLLM writes compact JSON, and a quote inside a
+    string is escaped, so each pattern matches a key of a chunk, never its text."""
     n = len(batch)
     blob = b"\n\n".join(batch)
-    if (b'"usage"' in blob or b'"prompt_token_ids":[' in blob
-            or not all(swap[0] in d and swap[2] in d for d in batch)):
+    olds = swap[::2]
+    if any(u in blob for u in unusual) or not all(o in d for d in batch for o in olds):
         return None
     ids: list[int] = []
     if keep_ids or not want_ids:
@@ -122,7 +129,8 @@ def plain_batch(batch: list[bytes], swap: tuple[bytes, bytes, bytes, bytes], wan
         if not want_ids:
             blob = migrate.TOKEN_IDS.sub(b'"token_ids":null', blob)
     ended = blob.count(b'"finish_reason":') != blob.count(b'"finish_reason":null')
-    blob = blob.replace(swap[0], swap[1]).replace(swap[2], swap[3])
+    for i in range(0, len(swap), 2):
+        blob = blob.replace(swap[i], swap[i + 1])
     return b"data: " + blob.replace(b"\n\n", b"\n\ndata: ") + b"\n\n", ids, ended
 
 
@@ -134,7 +142,7 @@ class DecodeRelay:
 
     def __init__(self, resp: EventStream, itl: Any, want_ids: bool, parse_lp: bool, sent: list[int] | None) -> None:
         self.resp, self.itl, self.want_ids, self.parse_lp = resp, itl, want_ids, parse_lp
-        self.swap: tuple[bytes, bytes, bytes, bytes] | None = None  # the leg's id and time, and ours
+        self.swap: tuple[bytes, ...] | None = None  # the leg's id and time, and ours (plain_batch)
         # The tokens the client got, to continue elsewhere if the decoder fails; None once a chunk
         # came without its token ids.
         self.sent = sent
@@ -382,6 +390,54 @@ def drop_first_token(c: dict) -> None:
         lp["content"] = lp["content"][1:]
 
 
+class ChatRelay:
+    """A chat leg's stream once its chunks are the usual ones (the first token's repeat dropped,
+    the decoder's id known): rewritten a batch at a time by plain_batch, in the leg's task
+    (`usual`) or in the decoder connection's callback (`direct`)."""
+
+    __slots__ = ("resp", "move", "swap")
+
+    def __init__(self, resp: EventStream, move: migrate.ChatMove | None) -> None:
+        self.resp, self.move = resp, move
+        self.swap: tuple[bytes, ...] | None = None  # the decoder's id, time and model, and the client's
+
+    def learn(self, dec: tuple[Any, Any, Any], ours: tuple[Any, Any, Any]) -> None:
+        """From a decoder's chunk (its id, created, model) and what the client sees instead."""
+        swap: tuple[bytes, ...] = ()
+        for key, d, o in zip((b'"id":', b'"created":', b'"model":'), dec, ours, strict=True):
+            if d != o:
+                swap += (key + limits.dumps(d), key + limits.dumps(o))
+        self.swap = swap
+
+    def usual(self, batch: list[bytes]) -> bytes | None:
+        fast = self._rewrite(batch)
+        if fast is None:
+            return None
+        self._note(fast)
+        return fast[0]
+
+    def direct(self, batch: list[bytes]) -> bool:
+        fast = self._rewrite(batch)
+        if fast is None or not self.resp.write_now(fast[0]):
+            return False
+        self._note(fast)
+        return True
+
+    def _rewrite(self, batch: list[bytes]) -> tuple[bytes, list[int], bool] | None:
+        if self.swap is None or not batch:
+            return None
+        m = self.move
+        keep = m is not None and m.ok
+        return plain_batch(batch, self.swap, m.want_ids if m is not None else True, keep, CHAT_UNUSUAL)
+
+    def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
+        m = self.move
+        if m is not None:
+            if m.ok:
+                m.got += fast[1]
+            m.ended = m.ended or fast[2]
+
+
 async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
                      first_text: str | None = None, first: dict | None = None,
                      move: migrate.ChatMove | None = None) -> web.StreamResponse:
@@ -389,9 +445,10 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     once (role chunk, then the token with its logprobs and id, as plain vLLM streams them) and
     drop the decoder's repeat of it."""
     metrics = ctx.metrics
-    # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
-    events = up.events(path, body)
     resp = EventStream()
+    cr = ChatRelay(resp, move)
+    # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
+    events = up.events(path, body, cr.direct)
     started = False
     rid = created = model = None
     skip = first_text or ""
@@ -403,20 +460,24 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
         # The client's own request says which fields it asked for (the leg asks for token ids).
         await resp.write(first_chat_chunks(first, first_text, move.body if move is not None else body))
         observe(metrics.ttft, time.perf_counter() - t0)
-    # Without the prefiller's first token, nothing is rewritten (id, created and model come
-    # from the stream itself): each chunk goes out as the engine wrote it, as a completion
-    # stream's do; parsing and re-encoding each one would cost CPU on every token.
-    raw = rid is None and not skip and move is None
+    # Without the prefiller's first token nor a move, nothing is rewritten (id, created and model
+    # come from the stream itself): each chunk goes out as the engine wrote it.
+    if rid is None and not skip and move is None:
+        cr.swap = ()
     try:
         async for batch in events:
+            # The leg's usage chunk comes last: the chunks before it may still be usual.
+            tail = batch[-1:] if b'"usage"' in batch[-1] else []
+            usual = cr.usual(batch[:-1] if tail else batch)
             out = []
+            if usual is not None:
+                out.append(usual)
+                batch = tail
             for data in batch:
-                if raw:
-                    out.append(b"data: " + data + b"\n\n")
-                    continue
                 chunk = up.chunk(data)
+                dec = chunk.get("id"), chunk.get("created"), chunk.get("model")
                 if rid is None:
-                    rid, created, model = chunk.get("id"), chunk.get("created"), chunk.get("model")
+                    rid, created, model = dec
                 chunk["id"], chunk["created"], chunk["model"] = rid, created, model
                 if repeat and chunk.get("choices"):
                     c = chunk["choices"][0]
@@ -441,6 +502,8 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
                         continue
                 if move is not None:
                     move.track(chunk)
+                if not repeat and cr.swap is None:
+                    cr.learn(dec, (rid, created, model))  # the next chunks: a batch at a time
                 out.append(sse(chunk))
             if not out:
                 continue
@@ -498,7 +561,7 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
                 return
             d, e = nd, e2
     if (move.body.get("stream_options") or {}).get("include_usage"):
-        n, p = len(move.sent), len(move.prompt or [])
+        n, p = len(move.sent), answers.count_ids(move.prompt)
         await resp.write(sse(dict(head, choices=[], usage={"prompt_tokens": p, "total_tokens": p + n,
                                                              "completion_tokens": n})))
 

@@ -163,11 +163,11 @@ class Upstream:
 
     async def json(self, path: str, body: dict, kind: str | None = None, raw_ids: bool = False) -> dict:
         """A non-streamed answer; with `kind` ("completion" or "chat") its choices[0] is checked.
-        `raw_ids`: a long prompt's token ids are kept as the engine wrote them (answers.loads_completion)."""
+        `raw_ids`: a long prompt's token ids are kept as the engine wrote them (answers.loads_answer)."""
         resp = await self.open(path, body)
         try:
             raw = await resp.read()
-            out = answers.loads_completion(raw) if raw_ids else limits.loads(raw)
+            out = answers.loads_answer(raw) if raw_ids else limits.loads(raw)
             if kind is not None:
                 answers.choice0(out, kind)
             return out

@@ -22,10 +22,11 @@ def answer(ids, sep: tuple[str, str] = (",", ":"), **extra) -> bytes:
 
 
 def whole(buf: bytes):
-    out = answers.loads_completion(buf)
+    out = answers.loads_answer(buf)
     c0 = out["choices"][0] if isinstance(out, dict) and isinstance(out.get("choices"), list) else None
-    if isinstance(c0, dict) and "prompt_token_ids" in c0:
-        c0["prompt_token_ids"] = answers.ids_list(c0["prompt_token_ids"])
+    for holder in (c0, out):
+        if isinstance(holder, dict) and "prompt_token_ids" in holder:
+            holder["prompt_token_ids"] = answers.ids_list(holder["prompt_token_ids"])
     return out
 
 
@@ -42,8 +43,16 @@ def test_parsed_with_raw_ids_equals_parsed_whole(buf: bytes) -> None:
     assert whole(buf) == json.loads(buf)
 
 
+def test_a_chat_answers_top_level_ids_stay_raw() -> None:
+    buf = json.dumps({"id": "chatcmpl-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": "w"},
+                                                       "token_ids": [7]}], "prompt_token_ids": IDS}).encode()
+    out = answers.loads_answer(buf)
+    assert isinstance(out["prompt_token_ids"], msgspec.Raw) and answers.ids_list(out["prompt_token_ids"]) == IDS
+    assert whole(buf) == json.loads(buf)
+
+
 def test_long_ids_stay_raw_and_fit_every_use() -> None:
-    out = answers.loads_completion(answer(IDS, (", ", ": ")))
+    out = answers.loads_answer(answer(IDS, (", ", ": ")))
     raw = out["choices"][0]["prompt_token_ids"]
     assert isinstance(raw, msgspec.Raw) and answers.is_ids(raw)
     assert answers.count_ids(raw) == len(IDS) and answers.ids_list(raw) == IDS
@@ -59,7 +68,7 @@ def test_long_ids_stay_raw_and_fit_every_use() -> None:
     ([None] + IDS, False), ([{"a": 1}] + IDS, False),
 ])
 def test_raw_ids_are_checked_as_lists_are(ids, ok: bool) -> None:
-    c0 = answers.loads_completion(answer(ids))["choices"][0]
+    c0 = answers.loads_answer(answer(ids))["choices"][0]
     assert answers.is_ids(c0["prompt_token_ids"]) is ok
     assert answers.is_ids(ids) is ok
     assert answers.is_ids(msgspec.Raw(b"[" + b" " * 80 + b"]")) is False  # empty, however long

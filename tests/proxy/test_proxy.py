@@ -210,6 +210,20 @@ def test_a_decoder_with_a_gap_between_tokens_streams_the_same_answer() -> None:
             else:
                 assert all(t["token_ids"] is None for t in toks)
             assert toks[-1]["finish_reason"] == "length" and chunks[-1]["usage"] == want["usage"]
+        # Chat: the prefiller's first token and the decoder's repeat dropped (greedy), or the decoder's
+        # whole stream (sampled); either way the rest relayed a read at a time (streaming.ChatRelay).
+        for extra in ({"temperature": 0, "return_token_ids": True}, {"return_token_ids": False}):
+            body = {"model": "stub", "messages": [{"role": "user", "content": "a gap in a chat"}], "max_tokens": 8,
+                    "stream": True, "stream_options": {"include_usage": True}, **extra}
+            want = post(ref.url, "/v1/chat/completions", dict(body, stream=False, return_token_ids=True)).json()
+            chunks = events(px.url, "/v1/chat/completions", body)[:-1]
+            assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+            toks = [c["choices"][0] for c in chunks if c["choices"]]
+            assert toks[0]["delta"]["role"] == "assistant"
+            assert "".join(t["delta"].get("content") or "" for t in toks) == want["choices"][0]["message"]["content"]
+            ids = [i for t in toks for i in t.get("token_ids") or []]
+            assert ids == (want["choices"][0]["token_ids"] if extra["return_token_ids"] else [])
+            assert toks[-1]["finish_reason"] == "length" and chunks[-1]["usage"] == want["usage"]
     finally:
         for p in (px, p0, d0, ref):
             p.stop()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvferry.proxy.streaming import plain_batch
+from kvferry.proxy.streaming import CHAT_UNUSUAL, plain_batch
 from kvferry.proxy.upstream import plain_events
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
@@ -59,6 +59,31 @@ def test_a_batch_rewritten_whole_equals_each_chunk_rewritten(want_ids: bool) -> 
 ])
 def test_an_unusual_chunk_is_left_to_the_chunk_by_chunk_path(batch: list[bytes]) -> None:
     assert plain_batch(batch, SWAP, False, keep_ids=True) is None
+
+
+def chat_chunk(i: int, text: str = "x", **delta) -> bytes:
+    c = {"index": 0, "delta": {"content": text, **delta}, "logprobs": None, "finish_reason": None, "token_ids": [i]}
+    return json.dumps({"id": "chatcmpl-d", "object": "chat.completion.chunk", "created": 5, "model": "dm",
+                       "choices": [c]}, separators=(",", ":")).encode()
+
+
+def test_a_chat_batch_gets_the_clients_id_time_and_model_and_moves_only_plain_content() -> None:
+    swap = (b'"id":"chatcmpl-d"', b'"id":"chatcmpl-p"', b'"created":5', b'"created":9',
+            b'"model":"dm"', b'"model":"m"')
+    batch = [chat_chunk(i, t) for i, t in enumerate(['"model":"dm"', "b"])]
+    sse, ids, ended = plain_batch(batch, swap, False, keep_ids=True, unusual=CHAT_UNUSUAL)
+    want = []
+    for raw in batch:
+        c = json.loads(raw)
+        c.update(id="chatcmpl-p", created=9, model="m")
+        c["choices"][0]["token_ids"] = None
+        want.append(c)
+    assert events(sse) == want and ids == [0, 1] and not ended
+    # A tool call or reasoning is not plain text: a move cannot continue it (migrate.ChatMove).
+    for extra in ({"tool_calls": [{"index": 0}]}, {"reasoning_content": "hm"}):
+        assert plain_batch([batch[0], chat_chunk(2, "", **extra)], swap, False, True, CHAT_UNUSUAL) is None
+    assert plain_batch(batch, (), True, keep_ids=False, unusual=CHAT_UNUSUAL)[0] == (
+        b"data: " + b"\n\ndata: ".join(batch) + b"\n\n")  # nothing to swap: the engine's bytes
 
 
 def test_plain_events_split_what_the_line_by_line_reader_splits() -> None:
