@@ -5,6 +5,7 @@ the decoder is sure to repeat it); a finished chat answer written as a stream.""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any
@@ -95,43 +96,77 @@ class EventStream(web.StreamResponse):
             raise asyncio.CancelledError from None  # as aiohttp's cancel on the connection's loss would
 
 
-# A chunk with one of these is not a usual one: a usage or prompt ids chunk; in chat, a delta that
-# is not plain content (a move continues plain text only: migrate.ChatMove).
-COMPLETION_UNUSUAL = (b'"usage"', b'"prompt_token_ids":[')
-CHAT_UNUSUAL = (*COMPLETION_UNUSUAL, b'"tool_calls"', b'"reasoning', b'"function_call"')
+# A chunk with one of these keys is not a usual one: a usage or prompt ids chunk; in chat, a delta
+# that is not plain content (a move continues plain text only: migrate.ChatMove). One regex: a
+# pass over the bytes, where a test per key is one each.
+COMPLETION_UNUSUAL = re.compile(rb'"(?:usage"|prompt_token_ids":\[)')
+CHAT_UNUSUAL = re.compile(rb'"(?:usage"|prompt_token_ids":\[|tool_calls"|reasoning|function_call")')
+_FINISH = b'"finish_reason":'
 
 
-def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
-                unusual: tuple[bytes, ...] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
-    """A batch of a stream's chunks as the client gets them, rewritten in a few passes over the
-    whole batch rather than chunk by chunk: (the SSE bytes, the token ids in it, whether a chunk had
-    a finish_reason). `swap`: pairs of a decoder's key and value (its id, time, ...) and the
-    client's, flattened; every chunk must have each. None when any chunk is not the usual one (an
-    `unusual` key, one without a swapped key or, with `keep_ids` or not `want_ids`, its token ids):
-    the caller then takes each chunk as it comes. vLLM writes compact JSON, and a quote inside a
-    string is escaped, so each pattern matches a key of a chunk, never its text."""
-    n = len(batch)
-    blob = b"\n\n".join(batch)
-    olds = swap[::2]
-    if any(u in blob for u in unusual) or not all(o in d for d in batch for o in olds):
+def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
+              unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+    """Whole SSE events of a stream's chunks (each `data: {...}` and a blank line, as vLLM writes
+    them) as the client gets them, rewritten in a few passes over all of them rather than chunk by
+    chunk: (the SSE bytes, the token ids in them, whether a chunk had a finish_reason). `swap`:
+    pairs of a decoder's key and value (its id, time, ...) and the client's, flattened; every
+    chunk must have each. None when any event is not the usual one (another field or line, an
+    error, [DONE], an `unusual` key, a chunk without a swapped key or, with `keep_ids` or not
+    `want_ids`, its token ids): the caller then takes each chunk as it comes. vLLM writes compact
+    JSON, and a quote or newline inside a string is escaped, so each pattern matches a key of a
+    chunk, never its text. One event (a token per read, as a decoder streams) takes the shortest way."""
+    if (not sse.startswith(b"data: ") or not sse.endswith(b"\n\n") or sse.startswith(b'data: {"error"')
+            or sse.startswith(b"data: [DONE]") or b"\r" in sse or unusual.search(sse)):
         return None
+    one = sse.find(b"\n") == len(sse) - 2
+    if one:
+        n = 1
+    else:
+        n = sse.count(b"\n\n")
+        if sse.count(b"\n") != 2 * n or sse.count(b"data: ") != n or b'{"error"' in sse or b"data: [DONE]" in sse:
+            return None
+    olds = swap[::2]
+    for o in olds:
+        if (o not in sse) if one else (sse.count(o) != n):
+            return None
     ids: list[int] = []
     if keep_ids or not want_ids:
-        found = migrate.TOKEN_IDS.findall(blob)
-        if len(found) != n:
-            return None
+        if one:
+            m = migrate.TOKEN_IDS.search(sse)
+            if m is None:
+                return None
+            found = [m.group(1)]
+            if not want_ids:
+                sse = sse[:m.start()] + b'"token_ids":null' + sse[m.end():]
+        else:
+            found = migrate.TOKEN_IDS.findall(sse)
+            if len(found) != n:
+                return None
+            if not want_ids:
+                sse = migrate.TOKEN_IDS.sub(b'"token_ids":null', sse)
         if keep_ids:
             try:
                 for inner in found:
-                    ids += [int(x) for x in inner.split(b",")] if inner.strip() else []
+                    if b"," in inner:
+                        ids += [int(x) for x in inner.split(b",")]
+                    elif inner.strip():
+                        ids.append(int(inner))
             except ValueError:  # "1,,2": the chunk by chunk path decides
                 return None
-        if not want_ids:
-            blob = migrate.TOKEN_IDS.sub(b'"token_ids":null', blob)
-    ended = blob.count(b'"finish_reason":') != blob.count(b'"finish_reason":null')
+    if one:
+        f = sse.find(_FINISH)
+        ended = f >= 0 and not sse.startswith(b"null", f + len(_FINISH))
+    else:
+        ended = sse.count(_FINISH) != sse.count(_FINISH + b"null")
     for i in range(0, len(swap), 2):
-        blob = blob.replace(swap[i], swap[i + 1])
-    return b"data: " + blob.replace(b"\n\n", b"\n\ndata: ") + b"\n\n", ids, ended
+        sse = sse.replace(swap[i], swap[i + 1])
+    return sse, ids, ended
+
+
+def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
+                unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+    """plain_sse of events already split (Upstream.events' batches: their `data:` payloads)."""
+    return plain_sse(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n", swap, want_ids, keep_ids, unusual)
 
 
 class DecodeRelay:
@@ -158,9 +193,11 @@ class DecodeRelay:
         self._note(fast)
         return fast[0]
 
-    def direct(self, batch: list[bytes]) -> bool:
+    def direct(self, sse: bytes) -> bool:
         """Write a read of usual chunks to the client at once; False (nothing changed) otherwise."""
-        fast = self._rewrite(batch)
+        if self.swap is None or self.parse_lp:
+            return False
+        fast = plain_sse(sse, self.swap, self.want_ids, self.sent is not None)
         if fast is None or not self.resp.write_now(fast[0]):
             return False
         self._note(fast)
@@ -410,25 +447,25 @@ class ChatRelay:
         self.swap = swap
 
     def usual(self, batch: list[bytes]) -> bytes | None:
-        fast = self._rewrite(batch)
+        fast = self._rewrite(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n") if batch else None
         if fast is None:
             return None
         self._note(fast)
         return fast[0]
 
-    def direct(self, batch: list[bytes]) -> bool:
-        fast = self._rewrite(batch)
+    def direct(self, sse: bytes) -> bool:
+        fast = self._rewrite(sse)
         if fast is None or not self.resp.write_now(fast[0]):
             return False
         self._note(fast)
         return True
 
-    def _rewrite(self, batch: list[bytes]) -> tuple[bytes, list[int], bool] | None:
-        if self.swap is None or not batch:
+    def _rewrite(self, sse: bytes) -> tuple[bytes, list[int], bool] | None:
+        if self.swap is None:
             return None
         m = self.move
         keep = m is not None and m.ok
-        return plain_batch(batch, self.swap, m.want_ids if m is not None else True, keep, CHAT_UNUSUAL)
+        return plain_sse(sse, self.swap, m.want_ids if m is not None else True, keep, CHAT_UNUSUAL)
 
     def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
         m = self.move
@@ -453,6 +490,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     rid = created = model = None
     skip = first_text or ""
     repeat = False  # the decoder's repeat of the first token is still to come
+    last_batch = b""  # the decoder's last chunks, written with [DONE] (one write fewer)
     if first_text is not None and first is not None:
         rid, created, model = first.get("id"), first.get("created"), first.get("model")
         await resp.prepare(request)
@@ -511,7 +549,10 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
                 await resp.prepare(request)
                 started = True
                 observe(metrics.ttft, time.perf_counter() - t0)
-            await resp.write(b"".join(out))
+            if up.done:  # [DONE] came with it: one write with the stream's end
+                last_batch = b"".join(out)
+            else:
+                await resp.write(b"".join(out))
     except ProxyError as e:
         if not started:
             raise
@@ -522,7 +563,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
             await resp.write(sse(error_body(e.status, e.message, e.kind)))
     if not started:
         await resp.prepare(request)
-    await resp.write_eof(b"data: [DONE]\n\n")
+    await resp.write_eof(last_batch + b"data: [DONE]\n\n")
     observe(metrics.total, time.perf_counter() - t0)
     return resp
 

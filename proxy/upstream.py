@@ -181,7 +181,7 @@ class Upstream:
         finally:
             resp.release()
 
-    async def events(self, path: str, body: dict, direct: Callable[[list[bytes]], bool] | None = None
+    async def events(self, path: str, body: dict, direct: Callable[[bytes], bool] | None = None
                      ) -> AsyncGenerator[list[bytes], None]:
         """The `data:` payloads of an SSE stream (without `data: `), [DONE] excluded, in batches:
         whatever arrived in one read, so the proxy writes once per read, not once per event. A
@@ -189,23 +189,16 @@ class Upstream:
         closed: a frozen engine cannot hold the client longer); only the waits for the engine
         count, not the time the caller spends writing to its client.
 
-        `direct(batch)`: offered each read of whole plain events (no [DONE], no error) that comes
-        while the caller waits for the next batch, in the connection's callback; True: it relayed
-        them itself and they are not yielded. It must not raise, nor change anything before it is
-        sure to return True."""
+        `direct(sse)`: offered each read that ends a whole event and comes while the caller waits
+        for the next batch, as the engine wrote it, in the connection's callback; True: it relayed
+        the read itself and it is not yielded. It must refuse (False) what it does not know, such
+        as [DONE] or an error event, and must not raise nor change anything before returning True."""
         resp = self._stream = await self.open(path, body, stream=True)
         buf = b""
-
         if direct is not None:
             relay = direct
+            resp.sink = lambda blob: not buf and relay(blob)
 
-            def sink(blob: bytes) -> bool:
-                if buf or not blob.endswith(b"\n\n"):
-                    return False
-                batch = plain_events(blob[:-2])
-                return batch is not None and b"[DONE]" not in batch and relay(batch)
-
-            resp.sink = sink
         try:
             async for blob in resp.pieces():
                 buf += blob

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvferry.proxy.streaming import CHAT_UNUSUAL, plain_batch
+from kvferry.proxy.streaming import CHAT_UNUSUAL, plain_batch, plain_sse
 from kvferry.proxy.upstream import plain_events
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
@@ -48,6 +48,11 @@ def test_a_batch_rewritten_whole_equals_each_chunk_rewritten(want_ids: bool) -> 
         want.append(c)
     assert events(sse) == want
     assert plain_batch(batch[:-1], SWAP, want_ids, keep_ids=True)[2] is False  # no finish_reason yet
+    # One chunk a read (a decoder's token at a time) takes plain_sse's shortest way: the same result.
+    alone = [plain_batch([raw], SWAP, want_ids, keep_ids=True) for raw in batch]
+    assert all(a is not None for a in alone)
+    assert [e for a in alone for e in events(a[0])] == want
+    assert [i for a in alone for i in a[1]] == ids and [a[2] for a in alone] == [False] * 4 + [True]
 
 
 @pytest.mark.parametrize("batch", [
@@ -59,6 +64,21 @@ def test_a_batch_rewritten_whole_equals_each_chunk_rewritten(want_ids: bool) -> 
 ])
 def test_an_unusual_chunk_is_left_to_the_chunk_by_chunk_path(batch: list[bytes]) -> None:
     assert plain_batch(batch, SWAP, False, keep_ids=True) is None
+    assert plain_batch(batch[-1:], SWAP, False, keep_ids=True) is None  # alone, too
+
+
+@pytest.mark.parametrize("sse", [
+    b"data: [DONE]\n\n", b'data: {"error": {"message": "gone"}}\n\n',  # the end, an error
+    b"data: " + chunk(0) + b"\r\n\r\n",  # carriage returns
+    b"data: " + chunk(0) + b"\nid: 7\n\n",  # another field
+    b": keep-alive\n\ndata: " + chunk(0) + b"\n\n",  # a comment first
+    b"data: " + chunk(0) + b"\n\ndata: [DONE]\n\n",  # the end with a chunk
+    b"data: " + chunk(0) + b"\n\ndata: " + chunk(1),  # a chunk cut short
+])
+def test_what_a_direct_read_must_not_relay_is_refused(sse: bytes) -> None:
+    """plain_sse takes a read as the engine wrote it (DecodeRelay.direct): anything but whole
+    usual events is refused, for the leg's task to take."""
+    assert plain_sse(sse, SWAP, True, keep_ids=False) is None
 
 
 def chat_chunk(i: int, text: str = "x", **delta) -> bytes:
