@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvferry.common.errors import UnavailableError
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
 
 MAX_BUFFERED = 1 << 20  # bytes of an answer held before the socket stops being read
 MAX_ANSWER = 1 << 28  # a whole (non-streamed) answer: a long prompt's ids and logprobs fit many times
@@ -82,8 +85,12 @@ class _Conn(asyncio.Protocol):
         w = r.waiter  # the sink only while the task waits, not woken yet: what it takes goes out in order
         if r.sink is not None and w is not None and not w.done() and r.parts and not r.complete and r.error is None:
             blob = r._take()
-            if r.sink(blob):
-                return  # relayed here: the leg's task sleeps on
+            try:
+                if r.sink(blob):
+                    return  # relayed here: the leg's task sleeps on
+            except Exception:  # noqa: BLE001 - a sink's bug must not lose the bytes: the task takes them
+                logger.exception("a stream's direct relay failed; its leg reads the rest itself")
+                r.sink = None
             r.parts.append(blob)
             r.size = len(blob)
         if r.size > MAX_BUFFERED and self.transport is not None and not r.paused:

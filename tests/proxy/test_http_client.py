@@ -286,6 +286,17 @@ def test_a_sink_takes_reads_in_the_callback_and_leaves_the_rest_to_pieces_in_ord
             assert woken == [b"keep 3.", b"keep 5."]  # the taken reads never woke the reader
             assert order == sent
             assert p.hosts[e.url].idle  # a whole answer: the connection is kept
+            # A sink that raises loses nothing: the read and the rest come out of pieces().
+            resp = await p.request("POST", e.url, "/x", b"{}", stream=True)
+            calls = []
+
+            def broken(blob: bytes) -> bool:
+                calls.append(blob)
+                raise RuntimeError("a bug in a relay")
+            resp.sink = broken
+            got = [piece async for piece in resp.pieces()]
+            resp.release()
+            assert b"".join(got) == b"".join(sent) and calls == [sent[0]] and resp.sink is None
             await p.close()
     run(main, loop_kind)
 
