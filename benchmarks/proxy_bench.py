@@ -2,7 +2,7 @@
 
     python benchmarks/proxy_bench.py --json [--concurrency 1,32,256] [--requests 2000] [--tokens 16]
         [--prompt-words 256] [--endpoint completions|chat] [--rounds 2] [--workers 1]
-        [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS]
+        [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS] [--tokenizer DIR]
 
 "direct" streams from the decoder stub itself; "kvferry" goes through kvferry's proxy (prefill leg
 on the prefiller stub, decode leg on the decoder stub), same load, same run. When `vllm-router`
@@ -166,6 +166,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
                "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"]
         if name == "kvferry" and args.workers is not None:
             cmd += ["--workers", str(args.workers)]
+        if getattr(args, "tokenizer", None):
+            cmd += ["--tokenizer", args.tokenizer]
         out[name] = start(cmd, f"http://127.0.0.1:{px}/metrics", env)
         out[name].url = f"http://127.0.0.1:{px}"  # type: ignore[attr-defined]
     binary = None if args.no_vllm_router else vllm_router_binary()
@@ -192,6 +194,9 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=None, help="kvferry-proxy --workers (default: its own)")
     ap.add_argument("--baseline-path", default=None, help="also run the proxy imported from this directory")
     ap.add_argument("--no-vllm-router", action="store_true")
+    ap.add_argument("--tokenizer", default=None,
+                    help="kvferry-proxy --tokenizer: cache-aware routing tokenizes each prompt (vllm-router's "
+                         "default policy asks the engines' /tokenize), e.g. ~/.cache/kvferry/tiny-llama")
     ap.add_argument("--token-delay", type=float, default=0.0,
                     help="seconds the stubs take per token (0: a burst; a real decode step is milliseconds)")
     args = ap.parse_args()
@@ -207,6 +212,7 @@ def main() -> int:
         result: dict = {"direct": {}, **{name: {} for name in targets}, "added": {name: {} for name in targets},
                         "setup": {"endpoint": args.endpoint, "prompt_words": args.prompt_words,
                                   "tokens": args.tokens, "requests": args.requests, "workers": args.workers,
+                                  "tokenizer": args.tokenizer,
                                   "token_delay": args.token_delay}}
         for rnd in range(args.rounds):
             for c in (int(x) for x in args.concurrency.split(",")):

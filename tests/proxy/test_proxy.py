@@ -188,7 +188,7 @@ def test_stream_is_one_well_formed_stream_with_usage(cluster) -> None:
 
 def test_a_decoder_with_a_gap_between_tokens_streams_the_same_answer() -> None:
     """A real decoder sends a token per step: each read is relayed in the decoder connection's
-    callback (streaming.DecodeRelay.direct), not by the leg's task. The client's stream is the
+    callback (relay.DecodeRelay.direct), not by the leg's task. The client's stream is the
     one the burst path gives: one id and time, the text, the token ids only when asked, the usage."""
     p0, d0, ref = stubs(0, 0.02, 0)
     px = proxy([p0], [d0], "--workers", "1")
@@ -211,7 +211,7 @@ def test_a_decoder_with_a_gap_between_tokens_streams_the_same_answer() -> None:
                 assert all(t["token_ids"] is None for t in toks)
             assert toks[-1]["finish_reason"] == "length" and chunks[-1]["usage"] == want["usage"]
         # Chat: the prefiller's first token and the decoder's repeat dropped (greedy), or the decoder's
-        # whole stream (sampled); either way the rest relayed a read at a time (streaming.ChatRelay).
+        # whole stream (sampled); either way the rest relayed a read at a time (relay.ChatRelay).
         for extra in ({"temperature": 0, "return_token_ids": True}, {"return_token_ids": False}):
             body = {"model": "stub", "messages": [{"role": "user", "content": "a gap in a chat"}], "max_tokens": 8,
                     "stream": True, "stream_options": {"include_usage": True}, **extra}

@@ -1,4 +1,4 @@
-"""proxy/upstream.plain_events and proxy/streaming.plain_batch: a read of SSE events split in one
+"""proxy/upstream.plain_events and proxy/relay.plain_batch: a read of SSE events split in one
 pass, and a batch of a decoder's chunks rewritten whole, equal what the line-by-line and
 chunk-by-chunk paths give (id and created the client's, token ids kept and stripped); anything
 unusual is left to those paths."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvferry.proxy.streaming import CHAT_UNUSUAL, plain_batch, plain_sse
+from kvferry.proxy.relay import CHAT_UNUSUAL, plain_batch, plain_sse
 from kvferry.proxy.upstream import plain_events
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')

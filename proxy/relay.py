@@ -1,0 +1,196 @@
+"""A decode stream's chunks as the client gets them, rewritten as bytes a read at a time rather
+than parsed chunk by chunk, and, for a read that comes while the stream's task waits, written to
+the client in the decoder connection's own callback (Upstream.events' `direct`): no task wakeup
+per token. proxy/streaming.py takes whatever is not the usual chunk, chunk by chunk."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Protocol
+
+from kvferry.proxy import limits, migrate
+from kvferry.proxy.metrics import observe_all
+
+GAPS_BATCH = 64  # a long stream's gaps reach /metrics every this many batches
+
+
+class Client(Protocol):
+    """Where the chunks go (streaming.EventStream)."""
+
+    def write_now(self, data: bytes) -> bool: ...
+
+
+# A chunk with one of these keys is not a usual one: a usage or prompt ids chunk; in chat, a delta
+# that is not plain content (a move continues plain text only: migrate.ChatMove). One regex: a
+# pass over the bytes, where a test per key is one each.
+COMPLETION_UNUSUAL = re.compile(rb'"(?:usage"|prompt_token_ids":\[)')
+CHAT_UNUSUAL = re.compile(rb'"(?:usage"|prompt_token_ids":\[|tool_calls"|reasoning|function_call")')
+_FINISH = b'"finish_reason":'
+
+
+def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
+              unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+    """Whole SSE events of a stream's chunks (each `data: {...}` and a blank line, as vLLM writes
+    them) as the client gets them, rewritten in a few passes over all of them rather than chunk by
+    chunk: (the SSE bytes, the token ids in them, whether a chunk had a finish_reason). `swap`:
+    pairs of a decoder's key and value (its id, time, ...) and the client's, flattened; every
+    chunk must have each. None when any event is not the usual one (another field or line, an
+    error, [DONE], an `unusual` key, a chunk without a swapped key or, with `keep_ids` or not
+    `want_ids`, its token ids): the caller then takes each chunk as it comes. vLLM writes compact
+    JSON, and a quote or newline inside a string is escaped, so each pattern matches a key of a
+    chunk, never its text. One event (a token per read, as a decoder streams) takes the shortest way."""
+    if (not sse.startswith(b"data: ") or not sse.endswith(b"\n\n") or sse.startswith(b'data: {"error"')
+            or sse.startswith(b"data: [DONE]") or b"\r" in sse or unusual.search(sse)):
+        return None
+    one = sse.find(b"\n") == len(sse) - 2
+    if one:
+        n = 1
+    else:
+        n = sse.count(b"\n\n")
+        if sse.count(b"\n") != 2 * n or sse.count(b"data: ") != n or b'{"error"' in sse or b"data: [DONE]" in sse:
+            return None
+    olds = swap[::2]
+    for o in olds:
+        if (o not in sse) if one else (sse.count(o) != n):
+            return None
+    ids: list[int] = []
+    if keep_ids or not want_ids:
+        if one:
+            m = migrate.TOKEN_IDS.search(sse)
+            if m is None:
+                return None
+            found = [m.group(1)]
+            if not want_ids:
+                sse = sse[:m.start()] + b'"token_ids":null' + sse[m.end():]
+        else:
+            found = migrate.TOKEN_IDS.findall(sse)
+            if len(found) != n:
+                return None
+            if not want_ids:
+                sse = migrate.TOKEN_IDS.sub(b'"token_ids":null', sse)
+        if keep_ids:
+            try:
+                for inner in found:
+                    if b"," in inner:
+                        ids += [int(x) for x in inner.split(b",")]
+                    elif inner.strip():
+                        ids.append(int(inner))
+            except ValueError:  # "1,,2": the chunk by chunk path decides
+                return None
+    if one:
+        f = sse.find(_FINISH)
+        ended = f >= 0 and not sse.startswith(b"null", f + len(_FINISH))
+    else:
+        ended = sse.count(_FINISH) != sse.count(_FINISH + b"null")
+    for i in range(0, len(swap), 2):
+        sse = sse.replace(swap[i], swap[i + 1])
+    return sse, ids, ended
+
+
+def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
+                unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+    """plain_sse of events already split (Upstream.events' batches: their `data:` payloads)."""
+    return plain_sse(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n", swap, want_ids, keep_ids, unusual)
+
+
+class DecodeRelay:
+    """A completion's decode stream as the client gets it: what its task and its direct relay
+    (`direct`, called in the decoder connection's callback: Upstream.events) share."""
+
+    __slots__ = ("resp", "itl", "want_ids", "parse_lp", "swap", "sent", "ended", "gaps", "last")
+
+    def __init__(self, resp: Client, itl: Any, want_ids: bool, parse_lp: bool, sent: list[int] | None) -> None:
+        self.resp, self.itl, self.want_ids, self.parse_lp = resp, itl, want_ids, parse_lp
+        self.swap: tuple[bytes, ...] | None = None  # the leg's id and time, and ours (plain_batch)
+        # The tokens the client got, to continue elsewhere if the decoder fails; None once a chunk
+        # came without its token ids.
+        self.sent = sent
+        self.ended = False  # a chunk with a finish_reason went out (on this leg)
+        self.gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
+        self.last = 0.0
+
+    def usual(self, head: list[bytes]) -> bytes | None:
+        """The usual chunks rewritten whole (plain_batch), their ids and end noted; None otherwise."""
+        fast = self._rewrite(head)
+        if fast is None:
+            return None
+        self._note(fast)
+        return fast[0]
+
+    def direct(self, sse: bytes) -> bool:
+        """Write a read of usual chunks to the client at once; False (nothing changed) otherwise."""
+        if self.swap is None or self.parse_lp:
+            return False
+        fast = plain_sse(sse, self.swap, self.want_ids, self.sent is not None)
+        if fast is None or not self.resp.write_now(fast[0]):
+            return False
+        self._note(fast)
+        self.tick()
+        return True
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.gaps.append(now - self.last)
+        self.last = now
+        if len(self.gaps) >= GAPS_BATCH:
+            observe_all(self.itl, self.gaps)
+            self.gaps.clear()
+
+    def _rewrite(self, head: list[bytes]) -> tuple[bytes, list[int], bool] | None:
+        if self.swap is None or self.parse_lp or not head:
+            return None
+        return plain_batch(head, self.swap, self.want_ids, self.sent is not None)
+
+    def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
+        if self.sent is not None:
+            self.sent += fast[1]
+        self.ended = self.ended or fast[2]
+
+
+class ChatRelay:
+    """A chat leg's stream once its chunks are the usual ones (the first token's repeat dropped,
+    the decoder's id known): rewritten a batch at a time by plain_batch, in the leg's task
+    (`usual`) or in the decoder connection's callback (`direct`)."""
+
+    __slots__ = ("resp", "move", "swap")
+
+    def __init__(self, resp: Client, move: migrate.ChatMove | None) -> None:
+        self.resp, self.move = resp, move
+        self.swap: tuple[bytes, ...] | None = None  # the decoder's id, time and model, and the client's
+
+    def learn(self, dec: tuple[Any, Any, Any], ours: tuple[Any, Any, Any]) -> None:
+        """From a decoder's chunk (its id, created, model) and what the client sees instead."""
+        swap: tuple[bytes, ...] = ()
+        for key, d, o in zip((b'"id":', b'"created":', b'"model":'), dec, ours, strict=True):
+            if d != o:
+                swap += (key + limits.dumps(d), key + limits.dumps(o))
+        self.swap = swap
+
+    def usual(self, batch: list[bytes]) -> bytes | None:
+        fast = self._rewrite(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n") if batch else None
+        if fast is None:
+            return None
+        self._note(fast)
+        return fast[0]
+
+    def direct(self, sse: bytes) -> bool:
+        fast = self._rewrite(sse)
+        if fast is None or not self.resp.write_now(fast[0]):
+            return False
+        self._note(fast)
+        return True
+
+    def _rewrite(self, sse: bytes) -> tuple[bytes, list[int], bool] | None:
+        if self.swap is None:
+            return None
+        m = self.move
+        keep = m is not None and m.ok
+        return plain_sse(sse, self.swap, m.want_ids if m is not None else True, keep, CHAT_UNUSUAL)
+
+    def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
+        m = self.move
+        if m is not None:
+            if m.ok:
+                m.got += fast[1]
+            m.ended = m.ended or fast[2]
