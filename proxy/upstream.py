@@ -189,10 +189,11 @@ class Upstream:
         closed: a frozen engine cannot hold the client longer); only the waits for the engine
         count, not the time the caller spends writing to its client.
 
-        `direct(sse)`: offered each read that ends a whole event and comes while the caller waits
-        for the next batch, as the engine wrote it, in the connection's callback; True: it relayed
-        the read itself and it is not yielded. It must refuse (False) what it does not know, such
-        as [DONE] or an error event, and must not raise nor change anything before returning True."""
+        `direct(sse)`: offered each read that comes while the caller waits for the next batch and
+        no part of an earlier event is pending, as the engine wrote it, in the connection's
+        callback; True: it relayed the read itself and it is not yielded. It must refuse (False)
+        what is not whole events it knows (a cut event, [DONE], an error event), and must not
+        raise nor change anything before returning True."""
         resp = self._stream = await self.open(path, body, stream=True)
         buf = b""
         if direct is not None:
