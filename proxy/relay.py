@@ -30,7 +30,7 @@ _FINISH = b'"finish_reason":'
 
 
 def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
-              unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+              unusual: re.Pattern[bytes] | None = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
     """Whole SSE events of a stream's chunks (each `data: {...}` and a blank line, as vLLM writes
     them) as the client gets them, rewritten in a few passes over all of them rather than chunk by
     chunk: (the SSE bytes, the token ids in them, whether a chunk had a finish_reason). `swap`:
@@ -41,7 +41,7 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
     JSON, and a quote or newline inside a string is escaped, so each pattern matches a key of a
     chunk, never its text. One event (a token per read, as a decoder streams) takes the shortest way."""
     if (not sse.startswith(b"data: ") or not sse.endswith(b"\n\n") or sse.startswith(b'data: {"error"')
-            or sse.startswith(b"data: [DONE]") or b"\r" in sse or unusual.search(sse)):
+            or sse.startswith(b"data: [DONE]") or b"\r" in sse or (unusual is not None and unusual.search(sse))):
         return None
     one = sse.find(b"\n") == len(sse) - 2
     if one:
@@ -89,7 +89,7 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
 
 
 def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
-                unusual: re.Pattern[bytes] = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
+                unusual: re.Pattern[bytes] | None = COMPLETION_UNUSUAL) -> tuple[bytes, list[int], bool] | None:
     """plain_sse of events already split (Upstream.events' batches: their `data:` payloads)."""
     return plain_sse(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n", swap, want_ids, keep_ids, unusual)
 
@@ -168,25 +168,28 @@ class ChatRelay:
         self.swap = swap
 
     def usual(self, batch: list[bytes]) -> bytes | None:
-        fast = self._rewrite(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n") if batch else None
+        fast = self._rewrite(batch, plain_batch) if batch else None
         if fast is None:
             return None
         self._note(fast)
         return fast[0]
 
     def direct(self, sse: bytes) -> bool:
-        fast = self._rewrite(sse)
+        fast = self._rewrite(sse, plain_sse)
         if fast is None or not self.resp.write_now(fast[0]):
             return False
         self._note(fast)
         return True
 
-    def _rewrite(self, sse: bytes) -> tuple[bytes, list[int], bool] | None:
+    def _rewrite(self, got: Any, how: Any) -> tuple[bytes, list[int], bool] | None:
+        """`how` (plain_sse or plain_batch) on `got`. Only a move needs the chunks' ids and plain
+        content; without one every chunk goes out as written, its id, time and model swapped."""
         if self.swap is None:
             return None
         m = self.move
-        keep = m is not None and m.ok
-        return plain_sse(sse, self.swap, m.want_ids if m is not None else True, keep, CHAT_UNUSUAL)
+        if m is None:
+            return how(got, self.swap, True, False, None)
+        return how(got, self.swap, m.want_ids, m.ok, CHAT_UNUSUAL)
 
     def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
         m = self.move

@@ -328,8 +328,8 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
         cr.swap = ()
     try:
         async for batch in events:
-            # The leg's usage chunk comes last: the chunks before it may still be usual.
-            tail = batch[-1:] if b'"usage"' in batch[-1] else []
+            # A move's usage chunk comes last: the chunks before it may still be usual.
+            tail = batch[-1:] if move is not None and b'"usage"' in batch[-1] else []
             usual = cr.usual(batch[:-1] if tail else batch)
             out = []
             if usual is not None:

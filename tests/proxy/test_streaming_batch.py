@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvferry.proxy.relay import CHAT_UNUSUAL, plain_batch, plain_sse
+from kvferry.proxy.relay import CHAT_UNUSUAL, ChatRelay, plain_batch, plain_sse
 from kvferry.proxy.upstream import plain_events
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
@@ -104,6 +104,18 @@ def test_a_chat_batch_gets_the_clients_id_time_and_model_and_moves_only_plain_co
         assert plain_batch([batch[0], chat_chunk(2, "", **extra)], swap, False, True, CHAT_UNUSUAL) is None
     assert plain_batch(batch, (), True, keep_ids=False, unusual=CHAT_UNUSUAL)[0] == (
         b"data: " + b"\n\ndata: ".join(batch) + b"\n\n")  # nothing to swap: the engine's bytes
+
+
+def test_a_chat_stream_without_a_move_goes_out_as_written_tool_calls_and_usage_too() -> None:
+    """Only a move needs plain content and ids (migrate.ChatMove); without one, ChatRelay sends a
+    tool call and the usage as the engine wrote them, the client's id swapped in."""
+    batch = [chat_chunk(0, "", tool_calls=[{"index": 0}]),
+             json.dumps({"id": "chatcmpl-d", "created": 5, "model": "dm", "choices": [], "usage": {"total_tokens": 3}},
+                        separators=(",", ":")).encode()]
+    relay = ChatRelay(None, None)  # type: ignore[arg-type]  # usual() writes nothing itself
+    relay.learn(("chatcmpl-d", 5, "dm"), ("chatcmpl-p", 5, "dm"))
+    out = relay.usual(batch)
+    assert out == b"data: " + b"\n\ndata: ".join(batch).replace(b"chatcmpl-d", b"chatcmpl-p") + b"\n\n"
 
 
 def test_plain_events_split_what_the_line_by_line_reader_splits() -> None:
