@@ -94,6 +94,17 @@ def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, kee
     return plain_sse(b"data: " + b"\n\ndata: ".join(batch) + b"\n\n", swap, want_ids, keep_ids, unusual)
 
 
+def swap_pairs(keys: tuple[bytes, ...], dec: tuple[Any, ...], ours: tuple[Any, ...],
+               keep_equal: bool) -> tuple[bytes, ...]:
+    """plain_sse's `swap`: each key (`b'"id":'`) with a decoder's value and the client's, as
+    vLLM's compact JSON writes them; a pair whose values are equal left out unless `keep_equal`."""
+    swap: tuple[bytes, ...] = ()
+    for key, d, o in zip(keys, dec, ours, strict=True):
+        if keep_equal or d != o:
+            swap += (key + limits.dumps(d), key + limits.dumps(o))
+    return swap
+
+
 class DecodeRelay:
     """A completion's decode stream as the client gets it: what its task and its direct relay
     (`direct`, called in the decoder connection's callback: Upstream.events) share."""
@@ -109,6 +120,12 @@ class DecodeRelay:
         self.ended = False  # a chunk with a finish_reason went out (on this leg)
         self.gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
         self.last = 0.0
+
+    def learn(self, dec: tuple[Any, Any], ours: tuple[Any, Any]) -> tuple[bytes, ...]:
+        """From a decoder's chunk (its id and created) and what the client sees instead; both pairs
+        kept, in that order (streaming.completion's chunk by chunk path swaps them by index)."""
+        self.swap = swap_pairs((b'"id":', b'"created":'), dec, ours, True)
+        return self.swap
 
     def usual(self, head: list[bytes]) -> bytes | None:
         """The usual chunks rewritten whole (plain_batch), their ids and end noted; None otherwise."""
@@ -161,11 +178,7 @@ class ChatRelay:
 
     def learn(self, dec: tuple[Any, Any, Any], ours: tuple[Any, Any, Any]) -> None:
         """From a decoder's chunk (its id, created, model) and what the client sees instead."""
-        swap: tuple[bytes, ...] = ()
-        for key, d, o in zip((b'"id":', b'"created":', b'"model":'), dec, ours, strict=True):
-            if d != o:
-                swap += (key + limits.dumps(d), key + limits.dumps(o))
-        self.swap = swap
+        self.swap = swap_pairs((b'"id":', b'"created":', b'"model":'), dec, ours, False)
 
     def usual(self, batch: list[bytes]) -> bytes | None:
         fast = self._rewrite(batch, plain_batch) if batch else None

@@ -161,9 +161,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                         async for batch in up.events("/v1/completions", leg, rl.direct):
                             if rl.swap is None:
                                 chunk = up.chunk(batch[0])
-                                rl.swap = (f'"id":"{chunk.get("id")}"'.encode(), f'"id":"{rid}"'.encode(),
-                                           f'"created":{chunk.get("created")}'.encode(),
-                                           f'"created":{created}'.encode())
+                                swap = rl.learn((chunk.get("id"), chunk.get("created")), (rid, created))
                                 observe(metrics.decoder_first, time.perf_counter() - t1)
                                 if mode == "regen" and first_leg:
                                     observe(metrics.ttft, time.perf_counter() - t0)
@@ -174,7 +172,6 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                             if usual is not None:  # the usual chunks, rewritten whole
                                 out.append(usual)
                                 batch = usage_tail
-                            swap = rl.swap
                             for data in batch:
                                 if b'"usage"' in data:
                                     u = up.chunk(data)
