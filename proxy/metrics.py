@@ -29,8 +29,10 @@ class ProxyMetrics:
         self.errors = Counter("kvferry_proxy_errors", "Errors by kind and instance", ["kind", "instance"], registry=r)
         self.in_flight = Gauge("kvferry_proxy_in_flight", "Requests in flight per instance", ["instance", "role"],
                                registry=r, multiprocess_mode="livesum")
+        # --workers N: each worker checks each instance itself, so for up to a health interval they
+        # disagree; the lowest, so that /metrics reads 0 as soon as any worker's /health says unhealthy.
         self.healthy = Gauge("kvferry_proxy_instance_healthy", "1 if the instance passes health checks",
-                             ["instance", "role", "url"], registry=r, multiprocess_mode="livemax")
+                             ["instance", "role", "url"], registry=r, multiprocess_mode="livemin")
         self.prefill = Histogram("kvferry_proxy_prefill_seconds", "Prefill leg (prefiller answer) time",
                                  buckets=_LAT, registry=r)
         self.notifications = Counter("kvferry_proxy_notifications",

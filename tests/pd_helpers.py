@@ -42,6 +42,35 @@ def plain(server: VLLMServer, prompt: list[int], max_tokens: int) -> tuple[list[
     return tokens_and_logprobs(completion(server, prompt, max_tokens))
 
 
+# How far a batch moves a greedy logprob in bf16 on vLLM CPU: the logits are rounded to bf16, whose
+# steps are 2^-5 to 2^-4 at this model's logit sizes (4 to 16), and a batch's other sums round a
+# step or two differently. Measured on a 2-core AVX2 EPYC: plain vLLM, 16 cold prompts at once
+# against each alone, 0.031 (and one greedy flip in 64 requests); through 2P2D, 0.061.
+BATCH_NOISE = 0.1
+
+
+def plain_with_margins(server: VLLMServer, prompt: list[int], max_tokens: int
+                       ) -> tuple[list[int], list[float], list[float]]:
+    """plain's tokens and logprobs, and per token its top-2 logprob margin (a near tie below BATCH_NOISE)."""
+    resp = completion(server, prompt, max_tokens, logprobs=2)
+    tops = [sorted(d.values(), reverse=True) for d in resp["choices"][0]["logprobs"]["top_logprobs"]]
+    return (*tokens_and_logprobs(resp), [t[0] - t[1] if len(t) > 1 else 99.0 for t in tops])
+
+
+def same_greedy_answer(got: tuple[list[int], list[float]], want: tuple[list[int], list[float], list[float]],
+                       where: str) -> None:
+    """`got` is plain_with_margins' answer up to batch noise: the same tokens up to a flip where plain's
+    top two are a near tie (the rest then differs), the logprobs before it within BATCH_NOISE. Another
+    request's KV or a wrong prompt changes tokens where the margin is large, logprobs by whole units."""
+    toks, lps = got
+    want_toks, want_lps, margins = want
+    assert len(toks) == len(want_toks), f"{where}: {len(toks)} tokens, plain {len(want_toks)}"
+    k = next((i for i, (a, b) in enumerate(zip(toks, want_toks, strict=True)) if a != b), len(toks))
+    assert k == len(toks) or margins[k] < BATCH_NOISE, f"{where}: token {k} differs at a margin of {margins[k]}"
+    diff = max((abs(a - b) for a, b in zip(lps[:k], want_lps[:k], strict=True)), default=0.0)
+    assert diff <= BATCH_NOISE, f"{where}: logprobs differ by {diff}"
+
+
 def same_answers(answers: list, tol: float = 1e-3) -> float:
     """Each ((tokens, logprobs), (plain tokens, plain logprobs)) pair: the same greedy tokens, logprobs
     within `tol` (float32 across TP sizes: the sums are rounded differently). Returns the largest

@@ -41,8 +41,10 @@ from tests.pd_helpers import (
     completion,
     disagg,
     plain,
+    plain_with_margins,
     prom,
     running_proxy,
+    same_greedy_answer,
     source_tokens,
     tiny_fingerprint,
     tokens_and_logprobs,
@@ -343,7 +345,7 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
     d2.start()
     try:
         prompts = [prompt(200 + 37 * i, seed=50_000 + i) for i in range(16)]  # seeds no other test uses
-        wants = [plain(plain_vllm, pr, 6) for pr in prompts]
+        wants = [plain_with_margins(plain_vllm, pr, 6) for pr in prompts]
         p2.wait_ready()
         d2.wait_ready()
         before = [source_tokens(d).get("external_kv_transfer", 0) for d in (d1, d2)]
@@ -359,11 +361,10 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
             results = [tokens_and_logprobs(f.result(timeout=300).json()) for f in futs]
             served = {i["url"]: i["served"] for i in httpx.get(url + "/health").json()["instances"]}
         assert all(served[x.url] > 0 for x in (p1, p2, d1, d2)), served
-        for i, ((toks, lps), (want_toks, want_lps)) in enumerate(zip(results, wants, strict=True)):
-            assert toks == want_toks, f"request {i}: tokens differ"
+        for i, (got, want) in enumerate(zip(results, wants, strict=True)):
             # Batched with others, vLLM's CPU kernels round differently than for one request alone
-            # (a plain instance under the same load does too): equal up to float noise.
-            assert lps == pytest.approx(want_lps, abs=0.05), f"request {i}: logprobs differ"
+            # (a plain instance under the same load does too): equal up to that noise.
+            same_greedy_answer(got, want, f"request {i}")
         loaded = sum(source_tokens(d).get("external_kv_transfer", 0) - b for d, b in zip((d1, d2), before, strict=True))
         assert loaded == sum(map(len, prompts)), "some prompts were recomputed instead of loaded"
         assert peer.fully_free()

@@ -3,8 +3,13 @@ exactly as prometheus-client's own calls do."""
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest, values
+import multiprocessing
+from pathlib import Path
 
+from prometheus_client import CollectorRegistry, generate_latest, values
+from prometheus_client import multiprocess as mp_metrics
+
+from kvferry.proxy import metrics
 from kvferry.proxy.metrics import LoopValue, ProxyMetrics, observe, observe_all
 
 # On bounds (observe() puts a sample equal to a bound in that bound's bucket), between them, past
@@ -55,3 +60,30 @@ def test_observe_and_lock_free_values_count_as_prometheus_does(monkeypatch) -> N
     assert lines(fast) == lines(ref)
     assert 'kvferry_proxy_ttft_seconds_bucket{le="0.0025"} 6.0' in lines(fast)
     assert 'kvferry_proxy_in_flight{instance="d0",role="decoder"} 1.0' in lines(fast)
+
+
+def _worker_sets_healthy(folder: str, value: int) -> None:
+    metrics.multiprocess(folder)  # what a worker of --workers N does before it makes its metrics
+    ProxyMetrics().healthy.labels("d0", "decoder", "http://d0").set(value)
+
+
+def test_with_workers_an_instance_any_live_worker_finds_unhealthy_reads_0(tmp_path: Path) -> None:
+    """Each worker checks health itself, so for a while they disagree: /metrics says unhealthy as
+    soon as one (and so one /health answer) does, and a dead worker's view leaves it."""
+    pids = []
+    for value in (1, 0):
+        p = multiprocessing.get_context("fork").Process(target=_worker_sets_healthy, args=(str(tmp_path), value))
+        p.start()
+        p.join(10)
+        assert p.exitcode == 0
+        pids.append(p.pid)
+
+    def healthy() -> list[str]:
+        reg = CollectorRegistry()
+        mp_metrics.MultiProcessCollector(reg, str(tmp_path))
+        text = generate_latest(reg).decode()
+        return [ln for ln in text.splitlines() if ln.startswith("kvferry_proxy_instance_healthy{")]
+    line = 'kvferry_proxy_instance_healthy{instance="d0",role="decoder",url="http://d0"}'
+    assert healthy() == [line + " 0.0"]
+    metrics.worker_died(pids[1], str(tmp_path))
+    assert healthy() == [line + " 1.0"]
