@@ -2,13 +2,15 @@
 
     python benchmarks/proxy_bench.py --json [--concurrency 1,32,256] [--requests 2000] [--tokens 16]
         [--prompt-words 256] [--endpoint completions|chat] [--rounds 2] [--workers 1]
-        [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS] [--tokenizer DIR]
+        [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS] [--tokenizer DIR] [--decoder-first]
 
 "direct" streams from the decoder stub itself; "kvferry" goes through kvferry's proxy (prefill leg
 on the prefiller stub, decode leg on the decoder stub), same load, same run. When `vllm-router`
 (Rust, vLLM's router: `pip install vllm-router`) is on PATH or beside this Python, it runs in PD
 mode against the same stubs twice: "vllm_router_rr" (--policy round_robin) and
 "vllm_router_default" (its default policy, cache_aware, which asks the engines' /tokenize).
+`--decoder-first` adds "kvferry_decoder_first": kvferry with `--first-token decoder` (the decoder
+computes every token, no token ids on either leg, as vllm-router's PD mode).
 `--baseline-path DIR` adds "kvferry_base": the proxy imported from DIR (a checkout of an older
 commit, e.g. `git worktree add /tmp/base HEAD~3`, with a `kvferry` package in it), to measure a
 change before and after in one run. Targets are measured in turns (every target at one concurrency,
@@ -155,6 +157,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
     """Every router under test (vllm-router with the `routers` policies), listening; name -> process."""
     out: dict[str, subprocess.Popen] = {}
     kv = [("kvferry", None)]
+    if getattr(args, "decoder_first", False):
+        kv.append(("kvferry_decoder_first", None))
     if args.baseline_path:
         kv.append(("kvferry_base", str(Path(args.baseline_path).resolve())))
     for name, path in kv:
@@ -164,8 +168,10 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
             env["PYTHONPATH"] = path
         cmd = [sys.executable, "-m", "kvferry.proxy", "--port", str(px), "--prefiller", f"http://127.0.0.1:{ps}",
                "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"]
-        if name == "kvferry" and args.workers is not None:
+        if name != "kvferry_base" and args.workers is not None:
             cmd += ["--workers", str(args.workers)]
+        if name == "kvferry_decoder_first":
+            cmd += ["--first-token", "decoder"]
         if getattr(args, "tokenizer", None):
             cmd += ["--tokenizer", args.tokenizer]
         out[name] = start(cmd, f"http://127.0.0.1:{px}/metrics", env)
@@ -199,6 +205,8 @@ def main() -> int:
                          "default policy asks the engines' /tokenize), e.g. ~/.cache/kvferry/tiny-llama")
     ap.add_argument("--token-delay", type=float, default=0.0,
                     help="seconds the stubs take per token (0: a burst; a real decode step is milliseconds)")
+    ap.add_argument("--decoder-first", action="store_true",
+                    help="also run kvferry-proxy --first-token decoder (\"kvferry_decoder_first\")")
     args = ap.parse_args()
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     bodies = [request_body(args.endpoint, args.prompt_words, args.tokens, i) for i in range(args.requests)]

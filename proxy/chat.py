@@ -52,10 +52,11 @@ class Chat:
             return json_response(out)
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
+        ids = ctx.opts.first_token == "prefiller"  # else the decoder computes every token; no ids, no moves
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
             leg, move = body, None
-            if route.local and max_tokens != 1 and migrate.chat_movable(body):
+            if ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
                 # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
                 leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
             while True:
@@ -77,12 +78,12 @@ class Chat:
                 msg = choice["message"]
                 # The decoder regenerates the first token: stream the prefiller's at once only
                 # when the decoder is sure to pick the same one; else stream the decoder's own.
-                fast = msg.get("content") if (same_first_token(body) and msg.get("content")
+                fast = msg.get("content") if (ids and same_first_token(body) and msg.get("content")
                                               and not msg.get("tool_calls")
                                               and not msg.get("reasoning_content")) else None
                 leg = chat_decode_leg(body, tid)
                 move = None
-                if migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
+                if ids and migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
                     # Both legs give token ids, so a failed stream can continue elsewhere.
                     move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
                                             first.get("prompt_token_ids"))
@@ -105,8 +106,9 @@ class Chat:
 
     async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str]:
-        # Token ids from the prefiller: the first token's, for a stream that moves (proxy/migrate.py).
-        leg = dict(chat_prefill_leg(body, max_key), return_token_ids=True)
+        leg = chat_prefill_leg(body, max_key)
+        if self.ctx.opts.first_token == "prefiller":
+            leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/migrate.py)
         first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
         return first, tid
 

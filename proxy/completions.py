@@ -1,7 +1,7 @@
 """POST /v1/completions: one prompt, a batch of prompts, or n samples; streamed or not.
 
 The decode leg gets the prompt's token ids (returned by the prefiller, no /tokenize round trip)
-plus the first token, and max_tokens - 1.
+plus the first token, and max_tokens - 1; with --first-token decoder, the client's own request.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ class Completions:
             return await self.stream(request, body, max_tokens, t0)
         return json_response(await self.one(request, body, max_tokens, t0))
 
+    def _leg_body(self, body: dict, max_tokens: int) -> dict:
+        """The body the prefill leg is made from: with token ids to decode from, unless no decode
+        leg follows or the decoder computes the answer itself (--first-token decoder)."""
+        if max_tokens <= 1 or self.ctx.opts.first_token != "prefiller":
+            return body
+        return dict(body, return_token_ids=True)
+
     async def first(self, request: web.Request, body: dict, max_tokens: int) -> Prefilled:
         """The prefill leg (or, for max_tokens <= 1, the whole request on a prefiller; or, routed
         locally, nothing yet: the decoder serves it alone, as "regen" without a transfer)."""
@@ -83,12 +90,15 @@ class Completions:
                 leg.pop("stream_options", None)
             with ctx.router.upstream(p, ntok, "single") as up:
                 return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
-        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body), route, ntok,
-                                      "completion")
+        ids = ctx.opts.first_token == "prefiller"
+        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids), route,
+                                      ntok, "completion")
         choice = first["choices"][0]
         if choice.get("finish_reason") == "stop":
             ctx.transfers.abort(d, tid, "the first token ended the request")
             return Prefilled(first, tid, d, p, "done")
+        if not ids:  # --first-token decoder: the decoder computes the answer from the client's prompt
+            return Prefilled(first, tid, d, p, "regen")
         if answers.is_ids(choice.get("token_ids")) and answers.is_ids(prompt_ids(first)):
             return Prefilled(first, tid, d, p, "ids")
         ctx.metrics.errors.labels("no_token_ids", p.id).inc()
@@ -119,8 +129,7 @@ class Completions:
     async def one(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> dict:
         """One prompt, one sample, not streamed."""
         ctx = self.ctx
-        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
-        pre = await self.first(request, leg_body, max_tokens)
+        pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
         first, d = pre.first, pre.decoder
         echo = "" if max_tokens <= 1 or pre.mode == "regen" else await self.echo(body, pre)
         if pre.mode == "done":
@@ -141,11 +150,12 @@ class Completions:
                     # decoder, which computes the prompt's KV itself.
                     if leg.get("kv_transfer_params"):
                         ctx.transfers.abort(d, pre.tid, f"decode leg failed: {e.kind}")
-                    nd = mig.next_decoder(d, e) if pre.mode == "ids" and mig.can_move(e) else None
+                    nd = mig.next_decoder(d, e) if mig.can_move(e) else None
                     if nd is None:
                         raise
                     d = nd
-                    leg = migrate.continuation_leg(leg, leg["prompt"], [], leg["max_tokens"], leg.get("min_tokens"))
+                    leg = migrate.continuation_leg(leg, leg["prompt"] if pre.mode == "ids" else None, [],
+                                                   leg["max_tokens"], leg.get("min_tokens"))
                 except BaseException:
                     if leg.get("kv_transfer_params"):
                         ctx.transfers.abort(d, pre.tid, "decode leg failed")
@@ -168,7 +178,6 @@ class Completions:
 
     async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> web.StreamResponse:
         """One prompt, streamed: the prefiller's first token at once, then the decoder's stream."""
-        leg_body = body if max_tokens <= 1 else dict(body, return_token_ids=True)
-        pre = await self.first(request, leg_body, max_tokens)
+        pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
         echo = await self.echo(body, pre) if pre.mode == "ids" else ""
         return await streaming.completion(self.ctx, request, body, pre, echo, max_tokens, t0)

@@ -35,11 +35,13 @@ def prefill_leg(body: dict, transfer_id: str, decoder: Instance) -> dict:
     return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder.disagg_spec))
 
 
-def completion_prefill_leg(body: dict) -> dict:
-    """One prompt's prefill request: one token, not streamed, with token ids to decode from."""
+def completion_prefill_leg(body: dict, ids: bool = True) -> dict:
+    """One prompt's prefill request: one token, not streamed; with `ids`, the token ids to decode from."""
     # No seed unless the client sent one: the decode leg continues from prompt + first token,
     # so nothing needs the legs to sample alike.
-    leg = dict(body, max_tokens=1, stream=False, return_token_ids=True)
+    leg = dict(body, max_tokens=1, stream=False)
+    if ids:
+        leg["return_token_ids"] = True
     leg.pop("stream_options", None)
     if leg.get("min_tokens"):
         leg["min_tokens"] = 1

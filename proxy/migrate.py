@@ -83,8 +83,11 @@ class Migration:
 
 def continuation_leg(leg: dict, prompt: Any, sent: list[int], max_tokens: int, min_tokens: int | None) -> dict:
     """A completion leg that goes on after `sent`: prompt + sent as its prompt, the rest of the
-    token budget, no transfer (the new decoder computes that prompt's KV itself)."""
-    out = dict(leg, prompt=list(answers.ids_list(prompt)) + list(sent), max_tokens=max_tokens)
+    token budget, no transfer (the new decoder computes that prompt's KV itself). `prompt` None:
+    nothing was sent, the leg's own prompt is kept (a decoder that computes the whole answer)."""
+    out = dict(leg, max_tokens=max_tokens)
+    if prompt is not None:
+        out["prompt"] = list(answers.ids_list(prompt)) + list(sent)
     out.pop("kv_transfer_params", None)
     if min_tokens:
         out["min_tokens"] = max(0, min_tokens - len(sent))

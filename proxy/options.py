@@ -87,6 +87,9 @@ class ProxyOptions:
     # and a request moves to another decoder at most this many times.
     stall_timeout: float = 60.0
     max_migrations: int = 2
+    # Who computes the answer's first token (docs/proxy.md "First token"): "prefiller" (its token goes
+    # to the client at once; the legs carry token ids) or "decoder" (as vLLM's own PD routers do).
+    first_token: str = "prefiller"
 
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
@@ -164,6 +167,7 @@ def decoder_from(flag: str, raw: str) -> InstanceSpec:
 
 
 POLICIES = ("cache", "load", "round_robin")
+FIRST_TOKEN = ("prefiller", "decoder")
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,10 @@ OPTIONS: tuple[Opt, ...] = (
                                      "before it is cut off (default 60)"),
     Opt("max_migrations", "count", "how many times one request may move to another decoder after its stream broke "
                                    "(default 2; 0: never)"),
+    Opt("first_token", "str", "prefiller (default: the prefiller's token reaches the client at once; both legs "
+                              "carry token ids, so a broken decode stream goes on elsewhere) or decoder (the "
+                              "decoder computes every token, as vLLM's PD routers do: no token ids on either leg, "
+                              "first token later, no move mid-stream)", {"choices": FIRST_TOKEN}),
     Opt("workers", "size", "processes serving --port, routing as one proxy (default: the cores available; 1 "
                            "with --proxy-port, whose notification socket is one process's, or --discovery)"),
     Opt("log_level", "str"),
@@ -366,6 +374,8 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
                           "socket, one process's; use --workers 1 with --proxy-port (or drop --proxy-port)")
     if o.policy not in POLICIES:
         raise OptionError(f"--policy: {o.policy!r} is not one of {', '.join(POLICIES)}")
+    if o.first_token not in FIRST_TOKEN:
+        raise OptionError(f"--first-token: {o.first_token!r} is not one of {', '.join(FIRST_TOKEN)}")
 
     pf = _expand("prefiller", _csv("--prefiller-host", vals.get("prefiller_host")),
                  _csv("--prefiller-port", vals.get("prefiller_port"), int), vals.get("num_prefillers"))

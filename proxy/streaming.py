@@ -127,6 +127,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     # The tokens the client got are kept ("ids" mode only: the proxy knows the prompt's token ids).
     rl = DecodeRelay(resp, metrics.itl, want_ids, parse_lp, [] if mode == "ids" else None)
     first_leg = True
+    ttft_due = mode == "regen"
     leg_open = False  # the decode leg's request went out: the decoder may hold it
     last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
     try:
@@ -163,8 +164,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                 chunk = up.chunk(batch[0])
                                 swap = rl.learn((chunk.get("id"), chunk.get("created")), (rid, created))
                                 observe(metrics.decoder_first, time.perf_counter() - t1)
-                                if mode == "regen" and first_leg:
+                                if ttft_due:  # the decoder's first chunk is the client's first token
                                     observe(metrics.ttft, time.perf_counter() - t0)
+                                    ttft_due = False
                             # The decode leg's usage chunk comes last: the chunks before it may still be usual.
                             usage_tail = batch[-1:] if b'"usage"' in batch[-1] else []
                             usual = rl.usual(batch[:-1] if usage_tail else batch)
@@ -226,11 +228,20 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                         finished = True
                         break
                     sent = rl.sent
-                    if sent is None or not mig.can_move(e):
+                    # A decoder that computes the whole answer moves only before its first chunk.
+                    regen_moves = mode == "regen" and rl.swap is None
+                    if (sent is None and not regen_moves) or not mig.can_move(e):
                         raise
                     if first_leg:
                         ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
                         first_leg = False
+                    if sent is None:
+                        nd = mig.next_decoder(d, e)
+                        if nd is None:
+                            raise
+                        d, up = nd, ctx.router.upstream(nd)
+                        leg = migrate.continuation_leg(leg, None, [], max_tokens, None)
+                        continue
                     left = max_tokens - 1 - len(sent)
                     nd = mig.next_decoder(d, e) if left > 0 else None
                     ids = prompt_ids(first)  # there: `sent` is kept only for a prefill answer with token ids

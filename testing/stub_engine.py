@@ -292,8 +292,10 @@ class Stub:
         return resp
 
     async def _die(self, resp: web.StreamResponse) -> None:
-        """What vLLM's stream generator writes when the EngineCore dies after the 200 went out."""
+        """What vLLM's stream generator writes when the EngineCore dies after the 200 went out (a
+        token's time after the token before it: a reader gets that token on its own)."""
         self.dead, self.die_mid_stream = True, False
+        await asyncio.sleep(self.token_delay)
         err = {"error": {"message": ENGINE_DEAD, "type": "InternalServerError", "param": None, "code": 500}}
         await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
 

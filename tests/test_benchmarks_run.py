@@ -67,3 +67,11 @@ def test_c1_segments_bench_runs() -> None:
     assert set(s) == {"direct", "kvferry"}
     assert s["kvferry"]["n"] == 5 and s["direct"]["n"] == 5
     assert s["kvferry"]["3 middle (P written -> D in)"] > 0 and s["kvferry"]["added total"] > 0
+
+
+def test_proxy_bench_runs() -> None:
+    out = run_bench("benchmarks/proxy_bench.py", "--json", "--requests", "40", "--concurrency", "1,4",
+                    "--no-vllm-router", "--decoder-first", "--workers", "1", "--prompt-words", "16")
+    assert out["zero_errors"] == {"kvferry": True, "kvferry_decoder_first": True}
+    assert all(out[t][c]["requests"] == 40 and out[t][c]["cpu_ms_per_request"] > 0
+               for t in ("kvferry", "kvferry_decoder_first") for c in ("1", "4"))

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from tests.pd_helpers import BATCH_NOISE
+from tests.pd_helpers import BATCH_NOISE, source_tokens
+from tests.stub_procs import proxy as proxy_proc
 from tests.up_cluster import start_up, stop
 
 openai = pytest.importorskip("openai")
@@ -21,15 +23,38 @@ PROMPT = "The history of the old kingdom by the sea begins"
 CHAT = [{"role": "user", "content": "Tell me about the old kingdom by the sea."}]
 
 
+def _client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
 @pytest.fixture(scope="module")
-def clients(plain_vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(through the proxy, plain vLLM): one 1P1D cluster for the whole module."""
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """One 1P1D `kvferry up` cluster for the whole module: its cluster.json."""
     proc, state = start_up(tmp_path_factory.mktemp("parity"), "--num-prefillers", "1", "--num-decoders", "1")
     try:
-        yield (openai.OpenAI(base_url=state["proxy"]["url"] + "/v1", api_key="x", max_retries=0, timeout=300),
-               openai.OpenAI(base_url=plain_vllm.url + "/v1", api_key="x", max_retries=0, timeout=300))
+        yield state
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def clients(cluster: dict, plain_vllm) -> tuple:
+    """(through the proxy, plain vLLM)."""
+    return _client(cluster["proxy"]["url"]), _client(plain_vllm.url)
+
+
+@pytest.fixture(scope="module")
+def decoder_first(cluster: dict) -> Iterator[tuple[str, str]]:
+    """A second proxy in front of the same instances, with --first-token decoder: (its URL, the decoder's)."""
+    inst = {i["role"]: i for i in cluster["instances"]}
+    p, d = inst["prefiller"], inst["decoder"]
+    px = proxy_proc([], [], "--first-token", "decoder", "--prefiller", p["url"],
+                    "--decoder", f"{d['url']},{d['init_port']},{d['alloc_port']}",
+                    "--cluster-secret-file", cluster["cluster_secret_file"])
+    try:
+        yield px.url, d["url"]
+    finally:
+        px.stop()
 
 
 def _completion(client, stream: bool, **kw) -> dict:
@@ -314,3 +339,41 @@ def test_completion_parity_streamed_token_ids_and_logprobs_field_for_field(clien
         body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 6, **extra}
         got, want = _raw_chunks(proxy, "completions", body), _raw_chunks(plain, "completions", body)
         _same_tokens(got, want, str(extra))
+
+
+# --first-token decoder: the decoder computes every token (its prompt's KV but the last token's
+# sent from the prefiller), so the answers are plain vLLM's from the first token on.
+DECODER_FIRST = ["max_tokens 16", "stream, include_usage", "echo, stream", "logprobs, stream",
+                 "return_token_ids, min_tokens (vLLM)"]
+
+
+@pytest.mark.parametrize("name", DECODER_FIRST)
+def test_decoder_first_completions_match_one_vllm(decoder_first, clients, name: str) -> None:
+    url, _ = decoder_first
+    stream, kw = COMPLETIONS[name]
+    assert _completion(_client(url), stream, **kw) == _completion(clients[1], stream, **kw)
+
+
+@pytest.mark.parametrize("name", ["max_tokens 16", "stream, include_usage", "logprobs"])
+def test_decoder_first_chat_matches_one_vllm(decoder_first, clients, name: str) -> None:
+    url, _ = decoder_first
+    stream, kw = CHATS[name]
+    assert _chat(_client(url), stream, **kw) == _chat(clients[1], stream, **kw)
+
+
+def test_decoder_first_decoder_loads_the_prompts_kv_and_computes_one_token(decoder_first, clients) -> None:
+    """The KV crossed: a prompt new to the decoder is all loaded from the prefiller but its last
+    token, which the decoder computes to make the first token itself."""
+    url, decoder_url = decoder_first
+
+    def sources() -> dict[str, float]:
+        return source_tokens(SimpleNamespace(url=decoder_url))
+
+    prompt = "A ledger of the first token, kept by the decoder alone, says"
+    before = sources()
+    got = _completion(_client(url), True, prompt=prompt, max_tokens=8, stream_options={"include_usage": True})
+    after = sources()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    n = got["usage"]["prompt_tokens"]
+    assert delta.get("external_kv_transfer", 0) == n - 1 and delta.get("local_compute", 0) == 1, (n, delta)
+    assert got == _completion(clients[1], True, prompt=prompt, max_tokens=8, stream_options={"include_usage": True})

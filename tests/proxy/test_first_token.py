@@ -1,0 +1,121 @@
+"""--first-token decoder: the decoder computes every token of the answer (as vLLM's own PD routers
+do), neither leg asks for token ids, and the answers are those of one engine. With stub engines
+(the proxy's logic); tests/e2e/test_openai_parity.py runs it on real vLLM with the KV sent."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvferry.proxy.options import OptionError, parse
+from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+
+PROMPT = "the decoder computes the answer"
+CHAT = [{"role": "user", "content": PROMPT}]
+
+
+def _text(ev: list) -> str:
+    assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+    return "".join(c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content") or ""
+                   for c in ev[:-1] if c["choices"])
+
+
+def test_first_token_must_be_prefiller_or_decoder() -> None:
+    base = ["--prefiller", "http://127.0.0.1:8100", "--decoder", "http://127.0.0.1:8200,8300,8301"]
+    assert parse(base).first_token == "prefiller"
+    assert parse([*base, "--first-token", "decoder"]).first_token == "decoder"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse([*base, "--first-token", "sideways"])
+
+
+def test_first_token_from_a_config_file_is_checked(tmp_path) -> None:
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text("first_token: sideways\nprefiller: [http://127.0.0.1:8100]\n"
+                   "decoder: ['http://127.0.0.1:8200,8300,8301']\n")
+    with pytest.raises(OptionError, match="--first-token: 'sideways' is not one of prefiller, decoder"):
+        parse(["--config", str(cfg)])
+
+
+def test_decoder_first_legs_carry_no_token_ids_and_answers_are_one_engines() -> None:
+    ref, p0, d0 = stubs(0, 0, 0)
+    px = proxy([p0], [d0], "--first-token", "decoder")
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 9, "temperature": 0}
+    chat = {"model": "stub", "messages": CHAT, "max_tokens": 7, "temperature": 0}
+    want = post(ref.url, "/v1/completions", body).json()
+    want_chat = post(ref.url, "/v1/chat/completions", chat).json()
+    got = post(px.url, "/v1/completions", body).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"] == want["usage"]
+    assert "token_ids" not in got["choices"][0] and "prompt_token_ids" not in got["choices"][0]
+    ev = events(px.url, "/v1/completions", dict(body, stream=True, stream_options={"include_usage": True}))
+    assert _text(ev) == want["choices"][0]["text"] and ev[-2]["usage"] == want["usage"]
+    assert len({c["id"] for c in ev[:-1]}) == 1
+    got_chat = post(px.url, "/v1/chat/completions", chat).json()
+    assert got_chat["choices"][0]["message"] == want_chat["choices"][0]["message"]
+    ev = events(px.url, "/v1/chat/completions", dict(chat, stream=True))
+    assert _text(ev) == want_chat["choices"][0]["message"]["content"]
+    # A client that asks for token ids gets them: the decoder's, for its whole answer.
+    ids = post(px.url, "/v1/completions", dict(body, return_token_ids=True)).json()["choices"][0]
+    want_ids = post(ref.url, "/v1/completions", dict(body, return_token_ids=True)).json()["choices"][0]
+    assert (ids["token_ids"], ids["prompt_token_ids"]) == (want_ids["token_ids"], want_ids["prompt_token_ids"])
+
+    prefill, decode = log(p0)["requests"], log(d0)["requests"]
+    assert len(prefill) == len(decode) == 5
+    # No leg asks for token ids the client did not ask for: the prefill legs, one token each ...
+    assert [q.get("return_token_ids") for q in prefill] == [None] * 4 + [True]
+    assert all((q.get("max_tokens") == 1) and q["kv_transfer_params"]["transfer_id"].startswith("kvf-")
+               for q in prefill)
+    # ... the decode legs, the client's own request (its prompt, its max_tokens) with the KV's transfer id.
+    assert [q.get("return_token_ids") for q in decode] == [None] * 4 + [True]
+    assert [q.get("prompt") or q.get("messages") for q in decode] == [PROMPT, PROMPT, CHAT, CHAT, PROMPT]
+    assert [q["max_tokens"] for q in decode] == [9, 9, 7, 7, 9]
+    assert [q["kv_transfer_params"]["transfer_id"] for q in decode] == \
+        [q["kv_transfer_params"]["transfer_id"] for q in prefill]
+    # The decoder generated each whole answer; the prefiller's token never reached a client.
+    assert [len(a) for a in log(d0)["answers"]] and log(d0)["answers"][0] == want["choices"][0]["text"]
+    assert "no_token_ids" not in httpx.get(px.url + "/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decoder_first_a_decoder_failing_before_its_first_token_is_replaced(stream: bool) -> None:
+    """Nothing of the answer reached the client: the request runs whole on another decoder."""
+    ref, p0, d0, d1 = stubs(0, 0, 0, 0)
+    px = proxy([p0], [d0, d1], "--first-token", "decoder", "--policy", "round_robin")
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": stream}
+    want = post(ref.url, "/v1/completions", dict(body, stream=False)).json()["choices"][0]["text"]
+    httpx.post(d0.url + "/stub/fail", json={"status": 500, "count": 1})
+    for _ in range(3):  # round robin: one of these tries d0 first
+        if stream:
+            assert _text(events(px.url, "/v1/completions", body)) == want
+        else:
+            r = post(px.url, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+    # The moved leg: the client's request without the transfer (d1 computes the prompt itself).
+    moved = [q for q in log(d1)["requests"] if "kv_transfer_params" not in q]
+    assert [(q["prompt"], q["max_tokens"]) for q in moved] == [(PROMPT, 6)]
+    assert 'kvferry_proxy_migrations_total{reason="upstream_5xx"} 1.0' in httpx.get(px.url + "/metrics").text
+
+
+def test_decoder_first_a_decoder_dying_mid_stream_ends_the_stream_with_an_error() -> None:
+    """Without token ids the proxy cannot continue an answer elsewhere: the client hears why.
+    (The decoders take 50 ms a token, so the first reaches the client before the failure.)"""
+    p0, d0, d1 = stubs(0, 0.05, 0.05)
+    px = proxy([p0], [d0, d1], "--first-token", "decoder", "--policy", "round_robin")
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+    for d in (d0, d1):
+        httpx.post(d.url + "/stub/fail", json={"die_mid_stream": True})
+    ev = events(px.url, "/v1/completions", body)
+    assert ev[-1] == "[DONE]" and "error" in ev[-2], ev
+    assert ev[0]["choices"][0]["text"], ev  # the one token the decoder sent before it died
+    assert "kvferry_proxy_migrations_total{" not in httpx.get(px.url + "/metrics").text
+
+
+def test_prefiller_first_is_the_default_and_asks_for_token_ids() -> None:
+    """The contrast: by default both legs carry token ids and the decoder continues after the
+    prefiller's token (max_tokens - 1, prompt ids + that token)."""
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0])
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 9, "temperature": 0}
+    assert post(px.url, "/v1/completions", body).status_code == 200
+    (pq,), (dq,) = log(p0)["requests"], log(d0)["requests"]
+    assert pq["return_token_ids"] is True and dq["max_tokens"] == 8 and isinstance(dq["prompt"], list)
