@@ -1,11 +1,12 @@
 """Where a streamed completion's time goes at concurrency 1, per router, by segment.
 
     python benchmarks/c1_segments.py [--requests 300] [--rounds 3] [--client socket|aiohttp]
-        [--baseline-path DIR] [--no-vllm-router] [--workers 1]
+        [--baseline-path DIR] [--no-vllm-router] [--workers 1] [--decoder-first]
 
 Two stub engines (prefiller, decoder) with KVFERRY_STUB_TRACE set (testing/stub_engine.py: each
 completion's CLOCK_MONOTONIC times), the routers as benchmarks/proxy_bench.py starts them ("direct",
-"kvferry", "kvferry_base" with --baseline-path, "vllm_router_rr"), and one client doing one request
+"kvferry", "kvferry_base" with --baseline-path, "kvferry_decoder_first" with --decoder-first,
+"vllm_router_rr"), and one client doing one request
 at a time on a kept connection, noting when it sent each request and when each SSE event reached
 it: a blocking socket (`socket`, cheap) or proxy_bench.py's own aiohttp reader (`aiohttp`). One
 machine, one clock, so times compare across processes. Per request (matched by the prompt's
@@ -192,7 +193,8 @@ def run(name: str, port: int, base: int, n: int, ps: int, ds: int, warm: int, ai
             continue
         p = pt.get(no)
         # The client's receipt of the decoder's first token: kvferry's first event is the prefiller's.
-        ev_dec = cl["events"][1] if (p is not None and name.startswith("kvferry")) else cl["events"][0]
+        early = name.startswith("kvferry") and name != "kvferry_decoder_first"
+        ev_dec = cl["events"][1] if (p is not None and early) else cl["events"][0]
         add("total", cl["last"] - cl["send"])
         add("client_ttft", cl["events"][0] - cl["send"])
         if p is not None:
@@ -219,6 +221,7 @@ def main() -> int:
     ap.add_argument("--no-vllm-router", action="store_true")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--client", choices=("socket", "aiohttp"), default="socket")
+    ap.add_argument("--decoder-first", action="store_true", help="also kvferry --first-token decoder")
     args = ap.parse_args()
     env = dict(os.environ, KVFERRY_STUB_TRACE="1")
     ps, ds = free_port(), free_port()

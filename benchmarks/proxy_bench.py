@@ -168,7 +168,7 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
             env["PYTHONPATH"] = path
         cmd = [sys.executable, "-m", "kvferry.proxy", "--port", str(px), "--prefiller", f"http://127.0.0.1:{ps}",
                "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"]
-        if name != "kvferry_base" and args.workers is not None:
+        if args.workers is not None:  # a --baseline-path older than --workers does not start: leave it out
             cmd += ["--workers", str(args.workers)]
         if name == "kvferry_decoder_first":
             cmd += ["--first-token", "decoder"]
@@ -197,7 +197,7 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=256)
     ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     ap.add_argument("--rounds", type=int, default=1, help="measure every target this many times, in turns")
-    ap.add_argument("--workers", type=int, default=None, help="kvferry-proxy --workers (default: its own)")
+    ap.add_argument("--workers", type=int, default=None, help="kvferry-proxy --workers, for every kvferry target (default: its own)")
     ap.add_argument("--baseline-path", default=None, help="also run the proxy imported from this directory")
     ap.add_argument("--no-vllm-router", action="store_true")
     ap.add_argument("--tokenizer", default=None,
