@@ -197,7 +197,8 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=256)
     ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     ap.add_argument("--rounds", type=int, default=1, help="measure every target this many times, in turns")
-    ap.add_argument("--workers", type=int, default=None, help="kvferry-proxy --workers, for every kvferry target (default: its own)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="kvferry-proxy --workers, for every kvferry target (default: its own)")
     ap.add_argument("--baseline-path", default=None, help="also run the proxy imported from this directory")
     ap.add_argument("--no-vllm-router", action="store_true")
     ap.add_argument("--tokenizer", default=None,

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "etcd); more proxies and `kvferry join` instances can then join (docs/deploy.md)")
     p.add_argument("--lease-ttl", type=int, default=5, help="with --discovery: seconds a killed instance stays "
                                                             "registered (default 5)")
+    p.add_argument("--first-token", choices=("prefiller", "decoder"), default="prefiller",
+                   help="who computes the answer's first token: the prefiller (sent at once) or the decoder "
+                        "(docs/proxy.md \"First token\")")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -238,7 +241,8 @@ class Cluster:
                 self.stopping.wait(0.5)
         args = [sys.executable, "-m", "kvferry.proxy", "--host", self.args.host, "--port", str(self.args.port),
                 "--cluster-secret-file", self.secret_file, "--policy", self.args.policy,
-                "--local-prefill-tokens", str(self.args.local_prefill_tokens)]
+                "--local-prefill-tokens", str(self.args.local_prefill_tokens),
+                "--first-token", self.args.first_token]
         if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
             args += ["--tokenizer", self.p["model"]]
         if self.discovery is not None:

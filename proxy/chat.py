@@ -4,7 +4,7 @@ Both legs are chat requests (tools, reasoning, response_format behave as on one 
 leg repeats the conversation, loads all of the prompt's KV but its last token, and regenerates
 the first token. Only when that token is sure to be the prefiller's (greedy, or a seed the client
 sent) does the client get the prefiller's token at once and the proxy drop the decoder's repeat;
-otherwise the client gets the decoder's whole answer.
+otherwise (and always with --first-token decoder) the client gets the decoder's whole answer.
 """
 
 from __future__ import annotations
@@ -73,30 +73,46 @@ class Chat:
         if choice.get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
             return await streaming.chat_as_stream(ctx, request, first, body, t0)
+        msg = choice["message"]
+        # The decoder regenerates the first token: stream the prefiller's at once only when the
+        # decoder is sure to pick the same one; else stream the decoder's own.
+        fast = msg.get("content") if (ids and same_first_token(body) and msg.get("content")
+                                      and not msg.get("tool_calls") and not msg.get("reasoning_content")) else None
+        leg = chat_decode_leg(body, tid)
+        move = None
+        if ids and migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
+            # Both legs give token ids, so a failed stream can continue elsewhere.
+            move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
+                                    first.get("prompt_token_ids"))
+            leg["return_token_ids"] = True
+        mig = move.mig if move is not None else migrate.Migration(ctx, ctx.opts.max_migrations)
         try:
-            with ctx.router.upstream(d) as up:
-                msg = choice["message"]
-                # The decoder regenerates the first token: stream the prefiller's at once only
-                # when the decoder is sure to pick the same one; else stream the decoder's own.
-                fast = msg.get("content") if (ids and same_first_token(body) and msg.get("content")
-                                              and not msg.get("tool_calls")
-                                              and not msg.get("reasoning_content")) else None
-                leg = chat_decode_leg(body, tid)
-                move = None
-                if ids and migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
-                    # Both legs give token ids, so a failed stream can continue elsewhere.
-                    move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
-                                            first.get("prompt_token_ids"))
-                    leg["return_token_ids"] = True
-                r = await streaming.relay_chat(ctx, request, up, PATH, leg, t0, first_text=fast, first=first,
-                                               move=move)
-                d.served_one()
-                return r
+            while True:
+                try:
+                    with ctx.router.upstream(d) as up:
+                        r = await streaming.relay_chat(ctx, request, up, PATH, leg, t0, first_text=fast,
+                                                       first=first, move=move)
+                    d.served_one()
+                    return r
+                except ProxyError as e:
+                    # relay_chat raises only while nothing reached the client: with no first token sent,
+                    # the conversation runs again, whole, on another decoder (no transfer: it computes
+                    # the prompt itself; a move's state is still empty).
+                    nd = mig.next_decoder(d, e) if fast is None and mig.can_move(e) else None
+                    if nd is None:
+                        raise
+                    if "kv_transfer_params" in leg:
+                        ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
+                    d, leg = nd, {k: v for k, v in leg.items() if k != "kv_transfer_params"}
+                    if move is not None:
+                        move.tid = ""
         except (asyncio.CancelledError, ConnectionResetError):
-            migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
+            if "kv_transfer_params" in leg:
+                migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
             raise
         except BaseException:
-            ctx.transfers.abort(d, tid, "decode leg failed")
+            if "kv_transfer_params" in leg:
+                ctx.transfers.abort(d, tid, "decode leg failed")
             raise
 
     async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:

@@ -38,9 +38,12 @@ def cmdline(pid: int) -> str:
 
 @pytest.mark.vllm
 def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -> None:
-    proc, state = start_up(tmp_path, "--num-prefillers", "1", "--num-decoders", "1")
+    # --first-token decoder here (the parity tests run `kvferry up`'s default): the proxy gets it.
+    proc, state = start_up(tmp_path, "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
     pids: set[int] = set()
     try:
+        with open(f"/proc/{state['proxy']['pid']}/cmdline", "rb") as f:
+            assert b"\0--first-token\0decoder\0" in f.read() + b"\0"
         out = (tmp_path / "up.out").read_text()
         url = state["proxy"]["url"]
         assert url in out and "curl -s" in out and all(i["log"] in out for i in state["instances"])

@@ -75,24 +75,30 @@ def test_decoder_first_legs_carry_no_token_ids_and_answers_are_one_engines() -> 
     assert "no_token_ids" not in httpx.get(px.url + "/metrics").text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_decoder_first_a_decoder_failing_before_its_first_token_is_replaced(stream: bool) -> None:
+def test_decoder_first_a_decoder_failing_before_its_first_token_is_replaced(path: str, stream: bool) -> None:
     """Nothing of the answer reached the client: the request runs whole on another decoder."""
     ref, p0, d0, d1 = stubs(0, 0, 0, 0)
     px = proxy([p0], [d0, d1], "--first-token", "decoder", "--policy", "round_robin")
-    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": stream}
-    want = post(ref.url, "/v1/completions", dict(body, stream=False)).json()["choices"][0]["text"]
+    chat = path.endswith("chat/completions")
+    body = {"model": "stub", "max_tokens": 6, "temperature": 0, "stream": stream,
+            **({"messages": CHAT} if chat else {"prompt": PROMPT})}
+    want = post(ref.url, path, dict(body, stream=False)).json()["choices"][0]
+    want = want["message"]["content"] if chat else want["text"]
     httpx.post(d0.url + "/stub/fail", json={"status": 500, "count": 1})
     for _ in range(3):  # round robin: one of these tries d0 first
         if stream:
-            assert _text(events(px.url, "/v1/completions", body)) == want
+            assert _text(events(px.url, path, body)) == want
         else:
-            r = post(px.url, "/v1/completions", body)
+            r = post(px.url, path, body)
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
+            c = r.json()["choices"][0]
+            assert (c["message"]["content"] if chat else c["text"]) == want
     # The moved leg: the client's request without the transfer (d1 computes the prompt itself).
     moved = [q for q in log(d1)["requests"] if "kv_transfer_params" not in q]
-    assert [(q["prompt"], q["max_tokens"]) for q in moved] == [(PROMPT, 6)]
+    assert [(q.get("messages") or q.get("prompt"), q["max_tokens"]) for q in moved] == \
+        [(CHAT if chat else PROMPT, 6)]
     assert 'kvferry_proxy_migrations_total{reason="upstream_5xx"} 1.0' in httpx.get(px.url + "/metrics").text
 
 

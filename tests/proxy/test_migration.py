@@ -242,3 +242,22 @@ def test_a_chat_stream_whose_decoder_dies_migrates_as_a_completion_of_what_was_s
     finally:
         for p in (px, p0, d0, d1, ref):
             p.stop()
+
+
+def test_a_sampled_chat_stream_whose_decoder_fails_before_its_first_chunk_runs_whole_elsewhere() -> None:
+    """Sampled without a seed, the client gets the decoder's own first token: a decode leg that
+    fails before it sent anything runs again, whole and without the transfer, on another decoder,
+    and can still move later (it asks for token ids)."""
+    p0, d0, d1 = stubs(0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")
+    chat = {"model": "stub", "messages": [{"role": "user", "content": "sample this chat"}], "max_tokens": 6,
+            "temperature": 0.8, "stream": True}
+    httpx.post(d0.url + "/stub/fail", json={"status": 500, "count": 1})
+    for _ in range(2):  # round robin: one of these starts on d0
+        ev = events(px.url, "/v1/chat/completions", chat)
+        assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+        assert len({c["id"] for c in ev[:-1]}) == 1
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in ev[:-1] if c["choices"])
+    moved = [q for q in log(d1)["requests"] if "kv_transfer_params" not in q]
+    assert len(moved) == 1 and moved[0]["messages"] == chat["messages"] and moved[0]["return_token_ids"] is True
+    assert 'kvferry_proxy_migrations_total{reason="upstream_5xx"} 1.0' in httpx.get(px.url + "/metrics").text
