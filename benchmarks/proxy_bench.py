@@ -157,7 +157,7 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
     """Every router under test (vllm-router with the `routers` policies), listening; name -> process."""
     out: dict[str, subprocess.Popen] = {}
     kv = [("kvferry", None)]
-    if getattr(args, "decoder_first", False):
+    if args.decoder_first:
         kv.append(("kvferry_decoder_first", None))
     if args.baseline_path:
         kv.append(("kvferry_base", str(Path(args.baseline_path).resolve())))

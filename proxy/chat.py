@@ -52,7 +52,7 @@ class Chat:
             return json_response(out)
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
-        ids = ctx.opts.first_token == "prefiller"  # else the decoder computes every token; no ids, no moves
+        ids = ctx.opts.legs_carry_ids  # else the decoder computes every token: no ids, no moves mid-stream
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
             leg, move = body, None
@@ -123,7 +123,7 @@ class Chat:
     async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str]:
         leg = chat_prefill_leg(body, max_key)
-        if self.ctx.opts.first_token == "prefiller":
+        if self.ctx.opts.legs_carry_ids:
             leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/migrate.py)
         first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
         return first, tid

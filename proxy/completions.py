@@ -68,7 +68,7 @@ class Completions:
     def _leg_body(self, body: dict, max_tokens: int) -> dict:
         """The body the prefill leg is made from: with token ids to decode from, unless no decode
         leg follows or the decoder computes the answer itself (--first-token decoder)."""
-        if max_tokens <= 1 or self.ctx.opts.first_token != "prefiller":
+        if max_tokens <= 1 or not self.ctx.opts.legs_carry_ids:
             return body
         return dict(body, return_token_ids=True)
 
@@ -90,7 +90,7 @@ class Completions:
                 leg.pop("stream_options", None)
             with ctx.router.upstream(p, ntok, "single") as up:
                 return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
-        ids = ctx.opts.first_token == "prefiller"
+        ids = ctx.opts.legs_carry_ids
         first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids), route,
                                       ntok, "completion")
         choice = first["choices"][0]

@@ -91,6 +91,11 @@ class ProxyOptions:
     # to the client at once; the legs carry token ids) or "decoder" (as vLLM's own PD routers do).
     first_token: str = "prefiller"
 
+    @property
+    def legs_carry_ids(self) -> bool:
+        """--first-token prefiller: both legs carry token ids (the decoder continues after the prefiller's token)."""
+        return self.first_token == "prefiller"
+
 
 def _csv(flag: str, value: str | None, kind=str) -> list:
     if value is None:
