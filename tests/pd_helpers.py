@@ -22,6 +22,7 @@ from kvferry.common.netutil import free_port
 from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
+from tests.transfer_helpers import next_answer
 
 
 def completion(server: VLLMServer, prompt: list[int], max_tokens: int, client: httpx.Client | None = None,
@@ -166,8 +167,9 @@ class RawPeer:
         keys = [uuid.uuid4().bytes for _ in range(chunks)]
         self.alloc_sock.send(m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.name, epoch=self.epoch,
                                                      chunk_keys=keys, num_tokens=chunks * 256)))
-        assert self.alloc_sock.poll(int(timeout * 1000)), "no alloc reply"
-        return m.decode(self.alloc_sock.recv(), expect=(m.AllocResponse, m.ErrorReply))
+        reply = next_answer(self.alloc_sock, int(timeout * 1000))
+        assert isinstance(reply, (m.AllocResponse, m.ErrorReply)), f"no alloc reply: {reply!r}"
+        return reply
 
     def abort(self, tid: str, generation: int, final: bool = True) -> None:
         """`final`: this peer wrote nothing into the pages (it never does), so they are free at once."""

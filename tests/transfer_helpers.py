@@ -7,6 +7,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import zmq
+
 from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
 
@@ -171,3 +173,17 @@ def sender_main(conn, addr: tuple, pages: int) -> None:
             conn.recv()  # wait to be killed; EOF when the test process is gone
         except EOFError:
             pass
+
+
+def next_answer(sock: zmq.Socket, timeout_ms: int) -> m.Msg | None:
+    """The next message on `sock` that is not a closed-connection probe, or None after `timeout_ms`.
+
+    The alloc port probes the identities last seen on a descriptor that closed, a grace after it
+    closed; the kernel hands the number to the next connection, so a socket opened just after
+    another one closed (as these tests do) may get that probe, which senders ignore."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
+        msg = m.decode(sock.recv())
+        if not (isinstance(msg, m.ErrorReply) and msg.code == "probe"):
+            return msg
+    return None

@@ -28,7 +28,7 @@ from kvferry.sender.errors import (  # noqa: E402
 )
 from kvferry.sender.kv_sender import KVSender, SenderConfig  # noqa: E402
 from tests.polling import until  # noqa: E402
-from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, sender_main, trust  # noqa: E402
+from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, next_answer, sender_main, trust  # noqa: E402
 
 
 @pytest.fixture
@@ -377,10 +377,10 @@ def test_hostile_frames_get_errors_and_change_nothing(shared_receiver, frames) -
         try:
             for f in frames:
                 sock.send(f)
-                assert sock.poll(3000), f"no reply to {f[:40]!r}"
+                answer = next_answer(sock, 3000)
                 # Every one is refused: garbage, a wrong type or version, or an alloc carrying
                 # an epoch this receiver never had.
-                assert isinstance(m.decode(sock.recv()), m.ErrorReply)
+                assert isinstance(answer, m.ErrorReply), f"no refusal of {f[:40]!r}: {answer!r}"
         finally:
             sock.close(linger=0)
     assert r.state()[1], "a hostile frame left pages reserved"
@@ -400,11 +400,10 @@ def test_oversized_and_multipart_frames_and_then_a_real_transfer(shared_receiver
     sock.connect(f"tcp://127.0.0.1:{r.alloc_port}")
     try:
         sock.send(b"\x00" * (m.MAX_FRAME_BYTES + 10))
-        assert sock.poll(5000)
-        reply = m.decode(sock.recv())
+        reply = next_answer(sock, 5000)
         assert isinstance(reply, m.ErrorReply) and "too_large" in reply.message
         sock.send_multipart([b"a", b"b", b"c"])  # dropped with a log line, no reply
-        assert not sock.poll(300)
+        assert next_answer(sock, 300) is None
     finally:
         sock.close(linger=0)
     assert r.state()[3]["bad_frames"] >= 2
