@@ -23,6 +23,7 @@ from kvferry.proxy.merge import merge_samples
 from kvferry.proxy.metrics import observe
 from kvferry.proxy.prefill import prefill
 from kvferry.proxy.routing.cache import Route
+from kvferry.proxy.routing.registry import Instance
 
 PATH = "/v1/chat/completions"
 FINISHED = ("stop", "tool_calls")  # a first token with one of these ends the answer: no decode leg
@@ -59,15 +60,15 @@ class Chat:
             if ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
                 # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
                 leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
+            movable, mig = route.local and p is d, move.mig if move is not None else None
             while True:
                 try:
                     with ctx.router.upstream(p, ntok, "single") as up:
                         return await streaming.relay_chat(ctx, request, up, PATH, leg, t0, move=move)
                 except ProxyError as e:  # nothing reached the client yet: the whole request moves
-                    nd = move.mig.next_decoder(p, e) if move is not None and move.mig.can_move(e) else None
-                    if nd is None:
+                    if not movable:
                         raise
-                    p = nd
+                    p, mig = self._move_local(p, e, mig)
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:
@@ -115,6 +116,16 @@ class Chat:
                 ctx.transfers.abort(d, tid, "decode leg failed")
             raise
 
+    def _move_local(self, p: Instance, e: ProxyError, mig: migrate.Migration | None
+                    ) -> tuple[Instance, migrate.Migration]:
+        """Another decoder for a request that one decoder served alone and failed before its
+        first chunk (nothing reached the client); re-raises `e` where there is none."""
+        mig = mig or migrate.Migration(self.ctx, self.ctx.opts.max_migrations)
+        nd = mig.next_decoder(p, e) if mig.can_move(e) else None
+        if nd is None:
+            raise e
+        return nd, mig
+
     async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
         ntok = len(tokens) if tokens is not None else bodies.chat_tokens(body["messages"])
@@ -136,10 +147,17 @@ class Chat:
         d = route.decoder
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
-            with ctx.router.upstream(p, ntok, "single") as up:
-                out = await up.json(PATH, body, "chat")
-            p.served_one()
-            return out
+            movable, mig = route.local and p is d, None
+            while True:
+                try:
+                    with ctx.router.upstream(p, ntok, "single") as up:
+                        out = await up.json(PATH, body, "chat")
+                    p.served_one()
+                    return out
+                except ProxyError as e:  # nothing reached the client: the conversation moves, whole
+                    if not movable:
+                        raise
+                    p, mig = self._move_local(p, e, mig)
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         if first["choices"][0].get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")

@@ -194,6 +194,42 @@ def test_a_chat_stream_served_locally_by_a_decoder_that_dies_moves_too(tiny_mode
             p.stop()
 
 
+@pytest.mark.parametrize("first_token", ["prefiller", "decoder"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_served_locally_by_a_decoder_failing_before_its_first_chunk_runs_elsewhere(
+        tiny_model_path, first_token: str, stream: bool) -> None:
+    """A decoder serving a short prompt alone (--local-prefill-tokens) that fails (500) before
+    anything reached the client: the conversation runs on another decoder, in either
+    --first-token mode, streamed or not, sampled without a seed too (a stream nothing can continue)."""
+    p0, d0, d1 = stubs(0, 0, 0)
+    px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60", "--first-token", first_token,
+               "--local-prefill-tokens", "10000", "--tokenizer", str(tiny_model_path))
+    try:
+        chat = {"model": "stub", "messages": [{"role": "user", "content": "a local chat"}], "max_tokens": 6,
+                "temperature": 0.7, "stream": stream}
+        httpx.post(d0.url + "/stub/fail", json={"status": 500, "count": 1})
+        texts = []
+        for _ in range(2):  # round robin: one of these starts on d0
+            if stream:
+                ev = events(px.url, "/v1/chat/completions", chat)
+                assert ev[-1] == "[DONE]" and not any("error" in c for c in ev[:-1]), ev
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in ev[:-1] if c["choices"])
+            else:
+                r = post(px.url, "/v1/chat/completions", chat)
+                assert r.status_code == 200, r.text
+                text = r.json()["choices"][0]["message"]["content"]
+            texts.append(text)
+        assert not log(p0)["requests"], "a local route sends nothing to the prefiller"
+        assert len(log(d1)["requests"]) == 2, "d1 served its own request and the one d0 failed"
+        assert 'kvferry_proxy_migrations_total{reason="upstream_5xx"} 1.0' in httpx.get(px.url + "/metrics").text
+        # Unseeded samples differ between stubs: both answers are d1's.
+        want = post(d1.url, "/v1/chat/completions", dict(chat, stream=False)).json()["choices"][0]
+        assert texts == [want["message"]["content"]] * 2
+    finally:
+        for p in (px, p0, d0, d1):
+            p.stop()
+
+
 def test_no_migration_past_the_limit() -> None:
     """--max-migrations 0: a broken stream is an error event, as before, and usage counts what was sent."""
     p0, d0, ref = stubs(0, 0, 0)
