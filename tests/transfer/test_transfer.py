@@ -496,7 +496,7 @@ def raw_socket(port: int, secret_text: str | None) -> zmq.Socket:
 
 def ask(sock: zmq.Socket, msg: m.Msg, timeout: float = 3.0) -> m.Msg | None:
     sock.send(m.encode(msg))
-    return m.decode(sock.recv()) if sock.poll(int(timeout * 1000)) else None
+    return next_answer(sock, int(timeout * 1000))
 
 
 def test_without_the_cluster_secret_a_peer_gets_nothing_and_the_receiver_keeps_serving(receiver, sender) -> None:
