@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -24,8 +26,10 @@ from kvferry.proxy.metrics import observe
 from kvferry.proxy.prefill import prefill
 from kvferry.proxy.routing.cache import Route
 from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.upstream import Upstream
 
 PATH = "/v1/chat/completions"
+T = TypeVar("T")
 FINISHED = ("stop", "tool_calls")  # a first token with one of these ends the answer: no decode leg
 
 
@@ -60,15 +64,8 @@ class Chat:
             if ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
                 # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
                 leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
-            movable, mig = route.local and p is d, move.mig if move is not None else None
-            while True:
-                try:
-                    with ctx.router.upstream(p, ntok, "single") as up:
-                        return await streaming.relay_chat(ctx, request, up, PATH, leg, t0, move=move)
-                except ProxyError as e:  # nothing reached the client yet: the whole request moves
-                    if not movable:
-                        raise
-                    p, mig = self._move_local(p, e, mig)
+            return await self._alone(route, p, ntok, lambda up: streaming.relay_chat(
+                ctx, request, up, PATH, leg, t0, move=move), move.mig if move is not None else None)
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:
@@ -116,15 +113,24 @@ class Chat:
                 ctx.transfers.abort(d, tid, "decode leg failed")
             raise
 
-    def _move_local(self, p: Instance, e: ProxyError, mig: migrate.Migration | None
-                    ) -> tuple[Instance, migrate.Migration]:
-        """Another decoder for a request that one decoder served alone and failed before its
-        first chunk (nothing reached the client); re-raises `e` where there is none."""
-        mig = mig or migrate.Migration(self.ctx, self.ctx.opts.max_migrations)
-        nd = mig.next_decoder(p, e) if mig.can_move(e) else None
-        if nd is None:
-            raise e
-        return nd, mig
+    async def _alone(self, route: Route, p: Instance, ntok: int, call: Callable[[Upstream], Awaitable[T]],
+                     mig: migrate.Migration | None = None) -> T:
+        """`call` on the one instance that serves the request alone. A decoder that fails it before
+        its first chunk (nothing reached the client) is replaced by another; a prefiller serving a
+        one-token request is not."""
+        movable = route.local and p is route.decoder
+        while True:
+            try:
+                with self.ctx.router.upstream(p, ntok, "single") as up:
+                    return await call(up)
+            except ProxyError as e:
+                if not movable:
+                    raise
+                mig = mig or migrate.Migration(self.ctx, self.ctx.opts.max_migrations)
+                nd = mig.next_decoder(p, e) if mig.can_move(e) else None
+                if nd is None:
+                    raise
+                p = nd
 
     async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
@@ -147,17 +153,12 @@ class Chat:
         d = route.decoder
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
-            movable, mig = route.local and p is d, None
-            while True:
-                try:
-                    with ctx.router.upstream(p, ntok, "single") as up:
-                        out = await up.json(PATH, body, "chat")
-                    p.served_one()
-                    return out
-                except ProxyError as e:  # nothing reached the client: the conversation moves, whole
-                    if not movable:
-                        raise
-                    p, mig = self._move_local(p, e, mig)
+
+            async def whole(up: Upstream) -> dict:
+                out = await up.json(PATH, body, "chat")
+                up.inst.served_one()
+                return out
+            return await self._alone(route, p, ntok, whole)
         first, tid = await self._prefill(request, body, max_key, route, ntok)
         if first["choices"][0].get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
