@@ -11,6 +11,7 @@ import zmq
 
 from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
+from kvferry.receiver.conns import PROBE
 
 PAGE = 64 << 10
 
@@ -183,7 +184,6 @@ def next_answer(sock: zmq.Socket, timeout_ms: int) -> m.Msg | None:
     another one closed (as these tests do) may get that probe, which senders ignore."""
     deadline = time.monotonic() + timeout_ms / 1000
     while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
-        msg = m.decode(sock.recv())
-        if not (isinstance(msg, m.ErrorReply) and msg.code == "probe"):
-            return msg
+        if (raw := sock.recv()) != PROBE:
+            return m.decode(raw)
     return None
