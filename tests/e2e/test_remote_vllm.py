@@ -66,14 +66,58 @@ class Setup:
         salt = offload_salt(self.model.name, "float32", 8, 8, 64, 128, CHUNK, 1)
         return chunk_keys(p, CHUNK, salt, include_partial=True)  # save_unfull_chunk is on by default
 
-    def stored(self, url: str, p: list[int], timeout: float = 30.0) -> None:
-        """Until the store holds every chunk of `p` (puts are asynchronous)."""
+    def stored(self, url: str, p: list[int], timeout: float = 30.0, by: OffloadServer | None = None,
+               lost0: float | None = None, retry: bool = False) -> bool:
+        """Until the store holds every chunk of `p` (puts are asynchronous), put there `by` a server.
+
+        With `retry`, False as soon as `by` counts a failed store call or a dropped put past `lost0`
+        (such puts are dropped by design, engine/tiers/remote.py): the caller asks again. A timeout
+        fails with what the server and the store said."""
         t, keys = RemoteTier(url, 1.0, redis=self.settings.get(url)), self.keys(p)
-        deadline = time.monotonic() + timeout
-        while not all(t.exists(keys)):
-            assert time.monotonic() < deadline, f"{url} never got the prompt's {len(keys)} chunks"
-            time.sleep(0.2)
-        t.close()
+        if lost0 is None:
+            lost0 = put_losses(by) if by is not None else 0.0
+        try:
+            deadline = time.monotonic() + timeout
+            while not all(t.exists(keys)):
+                lost = by is not None and put_losses(by) > lost0
+                if lost and retry:
+                    return False
+                if time.monotonic() >= deadline:
+                    why = "" if by is None else (
+                        f" from {by.url} (a store failure {'was' if lost else 'was not'} counted; Redis roles "
+                        f"{self.roles()}); its remote-store lines:\n"
+                        + "\n".join(ln for ln in log(by).splitlines() if "remote store" in ln)[-3000:])
+                    raise AssertionError(f"{url} never got the prompt's {len(keys)} chunks{why}")
+                time.sleep(0.2)
+        finally:
+            t.close()
+        return True
+
+    def served(self, server: OffloadServer, url: str, p: list[int], n: int) -> tuple[list[int], list[float]]:
+        """`server`'s answer to `p`, once the store holds every chunk of `p` (asked twice if its
+        first puts were counted lost: the store did not answer for a moment)."""
+        for retry in (True, False):
+            lost0 = put_losses(server)
+            got = tokens_and_logprobs(completion(server, p, n))
+            if self.stored(url, p, by=server, lost0=lost0, retry=retry):
+                return got
+        return got
+
+    def roles(self) -> dict[int, str]:
+        """The Sentinel set's Redis servers' roles now, by port (to tell a failover in a message)."""
+        out = {}
+        for p in (self.master, self.replica):
+            try:
+                out[p.port] = self.client(p).info("replication")["role"]
+            except redis.RedisError as e:
+                out[p.port] = type(e).__name__
+        return out
+
+
+def put_losses(server: OffloadServer) -> float:
+    """Store calls the server counted as failed, and puts it dropped."""
+    return (sum(prom(server, "kvferry:cache_remote_errors_total").values())
+            + sum(prom(server, "kvferry:cache_remote_put_dropped_total").values()))
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +185,7 @@ def remote_hits(server: OffloadServer) -> int:
 def share(s: Setup, first: str, second: str, url: str) -> None:
     one, two = s.servers[first], s.servers[second]
     p = prompt(1000)
-    want = tokens_and_logprobs(completion(one, p, 8))
-    s.stored(url, p)
+    want = s.served(one, url, p, 8)
     src0 = source_tokens(two)
     got = tokens_and_logprobs(completion(two, p, 8))
     loaded = len(p) - 1  # all four chunks (the last one partial); vLLM computes the last token
@@ -214,8 +257,7 @@ def test_a_corrupted_remote_chunk_is_a_counted_miss_and_the_prompt_recomputed(se
     s = setup
     one, two = s.servers["redis1"], s.servers["redis2"]
     p = prompt(1000)
-    want = tokens_and_logprobs(completion(one, p, 8))
-    s.stored(s.urls["redis"], p)
+    want = s.served(one, s.urls["redis"], p, 8)
     r = s.client(s.redis)
     k = PREFIX + s.keys(p)[1] + b":d"
     v = bytearray(r.get(k))
@@ -236,13 +278,11 @@ def test_with_the_cluster_secret_another_prompts_chunk_under_this_key_is_a_count
     binds the key, so they are refused and q is recomputed; q's own tagged chunks load."""
     s, c = setup, setup.servers["sentinel"]  # cluster secret, no local tier: repeats come from the store
     q, p = prompt(1000), prompt(1000)
-    want = tokens_and_logprobs(completion(c, q, 8))
-    s.stored(s.urls["sentinel"], q)
+    want = s.served(c, s.urls["sentinel"], q, 8)
     hits0 = remote_hits(c)
     assert tokens_and_logprobs(completion(c, q, 8))[0] == want[0]
     assert remote_hits(c) == hits0 + 1  # tagged chunks verify and load
-    tokens_and_logprobs(completion(c, p, 8))
-    s.stored(s.urls["sentinel"], p)
+    s.served(c, s.urls["sentinel"], p, 8)
     r = redis_master(s)
     for kq, kp in zip(s.keys(q), s.keys(p), strict=True):
         for part in (b":h", b":d"):
@@ -260,8 +300,7 @@ def test_with_the_cluster_secret_another_prompts_chunk_under_this_key_is_a_count
 def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(setup: Setup) -> None:
     s, c = setup, setup.servers["sentinel"]  # no local tier: every repeat is a remote hit or computed
     p = prompt(600)
-    want = tokens_and_logprobs(completion(c, p, 4))[0]
-    s.stored(s.urls["sentinel"], p)
+    want = s.served(c, s.urls["sentinel"], p, 4)[0]
     assert s.client(s.master).wait(1, 5000) == 1  # replicated before the kill
     hits0 = remote_hits(c)
     for _ in range(2):
