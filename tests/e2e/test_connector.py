@@ -344,7 +344,7 @@ def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_d
     p2.start()
     d2.start()
     try:
-        prompts = [prompt(200 + 37 * i, seed=50_000 + i) for i in range(16)]  # seeds no other test uses
+        prompts = [prompt(60 + 12 * i, seed=50_000 + i) for i in range(16)]  # seeds no other test uses
         wants = [plain_with_margins(plain_vllm, pr, 6) for pr in prompts]
         p2.wait_ready()
         d2.wait_ready()
