@@ -1,5 +1,5 @@
 """Running `kvferry up` in a test: start it and wait for its cluster.json, the launcher's process
-tree (from /proc), and a SIGTERM that stops it (timed)."""
+tree (from /proc), a SIGTERM that stops it (timed), and the check of its cluster secret."""
 
 from __future__ import annotations
 
@@ -55,3 +55,29 @@ def stop(proc: subprocess.Popen) -> float:
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     return time.monotonic() - t
+
+
+def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> None:
+    """`kvferry up` made a cluster secret: a file only its owner reads, named (never quoted) in
+    cluster.json and the configs, and a peer without it gets no NIXL metadata from a decoder."""
+    import zmq
+
+    from kvferry.common import messages as m
+    from kvferry.common import zsock
+    from tests.transfer_helpers import fingerprint
+
+    path = Path(state["cluster_secret_file"])
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    text = path.read_text().strip()
+    for f in (tmp / "logs").iterdir():
+        if f.is_file() and f != path:
+            assert text not in f.read_text(errors="replace"), f"the secret is in {f}"
+    dec = next(i for i in state["instances"] if i["role"] == "decoder")
+    ctx = zmq.Context()
+    try:
+        sock = zsock.connect(ctx, zmq.DEALER, zsock.PLAIN, zsock.tcp("127.0.0.1", dec["init_port"]))
+        sock.send(m.encode(m.Hello(peer_id="outsider", agent_name="x", agent_metadata=b"x",
+                                   fingerprint=fingerprint())))
+        assert not sock.poll(1500), "a peer without the cluster secret got an answer from the decoder"
+    finally:
+        ctx.destroy(linger=0)

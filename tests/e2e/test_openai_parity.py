@@ -1,19 +1,24 @@
 """The official `openai` client gets the same answers through `kvferry up` (1 prefiller, 1
 decoder, the proxy) as from one plain vLLM, for every request shape the proxy accepts; greedy, so
-texts, finish reasons and usage must match exactly."""
+texts, finish reasons and usage must match exactly. The cluster runs `--first-token decoder`; a
+second proxy with the launcher's arguments serves the default mode. The module's last test stops
+the cluster with SIGTERM: nothing may be left running."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from kvferry.common.netutil import free_port, port_is_free
 from tests.pd_helpers import BATCH_NOISE, source_tokens
-from tests.stub_procs import proxy as proxy_proc
-from tests.up_cluster import start_up, stop
+from tests.polling import alive
+from tests.stub_procs import Proc
+from tests.up_cluster import assert_the_cluster_has_a_secret_nobody_else_sees, start_up, stop, tree
 
 openai = pytest.importorskip("openai")
 
@@ -28,33 +33,52 @@ def _client(url: str):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """One 1P1D `kvferry up` cluster for the whole module: its cluster.json."""
-    proc, state = start_up(tmp_path_factory.mktemp("parity"), "--num-prefillers", "1", "--num-decoders", "1")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """One 1P1D `kvferry up --first-token decoder` cluster for the whole module (its last test
+    stops it): the launcher's process, its cluster.json, and its folder."""
+    tmp = tmp_path_factory.mktemp("parity")
+    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
     try:
-        yield state
+        yield SimpleNamespace(proc=proc, state=state, tmp=tmp)
     finally:
-        stop(proc)
+        if proc.poll() is None:
+            stop(proc)
 
 
 @pytest.fixture(scope="module")
-def clients(cluster: dict, plain_vllm) -> tuple:
-    """(through the proxy, plain vLLM)."""
-    return _client(cluster["proxy"]["url"]), _client(plain_vllm.url)
+def cluster(up: SimpleNamespace) -> dict:
+    return up.state
+
+
+def _proxy_args(cluster: dict) -> list[str]:
+    """The arguments `kvferry up` started its proxy with (after the interpreter)."""
+    with open(f"/proc/{cluster['proxy']['pid']}/cmdline", "rb") as f:
+        return f.read().rstrip(b"\0").decode().split("\0")[1:]
 
 
 @pytest.fixture(scope="module")
-def decoder_first(cluster: dict) -> Iterator[tuple[str, str]]:
-    """A second proxy in front of the same instances, with --first-token decoder: (its URL, the decoder's)."""
-    inst = {i["role"]: i for i in cluster["instances"]}
-    p, d = inst["prefiller"], inst["decoder"]
-    px = proxy_proc([], [], "--first-token", "decoder", "--prefiller", p["url"],
-                    "--decoder", f"{d['url']},{d['init_port']},{d['alloc_port']}",
-                    "--cluster-secret-file", cluster["cluster_secret_file"])
+def default_proxy(cluster: dict) -> Iterator[str]:
+    """A second proxy with the launcher's own arguments but the default --first-token prefiller: its URL."""
+    args, port = _proxy_args(cluster), free_port()
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--first-token") + 1] = "prefiller"
+    px = Proc(args, f"http://127.0.0.1:{port}", "/metrics")
     try:
-        yield px.url, d["url"]
+        yield px.url
     finally:
         px.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(default_proxy: str, plain_vllm) -> tuple:
+    """(through the proxy, plain vLLM)."""
+    return _client(default_proxy), _client(plain_vllm.url)
+
+
+@pytest.fixture(scope="module")
+def decoder_first(cluster: dict) -> tuple[str, str]:
+    """`kvferry up`'s own proxy, with --first-token decoder: (its URL, the decoder's)."""
+    return cluster["proxy"]["url"], next(i["url"] for i in cluster["instances"] if i["role"] == "decoder")
 
 
 def _completion(client, stream: bool, **kw) -> dict:
@@ -377,3 +401,27 @@ def test_decoder_first_decoder_loads_the_prompts_kv_and_computes_one_token(decod
     n = got["usage"]["prompt_tokens"]
     assert delta.get("external_kv_transfer", 0) == n - 1 and delta.get("local_compute", 0) == 1, (n, delta)
     assert got == _completion(clients[1], True, prompt=prompt, max_tokens=8, stream_options={"include_usage": True})
+
+
+def test_kvferry_up_passes_its_flags_keeps_its_secret_and_sigterm_leaves_nothing(up: SimpleNamespace) -> None:
+    """Last in the module: it stops the cluster the tests above shared."""
+    state, proc = up.state, up.proc
+    assert "--first-token decoder" in " ".join(_proxy_args(state))
+    out = (up.tmp / "up.out").read_text()
+    url = state["proxy"]["url"]
+    assert url in out and "curl -s" in out and all(i["log"] in out for i in state["instances"])
+    assert httpx.get(url + "/health").status_code == 200
+    pids = tree(proc.pid)
+    assert len(pids) >= 5  # launcher, proxy, and two vLLM servers with their engine processes
+    assert_the_cluster_has_a_secret_nobody_else_sees(up.tmp, state)
+    took = stop(proc)
+    assert took < 15, f"stopping took {took:.1f}s"
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "processes outlived kvferry up"
+    ports = [state["proxy"]["port"]] + [i["port"] for i in state["instances"]] + \
+        [i[k] for i in state["instances"] if i["role"] == "decoder" for k in ("init_port", "alloc_port")]
+    busy = [p for p in ports if not port_is_free(p)]
+    assert not busy, f"ports still in use: {busy}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.common.netutil import free_port, port_is_free
+from kvferry.common.netutil import free_port
 from tests.polling import alive
 from tests.up_cluster import KVFERRY, start_up, stop, tree
 
@@ -34,69 +34,6 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:
         return "?"
-
-
-@pytest.mark.vllm
-def test_up_1p1d_serves_and_sigterm_leaves_nothing(tmp_path: Path, plain_vllm) -> None:
-    # --first-token decoder here (the parity tests run `kvferry up`'s default): the proxy gets it.
-    proc, state = start_up(tmp_path, "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
-    pids: set[int] = set()
-    try:
-        with open(f"/proc/{state['proxy']['pid']}/cmdline", "rb") as f:
-            assert b"\0--first-token\0decoder\0" in f.read() + b"\0"
-        out = (tmp_path / "up.out").read_text()
-        url = state["proxy"]["url"]
-        assert url in out and "curl -s" in out and all(i["log"] in out for i in state["instances"])
-        assert httpx.get(url + "/health").status_code == 200
-        body = {"model": "tiny", "prompt": "Tell me a story about the king", "max_tokens": 12, "temperature": 0}
-        want = httpx.post(plain_vllm.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == want
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
-                "temperature": 0}
-        want = httpx.post(plain_vllm.url + "/v1/chat/completions", json=chat, timeout=120).json()
-        got = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()
-        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
-        pids = tree(proc.pid)
-        assert len(pids) >= 5  # launcher, proxy, and two vLLM servers with their engine processes
-        assert_the_cluster_has_a_secret_nobody_else_sees(tmp_path, state)
-    finally:
-        took = stop(proc)
-    assert took < 15, f"stopping took {took:.1f}s"
-    assert proc.returncode == 0
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in pids if alive(p)], "processes outlived kvferry up"
-    ports = [state["proxy"]["port"]] + [i["port"] for i in state["instances"]] + \
-        [i[k] for i in state["instances"] if i["role"] == "decoder" for k in ("init_port", "alloc_port")]
-    busy = [p for p in ports if not port_is_free(p)]
-    assert not busy, f"ports still in use: {busy}"
-
-
-def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> None:
-    """`kvferry up` made a cluster secret: a file only its owner reads, named (never quoted) in
-    cluster.json and the configs, and a peer without it gets no NIXL metadata from a decoder."""
-    import zmq
-
-    from kvferry.common import messages as m
-    from kvferry.common import zsock
-    from tests.transfer_helpers import fingerprint
-
-    path = Path(state["cluster_secret_file"])
-    assert os.stat(path).st_mode & 0o777 == 0o600
-    text = path.read_text().strip()
-    for f in (tmp / "logs").iterdir():
-        if f.is_file() and f != path:
-            assert text not in f.read_text(errors="replace"), f"the secret is in {f}"
-    dec = next(i for i in state["instances"] if i["role"] == "decoder")
-    ctx = zmq.Context()
-    try:
-        sock = zsock.connect(ctx, zmq.DEALER, zsock.PLAIN, zsock.tcp("127.0.0.1", dec["init_port"]))
-        sock.send(m.encode(m.Hello(peer_id="outsider", agent_name="x", agent_metadata=b"x",
-                                   fingerprint=fingerprint())))
-        assert not sock.poll(1500), "a peer without the cluster secret got an answer from the decoder"
-    finally:
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.vllm
