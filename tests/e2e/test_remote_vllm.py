@@ -115,9 +115,14 @@ class Setup:
 
 
 def put_losses(server: OffloadServer) -> float:
-    """Store calls the server counted as failed, and puts it dropped."""
+    """Store calls the server counted as failed, puts it dropped, and its log's warnings of either.
+
+    The log too: vLLM exports a worker's counters with its next engine step, and a put that fails
+    after the request's last step waits for another request to be counted."""
+    text = log(server)
     return (sum(prom(server, "kvferry:cache_remote_errors_total").values())
-            + sum(prom(server, "kvferry:cache_remote_put_dropped_total").values()))
+            + sum(prom(server, "kvferry:cache_remote_put_dropped_total").values())
+            + text.count(": put failed (") + text.count(": put queue full ("))
 
 
 @pytest.fixture(scope="module")
