@@ -6,6 +6,10 @@ PIP := $(VENV)/bin/pip
 # vLLM's CPU build where no NVIDIA GPU answers, upstream vLLM (CUDA) where one does.
 EXTRA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 PYTEST_ARGS ?=
+# Two pytest workers: tests/e2e's vLLM clusters on one, everything else beside it (tests/conftest.py).
+# PYTEST_WORKERS=0 runs the suite in one process, in file order.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 .PHONY: setup model redis etcd chromium demo test test-slow lint clean vllm-compat
 
@@ -78,11 +82,11 @@ chromium:
 	fi
 
 test: setup model redis etcd chromium
-	$(PY) -m pytest -q --durations=15 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow" $(PYTEST_ARGS)
 
 # The tests `make test` leaves out for CI's time budget (marked `slow`: TP=2 vLLM servers).
 test-slow: setup model redis etcd chromium
-	$(PY) -m pytest -q --durations=15 -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m slow $(PYTEST_ARGS)
 
 # The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):
 # the installed vLLM from its files, the others from their wheels, downloaded once (~340 MB each) into
