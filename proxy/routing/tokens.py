@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ class PromptTokens:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._tok: Any = None
+        self._encode_fast: Any = None
         self._template: Any = None
         self._specials: dict[str, str] = {}
         self._failed = RateLimitedLog(logger, 60.0)
@@ -68,6 +70,11 @@ class PromptTokens:
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # The same ids as encode() without the character offsets it also computes: a quarter less
+        # CPU per prompt (tokenizers >= 0.20; older ones have encode() only). One text per call, so
+        # no rayon pool (a thread per core, a hand-off per prompt) unless the user asks for one.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._encode_fast = getattr(self._tok, "encode_batch_fast", None)
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self._specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -114,6 +121,8 @@ class PromptTokens:
         return self.chat(body)
 
     def _encode_text(self, text: str, special: bool = True) -> tuple[int, ...]:
+        if self._encode_fast is not None:
+            return tuple(self._encode_fast([text], add_special_tokens=special)[0].ids)
         return tuple(self._tok.encode(text, add_special_tokens=special).ids)
 
     def chat(self, body: dict) -> list[int] | None:

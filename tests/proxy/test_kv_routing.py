@@ -236,11 +236,19 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_path: Path) ->
     threads: list[int] = []
     real = tok._tok
 
+    real_fast = tok._encode_fast  # encode_batch_fast where the tokenizers library has it
+
     class Spy:
         def encode(self, text: str, add_special_tokens: bool = True):
             threads.append(threading.get_ident())
             return real.encode(text, add_special_tokens=add_special_tokens)
+
+    def fast(texts: list[str], add_special_tokens: bool = True):
+        threads.append(threading.get_ident())
+        return real_fast(texts, add_special_tokens=add_special_tokens)
     tok._tok = Spy()
+    if real_fast is not None:
+        tok._encode_fast = fast
     long_text, short_text = "word " * (OFF_LOOP_CHARS // 4), "a short prompt"
 
     async def run() -> tuple[list[int] | None, list[int] | None]:
@@ -248,5 +256,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_path: Path) ->
     long_ids, short_ids = asyncio.run(run())
     here = threading.get_ident()
     assert threads[0] != here and threads[1] == here
-    tok._tok = real
+    tok._tok, tok._encode_fast = real, real_fast
     assert long_ids == tok.completion(long_text) and short_ids == tok.completion(short_text)
+    # The fast path's ids are encode()'s, with and without special tokens.
+    for text in (long_text, short_text, "émigré 中文 😀 <s> x"):
+        assert tok.completion(text) == real.encode(text).ids
+        assert list(tok._encode_text(text, False)) == real.encode(text, add_special_tokens=False).ids
