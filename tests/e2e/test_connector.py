@@ -174,7 +174,8 @@ def test_1p1d_gives_the_same_tokens_and_logprobs_as_one_plain_instance(pd, peer)
     # The decoder's very first request is a disaggregated one: on AMX CPUs that is the request
     # that dies of SIGILL unless the connector asked for AMX permission at start-up.
     assert sum(source_tokens(d).values()) == 0
-    for i, n in enumerate([5, 255, 256, 257, 1000, 3000]):
+    # 2,100 tokens: over vLLM CPU's 2,048-token step, so prefilled, and sent, in two pieces.
+    for i, n in enumerate([5, 255, 256, 257, 1000, 2100]):
         pr = prompt(n, seed=n)
         want = plain(plain_vllm, pr, 8)
         toks, lps, params = disagg(p, d, pr, 8)
@@ -283,21 +284,38 @@ def test_decode_leg_may_repeat_the_whole_prompt(pd, peer) -> None:
     assert peer.fully_free()
 
 
+@pytest.fixture(scope="module")
+def second_pair(pd, tiny_model_path: Path, log_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prefiller, Decoder]]:
+    """A second prefiller (core 1) and decoder (core 0), started together once: the prefiller has a
+    CPU tier and vLLM's own prefix cache off (a repeated prompt can only come from the tier); the
+    2P2D test routes over both pairs."""
+    tmp = tmp_path_factory.mktemp("pd2")
+    p2 = Prefiller(str(tiny_model_path), log_dir, "1", tmp, local_cpu=True, max_local_cpu_size=0.5,
+                   server={"extra_args": ["--no-enable-prefix-caching"]})
+    d2 = Decoder(str(tiny_model_path), log_dir, "0", tmp, **DECODER_KEYS)
+    p2.start()
+    d2.start()
+    try:
+        yield p2, d2
+    finally:
+        p2.stop()
+        d2.stop()
+
+
 @pytest.mark.vllm
-def test_a_prefiller_with_a_cpu_tier_does_not_recompute_a_repeated_prompt(pd, peer, tiny_model_path: Path,
-                                                                          log_dir: Path, tmp_path: Path) -> None:
+def test_a_prefiller_with_a_cpu_tier_does_not_recompute_a_repeated_prompt(pd, peer, second_pair) -> None:
     _, d, plain_vllm = pd
-    # vLLM's own prefix cache off: the repeated prompt can only come from kvferry's CPU tier.
-    with Prefiller(str(tiny_model_path), log_dir, "0", tmp_path, local_cpu=True, max_local_cpu_size=0.5,
-                   server={"extra_args": ["--no-enable-prefix-caching"]}) as p2:
-        pr = prompt(1000, seed=400)
-        want = plain(plain_vllm, pr, 6)
-        assert disagg(p2, d, pr, 6)[:2] == want
-        before = source_tokens(p2)
-        assert disagg(p2, d, pr, 6)[:2] == want  # the decoder still gets every chunk
-        after = source_tokens(p2)
-        assert after["external_kv_transfer"] - before["external_kv_transfer"] == 999
-        assert after["local_compute"] - before["local_compute"] == 1
+    p2, _ = second_pair
+    pr = prompt(1000, seed=400)
+    want = plain(plain_vllm, pr, 6)
+    p2.wait_ready()
+    assert disagg(p2, d, pr, 6)[:2] == want
+    before = source_tokens(p2)
+    assert disagg(p2, d, pr, 6)[:2] == want  # the decoder still gets every chunk
+    after = source_tokens(p2)
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == 999
+    assert after["local_compute"] - before["local_compute"] == 1
     assert peer.fully_free()
 
 
@@ -336,46 +354,38 @@ def disagg_decode_only(d: Decoder, pr: list[int], n: int, tid: str) -> list[int]
 
 
 @pytest.mark.vllm
-def test_2p2d_sixteen_concurrent_requests(pd, peer, tiny_model_path: Path, log_dir: Path,
-                                          tmp_path: Path) -> None:
+def test_2p2d_sixteen_concurrent_requests(pd, peer, second_pair, tiny_model_path: Path) -> None:
     p1, d1, plain_vllm = pd
-    p2 = Prefiller(str(tiny_model_path), log_dir, "1", tmp_path)
-    d2 = Decoder(str(tiny_model_path), log_dir, "0", tmp_path, **DECODER_KEYS)
-    p2.start()
-    d2.start()
+    p2, d2 = second_pair
+    prompts = [prompt(60 + 12 * i, seed=50_000 + i) for i in range(16)]  # seeds no other test uses
+    wants = [plain_with_margins(plain_vllm, pr, 6) for pr in prompts]
+    p2.wait_ready()
+    d2.wait_ready()
+    before = [source_tokens(d).get("external_kv_transfer", 0) for d in (d1, d2)]
+    # Through kvferry's proxy, which spreads them over the two prefillers and two decoders. One
+    # worker: /health's `served` counts are each worker's own, so with two the one answering it
+    # may have served few or none of these (seen: every count 0).
+    with running_proxy([p1, p2], [d1, d2], extra=("--workers", "1")) as url, \
+            httpx.Client(limits=httpx.Limits(max_connections=32)) as client, \
+            concurrent.futures.ThreadPoolExecutor(16) as pool:
+        body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True, "logprobs": 1}
+        futs = [pool.submit(client.post, url + "/v1/completions", json=dict(body, prompt=pr), timeout=300)
+                for pr in prompts]
+        results = [tokens_and_logprobs(f.result(timeout=300).json()) for f in futs]
+        served = {i["url"]: i["served"] for i in httpx.get(url + "/health").json()["instances"]}
+    assert all(served[x.url] > 0 for x in (p1, p2, d1, d2)), served
+    for i, (got, want) in enumerate(zip(results, wants, strict=True)):
+        # Batched with others, vLLM's CPU kernels round differently than for one request alone
+        # (a plain instance under the same load does too): equal up to that noise.
+        same_greedy_answer(got, want, f"request {i}")
+    loaded = sum(source_tokens(d).get("external_kv_transfer", 0) - b for d, b in zip((d1, d2), before, strict=True))
+    assert loaded == sum(map(len, prompts)), "some prompts were recomputed instead of loaded"
+    assert peer.fully_free()
+    peer2 = RawPeer(d2, tiny_fingerprint(tiny_model_path))
     try:
-        prompts = [prompt(60 + 12 * i, seed=50_000 + i) for i in range(16)]  # seeds no other test uses
-        wants = [plain_with_margins(plain_vllm, pr, 6) for pr in prompts]
-        p2.wait_ready()
-        d2.wait_ready()
-        before = [source_tokens(d).get("external_kv_transfer", 0) for d in (d1, d2)]
-        # Through kvferry's proxy, which spreads them over the two prefillers and two decoders. One
-        # worker: /health's `served` counts are each worker's own, so with two the one answering it
-        # may have served few or none of these (seen: every count 0).
-        with running_proxy([p1, p2], [d1, d2], extra=("--workers", "1")) as url, \
-                httpx.Client(limits=httpx.Limits(max_connections=32)) as client, \
-                concurrent.futures.ThreadPoolExecutor(16) as pool:
-            body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "return_token_ids": True, "logprobs": 1}
-            futs = [pool.submit(client.post, url + "/v1/completions", json=dict(body, prompt=pr), timeout=300)
-                    for pr in prompts]
-            results = [tokens_and_logprobs(f.result(timeout=300).json()) for f in futs]
-            served = {i["url"]: i["served"] for i in httpx.get(url + "/health").json()["instances"]}
-        assert all(served[x.url] > 0 for x in (p1, p2, d1, d2)), served
-        for i, (got, want) in enumerate(zip(results, wants, strict=True)):
-            # Batched with others, vLLM's CPU kernels round differently than for one request alone
-            # (a plain instance under the same load does too): equal up to that noise.
-            same_greedy_answer(got, want, f"request {i}")
-        loaded = sum(source_tokens(d).get("external_kv_transfer", 0) - b for d, b in zip((d1, d2), before, strict=True))
-        assert loaded == sum(map(len, prompts)), "some prompts were recomputed instead of loaded"
-        assert peer.fully_free()
-        peer2 = RawPeer(d2, tiny_fingerprint(tiny_model_path))
-        try:
-            assert peer2.fully_free()
-        finally:
-            peer2.close()
+        assert peer2.fully_free()
     finally:
-        p2.stop()
-        d2.stop()
+        peer2.close()
 
 
 @pytest.fixture(scope="module")
