@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Two work units for `make test`'s two workers (`-n 2 --dist loadgroup`): tests/e2e (clusters of
     real vLLM servers, pinned to cores 0 and 1), in file order, on one; everything else on the
-    other. Run alone, the rest is ~14 minutes in which the 2-core machine is mostly idle (it waits on
-    sockets and timers); beside the vLLM tests it costs them little. A scheduler rather than
+    other. Run alone, the rest leaves a 2-core machine half idle (it waits on sockets, leases and
+    timers), so side by side the suite ends sooner (docs/testing.md). A scheduler rather than
     xdist_group marks: xdist 3.8's marks do not reach pytest 9.2's node ids."""
     if config.getvalue("dist") != "loadgroup":
         return None
