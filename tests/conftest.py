@@ -26,6 +26,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+    if not hasattr(LoadScopeScheduling, "_split_scope"):  # a private method: fail loudly, not split by module
+        raise pytest.UsageError("this pytest-xdist has no LoadScopeScheduling._split_scope: run with "
+                                "PYTEST_WORKERS=0, or fix tests/conftest.py for it")
 
     class TwoUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

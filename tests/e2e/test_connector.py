@@ -149,9 +149,9 @@ def pd(request: pytest.FixtureRequest, tiny_model_path: Path, log_dir: Path,
     tmp = tmp_path_factory.mktemp("pd")
     p = Prefiller(str(tiny_model_path), log_dir, "0", tmp)
     d = Decoder(str(tiny_model_path), log_dir, "1", tmp, **DECODER_KEYS)
-    p.start()
-    d.start()
     try:
+        p.start()
+        d.start()
         request.getfixturevalue("plain_vllm")
         p.wait_ready()
         d.wait_ready()
@@ -294,9 +294,9 @@ def second_pair(pd, tiny_model_path: Path, log_dir: Path,
     p2 = Prefiller(str(tiny_model_path), log_dir, "1", tmp, local_cpu=True, max_local_cpu_size=0.5,
                    server={"extra_args": ["--no-enable-prefix-caching"]})
     d2 = Decoder(str(tiny_model_path), log_dir, "0", tmp, **DECODER_KEYS)
-    p2.start()
-    d2.start()
-    try:
+    try:  # a start that fails stops the one already started (stop() of one never started is a no-op)
+        p2.start()
+        d2.start()
         yield p2, d2
     finally:
         p2.stop()

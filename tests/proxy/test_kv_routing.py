@@ -235,7 +235,6 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model_path: Path) ->
     tok = PromptTokens(str(tiny_model_path))
     threads: list[int] = []
     real = tok._tok
-
     real_fast = tok._encode_fast  # encode_batch_fast where the tokenizers library has it
 
     class Spy:
