@@ -36,8 +36,8 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
     chunk: (the SSE bytes, the token ids in them, whether a chunk had a finish_reason). `swap`:
     pairs of a decoder's key and value (its id, time, ...) and the client's, flattened; every
     chunk must have each. None when any event is not the usual one (another field or line, an
-    error, [DONE], an `unusual` key, a chunk without a swapped key or, with `keep_ids` or not
-    `want_ids`, its token ids): the caller then takes each chunk as it comes. vLLM writes compact
+    error, [DONE], an `unusual` key, a chunk without a swapped key or, with `keep_ids`, its token
+    ids): the caller then takes each chunk as it comes. vLLM writes compact
     JSON, and a quote or newline inside a string is escaped, so each pattern matches a key of a
     chunk, never its text. One event (a token per read, as a decoder streams) takes the shortest way."""
     if (not sse.startswith(b"data: ") or not sse.endswith(b"\n\n") or sse.startswith(b'data: {"error"')
@@ -56,18 +56,23 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
             return None
     ids: list[int] = []
     if keep_ids or not want_ids:
+        # Without keep_ids a chunk need not carry ids (--first-token decoder's legs do not ask:
+        # vLLM writes null, others nothing); whatever ids come are stripped all the same.
         if one:
             m = migrate.TOKEN_IDS.search(sse)
             if m is None:
-                return None
-            found = [m.group(1)]
-            if not want_ids:
-                sse = sse[:m.start()] + b'"token_ids":null' + sse[m.end():]
+                if keep_ids:
+                    return None
+                found = []
+            else:
+                found = [m.group(1)]
+                if not want_ids:
+                    sse = sse[:m.start()] + b'"token_ids":null' + sse[m.end():]
         else:
             found = migrate.TOKEN_IDS.findall(sse)
-            if len(found) != n:
+            if keep_ids and len(found) != n:
                 return None
-            if not want_ids:
+            if found and not want_ids:
                 sse = migrate.TOKEN_IDS.sub(b'"token_ids":null', sse)
         if keep_ids:
             try:

@@ -67,6 +67,30 @@ def test_an_unusual_chunk_is_left_to_the_chunk_by_chunk_path(batch: list[bytes])
     assert plain_batch(batch[-1:], SWAP, False, keep_ids=True) is None  # alone, too
 
 
+@pytest.mark.parametrize("ids", [b'"token_ids":null', b"", b'"token_ids":[7]'])
+def test_without_ids_to_keep_a_chunk_needs_none(ids: bytes) -> None:
+    """--first-token decoder's legs ask for no token ids (vLLM writes null, another engine nothing):
+    their chunks are usual ones, rewritten whole, in one read or many; ids that come are stripped."""
+    raw = [chunk(i, finish="length" if i == 2 else None).replace(b'"token_ids":[%d]' % i, ids) for i in range(3)]
+    raw = [r.replace(b',}', b'}') for r in raw]
+    want = []
+    for r in raw:
+        c = json.loads(r)
+        c["id"], c["created"] = "cmpl-client", 9
+        if ids.endswith(b"]"):
+            c["choices"][0]["token_ids"] = None
+        want.append(c)
+    alone = [plain_batch([r], SWAP, False, keep_ids=False) for r in raw]
+    assert all(a is not None for a in alone), ids
+    assert [e for a in alone for e in events(a[0])] == want
+    assert [a[1] for a in alone] == [[], [], []] and [a[2] for a in alone] == [False, False, True]
+    whole = plain_batch(raw, SWAP, False, keep_ids=False)
+    assert whole is not None and events(whole[0]) == want and whole[1] == [] and whole[2]
+    if not ids.endswith(b"]"):  # ids to keep must be there
+        assert plain_batch(raw, SWAP, False, keep_ids=True) is None
+        assert plain_batch(raw[:1], SWAP, False, keep_ids=True) is None
+
+
 @pytest.mark.parametrize("sse", [
     b"data: [DONE]\n\n", b'data: {"error": {"message": "gone"}}\n\n',  # the end, an error
     b"data: " + chunk(0) + b"\r\n\r\n",  # carriage returns
