@@ -37,9 +37,9 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
     pairs of a decoder's key and value (its id, time, ...) and the client's, flattened; every
     chunk must have each. None when any event is not the usual one (another field or line, an
     error, [DONE], an `unusual` key, a chunk without a swapped key or, with `keep_ids`, its token
-    ids): the caller then takes each chunk as it comes. vLLM writes compact
-    JSON, and a quote or newline inside a string is escaped, so each pattern matches a key of a
-    chunk, never its text. One event (a token per read, as a decoder streams) takes the shortest way."""
+    ids): the caller then takes each chunk as it comes. vLLM writes compact JSON, and a quote or
+    newline inside a string is escaped, so each pattern matches a key of a chunk, never its text.
+    One event (a token per read, as a decoder streams) takes the shortest way."""
     if (not sse.startswith(b"data: ") or not sse.endswith(b"\n\n") or sse.startswith(b'data: {"error"')
             or sse.startswith(b"data: [DONE]") or b"\r" in sse or (unusual is not None and unusual.search(sse))):
         return None

@@ -9,7 +9,7 @@ import itertools
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -80,12 +80,15 @@ def post(url: str, path: str, body, **kw) -> httpx.Response:
     return httpx.post(url + path, json=body, timeout=30, **kw)
 
 
-def events(url: str, path: str, body: dict) -> list:
-    out = []
+def events(url: str, path: str, body: dict, each: Callable[[list], None] | None = None) -> list:
+    """A streamed answer's events, [DONE] as a string; `each(events so far)` as each one comes."""
+    out: list = []
     with httpx.stream("POST", url + path, json=body, timeout=30) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if each is not None:
+                    each(out)
     return out

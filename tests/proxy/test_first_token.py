@@ -4,8 +4,6 @@ do), neither leg asks for token ids, and the answers are those of one engine. Wi
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
@@ -112,17 +110,13 @@ def test_decoder_first_a_decoder_dying_mid_stream_ends_the_stream_with_an_error(
     p0, d0, d1 = stubs(0, 0.05, 0.05)
     px = proxy([p0], [d0, d1], "--first-token", "decoder", "--policy", "round_robin")
     body = {"model": "stub", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
-    ev: list = []
-    with httpx.stream("POST", px.url + "/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            ev.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if len(ev) == 1:
-                assert ev[0]["choices"][0]["text"], ev
-                for d in (d0, d1):
-                    httpx.post(d.url + "/stub/fail", json={"die_mid_stream": True})
+
+    def die_after_the_first(ev: list) -> None:
+        if len(ev) == 1:
+            assert ev[0]["choices"][0]["text"], ev
+            for d in (d0, d1):
+                httpx.post(d.url + "/stub/fail", json={"die_mid_stream": True})
+    ev = events(px.url, "/v1/completions", body, die_after_the_first)
     assert ev[-1] == "[DONE]" and "error" in ev[-2], ev
     assert len(ev) < 40, ev  # the answer was cut short, not finished
     assert "kvferry_proxy_migrations_total{" not in httpx.get(px.url + "/metrics").text
