@@ -67,6 +67,24 @@ def test_an_unusual_chunk_is_left_to_the_chunk_by_chunk_path(batch: list[bytes])
     assert plain_batch(batch[-1:], SWAP, False, keep_ids=True) is None  # alone, too
 
 
+@pytest.mark.parametrize(("lists", "want"), [
+    ([[5], [], [6, 7]], [5, 6, 7]),  # a chunk with no id (vLLM's last one may have none)
+    ([[5], [2**70]], [5, 2**70]),  # past 64 bits: the engine's to refuse, kept as it came
+    ([[5], [6]], [5, 6]),
+])
+def test_the_ids_kept_are_every_chunks_in_order(lists: list[list[int]], want: list[int]) -> None:
+    out = plain_batch([chunk(i, ids=ids) for i, ids in enumerate(lists)], SWAP, False, keep_ids=True)
+    assert out is not None and out[1] == want
+    assert all(c["choices"][0]["token_ids"] is None for c in events(out[0]))
+
+
+@pytest.mark.parametrize("bad", [b'"token_ids":[1,,2]', b'"token_ids":[1 2]', b'"token_ids":[,]'])
+def test_ids_that_are_not_a_list_of_integers_are_left_to_the_chunk_by_chunk_path(bad: bytes) -> None:
+    batch = [chunk(0), chunk(1).replace(b'"token_ids":[1]', bad)]
+    assert plain_batch(batch, SWAP, False, keep_ids=True) is None
+    assert plain_batch(batch[1:], SWAP, False, keep_ids=True) is None
+
+
 @pytest.mark.parametrize("ids", [b'"token_ids":null', b"", b'"token_ids":[7]'])
 def test_without_ids_to_keep_a_chunk_needs_none(ids: bytes) -> None:
     """--first-token decoder's legs ask for no token ids (vLLM writes null, another engine nothing):
