@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -313,4 +314,19 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
         w.close()
         assert 0 < got < 11 << 20  # the stream's 60,000 events are about 12 MiB
     asyncio.run(run())
-    assert log(d0)["cut_streams"] == 1
+    # The decoder is freed. Mostly it sees the cut (its write fails mid-stream); but the kernel
+    # may hold what is left of these 12 MiB (the proxy's receive buffer grows up to tcp_rmem's
+    # max, 32 MiB on Debian, besides both send buffers: 9 MB were seen held), and then the
+    # stream ends by itself before the cut. Either way nothing may still run on it: a
+    # connection the proxy left open would hold the stub's write, and its request, for good.
+    for _ in range(100):
+        if running(d0) == 0:
+            break
+        time.sleep(0.1)
+    assert running(d0) == 0 and log(d0)["cut_streams"] <= 1, log(d0)["cut_streams"]
+
+
+def running(stub) -> float:
+    """The requests a stub engine is answering (vLLM's gauge on its /metrics)."""
+    text = httpx.get(stub.url + "/metrics").text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")))
