@@ -316,7 +316,7 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
     asyncio.run(run())
     # The decoder is freed. Mostly it sees the cut (its write fails mid-stream); but the kernel
     # may hold what is left of these 12 MiB (the proxy's receive buffer grows up to tcp_rmem's
-    # max, 32 MiB on Debian, besides both send buffers: 9 MB were seen held), and then the
+    # max, 32 MiB on this VM, besides both send buffers: 9 MB were seen held), and then the
     # stream ends by itself before the cut. Either way nothing may still run on it: a
     # connection the proxy left open would hold the stub's write, and its request, for good.
     for _ in range(100):
