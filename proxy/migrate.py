@@ -36,11 +36,16 @@ def token_ids_in(data: bytes, m: re.Match | None | bool = True) -> list[int] | N
         m = TOKEN_IDS.search(data)
     if m is None or m is False:
         return None
-    inner = m.group(1).strip()
     try:
-        return [int(x) for x in inner.split(b",")] if inner else []
+        return ids_list(m.group(1))
     except ValueError:  # "1,,2": not JSON, so no ids the proxy can keep
         return None
+
+
+def ids_list(inner: bytes) -> list[int]:
+    """What TOKEN_IDS' group holds (between the brackets) as ints; ValueError for "1,,2"."""
+    inner = inner.strip()
+    return [int(x) for x in inner.split(b",")] if inner else []
 
 
 def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:

@@ -38,11 +38,7 @@ def _token_ids(found: list[bytes]) -> list[int]:
     try:
         return _ID_LIST.decode(b"[" + b",".join(found) + b"]")
     except (msgspec.DecodeError, msgspec.ValidationError):
-        ids: list[int] = []
-        for inner in found:
-            if inner.strip():
-                ids += [int(x) for x in inner.split(b",")]
-        return ids
+        return [t for inner in found for t in migrate.ids_list(inner)]
 
 
 def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
@@ -86,7 +82,7 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
             else:
                 found = [m.group(1)]
                 if not want_ids:
-                    sse = sse[:m.start()] + b'"token_ids":null' + sse[m.end():]
+                    sse = migrate.strip_token_ids(sse, m)
         else:
             parts = migrate.TOKEN_IDS.split(sse)  # one pass: the text around each list, and its ids
             found = parts[1::2]
