@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -130,9 +131,33 @@ def authorized(header: str | None, key: str) -> bool:
     return hmac.compare_digest(given, key.encode())
 
 
-def write_file(path: str, text: str) -> None:
-    """Write a secret file readable by its owner only (created so: never world-readable, not even briefly)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-    os.chmod(path, 0o600)
+def write_file(path: str, text: str, replace: bool = True) -> None:
+    """Write a secret file readable by its owner only.
+
+    The text goes into a new file made with O_CREAT|O_EXCL|O_NOFOLLOW and mode 0600 beside
+    `path` (never world-readable, not even briefly), which then takes `path`'s name: renamed over
+    it (`replace`: a file or link there is replaced, never written through, so a symlink planted
+    at `path` cannot redirect the secret and an old 0644 file never holds it), or linked to it
+    only if nothing is there (FileExistsError otherwise, a dangling symlink included)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(8):
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"cannot make a temporary file beside {path}")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path, follow_symlinks=False)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

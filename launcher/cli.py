@@ -34,10 +34,11 @@ def _secret(args: argparse.Namespace) -> int:
     if not args.out:
         print(text)
         return 0
-    if Path(args.out).exists() and not args.force:
+    try:
+        secret.write_file(args.out, text, replace=args.force)
+    except FileExistsError:
         print(f"kvferry secret: {args.out} exists; --force replaces it", file=sys.stderr)
         return 2
-    secret.write_file(args.out, text)
     print(f"new cluster secret in {args.out} (mode 600): set cluster_secret_file: {Path(args.out).resolve()} "
           "on every instance, and --cluster-secret-file on the proxy and controller")
     return 0

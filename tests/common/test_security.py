@@ -69,6 +69,38 @@ def _exchange(server: zsock.Trust, client: zsock.Trust, kind=(zmq.ROUTER, zmq.DE
         ctx.destroy(linger=0)
 
 
+def test_security_secret_file_never_follows_a_link_nor_lands_in_a_readable_file(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    link = tmp_path / "cluster.secret"
+    link.symlink_to(target)  # dangling: an O_CREAT open through it would make `elsewhere`
+    with pytest.raises(FileExistsError):
+        secret.write_file(str(link), A, replace=False)
+    assert not target.exists() and link.is_symlink()
+    secret.write_file(str(link), A)  # replace: the link itself is replaced
+    assert not target.exists() and not link.is_symlink()
+    assert link.read_text() == A + "\n" and os.stat(link).st_mode & 0o777 == 0o600
+
+    old = tmp_path / "old.secret"
+    old.write_text("old\n")
+    os.chmod(old, 0o644)
+    seen = tmp_path / "seen"  # a second name for the old file's inode, as a reader holding it open would see
+    os.link(old, seen)
+    secret.write_file(str(old), B)
+    assert old.read_text() == B + "\n" and os.stat(old).st_mode & 0o777 == 0o600
+    assert seen.read_text() == "old\n", "the secret was never written into the 0644 inode"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.secret", "old.secret", "seen"], "no temp left"
+
+
+def test_security_kvferry_secret_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    from kvferry.launcher.cli import main
+    out = tmp_path / "s"
+    assert main(["secret", "--out", str(out)]) == 0
+    first = out.read_text()
+    assert main(["secret", "--out", str(out)]) == 2 and out.read_text() == first
+    assert main(["secret", "--out", str(out), "--force"]) == 0 and out.read_text() != first
+    assert os.stat(out).st_mode & 0o777 == 0o600
+
+
 def test_curve_lets_only_holders_of_the_same_secret_through() -> None:
     good, other = zsock.Trust(secret.from_text(A, "t")), zsock.Trust(secret.from_text(B, "t"))
     assert _exchange(good, good) == b"hello"
