@@ -4,17 +4,16 @@ Two engines, one view:
 
 - ``etcd://HOST:PORT/PREFIX``: each instance puts a signed :class:`InstanceRecord` at
   ``PREFIX/instances/<instance_id>`` under an etcd lease that its registrar (``kvferry join``)
-  keeps alive; a killed instance's key goes when the lease ends (TTL seconds). Drain marks live at
-  ``PREFIX/drain/<instance_id>`` (no lease: a drain outlives the proxy that wrote it). Proxies
-  list the prefix once and then watch it.
+  keeps alive, and re-writes it, freshly signed, every third of the TTL; a killed instance's key
+  goes when the lease ends (TTL seconds), and its record stops counting when its signed expiry
+  passes even if someone keeps the lease alive. Drain marks live at ``PREFIX/drain/<instance_id>``
+  under the drained registration's lease. Proxies list the prefix once and then watch it
+  (common/discovery_watch.py); what makes an entry count is in common/discovery_entries.py.
 - ``file://PATH``: a YAML or JSON file ``{instances: [record, ...], drain: [instance_id, ...]}``
   that proxies re-read when it changes. The file is configuration, trusted as the command line
   is (its permissions protect it); ``kvferry join`` edits it under a lock.
 
-Trust: with a cluster secret, an etcd entry counts only when its HMAC over (key, body) checks
-and, for a record, when etcd holds it under the very lease the record names (an old record
-written again under another lease, or none, is refused). Everything else is ignored, counted by
-reason and logged once per key.
+The --discovery value (and etcd's TLS and users) is parsed in common/discovery_target.py.
 """
 
 from __future__ import annotations
@@ -24,78 +23,37 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import msgspec
 import yaml
 
 from kvferry.common import messages as m
-from kvferry.common.errors import BadDataError, ConfigurationError
-from kvferry.common.etcd import KV, Etcd, EtcdError
+from kvferry.common.discovery_entries import (
+    Rejected,
+    Snapshot,
+    drain_key,
+    record_key,
+    rewrite_entry,
+    sign,
+    verify,
+    write_entry,
+)
+from kvferry.common.discovery_target import DEFAULT_PREFIX, DiscoveryError, Target, connect, parse_target
+from kvferry.common.discovery_watch import EtcdWatch, OnChange
+from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "Registration", "Rejected",
+           "Snapshot", "Target", "check_access", "drain_key", "edit_file", "fingerprint", "parse_target", "read_file",
+           "record_key", "set_drain", "sign", "verify", "write_entry"]
+
 logger = get_logger(__name__)
 
-PURPOSE = "discovery-entry"
-DEFAULT_PREFIX = "/kvferry"
 DEFAULT_TTL_S = 5
-WATCH_IDLE_S = 60.0  # a quiet watch is re-listed and re-opened this often
 MAX_FILE_BYTES = 4 << 20
-
-
-class DiscoveryError(ConfigurationError, ValueError):
-    """A bad --discovery value; the message names it and the fix."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """A parsed --discovery value."""
-
-    scheme: str  # "etcd" | "file"
-    endpoint: str = ""  # etcd: http://host:port
-    prefix: str = DEFAULT_PREFIX  # etcd: the cluster's key prefix, no trailing slash
-    path: str = ""  # file: the watched file
-
-    @property
-    def host(self) -> str:
-        return (urlsplit(self.endpoint).hostname or "") if self.scheme == "etcd" else ""
-
-    def __str__(self) -> str:
-        return f"etcd://{self.endpoint.split('://', 1)[1]}{self.prefix}" if self.scheme == "etcd" \
-            else f"file://{self.path}"
-
-
-def parse_target(raw: str, flag: str = "--discovery") -> Target:
-    """``etcd://HOST:PORT[/PREFIX]`` (``etcds://`` for TLS) or ``file://PATH``."""
-    parts = urlsplit(raw)
-    if parts.scheme == "file":
-        path = (parts.netloc + parts.path) if parts.netloc else parts.path
-        if not path:
-            raise DiscoveryError(f"{flag}: {raw!r} names no file: file:///path/to/cluster.yaml")
-        return Target("file", path=os.path.abspath(path))
-    if parts.scheme in ("etcd", "etcds"):
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or port is None:
-            raise DiscoveryError(f"{flag}: {raw!r} is not etcd://HOST:PORT/PREFIX (etcd's client port, "
-                                 "usually 2379)")
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX
-        return Target("etcd", f"{'https' if parts.scheme == 'etcds' else 'http'}://{host}:{port}", prefix)
-    raise DiscoveryError(f"{flag}: {raw!r}: expected etcd://HOST:PORT/PREFIX or file://PATH")
-
-
-def record_key(prefix: str, instance_id: str) -> bytes:
-    return f"{prefix}/instances/{instance_id}".encode()
-
-
-def drain_key(prefix: str, instance_id: str) -> bytes:
-    return f"{prefix}/drain/{instance_id}".encode()
 
 
 def fingerprint(model: str, dtype: str = "auto", layout: m.LayoutFingerprint | None = None) -> str:
@@ -104,121 +62,6 @@ def fingerprint(model: str, dtype: str = "auto", layout: m.LayoutFingerprint | N
     decoder). A short hex digest."""
     text = msgspec.json.encode(layout).decode() if layout is not None else f"{model}|{dtype}"
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def sign(secret: ClusterSecret | None, key: bytes, msg: m.Msg) -> bytes:
-    body = m.encode(msg)
-    sig = secret.mac(PURPOSE, key, body) if secret is not None else b""
-    return m.encode(m.SignedEntry(body=body, sig=sig))
-
-
-class Rejected(BadDataError, ValueError):
-    """An entry that does not count; `reason` labels the metric."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason  # malformed | unsigned | bad_signature | lease | key
-
-
-def verify(secret: ClusterSecret | None, kv: KV) -> m.InstanceRecord | m.DrainMark:
-    """The record or drain mark an etcd entry holds, or Rejected."""
-    try:
-        entry = m.decode(kv.value, m.SignedEntry, max_bytes=1 << 20)
-        inner = m.decode(entry.body, (m.InstanceRecord, m.DrainMark), max_bytes=1 << 20)
-    except m.MessageError as e:
-        raise Rejected("malformed", str(e)) from None
-    if secret is not None:
-        if not entry.sig:
-            raise Rejected("unsigned", "no signature (the writer has no cluster secret)")
-        if not secret.verify(PURPOSE, entry.sig, kv.key, entry.body):
-            raise Rejected("bad_signature", "its signature does not check with this cluster secret")
-        if isinstance(inner, m.InstanceRecord) and (inner.lease == 0 or inner.lease != kv.lease):
-            raise Rejected("lease", f"signed for lease {inner.lease:x}, held under lease {kv.lease:x}")
-    return inner
-
-
-@dataclass
-class Snapshot:
-    """What a discovery engine says now."""
-
-    records: dict[str, m.InstanceRecord] = field(default_factory=dict)  # instance_id -> record
-    drained: set[str] = field(default_factory=set)
-
-
-OnChange = Callable[[Snapshot], None]
-OnReject = Callable[[str], None]
-
-
-class EtcdWatch:
-    """Lists PREFIX, then watches it; calls `on_change` with the whole view after every change.
-    An outage keeps the last view (instances still serve; the proxy's health checks see the
-    dead ones) and re-lists when etcd answers again."""
-
-    def __init__(self, target: Target, secret: ClusterSecret | None, on_change: OnChange,
-                 on_reject: OnReject, timeout: float = 3.0) -> None:
-        self.target, self.secret = target, secret
-        self.on_change, self.on_reject = on_change, on_reject
-        self.etcd = Etcd(target.endpoint, timeout)
-        self._kvs: dict[bytes, KV] = {}
-        self._logged: set[tuple[bytes, str]] = set()
-        self.revision = 0
-
-    async def close(self) -> None:
-        await self.etcd.close()
-
-    def _view(self) -> Snapshot:
-        snap = Snapshot()
-        base = self.target.prefix.encode()
-        for key, kv in self._kvs.items():
-            try:
-                inner = verify(self.secret, kv)
-                kind, _, iid = key[len(base) + 1:].decode("utf-8", "replace").partition("/")
-                if iid != inner.instance_id or kind != ("instances" if isinstance(inner, m.InstanceRecord)
-                                                        else "drain"):
-                    raise Rejected("key", f"entry for {inner.instance_id!r} stored under "
-                                          f"{key.decode('utf-8', 'replace')!r}")
-            except Rejected as e:
-                if (key, e.reason) not in self._logged:  # once per key and reason
-                    self._logged.add((key, e.reason))
-                    self.on_reject(e.reason)
-                    logger.warning("discovery: ignoring %s in etcd %s: %s", key.decode("utf-8", "replace"),
-                                   self.target.endpoint, e)
-                continue
-            if isinstance(inner, m.InstanceRecord):
-                snap.records[inner.instance_id] = inner
-            else:
-                snap.drained.add(inner.instance_id)
-        return snap
-
-    async def sync(self) -> None:
-        """One full listing."""
-        kvs, self.revision = await self.etcd.get_prefix(self.target.prefix.encode() + b"/")
-        self._kvs = {kv.key: kv for kv in kvs}
-        self._logged &= {(k, r) for k, r in self._logged if k in self._kvs}
-        self.on_change(self._view())
-
-    async def run(self, healthy: Callable[[], None] | None = None) -> None:
-        """Forever: list, watch, apply; raises EtcdError when etcd fails (the caller's supervisor
-        pauses and calls again)."""
-        while True:
-            await self.sync()
-            if healthy is not None:
-                healthy()
-            try:
-                async for events in self.etcd.watch(self.target.prefix.encode() + b"/", self.revision + 1,
-                                                    WATCH_IDLE_S):
-                    for ev in events:
-                        if ev.kind == "delete":
-                            self._kvs.pop(ev.kv.key, None)
-                        else:
-                            self._kvs[ev.kv.key] = ev.kv
-                        self.revision = max(self.revision, ev.kv.mod_revision)
-                    if events:
-                        self.on_change(self._view())
-            except EtcdError as e:
-                if "ReadTimeout" not in str(e):
-                    raise
-                # quiet for WATCH_IDLE_S: list again (cheap) and watch on
 
 
 def _file_record(raw: object, where: str) -> m.InstanceRecord:
@@ -321,21 +164,26 @@ class FileWatch:
 
 
 class Registration:
-    """One instance's entry, kept alive: etcd (a lease renewed every TTL/3; a lost lease, e.g.
-    after an etcd outage longer than the TTL, is granted again and the record written again) or
-    a discovery file. `withdraw()` removes it."""
+    """One instance's entry, kept alive: etcd (every TTL/3 the lease is renewed and the record
+    re-written, freshly signed; a key someone deleted or replaced is claimed and written again,
+    a lost lease, e.g. after an etcd outage longer than the TTL, is granted again) or a
+    discovery file. `withdraw()` removes it."""
 
     def __init__(self, target: Target, record: m.InstanceRecord, secret: ClusterSecret | None,
                  ttl: int = DEFAULT_TTL_S, timeout: float = 3.0) -> None:
         if ttl < 2:
             raise DiscoveryError(f"lease TTL {ttl}s: at least 2 seconds")
         self.target, self.record, self.secret, self.ttl = target, record, secret, ttl
-        self.etcd = Etcd(target.endpoint, min(timeout, ttl / 3)) if target.scheme == "etcd" else None
+        self.etcd = connect(target, min(timeout, ttl / 3)) if target.scheme == "etcd" else None
         self.lease = 0
+        self.revision = 0  # the create revision of the key its record is bound to
 
     @property
     def key(self) -> bytes:
         return record_key(self.target.prefix, self.record.instance_id)
+
+    def _expires(self) -> float:
+        return time.time() + self.ttl
 
     async def register(self) -> None:
         if self.etcd is None:
@@ -348,32 +196,48 @@ class Registration:
             return
         self.lease = await self.etcd.grant(self.ttl)
         self.record = msgspec.structs.replace(self.record, lease=self.lease)
-        await self.etcd.put(self.key, sign(self.secret, self.key, self.record), lease=self.lease)
+        self.revision, _ = await write_entry(self.etcd, self.secret, self.key, self.record, self._expires())
+
+    async def renew(self) -> None:
+        """One beat: renew the lease and re-write the record with a later expiry, at the key it
+        is bound to; a key that is gone or was created again (someone deleted it) is claimed and
+        written anew, a lost lease registers again."""
+        assert self.etcd is not None
+        if await self.etcd.keepalive(self.lease) <= 0:
+            logger.warning("discovery: lease of %s expired (etcd unreachable for longer than %ds?); registering again",
+                           self.record.instance_id, self.ttl)
+            await self.register()
+            return
+        ok, _ = await rewrite_entry(self.etcd, self.secret, self.key, self.record, self.revision, self._expires())
+        if not ok:
+            logger.warning("discovery: the key of %s was deleted or created again by someone else; writing it again",
+                           self.record.instance_id)
+            self.revision, _ = await write_entry(self.etcd, self.secret, self.key, self.record, self._expires())
 
     async def keep_alive(self, stop: asyncio.Event) -> None:
-        """Until `stop` is set; an etcd error is logged and retried at the next beat (the lease
-        outlives a few missed beats)."""
+        """Until `stop` is set, a beat every TTL/3; an etcd error is logged and retried at the
+        next beat (the lease and the signed expiry outlive a missed beat)."""
         if self.etcd is None:
             await stop.wait()
             return
         failing = False
+        loop = asyncio.get_running_loop()
+        beat = loop.time()
         while True:
+            beat = max(beat + self.ttl / 3, loop.time())
             try:
-                await asyncio.wait_for(stop.wait(), self.ttl / 3)
+                await asyncio.wait_for(stop.wait(), beat - loop.time())
                 return
             except TimeoutError:
                 pass
             try:
-                if await self.etcd.keepalive(self.lease) <= 0:
-                    logger.warning("discovery: lease of %s expired (etcd unreachable for longer than %ds?); "
-                                   "registering again", self.record.instance_id, self.ttl)
-                    await self.register()
+                await self.renew()
                 if failing:
                     logger.warning("discovery: etcd %s answers again", self.etcd.endpoint)
                 failing = False
             except EtcdError as e:
                 if not failing:
-                    logger.warning("discovery: cannot renew the lease of %s: %s", self.record.instance_id, e)
+                    logger.warning("discovery: cannot renew the registration of %s: %s", self.record.instance_id, e)
                 failing = True
 
     async def withdraw(self) -> None:
@@ -396,21 +260,41 @@ class Registration:
             await self.etcd.close()
 
 
+async def check_access(target: Target, timeout: float = 3.0) -> None:
+    """One read under the prefix: EtcdAccessError when etcd refuses this user, password or
+    certificate (EtcdError when it does not answer)."""
+    etcd = connect(target, timeout)
+    try:
+        await etcd.get(target.prefix.encode() + b"/")
+    finally:
+        await etcd.close()
+
+
 async def set_drain(target: Target, secret: ClusterSecret | None, instance_id: str, draining: bool,
                     by: str = "", timeout: float = 3.0) -> None:
-    """Drain (or undrain) an instance for every proxy watching `target`."""
+    """Drain (or undrain) an instance for every proxy watching `target`. In etcd the mark drains
+    the registration that counts now (bound to its lease, and held under it: it goes with it);
+    undrain deletes it."""
     if target.scheme == "file":
         def change(doc: dict) -> None:
             d = set(doc["drain"]) - {instance_id}
             doc["drain"] = sorted(d | {instance_id} if draining else d)
         await asyncio.to_thread(edit_file, target.path, change)
         return
-    etcd = Etcd(target.endpoint, timeout)
+    etcd = connect(target, timeout)
     try:
         key = drain_key(target.prefix, instance_id)
-        if draining:
-            await etcd.put(key, sign(secret, key, m.DrainMark(instance_id=instance_id)))
-        else:
+        if not draining:
             await etcd.delete(key)
+            return
+        kv = await etcd.get(record_key(target.prefix, instance_id))
+        try:
+            if kv is None or not kv.value:
+                raise Rejected("absent", "no record")
+            rec = verify(secret, kv, target.prefix)
+        except Rejected as e:
+            raise DiscoveryError(f"cannot drain {instance_id}: it has no record that counts in {target} ({e}); it is "
+                                 "leaving or registering again") from None
+        await write_entry(etcd, secret, key, m.DrainMark(instance_id=instance_id, lease=rec.inner.lease))
     finally:
         await etcd.close()

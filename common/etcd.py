@@ -1,17 +1,25 @@
 """A small etcd v3 client over etcd's JSON gRPC gateway (``/v3/...``), with httpx.
 
-kvferry's discovery (common/discovery.py) needs five calls: put, range (a prefix), delete, leases
-(grant, keepalive, revoke) and a streaming watch. etcd (3.4 and later) answers them all as JSON
-over HTTP, so the proxy needs no gRPC or protobuf. Keys and values are base64 on the wire; 64-bit
-integers (revisions, lease ids, TTLs) are JSON strings. Every call is bounded by a timeout; a
-failure is an :class:`EtcdError` naming the endpoint and the fix.
+kvferry's discovery (common/discovery.py) needs put, range (a prefix, in pages), delete, a
+compare-and-put transaction, leases (grant, keepalive, revoke) and a streaming watch. etcd (3.4
+and later) answers them all as JSON over HTTP, so the proxy needs no gRPC or protobuf. Keys and
+values are base64 on the wire; 64-bit integers (revisions, lease ids, TTLs) are JSON strings.
+
+etcd's own security works through it: TLS with a client certificate (an ``ssl.SSLContext``) and
+user/password auth (``/v3/auth/authenticate`` returns a token sent in the ``Authorization`` header
+of every call; a token etcd no longer knows is fetched again once). Every call is bounded by a
+timeout and every answer by a size; a failure is an :class:`EtcdError` naming the endpoint and
+the fix (:class:`EtcdAccessError` when it is credentials, certificates or permissions).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import ssl
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -20,11 +28,26 @@ import httpx
 from kvferry.common.errors import UnavailableError
 
 CALL_TIMEOUT_S = 3.0  # one unary call
+MAX_ANSWER_BYTES = 1 << 20  # one unary answer (a range page has its own bound)
+MAX_PAGE_BYTES = 16 << 20  # one range page; a larger one is asked again with fewer keys
+PAGE_KEYS = 256  # keys per range page to start with
 MAX_WATCH_LINE = 8 << 20  # one watch response (a batch of events) larger than this is refused
+AUTH_HINT = "add ?user=NAME&password_file=FILE to --discovery (a file, mode 600, holding the password)"
+TLS_HINT = "with etcds://, set ?cacert= (the CA that signed etcd's certificate) and ?cert= and ?key= (a client " \
+           "certificate etcd's --trusted-ca-file signed)"
 
 
 class EtcdError(UnavailableError, RuntimeError):
     """etcd did not answer, or answered an error; the message names the endpoint."""
+
+
+class EtcdAccessError(EtcdError):
+    """etcd refused these credentials, this certificate or this user's permissions: a setting to
+    fix, not an outage."""
+
+
+class _TooLarge(EtcdError):
+    """An answer larger than the caller's bound."""
 
 
 def _b64(b: bytes) -> str:
@@ -51,6 +74,7 @@ class KV:
     value: bytes
     mod_revision: int
     lease: int = 0
+    create_revision: int = 0  # the revision that created the key; a key deleted and put again has a new one
 
 
 @dataclass(frozen=True)
@@ -60,39 +84,116 @@ class Event:
 
 
 def _kv(d: dict) -> KV:
-    return KV(_unb64(d.get("key")), _unb64(d.get("value")), int(d.get("mod_revision") or 0), int(d.get("lease") or 0))
+    return KV(_unb64(d.get("key")), _unb64(d.get("value")), int(d.get("mod_revision") or 0), int(d.get("lease") or 0),
+              int(d.get("create_revision") or 0))
+
+
+def _compare(key: bytes, target: str, value: int) -> dict:
+    field = {"CREATE": "create_revision", "MOD": "mod_revision"}[target]
+    return {"key": _b64(key), "target": target, "result": "EQUAL", field: str(value)}
+
+
+def _error(data: object) -> str:
+    if isinstance(data, dict):
+        return str(data.get("message") or data.get("error") or data)
+    return str(data)[:200]
 
 
 class Etcd:
-    """One etcd endpoint (``http://host:port``); async; close() when done."""
+    """One etcd endpoint (``http://host:port`` or ``https://``); async; close() when done."""
 
-    def __init__(self, endpoint: str, timeout: float = CALL_TIMEOUT_S) -> None:
+    def __init__(self, endpoint: str, timeout: float = CALL_TIMEOUT_S, *, tls: ssl.SSLContext | None = None,
+                 user: str = "", password: str = "") -> None:
         parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
             raise EtcdError(f"etcd endpoint {endpoint!r} is not http://host:port")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         self.endpoint = f"{parts.scheme}://{host}:{parts.port}"
         self.timeout = timeout
-        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=timeout)
+        self.user, self._password = user, password
+        self._token = ""
+        self._auth_lock = asyncio.Lock()
+        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=timeout,
+                                         verify=tls if tls is not None else True)
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def _call(self, path: str, body: dict, timeout: float | None = None) -> dict:
+    def _unreachable(self, path: str, e: Exception) -> EtcdError:
+        text = f"{type(e).__name__}: {e or 'no answer'}"
+        if self.endpoint.startswith("https") and ("SSL" in text or "certificate" in text.lower()):
+            return EtcdAccessError(f"etcd {self.endpoint}{path}: TLS: {text} ({TLS_HINT})")
+        return EtcdError(f"etcd {self.endpoint}{path}: {text} (is etcd running there? check --discovery)")
+
+    def _refused(self, path: str, status: int, data: object) -> EtcdError:
+        msg = _error(data)
+        who = f"user {self.user!r}" if self.user else "no user"
+        if "user name is empty" in msg or ("invalid auth token" in msg and not self.user):
+            return EtcdAccessError(f"etcd {self.endpoint}{path}: etcd has auth enabled and kvferry gave no user: "
+                                   f"{AUTH_HINT}")
+        if "authentication failed" in msg:
+            return EtcdAccessError(f"etcd {self.endpoint}: {who}: {msg}: check the password ({AUTH_HINT})")
+        if "authentication is not enabled" in msg:
+            return EtcdAccessError(f"etcd {self.endpoint}: a user is given but etcd's auth is off: enable it "
+                                   "(docs/deploy.md \"etcd's own security\") or drop the user")
+        if "permission denied" in msg:
+            return EtcdAccessError(f"etcd {self.endpoint}{path}: {who}: permission denied: grant its role readwrite "
+                                   "on the discovery prefix (docs/deploy.md \"etcd's own security\")")
+        return EtcdError(f"etcd {self.endpoint}{path}: {status}: {msg}")
+
+    @asynccontextmanager
+    async def _post(self, path: str, body: dict, timeout: float | httpx.Timeout | None) -> AsyncIterator[
+            httpx.Response]:
+        headers = {"Authorization": self._token} if self._token else {}
         try:
-            r = await self._client.post(path, json=body, timeout=timeout or self.timeout)
+            async with self._client.stream("POST", path, json=body, headers=headers,
+                                           timeout=timeout or self.timeout) as r:
+                yield r
         except httpx.HTTPError as e:
-            raise EtcdError(f"etcd {self.endpoint}{path}: {type(e).__name__}: {e or 'no answer'} (is etcd running "
-                            "there? check --discovery)") from None
-        try:
-            data = r.json()
-        except ValueError:
-            raise EtcdError(f"etcd {self.endpoint}{path}: answered {r.status_code} with no JSON: is this etcd's "
-                            "client port (3.4 or later)?") from None
-        if r.status_code != 200 or not isinstance(data, dict) or "error" in data:
-            msg = data.get("message") or data.get("error") if isinstance(data, dict) else data
-            raise EtcdError(f"etcd {self.endpoint}{path}: {r.status_code}: {msg}")
-        return data
+            raise self._unreachable(path, e) from None
+
+    async def _once(self, path: str, body: dict, timeout: float | None, max_bytes: int) -> tuple[int, object]:
+        async with self._post(path, body, timeout) as r:
+            buf = bytearray()
+            try:
+                async for chunk in r.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > max_bytes:
+                        raise _TooLarge(f"etcd {self.endpoint}{path}: an answer of more than {max_bytes} bytes")
+            except httpx.HTTPError as e:
+                raise self._unreachable(path, e) from None
+            try:
+                return r.status_code, json.loads(buf)
+            except ValueError:
+                raise EtcdError(f"etcd {self.endpoint}{path}: answered {r.status_code} with no JSON: is this etcd's "
+                                "client port (3.4 or later)?") from None
+
+    async def _authenticate(self, stale: str) -> None:
+        """A token for `user` (once, however many calls found `stale` no longer valid)."""
+        async with self._auth_lock:
+            if self._token != stale:
+                return
+            self._token = ""
+            status, data = await self._once("/v3/auth/authenticate", {"name": self.user, "password": self._password},
+                                            None, MAX_ANSWER_BYTES)
+            if status != 200 or not isinstance(data, dict) or not data.get("token"):
+                raise self._refused("/v3/auth/authenticate", status, data)
+            self._token = str(data["token"])
+
+    async def _call(self, path: str, body: dict, timeout: float | None = None,
+                    max_bytes: int = MAX_ANSWER_BYTES) -> dict:
+        for attempt in range(2):
+            if self.user and not self._token:
+                await self._authenticate("")
+            token = self._token
+            status, data = await self._once(path, body, timeout, max_bytes)
+            if status == 401 and self.user and attempt == 0 and "invalid auth token" in _error(data):
+                await self._authenticate(token)  # it expired (etcd's --auth-token-ttl): once more with a new one
+                continue
+            if status != 200 or not isinstance(data, dict) or "error" in data:
+                raise self._refused(path, status, data)
+            return data
+        raise AssertionError("unreachable")
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         body: dict = {"key": _b64(key), "value": _b64(value)}
@@ -101,13 +202,54 @@ class Etcd:
         d = await self._call("/v3/kv/put", body)
         return int(d.get("header", {}).get("revision") or 0)
 
-    async def get_prefix(self, prefix: bytes) -> tuple[list[KV], int]:
-        """Every key under `prefix`, and the store's revision (watch from revision + 1)."""
-        d = await self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
-        return [_kv(x) for x in d.get("kvs") or []], int(d.get("header", {}).get("revision") or 0)
+    async def put_if(self, key: bytes, value: bytes, lease: int = 0, create_revision: int | None = None,
+                     mod_revision: int | None = None) -> tuple[bool, int]:
+        """Put only while the key's create (0: the key is absent) and mod revisions are these;
+        (succeeded, the store's revision after it: the put's mod revision when it succeeded)."""
+        put: dict = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        compare = [_compare(key, t, v) for t, v in (("CREATE", create_revision), ("MOD", mod_revision))
+                   if v is not None]
+        d = await self._call("/v3/kv/txn", {"compare": compare, "success": [{"request_put": put}]})
+        return bool(d.get("succeeded")), int(d.get("header", {}).get("revision") or 0)
+
+    async def pages(self, prefix: bytes, max_keys: int) -> AsyncIterator[tuple[list[KV], int]]:
+        """Every key under `prefix` (at most `max_keys`), a page at a time, all at one revision
+        (yielded with each page: watch from revision + 1). A page is bounded in bytes: one too
+        large is asked again with fewer keys."""
+        start, end, revision, limit, seen = prefix, prefix_end(prefix), 0, PAGE_KEYS, 0
+        while True:
+            body = {"key": _b64(start), "range_end": _b64(end), "limit": str(min(limit, max_keys - seen))}
+            if revision:
+                body["revision"] = str(revision)
+            try:
+                d = await self._call("/v3/kv/range", body, max_bytes=MAX_PAGE_BYTES)
+            except _TooLarge:
+                if limit == 1:
+                    raise EtcdError(f"etcd {self.endpoint}: one key under {prefix!r} is larger than "
+                                    f"{MAX_PAGE_BYTES} bytes") from None
+                limit = max(1, limit // 4)
+                continue
+            revision = revision or int(d.get("header", {}).get("revision") or 0)
+            kvs = [_kv(x) for x in d.get("kvs") or []]
+            seen += len(kvs)
+            yield kvs, revision
+            if not d.get("more") or not kvs or seen >= max_keys:
+                return
+            start = kvs[-1].key + b"\0"
+
+    async def get_prefix(self, prefix: bytes, max_keys: int = 1 << 20) -> tuple[list[KV], int]:
+        """Every key under `prefix` (at most `max_keys`), and the store's revision."""
+        out: list[KV] = []
+        revision = 0
+        async for kvs, rev in self.pages(prefix, max_keys):
+            out.extend(kvs)
+            revision = rev
+        return out, revision
 
     async def get(self, key: bytes) -> KV | None:
-        d = await self._call("/v3/kv/range", {"key": _b64(key)})
+        d = await self._call("/v3/kv/range", {"key": _b64(key)}, max_bytes=MAX_PAGE_BYTES)
         kvs = d.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
 
@@ -131,34 +273,50 @@ class Etcd:
             if "lease not found" not in str(e):
                 raise
 
+    async def _lines(self, r: httpx.Response, path: str) -> AsyncIterator[bytes]:
+        """The stream's lines, each bounded by MAX_WATCH_LINE while it is read."""
+        buf = bytearray()
+        async for chunk in r.aiter_bytes():
+            buf += chunk
+            while (nl := buf.find(b"\n")) >= 0:
+                line, buf = bytes(buf[:nl]), buf[nl + 1:]
+                yield line
+            if len(buf) > MAX_WATCH_LINE:
+                raise EtcdError(f"etcd {self.endpoint}{path}: a response of more than {MAX_WATCH_LINE} bytes")
+        if buf.strip():
+            yield bytes(buf)
+
     async def watch(self, prefix: bytes, start_revision: int, idle_timeout: float) -> AsyncIterator[list[Event]]:
         """Batches of events under `prefix` from `start_revision` on, until the stream ends or
         nothing (not even etcd's progress notice) arrives for `idle_timeout` seconds: then
         EtcdError. etcd sends a progress notice every `progress_notify` interval (10 min by default),
         so callers re-list and re-watch on a timeout rather than treat it as an outage."""
+        path = "/v3/watch"
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision), "progress_notify": True}}
-        timeout = httpx.Timeout(self.timeout, read=idle_timeout)
-        try:
-            async with self._client.stream("POST", "/v3/watch", json=body, timeout=timeout) as r:
-                if r.status_code != 200:
-                    raise EtcdError(f"etcd {self.endpoint}/v3/watch: answered {r.status_code}")
-                async for line in r.aiter_lines():
+        if self.user and not self._token:
+            await self._authenticate("")
+        async with self._post(path, body, httpx.Timeout(self.timeout, read=idle_timeout)) as r:
+            if r.status_code != 200:
+                if r.status_code == 401 and self.user:
+                    await self._authenticate(self._token)  # the next watch has a fresh token
+                data = await r.aread()
+                raise self._refused(path, r.status_code, data[:300].decode("utf-8", "replace"))
+            try:
+                async for line in self._lines(r, path):
                     if not line.strip():
                         continue
-                    if len(line) > MAX_WATCH_LINE:
-                        raise EtcdError(f"etcd {self.endpoint}/v3/watch: a response of {len(line)} bytes")
                     try:
                         d = json.loads(line)
                     except ValueError:
-                        raise EtcdError(f"etcd {self.endpoint}/v3/watch: not JSON: {line[:80]!r}") from None
+                        raise EtcdError(f"etcd {self.endpoint}{path}: not JSON: {line[:80]!r}") from None
                     if "error" in d:
-                        raise EtcdError(f"etcd {self.endpoint}/v3/watch: {d.get('error')}")
+                        raise EtcdError(f"etcd {self.endpoint}{path}: {_error(d.get('error'))}")
                     res = d.get("result") or {}
                     if res.get("canceled") or res.get("compact_revision"):
-                        raise EtcdError(f"etcd {self.endpoint}/v3/watch: cancelled "
+                        raise EtcdError(f"etcd {self.endpoint}{path}: cancelled "
                                         f"({res.get('cancel_reason') or 'compacted'})")
                     yield [Event("delete" if e.get("type") == "DELETE" else "put", _kv(e.get("kv") or {}))
                            for e in res.get("events") or []]
-        except httpx.HTTPError as e:
-            raise EtcdError(f"etcd {self.endpoint}/v3/watch: {type(e).__name__}: {e or 'no answer'}") from None
+            except httpx.HTTPError as e:
+                raise EtcdError(f"etcd {self.endpoint}{path}: {type(e).__name__}: {e or 'no answer'}") from None

@@ -416,12 +416,16 @@ class InstanceRecord(Msg, tag="instance", frozen=True):  # discovery (common/dis
     lease: NonNeg = 0  # the etcd lease it is written under (0: a file entry); held under another: refused
 
 
-class DrainMark(Msg, tag="drain", frozen=True):  # every proxy drains this instance
+class DrainMark(Msg, tag="drain", frozen=True):  # every proxy drains this instance's registration
     instance_id: Id
+    lease: NonNeg = 0  # the drained record's lease, which the mark is held under too (0: written before leases)
 
-class SignedEntry(Msg, tag="signed", frozen=True):  # body: an encoded InstanceRecord or DrainMark; sig: HMAC(key, body)
+
+class SignedEntry(Msg, tag="signed", frozen=True):  # body: an encoded InstanceRecord or DrainMark
     body: Blob
-    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # HMAC(key, body[, revision, expires])
+    revision: NonNeg = 0  # its key's create revision (0: a writer before revisions: refused, "version")
+    expires: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] = 0.0  # a record: unix time it stops counting
 
 Message = Union[
     Hello, Welcome, AllocRequest, AllocResponse, RenewLease, LeaseRenewed, ErrorReply, ArrivalNotice,

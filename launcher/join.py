@@ -29,8 +29,9 @@ from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common import secret as cluster_secret
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.etcd import EtcdError
+from kvferry.common.etcd import EtcdAccessError, EtcdError
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import advertised
 
 logger = get_logger(__name__)
 
@@ -150,7 +151,9 @@ class Registrar:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discovery", required=True, metavar="etcd://HOST:PORT/PREFIX|file://PATH",
-                   help="where the cluster's proxies look for instances")
+                   help="where the cluster's proxies look for instances; etcds:// for TLS, and ?cacert=&cert=&key= "
+                        "(a client certificate), ?user=&password_file= (an etcd user) for etcd's own security "
+                        "(docs/deploy.md)")
     p.add_argument("--role", required=True, choices=("prefiller", "decoder"))
     p.add_argument("--model", default=None, help="model path or name (default: the tiny test model)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model, or "
@@ -159,7 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind-host", default="127.0.0.1", help="address vLLM and the receiver listen on "
                                                             "(0.0.0.0: every interface)")
     p.add_argument("--advertise-host", default=None, help="address proxies and prefillers reach this machine at "
-                                                          "(default: --bind-host, or this host's name for 0.0.0.0)")
+                                                          "(default: --bind-host; for 0.0.0.0 or ::, this machine's "
+                                                          "address: its host name's first address that is not "
+                                                          "loopback, else the default route's source address)")
     p.add_argument("--instance-id", default=None, help="its name in discovery (default ROLE-HOST-PORT)")
     p.add_argument("--lease-ttl", type=int, default=disc.DEFAULT_TTL_S,
                    help=f"seconds a killed instance stays registered (default {disc.DEFAULT_TTL_S})")
@@ -241,12 +246,15 @@ def run(args: argparse.Namespace) -> int:
         target = disc.parse_target(args.discovery)
         if args.lease_ttl < 2:
             raise JoinError(f"--lease-ttl {args.lease_ttl}: at least 2 seconds")
-        advertise = args.advertise_host or (socket.gethostname() if args.bind_host in ("0.0.0.0", "::")
-                                            else args.bind_host)
+        advertise = advertised(args.bind_host, args.advertise_host, "kvferry join (--bind-host)")
         secret = _secret(args, target, advertise)
-    except (JoinError, disc.DiscoveryError) as e:
+        if target.scheme == "etcd":
+            asyncio.run(disc.check_access(target))
+    except (JoinError, disc.DiscoveryError, EtcdAccessError) as e:
         print(f"kvferry join: error: {e}", file=sys.stderr)
         return 2
+    except EtcdError as e:  # not there yet: the registrar tries again every second
+        print(f"kvferry join: {e}; registering once it answers", file=sys.stderr, flush=True)
     hostport = f"[{advertise}]" if ":" in advertise else advertise
     if args.attach:
         if args.vllm_args:

@@ -158,7 +158,7 @@ def test_discovery_etcd_forged_entries_are_ignored_and_counted(etcd_server, clus
             await watch.sync()  # a second listing counts nothing again
             assert views[-1].records == {}
             assert sorted(reasons) == ["bad_signature", "bad_signature", "lease", "malformed", "unsigned"]
-            await etcd.put(k, disc.sign(key, k, good), lease=lease)  # the real one again
+            await disc.write_entry(etcd, key, k, good, time.time() + 30)  # the real one, bound to its key
             await watch.sync()
             assert list(views[-1].records) == ["good"]
         finally:

@@ -1,0 +1,170 @@
+"""A --discovery value: which engine, where, and with what credentials (docs/deploy.md "Discovery").
+
+``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS) or ``file://PATH``. The query holds
+etcd's own security and the clock allowance, so one string serves the proxy's ``--discovery``,
+``kvferry join --discovery`` and ``kvferry up --discovery`` alike:
+
+- ``cacert=FILE``: the CA that signed etcd's server certificate (else the system's);
+  ``cert=FILE&key=FILE``: a client certificate for an etcd with ``--client-cert-auth``.
+- ``user=NAME&password_file=FILE``: an etcd user, and the file (mode 600) holding its password;
+  never the password itself (a command line and log lines show the URL).
+- ``clock_skew=SECONDS``: how far apart the machines' clocks may be (a record counts until its
+  signed expiry plus this; default 1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import ssl
+import stat
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlsplit
+
+from kvferry.common.errors import ConfigurationError
+from kvferry.common.etcd import Etcd
+from kvferry.common.log import get_logger
+
+logger = get_logger(__name__)
+
+DEFAULT_PREFIX = "/kvferry"
+DEFAULT_CLOCK_SKEW_S = 1.0
+MAX_PASSWORD_CHARS = 1024
+QUERY_KEYS = ("cacert", "cert", "key", "user", "password_file", "clock_skew")
+
+
+class DiscoveryError(ConfigurationError, ValueError):
+    """A bad --discovery value; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed --discovery value."""
+
+    scheme: str  # "etcd" | "file"
+    endpoint: str = ""  # etcd: http://host:port (https:// for etcds://)
+    prefix: str = DEFAULT_PREFIX  # etcd: the cluster's key prefix, no trailing slash
+    path: str = ""  # file: the watched file
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = field(default="", repr=False)
+    clock_skew: float = DEFAULT_CLOCK_SKEW_S
+
+    @property
+    def host(self) -> str:
+        return (urlsplit(self.endpoint).hostname or "") if self.scheme == "etcd" else ""
+
+    def __str__(self) -> str:
+        if self.scheme == "file":
+            return f"file://{self.path}"
+        scheme = "etcds" if self.endpoint.startswith("https") else "etcd"
+        return f"{scheme}://{self.endpoint.split('://', 1)[1]}{self.prefix}" + (f" as {self.user}" if self.user else "")
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The TLS context etcds:// connects with (None for etcd://)."""
+        if not self.endpoint.startswith("https"):
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.cacert or None)
+        except (ssl.SSLError, OSError) as e:
+            raise DiscoveryError(f"--discovery cacert={self.cacert}: no usable CA certificate there ({e}): name the "
+                                 "PEM file of the CA that signed etcd's server certificate") from None
+        if self.cert:
+            try:
+                ctx.load_cert_chain(self.cert, self.key)
+            except (ssl.SSLError, OSError) as e:
+                raise DiscoveryError(f"--discovery cert={self.cert} key={self.key}: not a client certificate and its "
+                                     f"private key ({e}): name the PEM files etcd's CA signed") from None
+        return ctx
+
+
+def connect(target: Target, timeout: float) -> Etcd:
+    """A client for `target`'s etcd, with its TLS and user."""
+    return Etcd(target.endpoint, timeout, tls=target.tls(), user=target.user, password=target.password)
+
+
+def _read_password(path: str, source: str) -> str:
+    """A password file's first line; one others may read is used, with a warning naming chmod."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            st = os.fstat(f.fileno())
+            text = f.read(MAX_PASSWORD_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise DiscoveryError(f"{source}: cannot read the etcd password file {path!r} ({why}): fix the path or its "
+                             "permissions") from None
+    password = text.splitlines()[0] if text.strip() else ""
+    if not password or len(text) > MAX_PASSWORD_CHARS:
+        raise DiscoveryError(f"{source}: the etcd password file {path!r} is empty or longer than {MAX_PASSWORD_CHARS} "
+                             "characters: put the password alone on its first line")
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("%s: etcd password file %s can be read by other users: chmod 600 %s", source, path, path)
+    return password
+
+
+def _credentials(flag: str, query: dict[str, str]) -> tuple[str, str]:
+    user, path = query.get("user", ""), query.get("password_file", "")
+    if bool(user) != bool(path):
+        raise DiscoveryError(f"{flag}: user= and password_file= go together (an etcd user, and a file, mode 600, "
+                             "holding its password)")
+    return (user, _read_password(path, f"{flag} password_file=")) if user else ("", "")
+
+
+def _file_query(flag: str, query: dict[str, str], name: str) -> str:
+    path = query.get(name, "")
+    if path and not os.access(path, os.R_OK):
+        raise DiscoveryError(f"{flag}: {name}={path}: cannot be read: fix the path or its permissions")
+    return os.path.abspath(path) if path else ""
+
+
+def parse_target(raw: str, flag: str = "--discovery") -> Target:
+    """``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS) or ``file://PATH``."""
+    parts = urlsplit(raw)
+    if parts.scheme == "file":
+        path = (parts.netloc + parts.path) if parts.netloc else parts.path
+        if not path:
+            raise DiscoveryError(f"{flag}: {raw!r} names no file: file:///path/to/cluster.yaml")
+        return Target("file", path=os.path.abspath(path))
+    if parts.scheme not in ("etcd", "etcds"):
+        raise DiscoveryError(f"{flag}: {raw!r}: expected etcd://HOST:PORT/PREFIX or file://PATH")
+    shown = raw.split("?", 1)[0]
+    if parts.password is not None or parts.username is not None:
+        raise DiscoveryError(f"{flag}: no user or password in the URL's address (a command line and log lines show "
+                             f"it): give ?user=NAME&password_file=FILE (a file holding the password)")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        raise DiscoveryError(f"{flag}: {shown!r} is not etcd://HOST:PORT/PREFIX (etcd's client port, usually 2379)")
+    try:
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise DiscoveryError(f"{flag}: the query of {shown!r} is not NAME=VALUE&...") from None
+    query = dict(pairs)
+    unknown = sorted({k for k, _ in pairs} - set(QUERY_KEYS)) + sorted({k for k, _ in pairs if
+                                                                        sum(1 for kk, _ in pairs if kk == k) > 1})
+    if unknown:
+        hint = ": the password goes in a file named by ?password_file=, never the URL" if "password" in unknown else ""
+        raise DiscoveryError(f"{flag}: ?{unknown[0]}= in {shown!r} is unknown or repeated (known: "
+                             f"{', '.join(QUERY_KEYS)}){hint}")
+    tls = {k: _file_query(flag, query, k) for k in ("cacert", "cert", "key")}
+    if parts.scheme == "etcd" and any(tls.values()):
+        raise DiscoveryError(f"{flag}: cacert=, cert= and key= need TLS: write etcds://{shown.split('://', 1)[1]}")
+    if bool(tls["cert"]) != bool(tls["key"]):
+        raise DiscoveryError(f"{flag}: cert= and key= go together (a client certificate and its private key)")
+    try:
+        skew = float(query.get("clock_skew", DEFAULT_CLOCK_SKEW_S))
+    except ValueError:
+        skew = -1.0
+    if not (math.isfinite(skew) and 0 <= skew <= 3600):
+        raise DiscoveryError(f"{flag}: clock_skew={query['clock_skew']}: expected seconds from 0 to 3600")
+    user, password = _credentials(flag, query)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX
+    target = Target("etcd", f"{'https' if parts.scheme == 'etcds' else 'http'}://{host}:{port}", prefix,
+                    user=user, password=password, clock_skew=skew, **tls)
+    target.tls()  # a CA or client certificate that cannot be loaded fails here, naming the query key
+    return target
