@@ -82,7 +82,8 @@ class Target:
 
 def connect(target: Target, timeout: float) -> Etcd:
     """A client for `target`'s etcd, with its TLS and user."""
-    return Etcd(target.endpoint, timeout, tls=target.tls(), user=target.user, password=target.password)
+    return Etcd(target.endpoint, timeout, tls=target.tls(), client_cert=bool(target.cert), user=target.user,
+                password=target.password)
 
 
 def _read_password(path: str, source: str) -> str:

@@ -171,7 +171,7 @@ class EtcdWatch:
     async def sync(self) -> None:
         """One full listing, a page at a time."""
         seen: set[bytes] = set()
-        async for kvs, revision in self.etcd.pages(self._base, MAX_ENTRIES):
+        async for kvs, revision in self.etcd.pages(self._base, MAX_ENTRIES + 1):
             self.revision = revision
             for kv in kvs:
                 seen.add(_key_id(kv.key))

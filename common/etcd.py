@@ -103,7 +103,7 @@ class Etcd:
     """One etcd endpoint (``http://host:port`` or ``https://``); async; close() when done."""
 
     def __init__(self, endpoint: str, timeout: float = CALL_TIMEOUT_S, *, tls: ssl.SSLContext | None = None,
-                 user: str = "", password: str = "") -> None:
+                 client_cert: bool = False, user: str = "", password: str = "") -> None:
         parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
             raise EtcdError(f"etcd endpoint {endpoint!r} is not http://host:port")
@@ -113,16 +113,23 @@ class Etcd:
         self.user, self._password = user, password
         self._token = ""
         self._auth_lock = asyncio.Lock()
+        self._client_cert = client_cert
         self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=timeout,
                                          verify=tls if tls is not None else True)
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    def _unreachable(self, path: str, e: Exception) -> EtcdError:
-        text = f"{type(e).__name__}: {e or 'no answer'}"
+    def _unreachable(self, path: str, e: BaseException) -> EtcdError:
+        why = e.__cause__ or e.__context__
+        text = f"{type(e).__name__}: {e or why or 'no answer'}"
         if self.endpoint.startswith("https") and ("SSL" in text or "certificate" in text.lower()):
             return EtcdAccessError(f"etcd {self.endpoint}{path}: TLS: {text} ({TLS_HINT})")
+        if self.endpoint.startswith("https") and not self._client_cert and isinstance(e, httpx.ReadError):
+            # TLS 1.3: an etcd with --client-cert-auth closes the connection after the handshake
+            return EtcdAccessError(f"etcd {self.endpoint}{path}: TLS: the connection was closed before an answer, as "
+                                   "an etcd with --client-cert-auth does to a client without a certificate (or etcd "
+                                   f"stopped): {TLS_HINT}")
         return EtcdError(f"etcd {self.endpoint}{path}: {text} (is etcd running there? check --discovery)")
 
     def _refused(self, path: str, status: int, data: object) -> EtcdError:
@@ -149,19 +156,16 @@ class Etcd:
             async with self._client.stream("POST", path, json=body, headers=headers,
                                            timeout=timeout or self.timeout) as r:
                 yield r
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ssl.SSLError) as e:
             raise self._unreachable(path, e) from None
 
     async def _once(self, path: str, body: dict, timeout: float | None, max_bytes: int) -> tuple[int, object]:
         async with self._post(path, body, timeout) as r:
             buf = bytearray()
-            try:
-                async for chunk in r.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > max_bytes:
-                        raise _TooLarge(f"etcd {self.endpoint}{path}: an answer of more than {max_bytes} bytes")
-            except httpx.HTTPError as e:
-                raise self._unreachable(path, e) from None
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise _TooLarge(f"etcd {self.endpoint}{path}: an answer of more than {max_bytes} bytes")
             try:
                 return r.status_code, json.loads(buf)
             except ValueError:
