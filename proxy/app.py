@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from kvferry.common import http_guard, zsock
 from kvferry.common import secret as cluster_secret
-from kvferry.common import zsock
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.proxy import limits
@@ -58,8 +59,7 @@ class Proxy:
                 self.router.register(spec)
             except ValueError as e:
                 raise OptionError(f"--{spec.role}: {e}") from None
-        # Checked in constant time (common/secret.authorized); /admin/* falls back to the API key.
-        self._admin_auth = opts.admin_key or opts.api_key
+        self.hosts = http_guard.Hosts(opts.host, opts.allowed_host)  # the admin API's names without --admin-key
         self._streams: dict[str, asyncio.Task] = {}  # discovered instance id -> its KV-event loop
         self.discovery = None if opts.discovery is None else Discovery(
             opts, self.router, self.metrics, self.trust.secret, self._attach, self._detach)
@@ -94,13 +94,15 @@ class Proxy:
         return notify_host(self.opts)
 
     def _check_exposure(self) -> None:
-        """Unprotected surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
+        """The admin API beyond loopback without an admin key: an error. Other unprotected
+        surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
         o = self.opts
+        if o.admin and not o.admin_key and not zsock.is_loopback(o.host):
+            raise OptionError(f"the admin API (/admin/*) would listen on {o.host or '*'}, beyond loopback, without an "
+                              "admin key: anyone who reaches it could add, drain and remove instances, and so choose "
+                              "where prompts and their KV go. Set --admin-key (or KVFERRY_ADMIN_KEY; `kvferry "
+                              "secret` makes one), or --no-admin, or listen on 127.0.0.1")
         try:
-            zsock.warn_exposed(o.host, "the admin API (/admin/*, --admin-key)", not o.admin or bool(o.admin_key),
-                               o.require_cluster_secret, "an admin key", "anyone who reaches it can add, drain and "
-                               "remove instances, and so choose where prompts and their KV go",
-                               "Set --admin-key (or --no-admin)")
             if self.discovery is not None and self.trust.secret is None and not o.insecure_discovery:
                 beyond = [h for h in (o.host, self.discovery.target.host) if h and not is_loopback(h)]
                 if beyond:
@@ -202,20 +204,57 @@ class Proxy:
     async def _notifications(self) -> None:
         await self.transfers.notifications(self.loops["notifications"])
 
+    def refusal(self, method: str, path: str, headers: Mapping[str, str]) -> web.Response | None:
+        """The answer to a request its head alone refuses, or None. /v1/*: the API key. /admin/*:
+        the admin key, and only it (a client's --api-key never opens it: with --api-key and no
+        --admin-key the admin API is closed); without keys (loopback only: _check_exposure) a
+        Host that is not one of this proxy's names; with or without, a state change a browser
+        marks as cross-site (common/http_guard.py).
+
+        An admin POST body is read as JSON whatever its Content-Type says, as the controller's is
+        (`curl -d` sends a form type): a Content-Type rule would not stop a cross-site drain, whose
+        POST has no body, so the Origin rule, which every browser's non-GET request meets, is the
+        one that does (a text/plain POST from another site included)."""
+        if path in ("/health", "/metrics"):
+            return None
+        o = self.opts
+        if self.opts.admin and (path == "/admin" or path.startswith("/admin/")):
+            if o.admin_key:
+                if not cluster_secret.authorized(headers.get("Authorization"), o.admin_key):
+                    return json_response(error_body(401, "missing or wrong admin key (Authorization: Bearer ...)",
+                                                    "unauthorized"), 401)
+            elif o.api_key:
+                return json_response(error_body(
+                    403, "the admin API is closed: this proxy has a client --api-key and no admin key, and a client "
+                         "key never opens it. Start it with --admin-key KEY (or env KVFERRY_ADMIN_KEY) and send "
+                         "'Authorization: Bearer KEY'", "admin_closed"), 403)
+            why = http_guard.refusal(method, headers.get("Host"), headers.get("Origin"),
+                                     headers.get("Sec-Fetch-Site"), None if o.admin_key else self.hosts)
+            if why is not None:
+                return json_response(error_body(403, why, "forbidden"), 403)
+            return None
+        if o.api_key and not cluster_secret.authorized(headers.get("Authorization"), o.api_key):
+            return json_response(error_body(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                            "unauthorized"), 401)
+        return None
+
+    def head_ok(self, path: str, headers: Mapping[str, str]) -> bool:
+        """The front door's check of a hot request whose body is still on its way."""
+        return self.refusal("POST", path, headers) is None
+
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """API key (admin key on /admin/*), and no traceback ever reaches a client."""
+        """Keys and browser rules (refusal), --max-in-flight, and no traceback ever reaches a client."""
         if self.peers is not None:  # --workers N: the other workers' admin changes first
             self.peers.sync(self.admin.apply)
         path = request.path
         endpoint = path if path.startswith("/v1/") else "other"
-        admin = path == "/admin" or path.startswith("/admin/")
-        want = self._admin_auth if admin else None if path in ("/health", "/metrics") else self.opts.api_key
-        if want and not cluster_secret.authorized(request.headers.get("Authorization"), want):
-            self.metrics.requests.labels(endpoint, "401").inc()
-            what = "admin key" if admin and self.opts.admin_key else "API key"
-            return json_response(error_body(401, f"missing or wrong {what} (Authorization: Bearer ...)",
-                                            "unauthorized"), 401)
+        refused = self.refusal(request.method, path, request.headers)
+        if refused is not None:
+            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
+            if getattr(request, "can_read_body", False):
+                refused.force_close()  # its body is never read: the connection goes with this answer
+            return refused
         gated = endpoint != "other"
         if gated and not self.gate.enter():
             self.metrics.requests.labels(endpoint, "503").inc()

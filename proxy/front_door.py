@@ -18,6 +18,15 @@ Kept as aiohttp keeps it:
   cut off (aiohttp waits for it forever), so its decoder and connection come back;
 - an idle keep-alive connection closes after 75 s;
 - a request's bytes are parsed only after the previous answer went out.
+
+Bounded here for both servers (`Bounds`; aiohttp holds none of these):
+- a request whose head and body have not arrived --request-timeout after its first byte has its
+  connection closed; a connection handed to aiohttp stays timed (common/http_conns.Bounded);
+- past --max-connections open connections (this process's, both servers'), a new one is
+  answered 503 with Retry-After and closed;
+- a request whose body is still on its way is judged from its head first: one the guard
+  refuses (no or a wrong API key) goes to aiohttp, whose guard answers 401 and drops the body
+  unread (closing the connection), rather than its body being buffered here.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import cast
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvferry.common.http_conns import Bounded, Conns
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -40,15 +50,36 @@ logger = get_logger(__name__)
 HOT = frozenset({b"/v1/completions", b"/v1/chat/completions"})
 MAX_HEAD = 8190  # aiohttp's max_line_size and max_field_size: a longer head is aiohttp's to refuse
 IDLE_S = 75.0  # aiohttp's keepalive_timeout
+REQUEST_S = 30.0  # --request-timeout's default
 MAX_PENDING = 1 << 20  # bytes read ahead of the request being answered before reading pauses
 
 Handler = Callable[["FastRequest"], Awaitable[web.StreamResponse]]
+HeadCheck = Callable[[str, CIMultiDict[str]], bool]
+
+
+class Bounds:
+    """What one process's connections share: `conns` (--max-connections, --request-timeout, and
+    the connections handed to aiohttp), and `head_ok(path, headers)`: may a request whose body
+    is still on its way be read (False: the guard refuses it from its head alone)?"""
+
+    __slots__ = ("conns", "head_ok")
+
+    def __init__(self, conns: Conns, head_ok: HeadCheck) -> None:
+        self.conns, self.head_ok = conns, head_ok
+
+
+def _any_head(path: str, headers: CIMultiDict[str]) -> bool:
+    return True
+
+
+UNBOUNDED = Bounds(Conns(REQUEST_S, 1 << 30, b"", "front door"), _any_head)
 
 
 class FastRequest:
     """The part of aiohttp's Request the proxy's handlers use: path, headers, the whole body."""
 
     __slots__ = ("path", "headers", "content_length", "whole_body", "door")
+    method = "POST"  # the hot path's only one
 
     def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, door: FrontDoor) -> None:
         self.path, self.headers, self.whole_body, self.door = path, headers, body, door
@@ -59,8 +90,9 @@ class FrontDoor(asyncio.Protocol):
     """One client connection until it leaves the hot path (then it is aiohttp's)."""
 
     def __init__(self, handle: Handler, fallback: Callable[[], asyncio.Protocol], max_body: int,
-                 conns: set[FrontDoor]) -> None:
+                 conns: set[FrontDoor], bounds: Bounds = UNBOUNDED) -> None:
         self.handle, self.fallback, self.max_body, self.conns = handle, fallback, max_body, conns
+        self.bounds = bounds
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.task: asyncio.Task[None] | None = None
@@ -73,12 +105,15 @@ class FrontDoor(asyncio.Protocol):
         self.full_since: float | None = None
         self.full_left = 0
         self.idle_since: float | None = None  # waiting for a request since (close_idle's to close)
+        self.request_since: float | None = None  # a request's first byte came then; its head or body is awaited
         # A head read whose body is still arriving: (path, headers, body start, body length).
         self.pending: tuple[str, CIMultiDict[str], int, int] | None = None
         self.loop = asyncio.get_running_loop()
 
     # ---- asyncio callbacks ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self.bounds.conns.admit(transport, len(self.conns)):
+            return  # answered 503 and closed: nothing more is read
         self.transport = cast(asyncio.Transport, transport)
         self.conns.add(self)
         self.idle_since = self.loop.time()
@@ -87,6 +122,8 @@ class FrontDoor(asyncio.Protocol):
         self.buf += data
         if self.task is None:
             self.idle_since = None  # a request is arriving
+            if self.request_since is None:
+                self.request_since = self.loop.time()
             p = self.pending
             if p is None or len(self.buf) >= p[2] + p[3]:
                 self._next()
@@ -160,13 +197,18 @@ class FrontDoor(asyncio.Protocol):
             self._hand_over()  # aiohttp refuses an over-size body from its Content-Length, unread
             return
         if len(buf) < end + 4 + length:  # the body is still on its way: other connections go on meanwhile
-            self.pending = (parts[1].decode(), headers, end + 4, length)
+            path = parts[1].decode()
+            if not self.bounds.head_ok(path, headers):
+                self._hand_over()  # aiohttp's guard answers it from its head; its body is never buffered
+                return
+            self.pending = (path, headers, end + 4, length)
             return
         self._start(parts[1].decode(), headers, end + 4, length)
 
     def _start(self, path: str, headers: CIMultiDict[str], start: int, length: int) -> None:
         body = bytes(self.buf[start:start + length])
         del self.buf[:start + length]
+        self.request_since = None
         self.task = self.loop.create_task(self._serve(FastRequest(path, headers, body, self)))
 
     async def _serve(self, request: FastRequest) -> None:
@@ -197,7 +239,8 @@ class FrontDoor(asyncio.Protocol):
         if not self.reading:
             self.reading = True
             t.resume_reading()
-        if self.buf:
+        if self.buf:  # the next request began arriving while this one was answered: it is timed from now
+            self.request_since = self.loop.time()
             self._next()
         else:
             self.idle_since = self.loop.time()
@@ -230,12 +273,13 @@ class FrontDoor(asyncio.Protocol):
             d.set_result(None)
 
     def _hand_over(self) -> None:
-        """The rest of this connection is aiohttp's, starting with the bytes of this request."""
+        """The rest of this connection is aiohttp's, starting with the bytes of this request (its
+        arrival still timed from its first byte, and the connection still counted)."""
         t = self.transport
         assert t is not None and self.task is None
         self.conns.discard(self)
         self.transport = None
-        proto = self.fallback()
+        proto = Bounded(self.fallback(), self.bounds.conns, self.request_since, admit=False)
         t.set_protocol(proto)
         proto.connection_made(t)
         if not self.reading:
@@ -249,18 +293,24 @@ class FrontDoor(asyncio.Protocol):
             self.transport.close()
 
 
-async def close_idle(doors: set[FrontDoor], stall_s: float) -> None:
-    """Closes the connections that waited IDLE_S for a request, and cuts those whose client read
-    nothing of its answer for `stall_s` (--stall-timeout; its handler is cancelled as if the client
-    had left): one sweep for all of them, checked every quarter of the shorter bound (at most 5 s),
-    rather than a timer set and cancelled per request or per write."""
+async def close_idle(doors: set[FrontDoor], stall_s: float, conns: Conns | None = None) -> None:
+    """Closes the connections that waited IDLE_S for a request, drops those whose request did not
+    arrive within `conns.request_s` (--request-timeout; those handed to aiohttp too), and cuts
+    those whose client read nothing of its answer for `stall_s` (--stall-timeout; its handler is
+    cancelled as if the client had left): one sweep for all of them, checked every quarter of the
+    shortest bound (at most 5 s), rather than a timer set and cancelled per request or per write."""
     loop = asyncio.get_running_loop()
+    request_s = conns.request_s if conns is not None else REQUEST_S
     while True:
-        await asyncio.sleep(min(5.0, IDLE_S / 4, stall_s / 4))
+        await asyncio.sleep(min(5.0, IDLE_S / 4, stall_s / 4, request_s / 4))
         now = loop.time()
+        if conns is not None:
+            conns.sweep(now)
         for d in list(doors):
             if d.task is None and d.idle_since is not None and now - d.idle_since >= IDLE_S:
                 d.close()
+            elif d.task is None and conns is not None and conns.overdue(d.request_since, now):
+                conns.expire(d.transport)
             elif d.full_since is None or d.transport is None:
                 continue
             elif (left := unsent(d.transport)) < d.full_left:

@@ -51,10 +51,13 @@ class ProxyOptions:
     proxy_bind_host: str | None = None  # where the notify socket binds when not --proxy-host (e.g. 0.0.0.0)
     policy: str = "cache"  # "cache" (docs/proxy.md "Routing") | "load" (power of two choices) | "round_robin"
     affinity_header: str | None = None
-    api_key: str | None = None
-    upstream_api_key: str | None = None
+    # Keys never appear in the repr (nor in a log line).
+    api_key: str | None = field(default=None, repr=False)
+    upstream_api_key: str | None = field(default=None, repr=False)
     admin: bool = True
-    admin_key: str | None = None  # required on /admin/* when set; distinct from api_key; never logged
+    admin_key: str | None = field(default=None, repr=False)  # required on /admin/* when set; distinct from api_key
+    allowed_host: list[str] = field(default_factory=list)  # the admin API's names without an admin key, beyond
+    # loopback's and --host's (DNS rebinding: common/http_guard.py)
     cluster_secret_file: str | None = None  # else env KVFERRY_CLUSTER_SECRET / KVFERRY_CLUSTER_SECRET_FILE
     require_cluster_secret: bool = False  # an unprotected port beyond loopback is a start-up error
     connect_timeout: float = 5.0
@@ -68,6 +71,8 @@ class ProxyOptions:
     max_in_flight: int = 1024  # client requests handled at once; more get 503 with Retry-After
     max_n: int = 16  # samples per request (n): each is its own pair of legs
     upstream_connections: int = 512  # open connections per instance (http_client.Pool; 0 was unbounded)
+    request_timeout: float = 30.0  # a request's head and body must arrive within this of its first byte
+    max_connections: int | None = None  # client connections per process (None: from `ulimit -n`, http_conns)
     # Cache-aware routing (docs/proxy.md "Routing").
     kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # url -> (endpoint, replay)
     tokenizer: str | None = None  # the model's tokenizer: predicts a text prompt's tokens before routing
@@ -152,6 +157,14 @@ def receiver_host(flag: str, raw: str) -> str:
     return host
 
 
+def allowed_host(raw: str) -> str:
+    """An --allowed-host NAME: a host name or address (IPv6 with or without brackets), no port."""
+    host = net.unbracket(raw.strip())
+    if not host or host in net.WILDCARDS or (any(c in host for c in "/@ ,:") and not net.is_ipv6(host)):
+        raise OptionError(f"--allowed-host: {raw!r} is not a host name or address (e.g. proxy.internal, 10.0.0.5)")
+    return host
+
+
 def decoder_from(flag: str, raw: str) -> InstanceSpec:
     """`URL[,init_port,alloc_port[,receiver_host]]` (init/alloc may be `a+b` lists for TP ranks;
     receiver_host: the receiver's advertised address, when it is not the URL's host)."""
@@ -232,18 +245,27 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("health_interval", "positive"),
     Opt("no_admin", "flag", "disable the /admin API"),
     Opt("admin_key", "raw", "require 'Authorization: Bearer KEY' on /admin/* (env KVFERRY_ADMIN_KEY); must differ "
-                            "from --api-key"),
+                            "from --api-key. Without it the admin API is open on loopback only, and closed when "
+                            "--api-key is set (a client key never opens it)"),
+    Opt("allowed_host", "raw", "a name the admin API answers to without --admin-key, besides localhost, loopback "
+                               "addresses and --host; repeatable (a request with another Host is refused: DNS "
+                               "rebinding)", {"action": "append", "metavar": "NAME"}),
     Opt("cluster_secret_file", "raw", "the cluster secret for the proxy's ZMQ sockets (--proxy-port, aborts to "
                                       "decoders); else env KVFERRY_CLUSTER_SECRET[_FILE]"),
-    Opt("require_cluster_secret", "flag", "refuse to start with --proxy-port beyond loopback and no cluster "
-                                          "secret, or the admin API beyond loopback and no --admin-key (default: a "
-                                          "warning)"),
+    Opt("require_cluster_secret", "flag", "refuse to start with --proxy-port or a tcp:// --kv-events beyond "
+                                          "loopback and no cluster secret (default: a warning; the admin API beyond "
+                                          "loopback without --admin-key is always refused)"),
     Opt("max_body_bytes", "size", "largest request body in bytes (default 64 MiB); more gets a JSON 413"),
     Opt("max_batch_prompts", "size", "most prompts in one /v1/completions list (default 256)"),
     Opt("max_in_flight", "size", "client requests handled at once (default 1024); more get 503 with Retry-After"),
     Opt("max_n", "size", "largest n (samples per request) accepted (default 16)"),
     Opt("upstream_connections", "size", "connections the proxy opens to each instance (default 512); more "
                                         "requests wait for one"),
+    Opt("request_timeout", "positive", "seconds a request's head and body may take to arrive from its first byte; "
+                                       "then its connection is closed (default 30)"),
+    Opt("max_connections", "size", "client connections open at once, per process; one more is answered 503 with "
+                                   "Retry-After and closed (default: half of `ulimit -n` beyond 64, after raising "
+                                   "it toward the hard limit)"),
     Opt("discovery", "str", "watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file "
                             "(docs/deploy.md)", {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH"}),
     Opt("discovery_model", "str", "with --discovery: use only instances serving this model name (default: the "
@@ -365,6 +387,7 @@ def parse(argv: list[str] | None = None) -> ProxyOptions:
             raise OptionError(str(e)) from None
     if "cluster_secret_file" in vals:
         o.cluster_secret_file = str(vals["cluster_secret_file"])
+    o.allowed_host = [allowed_host(h) for h in _list(vals.get("allowed_host"))]
     admin_key = vals.get("admin_key", os.environ.get("KVFERRY_ADMIN_KEY") or None)
     if admin_key is not None:
         o.admin_key = str(admin_key).strip()

@@ -30,13 +30,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from kvferry.common import http_conns, zsock
 from kvferry.common import netutil as net
-from kvferry.common import zsock
 from kvferry.common.log import get_logger
 from kvferry.proxy import metrics
 from kvferry.proxy.app import Proxy
-from kvferry.proxy.errors import ProxyError
-from kvferry.proxy.front_door import FrontDoor, close_idle
+from kvferry.proxy.errors import ProxyError, error_body
+from kvferry.proxy.front_door import Bounds, FrontDoor, close_idle
 from kvferry.proxy.options import OptionError, ProxyOptions, parse
 from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.board import LoadBoard
@@ -61,8 +61,14 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
     aiohttp_server = runner.server
     assert aiohttp_server is not None
 
+    limit = opts.max_connections or http_conns.default_max_connections()
+    busy = http_conns.busy_answer(error_body(503, f"the proxy has {limit} connections open (--max-connections); "
+                                                  "retry shortly", "too_many_connections"))
+    conns = http_conns.Conns(opts.request_timeout, limit, busy, "kvferry-proxy")
+    bounds = Bounds(conns, proxy.head_ok)
+
     def door() -> FrontDoor:
-        return FrontDoor(proxy.fast, aiohttp_server, opts.max_body_bytes, doors)
+        return FrontDoor(proxy.fast, aiohttp_server, opts.max_body_bytes, doors, bounds)
     try:
         server = await loop.create_server(door, net.unbracket(opts.host), opts.port, reuse_address=True,
                                           reuse_port=worker is not None, backlog=128)
@@ -71,15 +77,17 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
     _calm_gc()
-    sweep = loop.create_task(close_idle(doors, opts.stall_timeout))
+    sweep = loop.create_task(close_idle(doors, opts.stall_timeout, conns))
     if ready is not None:
         ready()
     if worker is None or worker == 0:
-        logger.info("kvferry proxy on %s: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s",
-                    "http://" + net.hostport(opts.host, opts.port), len(opts.prefillers), len(opts.decoders),
-                    opts.policy, "off" if not opts.admin else "behind --admin-key" if opts.admin_key else
-                    "open (no --admin-key)", "with the cluster secret (CurveZMQ)" if proxy.trust.secret is not None
-                    else "without a cluster secret")
+        logger.info("kvferry proxy on %s: %d prefillers, %d decoders, policy %s, admin API %s, ZMQ %s, %d "
+                    "connections at most%s", "http://" + net.hostport(opts.host, opts.port), len(opts.prefillers),
+                    len(opts.decoders), opts.policy, "off" if not opts.admin else "behind --admin-key"
+                    if opts.admin_key else "closed (--api-key, no --admin-key)" if opts.api_key else
+                    "open to loopback callers (no --admin-key)", "with the cluster secret (CurveZMQ)"
+                    if proxy.trust.secret is not None else "without a cluster secret", limit,
+                    " per worker" if worker is not None else "")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
