@@ -135,4 +135,4 @@ def build_app(c: Controller) -> Guard:
         res = await c.clear(body.instance_id, body.location)
         return JSON(res, status_code=502 if res["status"] == "failed" else 200)
 
-    return Guard(app, c.admin_key, c.counters)
+    return Guard(app, c.admin_key, c.counters, c.hosts)

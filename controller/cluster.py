@@ -15,9 +15,10 @@ from typing import Any
 
 from kvferry.common import messages as m
 from kvferry.common import zsock
+from kvferry.common.http_guard import Hosts
 from kvferry.common.log import get_logger
 from kvferry.controller.guard import ASGIApp
-from kvferry.controller.http import HttpServer
+from kvferry.controller.http import DEFAULT_LIMITS, HttpLimits, HttpServer
 from kvferry.controller.models import MoveEvent
 from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
 from kvferry.controller.workers import PORTS, WorkerLinks, new_id
@@ -29,10 +30,13 @@ MAX_MOVES = 1000  # move events kept for /move/{event_id} and /check_finish
 
 class Controller:
     def __init__(self, host: str, port: int, monitor_ports: dict[str, int], command_timeout: float = 120.0,
-                 sweep_interval: float = 0.5, trust: zsock.Trust = zsock.PLAIN, admin_key: str | None = None) -> None:
+                 sweep_interval: float = 0.5, trust: zsock.Trust = zsock.PLAIN, admin_key: str | None = None,
+                 allowed_hosts: Sequence[str] = (), http_limits: HttpLimits = DEFAULT_LIMITS) -> None:
         self.host, self.port, self.ports = host, port, monitor_ports
         self.trust = trust
         self.admin_key = admin_key or None
+        self.hosts = Hosts(host, allowed_hosts)  # the HTTP API's names without an admin key (controller/guard.py)
+        self.http_limits = http_limits
         self.registry = Registry()
         # What workers and HTTP clients got wrong; shown in /health.
         self.counters = {"bad_frames": 0, "rejected_messages": 0, "bad_lookups": 0, "failed_commands": 0,
@@ -59,7 +63,7 @@ class Controller:
         """Serve `app` (controller/api.py's build_app of this controller) and the worker links."""
         self.check_exposure()
         self.links.start()
-        self._http = HttpServer(app, self.host, self.port)
+        self._http = HttpServer(app, self.host, self.port, self.http_limits)
         await self._http.start()
         logger.info("kvferry controller: web page and API on http://%s:%d/ (OpenAPI at /docs), pull %d, reply %d%s; "
                     "%s, %s", self.host, self.port, self.ports["pull"], self.ports["reply"],

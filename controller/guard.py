@@ -1,11 +1,14 @@
-"""What every HTTP request passes before the API sees it: the admin key, and the body's size and type.
+"""What every HTTP request passes before the API sees it, all judged from its head before any of
+its body is read: the admin key, the body's size and type, and the browser rules.
 
 With an admin key, everything but /health needs it (Bearer, or Basic with the key as the password,
 which is what a browser sends for the page and /docs). Bodies are bounded, and every POST body is
 read as JSON whatever its Content-Type says (`curl -d` sends a form type), as LMCache's users expect.
-Because of that, a POST that a browser marks as coming from another site (its Origin is not this
-server) is refused: otherwise any web page could make a browser on the controller's host clear or
-move KV through a controller without an admin key.
+Because of that, and for bodiless requests alike, common/http_guard.py's rules hold: a request
+that changes state and that a browser marks as sent by another origin is refused, and without an
+admin key so is one whose Host is not a name the controller answers to (DNS rebinding); otherwise
+any web page could make a browser on the controller's host clear or move KV. /health is exempt
+from the Host rule (probes call it by any address; it changes nothing and shows no key).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from kvferry.common import http_guard
 from kvferry.common import secret as csecret
 
 Scope = MutableMapping[str, Any]
@@ -34,29 +38,35 @@ UNAUTHORIZED = ("this kvferry-controller needs its admin key: send 'Authorizatio
 class Guard:
     """ASGI middleware around the API; `counters["unauthorized_http"]` counts refusals."""
 
-    def __init__(self, app: ASGIApp, admin_key: str | None, counters: dict[str, int]) -> None:
-        self.app, self.admin_key, self.counters = app, admin_key, counters
+    def __init__(self, app: ASGIApp, admin_key: str | None, counters: dict[str, int],
+                 hosts: http_guard.Hosts) -> None:
+        """`hosts`: the names the controller answers to without an admin key (--host, --allowed-host)."""
+        self.app, self.admin_key, self.counters, self.hosts = app, admin_key, counters, hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        # A refused request's body is never read: its connection closes with the answer.
+        close = [(b"connection", b"close")] if length.strip(b"0") or b"transfer-encoding" in headers else []
         # Decoded as aiohttp did, so a key with non-ASCII characters still matches.
         if self.admin_key is not None and scope["path"] not in OPEN_PATHS and not csecret.authorized(
                 headers.get(b"authorization", b"").decode("utf-8", "surrogateescape"), self.admin_key):
             self.counters["unauthorized_http"] += 1
             await reply(send, 401, {"error": UNAUTHORIZED},
-                        [(b"www-authenticate", f'Basic realm="{REALM}"'.encode())])
+                        [(b"www-authenticate", f'Basic realm="{REALM}"'.encode()), *close])
             return
-        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > MAX_BODY:
-            await reply(send, 413, {"error": f"the body is over {MAX_BODY >> 20} MiB"})
+            await reply(send, 413, {"error": f"the body is over {MAX_BODY >> 20} MiB"}, close)
             return
-        if scope["method"] == "POST" and _cross_site(headers):
+        why = None if scope["path"] in OPEN_PATHS else http_guard.refusal(
+            scope["method"], _header(headers, b"host"), _header(headers, b"origin"),
+            _header(headers, b"sec-fetch-site"), None if self.admin_key is not None else self.hosts)
+        if why is not None:
             self.counters["unauthorized_http"] += 1
-            await reply(send, 403, {"error": "cross-site POST refused: call the controller's API from a client "
-                                             "(curl, a script) or from its own page, not from another site"})
+            await reply(send, 403, {"error": why}, close)
             return
         if scope["method"] == "POST":
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -64,13 +74,9 @@ class Guard:
         await self.app(scope, _bounded(receive), send)
 
 
-def _cross_site(headers: dict[bytes, bytes]) -> bool:
-    """Is this a browser request sent by a page of another origin? (Clients without Origin pass.)"""
-    origin = headers.get(b"origin")
-    if origin is None:
-        return headers.get(b"sec-fetch-site", b"") == b"cross-site"
-    host = origin.split(b"://", 1)[-1]
-    return origin == b"null" or host != headers.get(b"host", b"")
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    v = headers.get(name)
+    return None if v is None else v.decode("latin-1")
 
 
 def _bounded(receive: Receive) -> Receive:

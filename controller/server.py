@@ -22,6 +22,7 @@ from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import get_logger
 from kvferry.controller.api import build_app
 from kvferry.controller.cluster import Controller
+from kvferry.controller.http import HttpLimits
 
 logger = get_logger(__name__)
 
@@ -70,6 +71,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="key the HTTP API (all but /health) and the page need: 'Authorization: Bearer KEY' or "
                         "Basic auth with KEY as the password; default $KVFERRY_ADMIN_KEY (which, unlike this flag, "
                         "`ps` does not show)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a name the HTTP API answers to without an admin key, besides localhost, loopback addresses "
+                        "and --host; repeatable (a request with another Host header is refused: DNS rebinding)")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a request's head and body may take to arrive (a new connection's first request: "
+                        "from its opening); then the connection is closed (default 30)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="HTTP connections open at once; one more is answered 503 with Retry-After and closed "
+                        "(default: half of `ulimit -n` beyond 64, after raising it toward the hard limit)")
     args = p.parse_args(argv)
     try:
         args.monitor_ports = parse_monitor_ports(args.monitor_ports)
@@ -81,12 +91,20 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--admin-key is empty: give a key (e.g. `kvferry secret`), or leave the flag out")
     if not 0 < args.command_timeout <= 86400:
         p.error(f"--command-timeout {args.command_timeout}: give seconds in (0, 86400]")
+    if not 0 < args.request_timeout <= 3600:
+        p.error(f"--request-timeout {args.request_timeout}: give seconds in (0, 3600]")
+    if args.max_connections is not None and args.max_connections < 1:
+        p.error(f"--max-connections {args.max_connections}: give at least 1")
+    for name in args.allowed_host:
+        if not name.strip() or any(c in name for c in "/@ ,"):
+            p.error(f"--allowed-host {name!r}: give a host name or address (e.g. controller.internal)")
     return args
 
 
 async def serve(args: argparse.Namespace, trust: zsock.Trust = zsock.PLAIN) -> None:
     c = Controller(args.host, args.port, args.monitor_ports, args.command_timeout, trust=trust,
-                   admin_key=args.admin_key)
+                   admin_key=args.admin_key, allowed_hosts=args.allowed_host,
+                   http_limits=HttpLimits(args.request_timeout, args.max_connections))
     try:
         await c.start(build_app(c))
     except SystemExit:
