@@ -28,6 +28,7 @@ from kvferry.proxy.routing.router import Router
 logger = get_logger(__name__)
 
 RETRY_S = 1.0  # after an etcd error or a bad discovery file
+MAX_LOGGED = 4096  # records remembered as logged (once each); past it the oldest is forgotten
 
 
 def is_loopback(host: str) -> bool:
@@ -70,7 +71,9 @@ class Discovery:
         self.on_added, self.on_removed = on_added, on_removed
         self.model, self.fingerprint = opts.discovery_model, opts.discovery_fingerprint
         self.active: dict[str, tuple[Instance, m.InstanceRecord]] = {}  # discovery id -> (instance, record)
-        self._logged: set[tuple[str, str]] = set()
+        # (instance id, reason) of records not used, logged and counted once while they stay; insertion
+        # ordered (a dict), forgotten when the record goes and past MAX_LOGGED.
+        self._logged: dict[tuple[str, str], None] = {}
         self.changes = 0
         self.source: disc.EtcdWatch | disc.FileWatch
         if self.target.scheme == "etcd":
@@ -83,7 +86,9 @@ class Discovery:
 
     def _skip(self, rec: m.InstanceRecord, reason: str, why: str) -> None:
         if (rec.instance_id, reason) not in self._logged:
-            self._logged.add((rec.instance_id, reason))
+            self._logged[(rec.instance_id, reason)] = None
+            if len(self._logged) > MAX_LOGGED:
+                del self._logged[next(iter(self._logged))]
             self.metrics.discovery_rejected.labels(reason).inc()
             logger.warning("discovery: not using %s %s (%s): %s", rec.role, rec.instance_id, rec.url, why)
 
@@ -111,6 +116,9 @@ class Discovery:
     def apply(self, snap: disc.Snapshot) -> None:
         """Make the router's discovered instances what `snap` says."""
         self.changes += 1
+        if self._logged:
+            for key in [k for k in self._logged if k[0] not in snap.records]:
+                del self._logged[key]  # withdrawn: logged again should it come back
         wanted: dict[str, tuple[m.InstanceRecord, InstanceSpec, tuple | None]] = {}
         for iid, rec in snap.records.items():
             if not self._usable(rec):

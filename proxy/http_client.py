@@ -228,13 +228,14 @@ class Response:
 class _Host:
     """One instance's connections: idle ones, how many are open, who waits for one."""
 
-    __slots__ = ("host", "port", "head", "tls", "idle", "open", "waiters")
+    __slots__ = ("host", "port", "head", "tls", "idle", "open", "waiters", "dropped")
 
     def __init__(self, host: str, port: int, head: bytes, tls: ssl.SSLContext | None) -> None:
         self.host, self.port, self.head, self.tls = host, port, head, tls
         self.idle: deque[_Conn] = deque()
         self.open = 0
         self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
+        self.dropped = False  # its instance left: a connection freed now closes rather than idles
 
 
 class Pool:
@@ -361,7 +362,19 @@ class Pool:
         self.busy.discard(c)
         h = c.host
         if h is not None and not self._hand_on(h, c):
-            h.idle.append(c)
+            if h.dropped:
+                c.close()
+            else:
+                h.idle.append(c)
+
+    def drop(self, base: str) -> None:
+        """The instance at `base` left: its idle connections close now, its busy ones when their
+        requests end (a later request to `base` starts afresh)."""
+        h = self.hosts.pop(base, None)
+        if h is not None:
+            h.dropped = True
+            for c in list(h.idle):
+                c.close()
 
     def forget(self, c: _Conn) -> None:
         """A closed connection leaves its host's count (once); a waiter may open one in its place."""

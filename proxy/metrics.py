@@ -4,16 +4,24 @@ With `--workers N`, each worker process keeps its values in files of one folder 
 multiprocess mode, switched on in the worker by `multiprocess()` before its metrics are made) and
 /metrics, on whichever worker answers it, sums every worker's: counters and histograms add up,
 the in-flight gauges too (live workers only), the health and index gauges show the highest.
+
+A series labelled with an instance leaves /metrics when the instance goes (`forget_instance`):
+churn of instances must not grow the page or the proxy's memory. prometheus-client's multiprocess
+files cannot drop a series, so with `--workers N` the page shows only the instances some worker
+holds now (`live_instances`).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client import multiprocess as mp_metrics
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -78,6 +86,26 @@ class ProxyMetrics:
                                   "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
+        self.board_full = Counter("kvferry_proxy_board_full", "Instances added while every row of the --workers "
+                                  "load board was held: routed, on each worker's own load", registry=r)
+        # Every metric with an `instance` label, and its label names (to remove an instance's series).
+        self._per_instance: list[tuple[Counter | Gauge, tuple[str, ...]]] = [
+            (self.errors, ("kind", "instance")), (self.in_flight, ("instance", "role")),
+            (self.healthy, ("instance", "role", "url")), (self.predicted_cached, ("instance",)),
+            (self.actual_cached, ("instance",)), (self.routed_prompt, ("instance",)),
+            (self.kv_events, ("instance", "result")), (self.index_blocks, ("instance",))]
+        # --workers N: the instance labels to show (the router's); "proxy" labels the proxy's own errors.
+        self.live_instances: Callable[[], set[str]] | None = None
+
+    def forget_instance(self, iid: str) -> None:
+        """Every series labelled `instance=iid` leaves the page (and this process's memory)."""
+        for metric, names in self._per_instance:
+            labelsets = {tuple(s.labels[n] for n in names) for family in metric.collect() for s in family.samples
+                         if s.labels.get("instance") == iid}
+            with warnings.catch_warnings():  # multiprocess mode warns that its files keep the value
+                warnings.simplefilter("ignore", UserWarning)
+                for values_ in labelsets:
+                    metric.remove(*values_)
 
     def count(self, metric: Counter, *labels: str) -> None:
         """metric.labels(*labels).inc(), the labelled child looked up once (labels() costs a lock
@@ -92,8 +120,23 @@ class ProxyMetrics:
         if self.folder is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        mp_metrics.MultiProcessCollector(merged, self.folder)
+        merged.register(_LiveOnly(mp_metrics.MultiProcessCollector(None, self.folder), self.live_instances))
         return generate_latest(merged)
+
+
+class _LiveOnly(Collector):
+    """The workers' merged series, less those of instances no worker holds (their multiprocess
+    files keep them for the workers' lives)."""
+
+    def __init__(self, inner: mp_metrics.MultiProcessCollector, live: Callable[[], set[str]] | None) -> None:
+        self.inner, self.live = inner, live
+
+    def collect(self) -> Iterable[Metric]:
+        live = None if self.live is None else self.live()
+        for family in self.inner.collect():
+            if live is not None:
+                family.samples = [s for s in family.samples if s.labels.get("instance", "proxy") in live]
+            yield family
 
 
 def observe(hist: Histogram, sample: float) -> None:

@@ -4,11 +4,15 @@ transfer wait.
 
 The wait is how long the KV was still on its way after the prefiller answered: one sample per
 transfer whichever comes first. With pages reserved early the decoder's arrival notice usually
-beats the prefiller's answer: that transfer's wait is 0 (nothing was left to wait for)."""
+beats the prefiller's answer: that transfer's wait is 0 (nothing was left to wait for).
+
+One abort socket per decoder, made at its first abort and closed when the decoder leaves the
+registry (a DEALER toward a host that is gone would reconnect to it forever)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import OrderedDict
 
@@ -28,6 +32,7 @@ logger = get_logger(__name__)
 
 MAX_TRACKED_ARRIVALS = 10_000
 NOTIFY_MAX_BYTES = 1 << 16
+LAST_ABORT_LINGER_MS = 1000  # an abort to a decoder already removed: its one-off socket tries this long
 
 
 def notify_host(opts: ProxyOptions) -> str:
@@ -99,13 +104,32 @@ class Transfers:
             sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
             sock.setsockopt(zmq.SNDHWM, 1000)
             sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, decoder.spec.alloc_port)}")
+            if decoder.removed:  # a request that outlived its decoder's removal: its pages still come back
+                self._send(sock, tid, why)
+                sock.close(linger=LAST_ABORT_LINGER_MS)
+                self._forget(tid)
+                return
             self._abort_socks[decoder.id] = sock
+            decoder.when_removed(functools.partial(self._drop, decoder.id))
+        self._send(sock, tid, why)
+        self._forget(tid)
+
+    @staticmethod
+    def _send(sock: zmq.Socket, tid: str, why: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
             # Generation 0 (any), never final: the proxy cannot know whether a WRITE is in flight.
             sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=0, reason=why, final=False)),
                       zmq.NOBLOCK)
+
+    def _forget(self, tid: str) -> None:
         self._arrivals.pop(tid, None)
         self._early.pop(tid, None)
+
+    def _drop(self, iid: str) -> None:
+        """The decoder left: its abort socket closes now (what it had not sent is dropped)."""
+        sock = self._abort_socks.pop(iid, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def bind(self) -> zmq.asyncio.Socket:
         """The notification socket on --proxy-port (bound at start-up, so a port in use is a

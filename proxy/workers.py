@@ -6,8 +6,9 @@ discovery) that binds --port with SO_REUSEPORT, so the kernel spreads connection
 share:
 - load: each instance's requests in flight and queued prompt tokens (routing/board.py), so two
   workers do not both send their next prompt to the prefiller that looks idle to each alone;
-  round-robin turns too;
-- admin changes (peers.py): one made through any worker holds on all of them for every later request;
+  round-robin turns too; and instance ids (a row's), so every worker names an instance alike;
+- admin changes (peers.py): one made through any worker holds on all of them for every later
+  request; the file keeps current state only (compacted), which a replacement worker replays;
 - metrics: prometheus-client's multiprocess mode (metrics.py), /metrics sums every worker's.
 
 A worker that dies is replaced (its share of the load is zeroed first: its requests died with
@@ -55,7 +56,9 @@ class Supervisor:
         os.mkdir(os.path.join(self.folder, "metrics"))
         changes = os.path.join(self.folder, "admin-changes.jsonl")
         open(changes, "wb").close()
-        self.board, self.peers = LoadBoard(n), Peers(changes, n)
+        static = [spec.url for spec in (*opts.prefillers, *opts.decoders)]
+        self.board = LoadBoard(n, os.path.join(self.folder, "board.lock"))
+        self.peers = Peers(changes, n, static)
         self.pids: dict[int, int] = {}  # pid -> worker index
         self._stop = False
 

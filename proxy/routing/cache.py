@@ -53,8 +53,9 @@ class CacheView:
             return None
         counter = self.metrics.kv_events
 
-        def count(result: str, n: int = 1, iid: str = inst.id) -> None:
-            counter.labels(iid, result).inc(n)
+        def count(result: str, n: int = 1, inst: Instance = inst) -> None:
+            if not inst.removed:  # its series left with it
+                counter.labels(inst.id, result).inc(n)
         stream = EventStream(f"{inst.role} {inst.url}", ev[0], ev[1], PrefixIndex(self.opts.prefix_index_max_blocks),
                              self.opts.kv_events_stale_after, count, self.trust)
         self.streams[inst.id] = stream

@@ -6,14 +6,16 @@ import contextlib
 import hashlib
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from prometheus_client import Gauge
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
 from kvferry.proxy.options import InstanceSpec
-from kvferry.proxy.routing.board import LoadBoard
+from kvferry.proxy.routing.board import BoardFull, LoadBoard
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
 
@@ -33,9 +35,15 @@ class Instance:
     discovery_id: str | None = None  # its instance_id in discovery (etcd or file); None: a static flag
     engine_load: int | None = None  # vLLM's running + waiting requests at the last /metrics scrape
     own_at_scrape: int = 0  # this proxy's in-flight requests then
-    # With --workers N: the load every worker sees (routing/board.py), at this row; None: one process.
+    # With --workers N: the load every worker sees (routing/board.py), at this row; None: one
+    # process, an instance removed, or one added while every row was held (its load this worker's own).
     board: LoadBoard | None = field(default=None, repr=False, compare=False)
     row: int = 0
+    # True once it left the registry: what was kept for it is freed (see `retire`), and requests
+    # still in flight on it count on this object only.
+    removed: bool = False
+    in_flight_gauge: Gauge | None = field(default=None, repr=False, compare=False)  # its labelled gauge (the router's)
+    _on_removed: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def counted(self, active: int, queued: int) -> None:
         """A leg started or ended on this instance (this process's counts, shared with its peers)."""
@@ -52,6 +60,27 @@ class Instance:
             yield
         finally:
             self.counted(self.active - 1, self.queued_tokens)
+
+    def when_removed(self, free: Callable[[], None]) -> None:
+        """Call `free` when the instance leaves the registry (at once if it has): for what another
+        part keeps per instance (a socket)."""
+        if self.removed:
+            free()
+        else:
+            self._on_removed.append(free)
+
+    def retire(self) -> None:
+        """Out of the registry: its board row is released (it never writes the row again) and what
+        others keep for it is freed."""
+        if self.removed:
+            return
+        self.removed = True
+        if self.board is not None:
+            self.board.release(self.row)
+            self.board = None
+        frees, self._on_removed = self._on_removed, []
+        for free in frees:
+            free()
 
     def served_one(self) -> None:
         """A request answered by this instance."""
@@ -154,18 +183,30 @@ class Registry:
 
 
     def add(self, spec: InstanceSpec) -> Instance:
+        """A new instance; with a board, its row and id are the ones every worker uses for its URL.
+        With every row held it is added without one (routed on this worker's own load): see
+        `Instance.board`."""
         for inst in self.instances.values():
             if inst.url == spec.url:
                 raise ValueError(f"{spec.url} is already registered as {inst.id}")
-        inst = Instance(spec, f"{spec.role[0]}{next(self._ids)}")
-        if self.board is not None:
-            inst.board, inst.row = self.board, self.board.row(spec.url)
-            inst.own_served, inst.own_errors = self.board.own_done(inst.row)
+        if self.board is None:
+            inst = Instance(spec, f"{spec.role[0]}{next(self._ids)}")
+        else:
+            try:
+                row, n = self.board.claim(spec.url)
+            except BoardFull:
+                inst = Instance(spec, f"{spec.role[0]}{self.board.next_id()}")
+            else:
+                inst = Instance(spec, f"{spec.role[0]}{n}", board=self.board, row=row)
+                inst.own_served, inst.own_errors = self.board.own_done(row)
         self.instances[inst.id] = inst
         return inst
 
     def remove(self, iid: str) -> Instance:
-        return self.instances.pop(iid)
+        """Out of rotation and freed (`Instance.retire`)."""
+        inst = self.instances.pop(iid)
+        inst.retire()
+        return inst
 
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]

@@ -1,29 +1,36 @@
 """Which instance serves a leg: picks (policy, affinity, retry elsewhere), per-instance load
 gauges, and health: the periodic /health loop, and an immediate probe after a failed request
-that ejects a dead instance (the loop re-admits it)."""
+that ejects a dead instance (the loop re-admits it).
+
+An instance that goes (`remove`: the admin API, or discovery) takes with it everything kept for
+it: its metric series, KV-event stream and prefix index, /health probe, idle upstream
+connections, board row, and (through `Instance.when_removed`) what other parts keep. Requests
+still in flight on it finish on the objects they hold: their in-flight gauge is the one made
+before the removal, no longer on /metrics, and nothing they report labels a new series."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import random
-from typing import Protocol
+from typing import Protocol, cast
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import Gauge
 
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.errors import ProxyError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
 from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing.board import LoadBoard
+from kvferry.proxy.routing.board import ROLES, ROWS, LoadBoard
 from kvferry.proxy.routing.cache import CacheView, Route, choose, effective, local_reason
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 from kvferry.proxy.upstream import Upstream, UpstreamClient
 
 logger = get_logger(__name__)
+_board_full_log = RateLimitedLog(logger, 10.0)
 
 PROBE_TIMEOUT_S = 2.0  # a /health answer slower than this counts as a failed check
 
@@ -39,7 +46,7 @@ class Router:
                  board: LoadBoard | None = None) -> None:
         self.opts, self.metrics, self.client = opts, metrics, client
         self.registry = Registry(policy=opts.policy, board=board)
-        self._gauges: dict[str, Gauge] = {}
+        self.metrics.live_instances = self.live_instances
         self._probes: dict[str, asyncio.Task] = {}  # instance id -> its /health probe (one at a time)
         self.cache = CacheView(opts, metrics)
         self.discovery: DrainThrough | None = None  # proxy.discovery.Discovery with --discovery
@@ -48,16 +55,36 @@ class Router:
     def register(self, spec: InstanceSpec, discovery_id: str | None = None) -> Instance:
         inst = self.registry.add(spec)
         inst.discovery_id = discovery_id
+        if self.registry.board is not None and inst.board is None:
+            self.metrics.board_full.inc()
+            _board_full_log.warning("%s %s (%s) added without a row on the load board (all %d held): routed "
+                                    "on each worker's own load until rows free up", inst.role, inst.url, inst.id,
+                                    ROWS)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
         self.cache.add(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
+        """Out of the registry, and everything kept for it freed (the module's docstring)."""
         self.registry.remove(inst.id)
-        self.metrics.healthy.remove(inst.id, inst.role, inst.url)
         stream = self.cache.remove(inst)
         if stream is not None:
             stream.close()
+        probe = self._probes.pop(inst.id, None)
+        if probe is not None:
+            probe.cancel()
+        if self.client.is_open:
+            self.client.pool.drop(inst.url)
+        self.metrics.forget_instance(inst.id)
+
+    def live_instances(self) -> set[str]:
+        """The instance labels /metrics shows with --workers N: the instances some worker holds
+        (ids are the board's, the same on every worker), this worker's, and the proxy's own."""
+        live = {i.id for i in self.registry.instances.values()}
+        live.add("proxy")
+        if self.registry.board is not None:
+            live.update(f"{role[0]}{n}" for n in self.registry.board.live_ids() for role in ROLES)
+        return live
 
     def route(self, request: web.Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
         """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
@@ -87,16 +114,20 @@ class Router:
         details = u.get("prompt_tokens_details") if isinstance(u, dict) else None
         actual = details.get("cached_tokens") if isinstance(details, dict) else None
         prompt = u.get("prompt_tokens") if isinstance(u, dict) else None
-        if isinstance(actual, int) and isinstance(prompt, int) and 0 <= actual <= prompt:
+        if isinstance(actual, int) and isinstance(prompt, int) and 0 <= actual <= prompt and not inst.removed:
             self.metrics.actual_cached.labels(inst.id).inc(actual)
             self.metrics.predicted_cached.labels(inst.id).inc(min(route.predicted, prompt))
             self.metrics.routed_prompt.labels(inst.id).inc(prompt)
 
     def in_flight(self, inst: Instance) -> Gauge:
-        """The instance's in-flight gauge, labelled once: labels() costs a lookup per call."""
-        g = self._gauges.get(inst.id)
+        """The instance's in-flight gauge, labelled once (labels() costs a lookup per call) and held
+        by the instance: a request that ends after the instance went moves the gauge it started on,
+        which is no longer on /metrics, rather than labelling the series again."""
+        g = inst.in_flight_gauge
         if g is None:
-            g = self._gauges[inst.id] = self.metrics.in_flight.labels(inst.id, inst.role)
+            if inst.removed:  # routed before the removal, started after it: counted nowhere
+                return _UNCOUNTED
+            g = inst.in_flight_gauge = self.metrics.in_flight.labels(inst.id, inst.role)
         return g
 
     def upstream(self, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> Upstream:
@@ -122,24 +153,26 @@ class Router:
         """One upstream failure (not a 4xx: that is the client's): a log line, the error counter,
         and an immediate /health probe that ejects the instance if it is dead."""
         inst.failed_one()
-        self.metrics.errors.labels(kind, inst.id).inc()
+        if not inst.removed:  # a removed instance's series are gone: logged only
+            self.metrics.errors.labels(kind, inst.id).inc()
         logger.warning("%s %s (%s) failed on the %s leg: %s: %s", inst.role, inst.url, inst.id, leg, kind,
                        " ".join(cause.split()))
         self._probe_soon(inst)
 
     def _probe_soon(self, inst: Instance) -> None:
-        if inst.id in self._probes or not self.client.is_open:
+        if inst.id in self._probes or not self.client.is_open or inst.removed:
             return
         task = asyncio.ensure_future(self._probe(inst))
         self._probes[inst.id] = task
         task.add_done_callback(functools.partial(self._probe_done, inst.id))
 
-    def _probe_done(self, iid: str, _task: asyncio.Task) -> None:
-        self._probes.pop(iid, None)
+    def _probe_done(self, iid: str, task: asyncio.Task) -> None:
+        if self._probes.get(iid) is task:
+            del self._probes[iid]
 
     async def _probe(self, inst: Instance) -> None:
         good, why = await self.check(inst, PROBE_TIMEOUT_S)
-        if good or self.registry.instances.get(inst.id) is not inst:
+        if good or inst.removed:
             return
         was = inst.healthy
         self.eject(inst)
@@ -229,7 +262,7 @@ class Router:
         seconds = min(PROBE_TIMEOUT_S, self.opts.health_interval)
         results = await asyncio.gather(*(self.check(i, seconds) for i in insts))
         for inst, (good, why) in zip(insts, results, strict=True):
-            if self.registry.instances.get(inst.id) is not inst:
+            if inst.removed:
                 continue  # removed while it was checked
             was = inst.healthy
             inst.ok() if good else inst.failed()
@@ -251,3 +284,16 @@ class Router:
 
     def probes(self) -> list[asyncio.Task]:
         return list(self._probes.values())
+
+
+class _Uncounted:
+    """The in-flight gauge of a request that started on an instance already removed."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def dec(self, amount: float = 1) -> None:
+        pass
+
+
+_UNCOUNTED = cast(Gauge, _Uncounted())
