@@ -4,7 +4,9 @@ Picks free ports, writes each instance's seed-style config, splits the CPU cores
 between the instances, starts them and the proxy, shows progress while they load, and stops
 everything, children first, on Ctrl-C or SIGTERM. Every child gets PR_SET_PDEATHSIG, so a
 launcher that dies on its own leaves no orphan behind. The cluster gets a new cluster secret
-(a file only its owner can read, named by every config: docs/security.md) unless one is given.
+(a file only its owner can read, named by every config: docs/security.md) unless one is given,
+and a proxy beyond loopback gets a new admin key (`admin_key_file`: the proxy refuses to serve
+its admin API beyond loopback without one), passed in its environment, never on its command line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
+from kvferry.common.zsock import is_loopback
 from kvferry.launcher import stores
 from kvferry.launcher.local_node import UpError, gpu_count, model_of
 from kvferry.launcher.pd_instances import Decoder, Prefiller
@@ -44,6 +47,15 @@ if TYPE_CHECKING:
     from kvferry.launcher.join import Registrar
 
 STOP_SECONDS = 15.0
+ADMIN_KEY_ENV = "KVFERRY_ADMIN_KEY"
+
+
+def admin_key_file(log_dir: Path) -> Path:
+    """A new admin key for the proxy, in `admin.key` beside cluster.secret, readable by its owner
+    only. Only its path is ever printed or written to cluster.json."""
+    path = log_dir / "admin.key"
+    secret.write_file(str(path), secret.generate())
+    return path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,6 +186,10 @@ class Cluster:
             self.secret_file = str(self.log_dir / "cluster.secret")
             secret.write_file(self.secret_file, secret.generate())
         keys = {**p["keys"], "cluster_secret_file": str(Path(self.secret_file).resolve())}
+        # The proxy's admin API beyond loopback needs a key: a new one unless the environment gives it.
+        self.admin_key_file: Path | None = None
+        if not is_loopback(args.host) and not os.environ.get(ADMIN_KEY_ENV):
+            self.admin_key_file = admin_key_file(self.log_dir)
         self.store: stores.MooncakeMaster | None = None
         self.etcd: stores.Proc | None = None
         self.registrar: Registrar | None = None  # with --discovery
@@ -256,9 +272,12 @@ class Cluster:
             else:
                 args += ["--decoder", f"{s.url},{s.init_port},{s.alloc_port},{s.receiver_host}"]
             args += ["--kv-events", f"{s.url}={pub},{replay}"]
+        env = dict(os.environ)
+        if self.admin_key_file is not None:  # in the environment: a command line is readable by every user
+            env[ADMIN_KEY_ENV] = self.admin_key_file.read_text().strip()
         log = open(self.proxy_log, "ab")
         self.proxy = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=die_with_parent)
+                                      preexec_fn=die_with_parent, env=env)
         self.reaper.track(self.proxy)
         log.close()
         deadline = time.monotonic() + 30
@@ -313,7 +332,8 @@ class Cluster:
         state = {"proxy": {"url": self.proxy_url, "port": self.args.port,
                            "pid": self.proxy.pid if self.proxy else None, "log": str(self.proxy_log)},
                  "launcher_pid": os.getpid(), "instances": inst, "discovery": self.discovery,
-                 "cluster_secret_file": str(Path(self.secret_file).resolve())}  # the path only, never the secret
+                 "cluster_secret_file": str(Path(self.secret_file).resolve()),  # the path only, never the secret
+                 "admin_key_file": None if self.admin_key_file is None else str(self.admin_key_file)}
         path = self.log_dir / "cluster.json"
         path.write_text(json.dumps(state, indent=2))
         return path
@@ -337,6 +357,9 @@ class Cluster:
         lines = [f"kvferry is up: {self.args.num_prefillers} prefiller(s), {self.args.num_decoders} decoder(s), "
                  f"model {self.p['served']}",
                  f"  proxy        {url}    log {self.proxy_log}"]
+        if self.admin_key_file is not None:
+            lines.append(f"  admin key    {self.admin_key_file} (the proxy's /admin/*: -H \"Authorization: Bearer "
+                         f"$(cat {self.admin_key_file})\")")
         if self.discovery is not None:
             lines += [f"  discovery    {self.discovery}; more instances and proxies:",
                       f"    kvferry join --discovery {self.discovery} --cluster-secret-file {self.secret_file} "
