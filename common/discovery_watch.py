@@ -88,13 +88,15 @@ class EtcdWatch:
             reasons.add(reason)
             logger.warning("discovery: ignoring %s in etcd %s: %s", shown(key), self.target.endpoint, detail)
 
-    def _put(self, kv: KV) -> None:
+    def _put(self, kv: KV) -> bool:
+        """Track a key's new value; whether the view may change (not for junk, nor for a
+        record's renewal: the same record with a later expiry)."""
         if len(kv.key) > MAX_KEY_BYTES:
             self._note(kv.key, "key", f"a key of {len(kv.key)} bytes (at most {MAX_KEY_BYTES}), not read")
-            return
+            return False
         held = self._held.get(kv.key)
         if held is not None and held.mod_revision == kv.mod_revision:
-            return  # verified already
+            return False  # verified already
         if held is None and len(self._held) >= MAX_ENTRIES:
             self.on_reject("too_many")
             if not self._full:
@@ -102,7 +104,7 @@ class EtcdWatch:
                 logger.warning("discovery: more than %d keys under %s in etcd %s: ignoring the others until some "
                                "go; remove what kvferry did not write there (etcdctl del --prefix), and give writers "
                                "etcd users (docs/deploy.md)", MAX_ENTRIES, self.target.prefix, self.target.endpoint)
-            return
+            return False
         entry = None
         if kv.value:  # empty: a writer's claim, its entry follows
             try:
@@ -110,19 +112,22 @@ class EtcdWatch:
             except Rejected as e:
                 self._note(kv.key, e.reason, str(e))
         self._held[kv.key] = _Held(kv.mod_revision, entry)
-        if entry is None:
-            self._valid.pop(kv.key, None)
-        else:
+        old = self._valid.pop(kv.key, None)
+        if entry is not None:
             self._valid[kv.key] = entry
+        if old is None or entry is None:
+            return old is not entry
+        return old.inner != entry.inner or bool(held and held.expired)
 
-    def _delete(self, key: bytes) -> None:
+    def _delete(self, key: bytes) -> bool:
         self._held.pop(key, None)
-        self._valid.pop(key, None)
+        gone = self._valid.pop(key, None) is not None
         self._logged.pop(_key_id(key), None)
         if len(self._logged) < MAX_LOGGED // 2:
             self._quiet = False
         if len(self._held) < MAX_ENTRIES:
             self._full = False
+        return gone
 
     def _view(self, now: float) -> Snapshot:
         snap = Snapshot()
@@ -193,13 +198,11 @@ class EtcdWatch:
                     healthy()
                 try:
                     async for events in self.etcd.watch(self._base, self.revision + 1, WATCH_IDLE_S):
+                        changed = False
                         for ev in events:
-                            if ev.kind == "delete":
-                                self._delete(ev.kv.key)
-                            else:
-                                self._put(ev.kv)
+                            changed |= self._delete(ev.kv.key) if ev.kind == "delete" else self._put(ev.kv)
                             self.revision = max(self.revision, ev.kv.mod_revision)
-                        if events:
+                        if changed:
                             self._publish()
                 except EtcdError as e:
                     if "ReadTimeout" not in str(e):
