@@ -136,4 +136,7 @@ def start_etcd(work: Path, port: int | None = None) -> Proc:
     return Proc("etcd", [exe, "--name", "kvferry", "--data-dir", str(d / "data"), "--listen-client-urls", client,
                          "--advertise-client-urls", client, "--listen-peer-urls", peer_url,
                          "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"kvferry={peer_url}",
-                         "--logger", "zap", "--log-level", "warn"], port, work / f"etcd-{port}.log")
+                         "--logger", "zap", "--log-level", "warn",
+                         # every registration is re-written each TTL/3: keep 5 minutes of history, not all
+                         "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m"],
+                port, work / f"etcd-{port}.log")
