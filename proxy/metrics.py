@@ -6,9 +6,11 @@ multiprocess mode, switched on in the worker by `multiprocess()` before its metr
 the in-flight gauges too (live workers only), the health and index gauges show the highest.
 
 A series labelled with an instance leaves /metrics when the instance goes (`forget_instance`):
-churn of instances must not grow the page or the proxy's memory. prometheus-client's multiprocess
-files cannot drop a series, so with `--workers N` the page shows only the instances some worker
-holds now (`live_instances`).
+churn of instances must not grow the page or the proxy's memory. prometheus-client's own
+multiprocess values cannot drop a series from their files (nor from its list of every value ever
+made), so a worker's values are `FileValue`s, written in the same files' format, whose dropped
+series are compacted away. The page shows only the instances some worker holds now
+(`live_instances`): a dead worker's files keep the counters it wrote.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client import multiprocess as mp_metrics
 from prometheus_client.metrics_core import Metric
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.registry import Collector
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -102,10 +105,12 @@ class ProxyMetrics:
         for metric, names in self._per_instance:
             labelsets = {tuple(s.labels[n] for n in names) for family in metric.collect() for s in family.samples
                          if s.labels.get("instance") == iid}
-            with warnings.catch_warnings():  # multiprocess mode warns that its files keep the value
+            with warnings.catch_warnings():  # multiprocess mode warns that its files keep the value (ours do not)
                 warnings.simplefilter("ignore", UserWarning)
                 for values_ in labelsets:
                     metric.remove(*values_)
+        if FileValue.files is not None:
+            FileValue.files.drop(iid)
 
     def count(self, metric: Counter, *labels: str) -> None:
         """metric.labels(*labels).inc(), the labelled child looked up once (labels() costs a lock
@@ -194,11 +199,101 @@ def one_process() -> None:
     values.ValueClass = LoopValue
 
 
+COMPACT_AFTER = 1024  # dropped series in a file before it is rewritten (and at least as many as it keeps)
+
+
+class _Files:
+    """This process's multiprocess files, one per kind of value (prometheus-client's names and
+    format: its MultiProcessCollector reads them), whose series of a gone instance can be dropped."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.pid = folder, os.getpid()
+        self.dicts: dict[str, MmapedDict] = {}
+        self.values: dict[str, dict[str, FileValue]] = {}  # file prefix -> key -> its value
+        self.dead: dict[str, int] = {}  # file prefix -> keys dropped and still in the file
+        self.of_instance: dict[str, list[FileValue]] = {}  # instance label -> its values
+
+    def path(self, prefix: str) -> str:
+        return os.path.join(self.folder, f"{prefix}_{self.pid}.db")
+
+    def file(self, prefix: str) -> MmapedDict:
+        d = self.dicts.get(prefix)
+        if d is None:
+            d = self.dicts[prefix] = MmapedDict(self.path(prefix))
+            self.values[prefix], self.dead[prefix] = {}, 0
+        return d
+
+    def drop(self, iid: str) -> None:
+        """The instance's values leave the files (those still held keep counting, in memory only)."""
+        for v in self.of_instance.pop(iid, ()):
+            if self.values[v.prefix].get(v.key) is v:
+                del self.values[v.prefix][v.key]
+                self.dead[v.prefix] += 1
+            v.dropped = True
+        for prefix, dead in self.dead.items():
+            if dead > max(COMPACT_AFTER, len(self.values[prefix])):
+                self._compact(prefix)
+
+    def _compact(self, prefix: str) -> None:
+        """Rewrite the file with the values still kept; renamed over the old one, so a reader gets one or
+        the other whole (its temporary name does not end in .db: readers never see it)."""
+        tmp = self.path(prefix) + ".new"
+        new = MmapedDict(tmp)
+        for key, v in self.values[prefix].items():
+            new.write_value(key, v.value, v.timestamp)
+        os.replace(tmp, self.path(prefix))
+        self.dicts[prefix].close()
+        self.dicts[prefix], self.dead[prefix] = new, 0
+
+
+class FileValue:
+    """A metric's value in a worker of `--workers N`: prometheus-client's multiprocess value (kept
+    in this process's file), which `_Files.drop` can take out of the file."""
+
+    _multiprocess = True
+    files: _Files | None = None  # this process's (multiprocess() sets them)
+
+    def __init__(self, typ: str, metric_name: str, name: str, labelnames: Sequence[str],
+                 labelvalues: Sequence[str], help_text: str, multiprocess_mode: str = "", **kwargs: object) -> None:
+        files = self.files
+        assert files is not None, "multiprocess() first"
+        self.prefix = f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ
+        self.key = mmap_key(metric_name, name, list(labelnames), list(labelvalues), help_text)
+        self.value, self.timestamp = files.file(self.prefix).read_value(self.key)
+        self.dropped = False
+        files.values[self.prefix][self.key] = self
+        if "instance" in labelnames:
+            files.of_instance.setdefault(labelvalues[list(labelnames).index("instance")], []).append(self)
+
+    def _write(self) -> None:
+        if not self.dropped and self.files is not None:
+            self.files.file(self.prefix).write_value(self.key, self.value, self.timestamp)
+
+    def inc(self, amount: float) -> None:
+        self.value += amount
+        self.timestamp = 0.0
+        self._write()
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self.value, self.timestamp = value, timestamp or 0.0
+        self._write()
+
+    def set_exemplar(self, exemplar: object) -> None:
+        return  # none in multiprocess mode
+
+    def get(self) -> float:
+        return self.value
+
+    def get_exemplar(self) -> object:
+        return None
+
+
 def multiprocess(folder: str) -> None:
     """This process's metrics from now on live in `folder`, summed with its peers' on /metrics
     (a worker of `--workers N`, before it makes its ProxyMetrics)."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
-    values.ValueClass = values.MultiProcessValue()
+    FileValue.files = _Files(folder)
+    values.ValueClass = FileValue
 
 
 def worker_died(pid: int, folder: str) -> None:

@@ -25,6 +25,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
+from kvferry.proxy import metrics as metrics_mod
 from kvferry.proxy import peers as peers_mod
 from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing import board as board_mod
@@ -298,6 +299,35 @@ def test_security_full_board_still_registers(tmp_path: Path) -> None:
     assert metrics.board_full._value.get() == 1
     router.remove(inst)
     assert inst.removed and inst.id not in router.registry.instances
+
+
+def test_security_worker_metric_files_drop_gone_instances(tmp_path: Path) -> None:
+    """A worker's multiprocess files (what /metrics sums) lose a gone instance's series and stay
+    small under churn; a request that ends after its instance went writes nothing back."""
+    def worker() -> list[dict]:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client import multiprocess as mp_metrics
+
+        from kvferry.proxy import metrics
+        metrics.multiprocess(str(tmp_path))  # as a worker of --workers N does
+        m = metrics.ProxyMetrics()
+        m.healthy.labels("p-live", "prefiller", "http://live").set(1)
+        for i in range(5000):
+            iid, url = f"d{i}", f"http://127.5.{i // 250}.{i % 250 + 1}:9"
+            m.healthy.labels(iid, "decoder", url).set(1)
+            m.errors.labels("timeout", iid).inc()
+            g = m.in_flight.labels(iid, "decoder")
+            g.inc()
+            m.forget_instance(iid)
+            g.dec()  # its request ends after the instance went
+        reg = CollectorRegistry()
+        mp_metrics.MultiProcessCollector(reg, str(tmp_path))
+        labels = sorted(set(re.findall(r'instance="([^"]+)"', generate_latest(reg).decode())))
+        return [{"bytes": sum(f.stat().st_size for f in tmp_path.iterdir()), "instances": labels}]
+    out = _forked(worker)[0]
+    # Dropped series wait for the file's next rewrite (the page shows only live instances meanwhile).
+    assert "p-live" in out["instances"] and len(out["instances"]) <= metrics_mod.COMPACT_AFTER + 1
+    assert out["bytes"] <= 1 << 20, out["bytes"]  # 15,000 series written: ~3 MB were they all kept
 
 
 # ---- the admin-change log the workers share ----
