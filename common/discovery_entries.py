@@ -2,8 +2,8 @@
 
 An entry is a :class:`~kvferry.common.messages.SignedEntry` whose body is an ``InstanceRecord``
 (at ``PREFIX/instances/<id>``) or a ``DrainMark`` (at ``PREFIX/drain/<id>``). With a cluster
-secret it counts only when its HMAC over (key, body, revision, expires) checks, and whatever the
-secret:
+secret it counts only when its seal, an HMAC over (key, body, revision, expires), checks, and
+whatever the secret:
 
 - it is held under the etcd lease its body names (a record: its registration's lease; a drain
   mark: the lease of the record it drains);
@@ -74,16 +74,18 @@ def shown(key: bytes) -> str:
     return text if len(key) <= 80 else f"{text}... ({len(key)} bytes)"
 
 
-def _signed_parts(key: bytes, body: bytes, revision: int, expires: float) -> tuple[bytes, ...]:
-    if revision == 0 and expires == 0.0:  # what writers signed before entries were bound
-        return key, body
+def _sealed(key: bytes, body: bytes, revision: int, expires: float) -> tuple[bytes, ...]:
     return key, body, revision.to_bytes(8, "big"), struct.pack(">d", expires)
 
 
 def sign(secret: ClusterSecret | None, key: bytes, msg: m.Msg, revision: int = 0, expires: float = 0.0) -> bytes:
+    """`sig` covers (key, body), what proxies before revision binding check (a rolling upgrade);
+    `seal` covers (key, body, revision, expires), what this version checks."""
     body = m.encode(msg)
-    sig = secret.mac(PURPOSE, *_signed_parts(key, body, revision, expires)) if secret is not None else b""
-    return m.encode(m.SignedEntry(body=body, sig=sig, revision=revision, expires=expires))
+    sig = seal = b""
+    if secret is not None:
+        sig, seal = secret.mac(PURPOSE, key, body), secret.mac(PURPOSE, *_sealed(key, body, revision, expires))
+    return m.encode(m.SignedEntry(body=body, sig=sig, revision=revision, expires=expires, seal=seal))
 
 
 def verify(secret: ClusterSecret | None, kv: KV, prefix: str) -> Entry:
@@ -99,9 +101,10 @@ def verify(secret: ClusterSecret | None, kv: KV, prefix: str) -> Entry:
     except m.MessageError as e:
         raise Rejected("malformed", str(e)) from None
     if secret is not None:
-        if not entry.sig:
+        if not entry.sig and not entry.seal:
             raise Rejected("unsigned", "no signature (the writer has no cluster secret)")
-        if not secret.verify(PURPOSE, entry.sig, *_signed_parts(kv.key, entry.body, entry.revision, entry.expires)):
+        if not (secret.verify(PURPOSE, entry.seal, *_sealed(kv.key, entry.body, entry.revision, entry.expires))
+                if entry.seal else secret.verify(PURPOSE, entry.sig, kv.key, entry.body)):
             raise Rejected("bad_signature", "its signature does not check with this cluster secret")
     record = isinstance(inner, m.InstanceRecord)
     if kv.key != (record_key if record else drain_key)(prefix, inner.instance_id):
@@ -109,7 +112,7 @@ def verify(secret: ClusterSecret | None, kv: KV, prefix: str) -> Entry:
     if inner.lease == 0 or inner.lease != kv.lease:
         old = " (no lease: written by an older kvferry? upgrade it)" if inner.lease == 0 else ""
         raise Rejected("lease", f"signed for lease {inner.lease:x}, held under lease {kv.lease:x}{old}")
-    if entry.revision == 0 or (record and entry.expires == 0.0):
+    if entry.revision == 0 or (record and entry.expires == 0.0) or (secret is not None and not entry.seal):
         raise Rejected("version", "not bound to its key's revision: written by an older kvferry; upgrade kvferry "
                                   "join (and the proxies that drain) on that machine")
     if entry.revision != kv.create_revision:

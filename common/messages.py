@@ -423,9 +423,10 @@ class DrainMark(Msg, tag="drain", frozen=True):  # every proxy drains this insta
 
 class SignedEntry(Msg, tag="signed", frozen=True):  # body: an encoded InstanceRecord or DrainMark
     body: Blob
-    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # HMAC(key, body[, revision, expires])
+    sig: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # HMAC(key, body): what readers before `seal` check
     revision: NonNeg = 0  # its key's create revision (0: a writer before revisions: refused, "version")
     expires: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] = 0.0  # a record: unix time it stops counting
+    seal: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # HMAC(key, body, revision, expires)
 
 Message = Union[
     Hello, Welcome, AllocRequest, AllocResponse, RenewLease, LeaseRenewed, ErrorReply, ArrivalNotice,

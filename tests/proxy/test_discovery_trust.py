@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from kvferry.common import discovery as disc
+from kvferry.common import discovery_entries as disc_entries
 from kvferry.common import discovery_watch, secret
 from kvferry.common import messages as m
-from kvferry.common.etcd import Etcd, EtcdAccessError, prefix_end
+from kvferry.common.etcd import KV, Etcd, EtcdAccessError, prefix_end
 from kvferry.common.netutil import free_port
 from kvferry.launcher import stores
 from kvferry.launcher.join import Member, Registrar
@@ -504,3 +506,23 @@ def test_trust_etcd_client_certificate_tls(etcd_available, cluster: Cluster, tmp
         for p in procs:
             p.stop()
         etcd.stop()
+
+
+def test_trust_entries_versioned_for_a_rolling_upgrade() -> None:
+    """A new entry still carries the (key, body) signature older proxies check, so registrars can be
+    upgraded first; an entry an older registrar wrote (no seal, no revision) is refused as `version`
+    with the fix named, and a seal that does not cover its revision as `bad_signature`."""
+    sk, prefix = secret.from_text("a cluster secret for the version test", "test"), "/versions"
+    key = disc.record_key(prefix, "p-v")
+    rec = m.InstanceRecord(instance_id="p-v", role="prefiller", model="stub", url="http://127.0.0.1:1", lease=7)
+    new = m.decode(disc.sign(sk, key, rec, revision=5, expires=time.time() + 9), m.SignedEntry)
+    assert sk.verify(disc_entries.PURPOSE, new.sig, key, new.body)
+    assert disc.verify(sk, KV(key, m.encode(new), mod_revision=6, lease=7, create_revision=5), prefix).inner == rec
+    old = m.encode(m.SignedEntry(body=new.body, sig=new.sig))
+    with pytest.raises(disc.Rejected, match="upgrade kvferry join") as e:
+        disc.verify(sk, KV(key, old, 6, 7, 5), prefix)
+    assert e.value.reason == "version"
+    moved = m.encode(msgspec.structs.replace(new, revision=9))
+    with pytest.raises(disc.Rejected) as e:
+        disc.verify(sk, KV(key, moved, 10, 7, 9), prefix)
+    assert e.value.reason == "bad_signature"
