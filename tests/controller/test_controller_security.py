@@ -6,7 +6,6 @@ within --request-timeout, and connections past --max-connections get a clear 503
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.stores import Proc
 from tests.polling import until
+from tests.raw_http import answer, closed_within, connect
 
 ADMIN = "an-admin-key-for-the-security-tests"
 REQUEST_S = 1.0
@@ -52,59 +52,23 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ctl]:
     c.stop()
 
 
-def _connect(c: Ctl) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", c.port), timeout=5)
-
-
-def _answer(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One answer with a Content-Length body, read within the socket's timeout."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, f"closed before an answer: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        chunk = s.recv(65536)
-        assert chunk, "closed mid-answer"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
-def _closed_within(s: socket.socket, seconds: float) -> None:
-    """Until the peer closed `s` (EOF or reset), reading and dropping what comes; fails past `seconds`."""
-    deadline = time.monotonic() + seconds
-    s.settimeout(0.1)
-    while time.monotonic() < deadline:
-        try:
-            if not s.recv(65536):
-                return
-        except TimeoutError:
-            continue
-        except ConnectionResetError:
-            return
-    raise AssertionError(f"still open after {seconds}s")
-
-
 def test_connections_past_the_cap_get_a_clear_503_security(keyless: Ctl) -> None:
-    held = [_connect(keyless) for _ in range(CAP)]
+    held = [connect(keyless.port) for _ in range(CAP)]
     try:
         for s in held:  # each one is served (none was refused)
             s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            assert _answer(s)[0] == 200
-        extra = _connect(keyless)
-        status, headers, body = _answer(extra)
+            assert answer(s)[0] == 200
+        extra = connect(keyless.port)
+        status, headers, body = answer(extra)
         assert status == 503 and headers["retry-after"] == "1" and headers["connection"] == "close", headers
         assert "--max-connections" in json.loads(body)["error"]
-        _closed_within(extra, 5)
+        closed_within(extra, 5)
         held.pop().close()
 
         def served() -> bool:
-            with _connect(keyless) as s:
+            with connect(keyless.port) as s:
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-                return _answer(s)[0] == 200
+                return answer(s)[0] == 200
         until(served, 5, "a connection served once one of the capped ones closed")
     finally:
         for s in held:
@@ -135,12 +99,12 @@ def test_a_rebinding_host_and_a_cross_site_change_are_refused_security(keyless: 
 
 
 def test_the_admin_key_is_checked_from_the_head_security(keyed: Ctl) -> None:
-    with _connect(keyed) as s:
+    with connect(keyed.port) as s:
         s.sendall(b"POST /clear HTTP/1.1\r\nHost: localhost\r\nContent-Length: 60000000\r\n\r\n")  # no body yet
-        status, headers, body = _answer(s)
+        status, headers, body = answer(s)
         assert status == 401 and "--admin-key" in json.loads(body)["error"], body
         assert headers.get("connection") == "close", headers
-        _closed_within(s, 5)
+        closed_within(s, 5)
 
 
 def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(keyless: Ctl) -> None:
@@ -150,13 +114,13 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(keyl
         "body": b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"tokens\": [",
         "a second request's head": b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\nGET /api/st",
     }
-    socks = {what: _connect(keyless) for what in partial}
+    socks = {what: connect(keyless.port) for what in partial}
     try:
         t0 = time.monotonic()
         for what, data in partial.items():
             socks[what].sendall(data)
         for what, s in socks.items():
-            _closed_within(s, REQUEST_S + 4)
+            closed_within(s, REQUEST_S + 4)
             took = time.monotonic() - t0
             assert took >= REQUEST_S * 0.8, (what, took)  # by the timeout, not at once
     finally:

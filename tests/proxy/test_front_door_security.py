@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.proxy.options import parse
 from tests.polling import until
+from tests.raw_http import answer, closed_within, connect
 from tests.stub_procs import Proc, _no_process_outlives_its_test, proxy, stubs  # noqa: F401 - stops what a test started
 
 CLIENT, ADMIN = "client-key-0123", "admin-key-4567"
@@ -60,41 +60,10 @@ def keyless(engines: list[Proc]) -> Iterator[Proc]:
     px.stop()
 
 
-def _connect(url: str) -> socket.socket:
-    u = urlsplit(url)
-    return socket.create_connection((u.hostname, u.port), timeout=5)
-
-
-def _answer(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One answer with a Content-Length body, read within the socket's timeout."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, f"closed before an answer: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        chunk = s.recv(65536)
-        assert chunk, "closed mid-answer"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
-def _closed_within(s: socket.socket, seconds: float) -> float:
-    """Seconds until the peer closed `s` (EOF or reset), reading and dropping what comes; fails past `seconds`."""
-    t0 = time.monotonic()
-    s.settimeout(0.1)
-    while time.monotonic() - t0 < seconds:
-        try:
-            if not s.recv(65536):
-                return time.monotonic() - t0
-        except TimeoutError:
-            continue
-        except ConnectionResetError:
-            return time.monotonic() - t0
-    raise AssertionError(f"still open after {seconds}s")
+def _port(px: Proc) -> int:
+    port = urlsplit(px.url).port
+    assert port is not None
+    return port
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -112,23 +81,23 @@ def _instances(px: Proc, **headers: str) -> list[tuple]:
 
 
 def test_connections_past_the_cap_get_a_clear_503_security(client_key_only: Proc) -> None:
-    held = [_connect(client_key_only.url) for _ in range(CAP)]
+    held = [connect(_port(client_key_only)) for _ in range(CAP)]
     try:
         for s in held:  # each one is served (none was refused)
             s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-            assert _answer(s)[0] == 200
-        extra = _connect(client_key_only.url)
-        status, headers, body = _answer(extra)
+            assert answer(s)[0] == 200
+        extra = connect(_port(client_key_only))
+        status, headers, body = answer(extra)
         err = json.loads(body)["error"]
         assert status == 503 and headers["retry-after"] == "1" and headers["connection"] == "close", headers
         assert err["code"] == "too_many_connections" and "--max-connections" in err["message"], err
-        _closed_within(extra, 5)
+        closed_within(extra, 5)
         held.pop().close()
 
         def served() -> bool:
-            with _connect(client_key_only.url) as s:
+            with connect(_port(client_key_only)) as s:
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-                return _answer(s)[0] == 200
+                return answer(s)[0] == 200
         until(served, 5, "a connection served once one of the capped ones closed")
     finally:
         for s in held:
@@ -176,7 +145,7 @@ def test_a_cross_site_admin_post_is_refused_and_changes_nothing_security(keyless
 
 
 def test_a_rebinding_host_is_refused_security(keyless: Proc) -> None:
-    port = urlsplit(keyless.url).port
+    port = _port(keyless)
     before = _instances(keyless)
     evil = {"Host": "evil:9000", "Origin": "http://evil:9000"}  # same origin to the browser, after rebinding
     err = _error(httpx.get(keyless.url + "/admin/instances", headers=evil, timeout=10), 403)
@@ -198,18 +167,18 @@ def test_an_unauthenticated_body_is_refused_from_its_head_security(guarded: Proc
         "chunked": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n",
     }
     for what, head in heads.items():
-        with _connect(guarded.url) as s:
+        with connect(_port(guarded)) as s:
             s.sendall(head)  # the head only: the answer must come before any of the body is sent
-            status, headers, body = _answer(s)
+            status, headers, body = answer(s)
             assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized", (what, body)
             assert headers.get("connection") == "close", (what, headers)
             try:
                 s.sendall(b"x" * (1 << 20))  # the client goes on regardless: dropped, never buffered
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            _closed_within(s, 5)
+            closed_within(s, 5)
     # With the key, the same head waits for its body.
-    with _connect(guarded.url) as s:
+    with connect(_port(guarded)) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 60000000\r\n"
                   f"Authorization: Bearer {CLIENT}\r\n\r\n".encode())
         s.settimeout(REQUEST_S / 2)
@@ -227,13 +196,13 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guar
                                   + auth + b"\r\n5\r\nab",
         "a second request's head": b"GET /health HTTP/1.1\r\nHost: t\r\n\r\nGET /metr",
     }
-    socks = {what: _connect(guarded.url) for what in partial}
+    socks = {what: connect(_port(guarded)) for what in partial}
     try:
         t0 = time.monotonic()
         for what, data in partial.items():
             socks[what].sendall(data)
         for what, s in socks.items():
-            _closed_within(s, REQUEST_S + 4)
+            closed_within(s, REQUEST_S + 4)
             took = time.monotonic() - t0
             assert took >= REQUEST_S * 0.8, (what, took)  # by the timeout, not at once
     finally:
