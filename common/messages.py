@@ -149,7 +149,9 @@ class ArrivalNotice(Msg, tag="arrived", frozen=True):
 class AbortTransfer(Msg, tag="abort", frozen=True):
     """Drop a transfer. Its pages are reused only when no WRITE can still land in them: at its arrival
     notice, at its lease's end, or at once when `final` comes from the connection that reserved them
-    (the sender: it posted no WRITE and never will). Generation 0 means any (the proxy has none)."""
+    (the sender: it posted no WRITE and never will). Generation 0 means any (the proxy has none).
+    The receiver sends it too, to the connection that reserved the pages, when anyone else dropped
+    the transfer: that sender posts no more WRITEs and answers with its own abort."""
 
     transfer_id: Id
     generation: NonNeg = 0

@@ -124,6 +124,12 @@ class Joints:
                 "aborted", tid, f"transfer {tid} ended or its data arrived before this writer joined")
         return m.AllocResponse(transfer_id=tid, generation=reply.generation, pages=reply.pages, lease_seconds=left)
 
+    def writers(self, transfer_id: str) -> list[bytes]:
+        """The connections of the writers that joined `transfer_id` (none: not a joint transfer)."""
+        with self._lock:
+            j = self._joints.get(transfer_id)
+            return list(j.joined) if j is not None else []
+
     def conn(self, transfer_id: str, ident: bytes) -> bytes:
         """The table's connection key for `ident`'s requests about `transfer_id` (a lease renewal)."""
         with self._lock:

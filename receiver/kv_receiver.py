@@ -220,6 +220,12 @@ class KVReceiver(ReceiverSleep):
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
+
+            def quarantined(inc: Incoming, reason: str) -> None:  # any thread, under the table's lock
+                with contextlib.suppress(RuntimeError):  # the loop closed: the receiver is closing
+                    loop.call_soon_threadsafe(self._tell_writers, alloc, inc.transfer_id, inc.res.generation,
+                                              inc.conn, reason)
+            self.table.on_quarantine = quarantined
             self._ready.set()
             # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
             conns = ConnWatch(alloc, self._writer_gone, WRITER_GONE_GRACE_S)
@@ -236,6 +242,7 @@ class KVReceiver(ReceiverSleep):
                 task.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
         finally:
+            self.table.on_quarantine = None
             for s in socks:
                 s.close(linger=0)
             ctx.term()
@@ -315,6 +322,15 @@ class KVReceiver(ReceiverSleep):
         if isinstance(reply, m.ErrorReply):
             self._refused(reply.code)
         await peering.reply(sock, ident, reply)
+
+    def _tell_writers(self, sock: zmq.asyncio.Socket, tid: str, generation: int, conn: bytes, reason: str) -> None:
+        """On the ports loop: the transfer `conn` reserved was dropped by someone else (the proxy: its
+        client left). Its writers (each prefiller rank of a joint one) are told, so they post no
+        more writes and answer with their own abort, final when nothing can land: the quarantine
+        ends then, while the prefiller's compute step may still run."""
+        msg = m.AbortTransfer(transfer_id=tid, generation=generation, reason=reason[:200])
+        for ident in self.joints.writers(tid) or [conn]:
+            asyncio.ensure_future(peering.reply(sock, ident, msg))
 
     def _refused(self, code: str) -> None:
         self.counters.alloc_errors += 1

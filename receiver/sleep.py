@@ -50,8 +50,9 @@ class ReceiverSleep:
 
     def suspend(self) -> int:
         """Before vLLM frees or remaps the pd_buffer's memory: refuse new allocs, quarantine the
-        transfers not arrived yet, wait until no WRITE can land in any page (each arrives or its
-        lease ends; bounded by pd_lease_seconds), then deregister the pd_buffer from NIXL.
+        transfers not arrived yet (their senders are told, and stop writing), wait until no WRITE
+        can land in any page (each arrives, its sender says none will, or its lease ends; bounded by
+        pd_lease_seconds), then deregister the pd_buffer from NIXL.
         Returns how many transfers were quarantined; idempotent."""
         with self._sleep_lock:
             if self._asleep:

@@ -15,7 +15,10 @@ No request ever reads another request's KV:
   notification arrives, when the sender that reserved them says it never wrote (a `final`
   abort on the same connection), when that connection closed (`writer_gone`: the sender died or
   dropped it, and a sender posts no write into pages reserved on a closed connection), or at the
-  lease's end, after which no sender posts a write.
+  lease's end, after which no sender posts a write. An abort from anyone else (the proxy's: the
+  client left) is told to that sender (`on_quarantine`), which then posts no more writes and
+  answers with its own abort, final once nothing of it can land: the pages come back within
+  milliseconds, not when the prefiller's compute step ends.
 - A transfer whose decode request the decoder's scheduler already holds is *pinned*: once its
   data arrived it is kept for `queue_seconds` (pd_queue_seconds) instead of the lease, so a
   request queued behind others loads its KV instead of recomputing the prompt.
@@ -91,6 +94,9 @@ class TransferTable:
         self._gone: OrderedDict[bytes, None] = OrderedDict()  # closed connections: no new transfer on them
         self._expecting = 0  # live transfers not yet arrived; read by the NIXL thread every poll
         self.on_expecting: Callable[[int], None] | None = None  # told each change (a live gauge)
+        # Told (under the table's lock: it must not block) each transfer quarantined by an abort
+        # that did not come from the connection that reserved it, with the abort's reason.
+        self.on_quarantine: Callable[[Incoming, str], None] | None = None
         self.counters = {"quarantined": 0, "late_writes": 0, "refused_ids": 0, "pinned": 0, "writer_gone": 0}
 
     def __contains__(self, transfer_id: str) -> bool:
@@ -220,6 +226,8 @@ class TransferTable:
                 self._forget_locked(inc, why)
                 self._quarantine[transfer_id] = inc
                 self.counters["quarantined"] += 1
+                if self.on_quarantine is not None and conn != inc.conn:
+                    self.on_quarantine(inc, reason)
             return True
 
     def writer_gone(self, conn: bytes) -> int:

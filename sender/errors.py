@@ -36,6 +36,12 @@ class WriteFailed(SendError):
     code = "write"
 
 
+class TransferDropped(SendError):
+    """The receiver dropped the transfer (nobody will read it: its request's client left)."""
+
+    code = "aborted"
+
+
 # Receivers' refusal codes and the sender's own failure kinds: a metric label never carries a
 # string a peer made up.
 FAILURE_REASONS = frozenset({"send_failed", "handshake", "fingerprint", "buffer_full", "too_large", "timeout",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,21 +16,32 @@ from kvferry.buffer import peering
 from kvferry.common import messages as m
 from kvferry.common.log import get_logger
 from kvferry.sender.addr import ReceiverAddr
-from kvferry.sender.errors import ChunkError, LeaseExpired, SendError
+from kvferry.sender.errors import ChunkError, LeaseExpired, SendError, TransferDropped
 
 logger = get_logger(__name__)
 
 LEASE_MARGIN = 0.1  # fraction of the lease kept free at its end: no write may start there
+MAX_EARLY_DROPS = 1024  # receiver aborts remembered for grants not made yet (a peer may send any number)
 
 
 @dataclass
 class AllocLink:
     """What a sender keeps per receiver: its address, the alloc and renew replies it waits for (by
-    transfer id), and the task that reads them off the data port."""
+    transfer id), the task that reads them off the data port, the grants made on it that have not
+    ended (by transfer id), and the receiver's aborts that came before their grant was made."""
 
     addr: ReceiverAddr | None = None
     pending: dict[str, asyncio.Future] = field(default_factory=dict)
     reader: asyncio.Task | None = None
+    grants: dict[str, Grant] = field(default_factory=dict)
+    early_drops: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def dropped_early(self, transfer_id: str, reason: str) -> None:
+        """The receiver dropped `transfer_id` before its grant was made here (its alloc reply and the
+        abort came in one read): remembered, bounded, for the grant to be cut as it is made."""
+        self.early_drops[transfer_id] = reason
+        while len(self.early_drops) > MAX_EARLY_DROPS:
+            self.early_drops.popitem(last=False)
 
 
 @dataclass
@@ -52,6 +65,12 @@ class Grant:
     chunks: int = 0
     finishing: bool = False  # the notifying write was asked for: no more renewals
     ended: bool = False  # finished, failed or given back: nothing more is written into its pages
+    # The receiver dropped the transfer (its request's client left): the reason. No write is posted
+    # from then on; once none is in flight the sender's own abort (final when clean) frees the pages.
+    cut: str = ""
+    # Held between a write's check and its entry in `writes`, and while `cut` is set and `writes`
+    # read: a write is either in `writes` before the cut looks, or refused.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     share: tuple[int, int] = (1, 0)  # (prefiller ranks writing into these pages, which one this is)
     # The notifying write's NIXL notification, encoded when the pages are granted: one step
     # fewer between the caller's write and its post.
@@ -99,7 +118,7 @@ async def renew_until_done(grant: Grant, timeout: float) -> None:
     forward step of a large batch can take longer than the lease."""
     while True:
         await asyncio.sleep(max(0.05, grant.lease_seconds / 4))
-        if grant.ended or grant.finishing:
+        if grant.ended or grant.finishing or grant.cut:
             return
         await renew(grant, timeout)
 
@@ -125,6 +144,9 @@ def refusal(grant: Grant, widest: int, now: float) -> tuple[SendError, str] | No
     """Why a write reaching `widest` bytes into its pages may not go into `grant` now, and the
     reason to abort it with ("" if it ended already), or None. A few plain checks: this runs on the
     caller's thread before each write's post."""
+    if grant.cut:
+        return TransferDropped(f"transfer {grant.transfer_id}: receiver {grant.addr} dropped it ({grant.cut}); "
+                               "nothing more is written into its pages"), ""
     if grant.ended:
         return SendError(f"transfer {grant.transfer_id}: its pages were given back or its write failed; nothing "
                          "more may be written into them"), ""

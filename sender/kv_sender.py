@@ -193,15 +193,17 @@ class KVSender(SenderSleep):
         out: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         region = pd_region(grant.peer)
         local, remote, nbytes, widest, prep = checked_descs(grant, chunks, first, runs, self._ranges, self._device_id)
-        refused = refusal(grant, widest, called)
+        xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
+        with grant.lock:  # against the receiver's drop (_cut), which reads `writes` on the loop
+            refused = refusal(grant, widest, called)
+            if refused is None:
+                grant.posted = True
+                grant.finishing = grant.finishing or notify
+                grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         if refused is not None:
-            err, reason = refused  # no reason: it ended already, nothing to abort
+            err, reason = refused  # no reason: it ended (or was dropped) already, nothing to abort
             self._fail(grant, out, err, reason) if reason else out.set_exception(err)
             return out
-        grant.posted = True
-        grant.finishing = grant.finishing or notify
-        xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
-        grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
         self._nixl.post("WRITE", local, self._mem, remote, region.mem_type,
                         grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf, prep)
@@ -290,9 +292,12 @@ class KVSender(SenderSleep):
         while True:
             body = await peer.sock.recv()
             try:
-                reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply, m.LeaseRenewed))
+                reply = m.decode(body, expect=(m.AllocResponse, m.ErrorReply, m.LeaseRenewed, m.AbortTransfer))
             except m.MessageError as e:
                 logger.warning("receiver %s sent a bad alloc reply: %s", peer.state.addr, e)
+                continue
+            if isinstance(reply, m.AbortTransfer):
+                self._dropped(peer, reply)
                 continue
             fut = pending.pop(reply.transfer_id or "", None)
             if fut is not None and not fut.done():
@@ -300,6 +305,28 @@ class KVSender(SenderSleep):
             elif isinstance(reply, m.AllocResponse):
                 # We gave up on it already and wrote nothing: the pages may go back at once.
                 await send_abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
+
+    def _dropped(self, peer: peering.Peer[AllocLink], msg: m.AbortTransfer) -> None:
+        """The receiver dropped one of this connection's transfers (the proxy's abort: its client
+        left); on the loop, while the prompt may still be computing."""
+        grant = peer.state.grants.get(msg.transfer_id)
+        if grant is None:
+            peer.state.dropped_early(msg.transfer_id, msg.reason or "no reason given")
+        elif not msg.generation or msg.generation == grant.generation:
+            self._cut(grant, msg.reason or "no reason given")
+
+    def _cut(self, grant: Grant, reason: str) -> None:
+        """No write into `grant` is posted from now on; once none is in flight, the pages are given
+        back (final when every write ended DONE), without waiting for the prompt's compute to end."""
+        with grant.lock:
+            if grant.cut or grant.ended:
+                return
+            grant.cut = reason[:200]
+            idle = not grant.writes
+        logger.info("transfer %s: receiver %s dropped it (%s); nothing more is written", grant.transfer_id,
+                    grant.addr, grant.cut)
+        if idle:  # else the last write's end gives the pages back (_written)
+            asyncio.ensure_future(self._end(grant, f"dropped by the receiver ({grant.cut})", abort=True))
 
     # ---- one transfer ----
     async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -366,9 +393,14 @@ class KVSender(SenderSleep):
             if handshook:
                 phases["handshake"] = sent_at - began
             granted = True
-            return Grant(tid, addr, peer, reply.generation, list(reply.pages),
-                         sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook,
-                         reply.lease_seconds, share=share)
+            grant = Grant(tid, addr, peer, reply.generation, list(reply.pages),
+                          sent_at + reply.lease_seconds * (1 - LEASE_MARGIN), t0, phases, handshook,
+                          reply.lease_seconds, share=share)
+            peer.state.grants[tid] = grant
+            why = peer.state.early_drops.pop(tid, None)
+            if why is not None:
+                self._cut(grant, why)
+            return grant
         finally:
             if not granted:
                 peer.busy -= 1
@@ -377,9 +409,15 @@ class KVSender(SenderSleep):
                  f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
         """On the NIXL thread: a write of `grant` ended."""
         x = f.result()
-        grant.writes.discard(f)
+        with grant.lock:  # `clean` before `writes` shrinks: a drop that then finds none in flight reads it
+            if x.state != "DONE":
+                grant.clean = False
+            grant.writes.discard(f)
+            settled = bool(grant.cut) and not grant.writes
+        if settled and x.state == "DONE" and not notify:  # the last write in flight of a dropped grant
+            asyncio.run_coroutine_threadsafe(self._end(grant, f"dropped by the receiver ({grant.cut})", abort=True),
+                                             self._loop)
         if x.state != "DONE":
-            grant.clean = False
             # A write was posted: it may still land until the lease ends, so the abort is not final.
             err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
                                 "the lease; raise pd_lease_seconds") if x.state == "EXPIRED"
@@ -407,6 +445,8 @@ class KVSender(SenderSleep):
             return
         self._preps.close(grant.prepared)
         peer = grant.peer
+        if peer.state.grants.get(grant.transfer_id) is grant:
+            del peer.state.grants[grant.transfer_id]
         if abort:
             await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))
         if drop:

@@ -43,7 +43,7 @@ from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges,
 from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank, same_rank
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
-from kvferry.sender.errors import SendError, failure_reason
+from kvferry.sender.errors import SendError, TransferDropped, failure_reason
 from kvferry.sender.kv_sender import Grant, KVSender, SendResult, sender_config
 
 logger = get_logger(__name__)
@@ -95,6 +95,12 @@ def _after_all(futs: Sequence[concurrent.futures.Future], fn: Callable[[], None]
 
 def _ok(f: concurrent.futures.Future) -> bool:
     return not f.cancelled() and f.exception() is None
+
+
+def _dropped(out: _Outgoing) -> bool:
+    """The decoder dropped the prompt's early grant (the proxy's abort: its client left)."""
+    g = out.grant
+    return g is not None and g.done() and _ok(g) and bool(g.result().cut)
 
 
 def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
@@ -177,8 +183,8 @@ class PDProducer:
         transfer_id = out.transfer_id
         if out.grant is None or not out.grant.done() or not _ok(out.grant):
             return  # the alloc is still on its way (or failed): submit() sends these chunks
-        if any(w.done() and not _ok(w) for w in out.writes):
-            return  # a piece failed: the grant is gone, submit() reports it
+        if out.grant.result().cut or any(w.done() and not _ok(w) for w in out.writes):
+            return  # dropped by the decoder, or a piece failed: the grant is gone, submit() reports it
         upto = min(computed_tokens, out.num_tokens) // self.fp.chunk_size
         if upto <= out.sent:
             return
@@ -210,7 +216,8 @@ class PDProducer:
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         result.add_done_callback(lambda f: self._sent(out, f))
         try:
-            self._gather(out, block_ids, num_tokens, len(out.keys))
+            if not _dropped(out):  # nothing of a dropped one is written: no copy either
+                self._gather(out, block_ids, num_tokens, len(out.keys))
         except StagingError:
             self._finish_after_writes(out)
             raise
@@ -365,6 +372,9 @@ class PDProducer:
         self.staging.release(out.res)
         try:
             r = fut.result()
+        except TransferDropped as e:  # its client left: nothing is wrong here
+            bump(self.counters.failures, failure_reason(e))
+            logger.info("transfer %s: not sent: %s", out.transfer_id, e)
         except Exception as e:  # noqa: BLE001 - a done-callback must not raise: every failure is counted
             bump(self.counters.failures, failure_reason(e))
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,

@@ -20,6 +20,7 @@ from kvferry.buffer import nixl_agent  # noqa: E402
 from kvferry.common.config import load_config  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint  # noqa: E402
+from kvferry.sender.errors import TransferDropped  # noqa: E402
 from tests.kv_caches import make_caches  # noqa: E402
 from tests.polling import until  # noqa: E402
 
@@ -213,15 +214,14 @@ def test_sleep_waits_for_a_granted_write_then_deregisters_and_refuses_allocs(pai
     quarantined: list[int] = []
     sleeper = threading.Thread(target=lambda: (quarantined.append(consumer.suspend()), done.set()), daemon=True)
     sleeper.start()
-    # The granted transfer is quarantined, not forgotten: its write may still land, so the
-    # pd_buffer stays registered until it does.
-    assert not done.wait(0.5), "the decoder went to sleep with a granted write outstanding"
-    assert covered(receiver._agent_metadata, pd_buffer)
-    res = producer.submit("G", addr, tokens, blocks, 96).result(10)  # the prompt finished computing meanwhile
-    assert res.sent_chunks == 3
-    assert done.wait(5), "suspend did not end after the last write landed"
-    assert time.monotonic() - t0 < 4.0, "suspend waited for the lease instead of the write"
-    assert quarantined == [1] and receiver.table.counters["late_writes"] == 1
+    # The granted transfer is quarantined, not forgotten, and its sender is told: it posts no write
+    # from then on and, having posted none, says so (a final abort). Only then does the pd_buffer go.
+    assert done.wait(5), "suspend did not end once the sender said no write would land"
+    assert time.monotonic() - t0 < 4.0, "suspend waited for the lease instead of the sender's word"
+    assert producer._open["G"][addr].grant.result().cut, "the decoder slept before the sender stopped writing"
+    with pytest.raises(TransferDropped):  # the prompt finished computing meanwhile: nothing more is written
+        producer.submit("G", addr, tokens, blocks, 96).result(10)
+    assert quarantined == [1] and receiver.table.counters["late_writes"] == 0
     assert not covered(receiver._agent_metadata, pd_buffer)
     assert consumer.buffer.fully_free(), "the drained transfer's pages must be free"
 

@@ -539,7 +539,9 @@ def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another
     gate = threading.Event()
     original = a.write
 
-    def held_write(*args, **kw):  # on A's loop, between its grant and its write
+    # On A's loop, between its grant and its write: the loop is held, so the receiver's word that
+    # A was dropped is read only after this write was posted (it lands late, in A's own pages).
+    def held_write(*args, **kw):
         gate.wait(30)
         return original(*args, **kw)
 
@@ -589,6 +591,9 @@ def test_a_final_abort_frees_pages_at_once_only_from_the_connection_that_reserve
             if closer is other:
                 # Someone else's "final" means nothing: a WRITE of t1's sender may still be coming.
                 assert r.state()[2] == 0 and r.state()[5]["quarantine"] == 1
+                # The sender that reserved them is told, so that it can answer with its own abort.
+                told = next_answer(mine, 3000)
+                assert isinstance(told, m.AbortTransfer) and told.transfer_id == tid, told
                 mine.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=reply.generation, final=True)))
                 time.sleep(0.3)
             assert r.state()[1], f"{tid}: the sender's own final abort did not free the pages at once"
@@ -638,6 +643,8 @@ def test_a_hostile_authenticated_peer_leaves_the_table_bounded_and_the_buffer_fr
         other.send(m.encode(m.AbortTransfer(transfer_id="d1", generation=0, reason="hostile")))
         other.send(m.encode(m.AbortTransfer(transfer_id="later", generation=0, reason="early")))
         time.sleep(0.3)
+        told = next_answer(sock, 3000)  # d1's sender is told of the abort, once
+        assert isinstance(told, m.AbortTransfer) and told.transfer_id == "d1" and told.reason == "hostile", told
         assert (reply := alloc("later", 1)).code == "duplicate" and "aborted" in reply.message
         for i in range(8):  # unique ids, nothing ever written: their leases take the pages back
             alloc(f"n{i}", 1)
