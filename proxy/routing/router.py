@@ -58,7 +58,7 @@ class Router:
         if self.registry.board is not None and inst.board is None:
             self.metrics.board_full.inc()
             _board_full_log.warning("%s %s (%s) added without a row on the load board (all %d held): routed "
-                                    "on each worker's own load until rows free up", inst.role, inst.url, inst.id,
+                                    "on each worker's own load", inst.role, inst.url, inst.id,
                                     ROWS)
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1)
         self.cache.add(inst)
