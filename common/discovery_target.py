@@ -17,19 +17,15 @@ from __future__ import annotations
 import math
 import os
 import ssl
-import stat
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.etcd import Etcd
-from kvferry.common.log import get_logger
-
-logger = get_logger(__name__)
+from kvferry.common.password_file import PasswordFileError, read_password_file
 
 DEFAULT_PREFIX = "/kvferry"
 DEFAULT_CLOCK_SKEW_S = 1.0
-MAX_PASSWORD_CHARS = 1024
 QUERY_KEYS = ("cacert", "cert", "key", "user", "password_file", "clock_skew")
 
 
@@ -86,31 +82,17 @@ def connect(target: Target, timeout: float) -> Etcd:
                 password=target.password)
 
 
-def _read_password(path: str, source: str) -> str:
-    """A password file's first line; one others may read is used, with a warning naming chmod."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            st = os.fstat(f.fileno())
-            text = f.read(MAX_PASSWORD_CHARS + 1)
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise DiscoveryError(f"{source}: cannot read the etcd password file {path!r} ({why}): fix the path or its "
-                             "permissions") from None
-    password = text.splitlines()[0] if text.strip() else ""
-    if not password or len(text) > MAX_PASSWORD_CHARS:
-        raise DiscoveryError(f"{source}: the etcd password file {path!r} is empty or longer than {MAX_PASSWORD_CHARS} "
-                             "characters: put the password alone on its first line")
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("%s: etcd password file %s can be read by other users: chmod 600 %s", source, path, path)
-    return password
-
-
 def _credentials(flag: str, query: dict[str, str]) -> tuple[str, str]:
     user, path = query.get("user", ""), query.get("password_file", "")
     if bool(user) != bool(path):
         raise DiscoveryError(f"{flag}: user= and password_file= go together (an etcd user, and a file, mode 600, "
                              "holding its password)")
-    return (user, _read_password(path, f"{flag} password_file=")) if user else ("", "")
+    if not user:
+        return "", ""
+    try:
+        return user, read_password_file(path, f"{flag} password_file=")
+    except PasswordFileError as e:
+        raise DiscoveryError(str(e)) from None
 
 
 def _file_query(flag: str, query: dict[str, str], name: str) -> str:

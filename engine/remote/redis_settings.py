@@ -5,11 +5,8 @@ path or a contradiction is one ConfigError naming the key, not a stream of remot
 
 from __future__ import annotations
 
-import os
-import stat
-
 from kvferry.common.config import REDIS_SCHEMES, ConfigError, KVFerryConfig
-from kvferry.common.log import get_logger
+from kvferry.common.password_file import PasswordFileError, read_password_file
 from kvferry.engine.remote.base import RemoteError
 from kvferry.engine.remote.redis_backend import (
     RedisSettings,
@@ -17,15 +14,12 @@ from kvferry.engine.remote.redis_backend import (
     parse_redis_url,
 )
 
-logger = get_logger(__name__)
-
 # Other names an extra_config may use for a key (redis-py's, as in LMCache's rediss:// URLs).
 ALIASES = {"remote_tls_ca_file": ("ssl_ca_certs",), "remote_tls_cert_file": ("ssl_certfile",),
            "remote_tls_key_file": ("ssl_keyfile",)}
 KEYS = ("remote_username", "remote_password", "remote_password_file", "remote_sentinel_username",
         "remote_sentinel_password", "remote_sentinel_password_file", "remote_tls_ca_file", "remote_tls_cert_file",
         "remote_tls_key_file")
-MAX_PASSWORD_CHARS = 4096
 
 
 def _option(cfg: KVFerryConfig, key: str) -> tuple[str | None, str]:
@@ -48,22 +42,10 @@ def _option(cfg: KVFerryConfig, key: str) -> tuple[str | None, str]:
 
 
 def _read_password(path: str, source: str) -> str:
-    """A password file's first line; one others may read is used, with a warning naming chmod."""
     try:
-        with open(path, encoding="utf-8") as f:
-            st = os.fstat(f.fileno())  # the mode of the file read, not of whatever the path named before
-            text = f.read(MAX_PASSWORD_CHARS + 1)
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{source}: cannot read the password file {path!r} ({why}): fix the path or its "
-                          "permissions") from None
-    password = text.splitlines()[0] if text.strip() else ""
-    if not password or len(text) > MAX_PASSWORD_CHARS:
-        raise ConfigError(f"{source}: the password file {path!r} is empty or longer than {MAX_PASSWORD_CHARS} "
-                          "characters: put the password alone on its first line")
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("%s: password file %s can be read by other users: chmod 600 %s", source, path, path)
-    return password
+        return read_password_file(path, source)
+    except PasswordFileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _password(cfg: KVFerryConfig, key: str) -> tuple[str | None, str]:
