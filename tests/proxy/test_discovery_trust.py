@@ -15,7 +15,6 @@ import base64
 import itertools
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -37,9 +36,9 @@ from kvferry.common.etcd import KV, Etcd, EtcdAccessError, prefix_end
 from kvferry.common.netutil import free_port
 from kvferry.launcher import stores
 from kvferry.launcher.join import Member, Registrar
-from kvferry.launcher.vllm_proc import stop_group
 from kvferry.testing.processes import wait_http
 from tests.polling import until
+from tests.proxy.test_discovery import Proc
 from tests.tls_certs import _signed, make_certs
 
 TTL = 2
@@ -56,19 +55,6 @@ def stranger(endpoint: str, path: str, body: dict, token: str = "") -> dict:
     r = httpx.post(f"{endpoint}{path}", json=body, headers={"Authorization": token} if token else {}, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-class Proc:
-    """A child process whose output goes to a log file (read back by the tests)."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def stop(self) -> None:
-        stop_group(self.proc, 10)
 
 
 class Loop:
@@ -392,12 +378,10 @@ def _etcd(work: Path, scheme: str = "http", *extra: str) -> stores.Proc:
                                 "--logger", "zap", "--log-level", "warn", *extra], port, d / "etcd.log")
 
 
-def _join(work: Path, name: str, target: str, url: str, secret_file: Path) -> subprocess.Popen:
-    with open(work / f"join-{name}.log", "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvferry.launcher", "join", "--discovery", target, "--role",
-                                 "prefiller", "--attach", url, "--model", "stub", "--instance-id", name,
-                                 "--lease-ttl", str(TTL), "--cluster-secret-file", str(secret_file)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def _join(work: Path, name: str, target: str, url: str, secret_file: Path) -> Proc:
+    return Proc(["-m", "kvferry.launcher", "join", "--discovery", target, "--role", "prefiller", "--attach", url,
+                 "--model", "stub", "--instance-id", name, "--lease-ttl", str(TTL), "--cluster-secret-file",
+                 str(secret_file)], work / f"join-{name}.log")
 
 
 def _join_error(target: str, secret_file: Path) -> subprocess.CompletedProcess:
@@ -406,73 +390,70 @@ def _join_error(target: str, secret_file: Path) -> subprocess.CompletedProcess:
                            "--cluster-secret-file", str(secret_file)], capture_output=True, text=True, timeout=60)
 
 
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(10)
+@pytest.fixture
+def started() -> Iterator[list[Proc | stores.Proc]]:
+    """What a test starts (processes, an etcd), stopped in reverse order after it, pass or fail."""
+    things: list[Proc | stores.Proc] = []
+    yield things
+    for t in reversed(things):
+        t.stop()
 
 
-def test_trust_etcd_user_and_password(etcd_available, cluster: Cluster, tmp_path: Path) -> None:
+def test_trust_etcd_user_and_password(etcd_available, cluster: Cluster, tmp_path: Path,
+                                      started: list) -> None:
     """etcd with auth on (a root user, a `kvferry` role with readwrite on the prefix, one user of
     it): a registrar and a proxy that log in register and route, a drain goes through; a token
     etcd forgot is fetched again; a wrong password or no user is one line naming the fix."""
     c = cluster
     etcd = _etcd(tmp_path)
+    started.append(etcd)
     ep = f"http://127.0.0.1:{etcd.port}"
-    procs: list[Proc] = []
-    join = None
-    try:
-        for path, body in (("role/add", {"name": "root"}), ("user/add", {"name": "root", "password": "root-pw"}),
-                           ("user/grant", {"user": "root", "role": "root"}), ("role/add", {"name": "kvferry"}),
-                           ("role/grant", {"name": "kvferry", "perm": {"permType": "READWRITE", "key": b64(b"/auth/"),
-                                                                      "range_end": b64(prefix_end(b"/auth/"))}}),
-                           ("user/add", {"name": "node1", "password": "node1-pw"}),
-                           ("user/grant", {"user": "node1", "role": "kvferry"}), ("enable", {})):
-            stranger(ep, f"/v3/auth/{path}", body)
-        pw = tmp_path / "etcd.password"
-        pw.write_text("node1-pw\n")
-        pw.chmod(0o600)
-        target = f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password_file={pw}"
-        join = _join(tmp_path, "p-auth", target, c.victim, c.secret_file)
-        proxy, _ = _proxy(procs, tmp_path, "proxy-auth", target, c.secret_file)
-        until(lambda: "p-auth" in _instances(proxy), 10, "the proxy to list p-auth through etcd's auth")
-        local = _instances(proxy)["p-auth"]["id"]
-        r = httpx.post(f"{proxy}/admin/instances/{local}/drain", headers=ADMIN, timeout=5)
-        assert r.status_code == 200 and r.json()["draining"], r.text
+    for path, body in (("role/add", {"name": "root"}), ("user/add", {"name": "root", "password": "root-pw"}),
+                       ("user/grant", {"user": "root", "role": "root"}), ("role/add", {"name": "kvferry"}),
+                       ("role/grant", {"name": "kvferry", "perm": {"permType": "READWRITE", "key": b64(b"/auth/"),
+                                                                  "range_end": b64(prefix_end(b"/auth/"))}}),
+                       ("user/add", {"name": "node1", "password": "node1-pw"}),
+                       ("user/grant", {"user": "node1", "role": "kvferry"}), ("enable", {})):
+        stranger(ep, f"/v3/auth/{path}", body)
+    pw = tmp_path / "etcd.password"
+    pw.write_text("node1-pw\n")
+    pw.chmod(0o600)
+    target = f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password_file={pw}"
+    started.append(_join(tmp_path, "p-auth", target, c.victim, c.secret_file))
+    proxy, _ = _proxy(started, tmp_path, "proxy-auth", target, c.secret_file)
+    until(lambda: "p-auth" in _instances(proxy), 10, "the proxy to list p-auth through etcd's auth")
+    local = _instances(proxy)["p-auth"]["id"]
+    r = httpx.post(f"{proxy}/admin/instances/{local}/drain", headers=ADMIN, timeout=5)
+    assert r.status_code == 200 and r.json()["draining"], r.text
 
-        async def relogin() -> int:
-            e = Etcd(ep, user="node1", password="node1-pw")
-            try:
-                await e.get(b"/auth/x")
-                root = stranger(ep, "/v3/auth/authenticate", {"name": "root", "password": "root-pw"})["token"]
-                stranger(ep, "/v3/auth/disable", {}, root)  # drops every token etcd gave out
-                stranger(ep, "/v3/auth/enable", {})
-                return len((await e.get_prefix(b"/auth/"))[0])
-            finally:
-                await e.close()
-        assert c.bg.run(relogin()) >= 1  # the record, read with a new token
+    async def relogin() -> int:
+        e = Etcd(ep, user="node1", password="node1-pw")
+        try:
+            await e.get(b"/auth/x")
+            root = stranger(ep, "/v3/auth/authenticate", {"name": "root", "password": "root-pw"})["token"]
+            stranger(ep, "/v3/auth/disable", {}, root)  # drops every token etcd gave out
+            stranger(ep, "/v3/auth/enable", {})
+            return len((await e.get_prefix(b"/auth/"))[0])
+        finally:
+            await e.close()
+    assert c.bg.run(relogin()) >= 1  # the record, read with a new token
 
-        bad = tmp_path / "wrong.password"
-        bad.write_text("not-the-password\n")
-        bad.chmod(0o600)
-        r = _join_error(f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password_file={bad}", c.secret_file)
-        assert r.returncode == 2 and "authentication failed" in r.stderr and "password_file" in r.stderr, r.stderr
-        assert "not-the-password" not in r.stderr
-        r = _join_error(f"etcd://127.0.0.1:{etcd.port}/auth", c.secret_file)
-        assert r.returncode == 2 and "auth enabled" in r.stderr and "user=" in r.stderr, r.stderr
-        with pytest.raises(disc.DiscoveryError, match="password_file"):
-            disc.parse_target(f"etcd://node1:node1-pw@127.0.0.1:{etcd.port}/auth")
-        with pytest.raises(disc.DiscoveryError, match="password_file"):
-            disc.parse_target(f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password=node1-pw")
-    finally:
-        if join is not None:
-            _stop(join)
-        for p in procs:
-            p.stop()
-        etcd.stop()
+    bad = tmp_path / "wrong.password"
+    bad.write_text("not-the-password\n")
+    bad.chmod(0o600)
+    r = _join_error(f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password_file={bad}", c.secret_file)
+    assert r.returncode == 2 and "authentication failed" in r.stderr and "password_file" in r.stderr, r.stderr
+    assert "not-the-password" not in r.stderr
+    r = _join_error(f"etcd://127.0.0.1:{etcd.port}/auth", c.secret_file)
+    assert r.returncode == 2 and "auth enabled" in r.stderr and "user=" in r.stderr, r.stderr
+    with pytest.raises(disc.DiscoveryError, match="password_file"):
+        disc.parse_target(f"etcd://node1:node1-pw@127.0.0.1:{etcd.port}/auth")
+    with pytest.raises(disc.DiscoveryError, match="password_file"):
+        disc.parse_target(f"etcd://127.0.0.1:{etcd.port}/auth?user=node1&password=node1-pw")
 
 
-def test_trust_etcd_client_certificate_tls(etcd_available, cluster: Cluster, tmp_path: Path) -> None:
+def test_trust_etcd_client_certificate_tls(etcd_available, cluster: Cluster, tmp_path: Path,
+                                           started: list) -> None:
     """etcd serving TLS and checking client certificates (--client-cert-auth): a registrar and a
     proxy with the CA and a client certificate register and route; without the certificate, one
     line naming cert= and key=."""
@@ -484,28 +465,20 @@ def test_trust_etcd_client_certificate_tls(etcd_available, cluster: Cluster, tmp
     d = tmp_path / "certs"
     etcd = _etcd(tmp_path, "https", "--cert-file", str(d / "etcd.crt"), "--key-file", str(d / "etcd.key"),
                  "--client-cert-auth", "--trusted-ca-file", str(certs.ca))
-    procs: list[Proc] = []
-    join = None
-    try:
-        base = f"etcds://127.0.0.1:{etcd.port}/tls?cacert={certs.ca}"
-        target = f"{base}&cert={certs.client_cert}&key={certs.client_key}"
-        join = _join(tmp_path, "p-tls", target, c.victim, c.secret_file)
-        proxy, _ = _proxy(procs, tmp_path, "proxy-tls", target, c.secret_file)
-        until(lambda: "p-tls" in _instances(proxy), 10, "the proxy to list p-tls through TLS")
-        r = _join_error(base, c.secret_file)
-        assert r.returncode == 2 and "TLS" in r.stderr and "cert=" in r.stderr, r.stderr
-        with pytest.raises(disc.DiscoveryError, match="etcds://"):
-            disc.parse_target(f"etcd://127.0.0.1:{etcd.port}/tls?cacert={certs.ca}")
-        with pytest.raises(disc.DiscoveryError, match="go together"):
-            disc.parse_target(f"{base}&cert={certs.client_cert}")
-        with pytest.raises(EtcdAccessError, match="TLS"):
-            c.bg.run(disc.check_access(disc.parse_target(base)))
-    finally:
-        if join is not None:
-            _stop(join)
-        for p in procs:
-            p.stop()
-        etcd.stop()
+    started.append(etcd)
+    base = f"etcds://127.0.0.1:{etcd.port}/tls?cacert={certs.ca}"
+    target = f"{base}&cert={certs.client_cert}&key={certs.client_key}"
+    started.append(_join(tmp_path, "p-tls", target, c.victim, c.secret_file))
+    proxy, _ = _proxy(started, tmp_path, "proxy-tls", target, c.secret_file)
+    until(lambda: "p-tls" in _instances(proxy), 10, "the proxy to list p-tls through TLS")
+    r = _join_error(base, c.secret_file)
+    assert r.returncode == 2 and "TLS" in r.stderr and "cert=" in r.stderr, r.stderr
+    with pytest.raises(disc.DiscoveryError, match="etcds://"):
+        disc.parse_target(f"etcd://127.0.0.1:{etcd.port}/tls?cacert={certs.ca}")
+    with pytest.raises(disc.DiscoveryError, match="go together"):
+        disc.parse_target(f"{base}&cert={certs.client_cert}")
+    with pytest.raises(EtcdAccessError, match="TLS"):
+        c.bg.run(disc.check_access(disc.parse_target(base)))
 
 
 def test_trust_entries_versioned_for_a_rolling_upgrade() -> None:
