@@ -3,6 +3,8 @@ drain, undrain, remove) behind the admin key."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 
 from kvferry.common import secret as cluster_secret
@@ -20,13 +22,15 @@ class Admin:
     def __init__(self, ctx: Context, loops: dict[str, LoopHealth]) -> None:
         self.ctx, self.loops = ctx, loops
 
-    def routes(self, app: web.Application) -> None:
-        """/health and /metrics always; /admin/* unless --no-admin."""
+    def routes(self, app: web.Application, expect: Callable[[web.Request], Awaitable[web.StreamResponse | None]]) \
+            -> None:
+        """/health and /metrics always; /admin/* unless --no-admin. `expect`: the guard's answer to
+        an `Expect: 100-continue` head (proxy/app.py)."""
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         if self.ctx.opts.admin:
             app.router.add_get("/admin/instances", self.list)
-            app.router.add_post("/admin/instances", self.add)
+            app.router.add_post("/admin/instances", self.add, expect_handler=expect)
             app.router.add_post("/admin/instances/{iid}/drain", self.drain)
             app.router.add_post("/admin/instances/{iid}/undrain", self.undrain)
             app.router.add_delete("/admin/instances/{iid}", self.remove)

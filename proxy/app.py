@@ -8,7 +8,7 @@ import functools
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from kvferry.common import http_guard, zsock
 from kvferry.common import secret as cluster_secret
@@ -128,10 +128,10 @@ class Proxy:
         # The body reader reads within --max-body-bytes itself; client_max_size backs up any other reader.
         app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
         app[CLIENT_STALL_S] = self.opts.stall_timeout
-        app.router.add_post("/v1/completions", self.completions.handle)
-        app.router.add_post("/v1/chat/completions", self.chat.handle)
+        app.router.add_post("/v1/completions", self.completions.handle, expect_handler=self._expect)
+        app.router.add_post("/v1/chat/completions", self.chat.handle, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
-        self.admin.routes(app)
+        self.admin.routes(app, self._expect)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -242,6 +242,31 @@ class Proxy:
         """The front door's check of a hot request whose body is still on its way."""
         return self.refusal("POST", path, headers) is None
 
+    def _refused(self, request: web.Request, endpoint: str) -> web.Response | None:
+        """refusal()'s answer, counted; a body left unread closes the connection with it."""
+        refused = self.refusal(request.method, request.path, request.headers)
+        if refused is not None:
+            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
+            if getattr(request, "can_read_body", False):
+                refused.force_close()
+        return refused
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl sends it for bodies over 1 MB): a request refused from its
+        head gets its answer instead of "100 Continue", so its client never sends the body (the
+        check aiohttp's docs show for an expect_handler); any other gets "100 Continue"."""
+        path = request.path
+        refused = self._refused(request, path if path.startswith("/v1/") else "other")
+        if refused is not None:
+            return refused
+        if request.version == HttpVersion11:
+            expect = request.headers.get("Expect", "")
+            if expect.lower() != "100-continue":
+                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+            if request.transport is not None:
+                request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         """Keys and browser rules (refusal), --max-in-flight, and no traceback ever reaches a client."""
@@ -249,11 +274,8 @@ class Proxy:
             self.peers.sync(self.admin.apply)
         path = request.path
         endpoint = path if path.startswith("/v1/") else "other"
-        refused = self.refusal(request.method, path, request.headers)
+        refused = self._refused(request, endpoint)
         if refused is not None:
-            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
-            if getattr(request, "can_read_body", False):
-                refused.force_close()  # its body is never read: the connection goes with this answer
             return refused
         gated = endpoint != "other"
         if gated and not self.gate.enter():

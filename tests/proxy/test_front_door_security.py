@@ -165,6 +165,8 @@ def test_an_unauthenticated_body_is_refused_from_its_head_security(guarded: Proc
         "over the limit": b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100000000\r\n"
                           b"Authorization: Bearer wrong\r\n\r\n",
         "chunked": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "100-continue": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 60000000\r\n"
+                        b"Expect: 100-continue\r\n\r\n",  # answered 401, never "100 Continue"
     }
     for what, head in heads.items():
         with connect(_port(guarded)) as s:
@@ -177,13 +179,16 @@ def test_an_unauthenticated_body_is_refused_from_its_head_security(guarded: Proc
             except (BrokenPipeError, ConnectionResetError):
                 pass
             closed_within(s, 5)
-    # With the key, the same head waits for its body.
+    # With the key, the same head waits for its body (or is asked for it).
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 60000000\r\nAuthorization: Bearer {CLIENT}\r\n"
     with connect(_port(guarded)) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 60000000\r\n"
-                  f"Authorization: Bearer {CLIENT}\r\n\r\n".encode())
+        s.sendall(head.encode() + b"\r\n")
         s.settimeout(REQUEST_S / 2)
         with pytest.raises(TimeoutError):
             s.recv(1)
+    with connect(_port(guarded)) as s:
+        s.sendall(head.encode() + b"Expect: 100-continue\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n")
 
 
 def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guarded: Proc) -> None:
