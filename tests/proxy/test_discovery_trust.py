@@ -33,7 +33,7 @@ from kvferry.common import discovery_entries as disc_entries
 from kvferry.common import discovery_watch, secret
 from kvferry.common import messages as m
 from kvferry.common.etcd import KV, Etcd, EtcdAccessError, prefix_end
-from kvferry.common.netutil import free_port
+from kvferry.common.netutil import free_port, machine_address
 from kvferry.launcher import stores
 from kvferry.launcher.join import Member, Registrar
 from kvferry.testing.processes import wait_http
@@ -499,3 +499,17 @@ def test_trust_entries_versioned_for_a_rolling_upgrade() -> None:
     with pytest.raises(disc.Rejected) as e:
         disc.verify(sk, KV(key, moved, 10, 7, 9), prefix)
     assert e.value.reason == "bad_signature"
+
+
+def test_trust_join_advertises_this_machine_for_a_wildcard_bind(tmp_path: Path) -> None:
+    """`kvferry join --bind-host 0.0.0.0` advertises this machine's address (netutil's choice), not
+    its host name (which Debian resolves to 127.0.1.1): seen in the refusal naming what it would
+    advertise beyond loopback without a cluster secret."""
+    addr = machine_address()
+    if addr is None:
+        pytest.skip("this machine has no address beyond loopback")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_CLUSTER_SECRET")}
+    r = subprocess.run([sys.executable, "-m", "kvferry.launcher", "join", "--discovery", f"file://{tmp_path}/c.yaml",
+                        "--role", "prefiller", "--bind-host", "0.0.0.0", "--attach", "http://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and f"{addr} is beyond loopback" in r.stderr, r.stderr
