@@ -145,8 +145,7 @@ async def write_entry(etcd: Etcd, secret: ClusterSecret | None, key: bytes, msg:
 
 
 async def rewrite_entry(etcd: Etcd, secret: ClusterSecret | None, key: bytes, msg: m.InstanceRecord | m.DrainMark,
-                  revision: int, expires: float = 0.0, mod_revision: int | None = None) -> tuple[bool, int]:
-    """Write `msg` at `key` only while the key is the one created at `revision` (and, if given,
-    last written at `mod_revision`): (succeeded, the new mod revision)."""
-    value = sign(secret, key, msg, revision, expires)
-    return await etcd.put_if(key, value, msg.lease, create_revision=revision, mod_revision=mod_revision)
+                        revision: int, expires: float = 0.0) -> tuple[bool, int]:
+    """Write `msg` at `key` only while the key is the one created at `revision`: (succeeded, the
+    entry's mod revision)."""
+    return await etcd.put_if(key, sign(secret, key, msg, revision, expires), msg.lease, create_revision=revision)

@@ -88,11 +88,6 @@ def _kv(d: dict) -> KV:
               int(d.get("create_revision") or 0))
 
 
-def _compare(key: bytes, target: str, value: int) -> dict:
-    field = {"CREATE": "create_revision", "MOD": "mod_revision"}[target]
-    return {"key": _b64(key), "target": target, "result": "EQUAL", field: str(value)}
-
-
 def _error(data: object) -> str:
     if isinstance(data, dict):
         return str(data.get("message") or data.get("error") or data)
@@ -206,16 +201,14 @@ class Etcd:
         d = await self._call("/v3/kv/put", body)
         return int(d.get("header", {}).get("revision") or 0)
 
-    async def put_if(self, key: bytes, value: bytes, lease: int = 0, create_revision: int | None = None,
-                     mod_revision: int | None = None) -> tuple[bool, int]:
-        """Put only while the key's create (0: the key is absent) and mod revisions are these;
-        (succeeded, the store's revision after it: the put's mod revision when it succeeded)."""
+    async def put_if(self, key: bytes, value: bytes, lease: int, create_revision: int) -> tuple[bool, int]:
+        """Put only while the key's create revision is this one (0: the key is absent); (succeeded,
+        the store's revision after it: the put's revision when it succeeded)."""
         put: dict = {"key": _b64(key), "value": _b64(value)}
         if lease:
             put["lease"] = str(lease)
-        compare = [_compare(key, t, v) for t, v in (("CREATE", create_revision), ("MOD", mod_revision))
-                   if v is not None]
-        d = await self._call("/v3/kv/txn", {"compare": compare, "success": [{"request_put": put}]})
+        compare = {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(create_revision)}
+        d = await self._call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
         return bool(d.get("succeeded")), int(d.get("header", {}).get("revision") or 0)
 
     async def pages(self, prefix: bytes, max_keys: int) -> AsyncIterator[tuple[list[KV], int]]:
@@ -304,8 +297,12 @@ class Etcd:
             if r.status_code != 200:
                 if r.status_code == 401 and self.user:
                     await self._authenticate(self._token)  # the next watch has a fresh token
-                data = await r.aread()
-                raise self._refused(path, r.status_code, data[:300].decode("utf-8", "replace"))
+                head = b""
+                async for chunk in r.aiter_bytes():
+                    head += chunk
+                    if len(head) >= 4096:
+                        break
+                raise self._refused(path, r.status_code, head[:300].decode("utf-8", "replace"))
             try:
                 async for line in self._lines(r, path):
                     if not line.strip():
