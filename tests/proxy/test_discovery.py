@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
-from kvferry.launcher.vllm_proc import stop_group
+from tests.logged_proc import Proc
 from tests.polling import until
 
 _PREFIXES = itertools.count()
@@ -195,22 +194,6 @@ def test_discovery_file_reload(tmp_path: Path) -> None:
 
 
 # ---- proxies in their own processes, stub engines, `kvferry join --attach` registrars ----
-
-class Proc:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(5)
-
-    def stop(self) -> None:
-        stop_group(self.proc, 10)
-
 
 @pytest.fixture
 def procs() -> Iterator[list[Proc]]:

@@ -37,8 +37,8 @@ from kvferry.common.netutil import free_port, machine_address
 from kvferry.launcher import stores
 from kvferry.launcher.join import Member, Registrar
 from kvferry.testing.processes import wait_http
+from tests.logged_proc import Proc
 from tests.polling import until
-from tests.proxy.test_discovery import Proc
 from tests.tls_certs import _signed, make_certs
 
 TTL = 2
