@@ -23,7 +23,7 @@ from kvferry.proxy.errors import ProxyError, json_response
 from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.merge import merge_samples
 from kvferry.proxy.metrics import observe
-from kvferry.proxy.prefill import prefill
+from kvferry.proxy.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.routing.cache import Route
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
@@ -58,6 +58,11 @@ class Chat:
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
         ids = ctx.opts.legs_carry_ids  # else the decoder computes every token: no ids, no moves mid-stream
+        pre = None
+        if not (max_tokens == 1 or route.local):
+            pre = await self._prefill(request, body, max_key, route, ntok)
+            if pre is None:
+                route = ctx.router.served_alone(route)
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
             leg, move = body, None
@@ -66,7 +71,8 @@ class Chat:
                 leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
             return await self._alone(route, p, ntok, lambda up: streaming.relay_chat(
                 ctx, request, up, PATH, leg, t0, move=move), move.mig if move is not None else None)
-        first, tid = await self._prefill(request, body, max_key, route, ntok)
+        assert pre is not None  # a route with a prefiller, whose leg answered
+        first, tid = pre
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
@@ -124,6 +130,9 @@ class Chat:
                 with self.ctx.router.upstream(p, ntok, "single") as up:
                     return await call(up)
             except ProxyError as e:
+                if p is not route.decoder and e.kind in DECODER_CAN_SERVE:
+                    p = route.decoder  # a one-token answer's prefiller failed: its decoder serves it
+                    continue
                 if not movable:
                     raise
                 mig = mig or migrate.Migration(self.ctx, self.ctx.opts.max_migrations)
@@ -138,11 +147,16 @@ class Chat:
         return self.ctx.router.route(request, tokens, ntok, single), ntok
 
     async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
-                       ) -> tuple[dict, str]:
+                       ) -> tuple[dict, str] | None:
+        """The prefill leg's answer and transfer id; None when no prefiller could take it (the
+        decoder then serves the request alone)."""
         leg = chat_prefill_leg(body, max_key)
         if self.ctx.opts.legs_carry_ids:
             leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/migrate.py)
-        first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
+        try:
+            first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
+        except NoPrefiller:
+            return None
         return first, tid
 
     async def one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
@@ -151,6 +165,11 @@ class Chat:
         ctx = self.ctx
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder
+        pre = None
+        if not (max_tokens == 1 or route.local):
+            pre = await self._prefill(request, body, max_key, route, ntok)
+            if pre is None:
+                route = ctx.router.served_alone(route)
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
 
@@ -159,7 +178,8 @@ class Chat:
                 up.inst.served_one()
                 return out
             return await self._alone(route, p, ntok, whole)
-        first, tid = await self._prefill(request, body, max_key, route, ntok)
+        assert pre is not None  # a route with a prefiller, whose leg answered
+        first, tid = pre
         if first["choices"][0].get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
             first.pop("kv_transfer_params", None)

@@ -26,7 +26,7 @@ from kvferry.proxy.legs import (
 )
 from kvferry.proxy.merge import merge_completion, merge_samples
 from kvferry.proxy.metrics import observe
-from kvferry.proxy.prefill import prefill
+from kvferry.proxy.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 
 logger = get_logger(__name__)
 
@@ -88,11 +88,21 @@ class Completions:
             leg = dict(body, stream=False)
             if body.get("stream"):  # the client's stream is the proxy's to write
                 leg.pop("stream_options", None)
-            with ctx.router.upstream(p, ntok, "single") as up:
-                return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
+            try:
+                with ctx.router.upstream(p, ntok, "single") as up:
+                    return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
+            except ProxyError as e:
+                if p is d or e.kind not in DECODER_CAN_SERVE:
+                    raise
+            with ctx.router.upstream(d, ntok, "single") as up:  # its prefiller failed: the decoder answers
+                return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, d, "done")
         ids = ctx.opts.legs_carry_ids
-        first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids), route,
-                                      ntok, "completion")
+        try:
+            first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids),
+                                          route, ntok, "completion")
+        except NoPrefiller:
+            ctx.router.served_alone(route)
+            return Prefilled({"choices": [{}], "model": body.get("model")}, "", d, d, "regen")
         choice = first["choices"][0]
         if choice.get("finish_reason") == "stop":
             ctx.transfers.abort(d, tid, "the first token ended the request")

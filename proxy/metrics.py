@@ -64,7 +64,11 @@ class ProxyMetrics:
         self.routes = Counter("kvferry_proxy_routing_decisions", "Routing decisions by reason (docs/proxy.md "
                               "\"Routing\")", ["reason"], registry=r)
         self.served = Counter("kvferry_proxy_served", "Prompts by how they were served: disaggregated (a prefill "
-                              "leg and a KV transfer) or local (the decoder alone)", ["mode"], registry=r)
+                              "leg and a KV transfer), local (the decoder alone, by choice), degraded (the "
+                              "decoder alone, as no prefiller was usable) or single (a one-token answer)", ["mode"],
+                              registry=r)
+        self.degraded = Gauge("kvferry_proxy_degraded", "1 while no prefiller is usable and decoders serve whole "
+                              "requests", registry=r, multiprocess_mode="livemax")
         self.predicted_cached = Counter("kvferry_proxy_predicted_cached_tokens",
                                         "Prompt tokens the proxy predicted cached on the instance it chose",
                                         ["instance"], registry=r)

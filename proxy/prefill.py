@@ -1,5 +1,6 @@
 """The prefill leg: the prompt on a prefiller, its KV sent to the chosen decoder under a fresh
-transfer id; retried once on another prefiller when it fails before anything reached the client."""
+transfer id; retried once on another prefiller when it fails before anything reached the client,
+and, when no prefiller can take it, left to the decoder (NoPrefiller: it serves the request whole)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
+
+# Failures of the prefill leg after which its decoder can serve the request whole: the prefiller
+# is gone or broken. Not a refusal to send the KV (kv_refused: the error names the fix), a 4xx
+# (the decoder would refuse the same body), or a timeout (the decoder would take as long).
+DECODER_CAN_SERVE = frozenset({"unreachable", "upstream_5xx", "stream_broken"})
+
+
+class NoPrefiller(Exception):
+    """The prefill leg failed and no other prefiller could take it: the decoder serves the
+    request alone (degraded) rather than the client getting an error."""
 
 
 async def prefill(ctx: Context, request: web.Request, path: str, body: dict, route: Route,
@@ -49,12 +60,19 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
                 raise
             except ProxyError as e:
                 ctx.transfers.abort(decoder, tid, f"prefill failed: {e.message}"[:200])
-                if attempt or e.status < 500:
+                if e.status < 500:
+                    raise
+                alone = e.kind in DECODER_CAN_SERVE
+                if attempt:
+                    if alone:
+                        raise NoPrefiller(e.message) from e
                     raise
                 try:
                     p = ctx.router.pick(request, "prefiller", exclude=p)
                 except ProxyError:
-                    raise e from None  # nobody to retry on: the client hears what went wrong
+                    if alone:  # nobody to retry on: the decoder computes the prompt itself
+                        raise NoPrefiller(e.message) from e
+                    raise e from None  # the client hears what went wrong
                 logger.info("retrying the prefill leg on %s %s", p.id, p.url)
     raise AssertionError("unreachable")
 

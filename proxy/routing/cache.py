@@ -25,6 +25,9 @@ def effective(held: dict[str, int] | None) -> int:
     return 0 if held is None else round(sum(n * (1.0 - LOAD_COST[m]) for m, n in held.items()))
 
 
+NO_PREFILLER = "no_prefiller"  # no usable prefiller: the decoder serves the request whole (degraded)
+
+
 @dataclass
 class Route:
     """Where one prompt goes. prefiller None: the decoder serves it alone (no prefill leg, no transfer)."""
@@ -37,6 +40,11 @@ class Route:
     @property
     def local(self) -> bool:
         return self.prefiller is None
+
+
+def served_mode(r: Route) -> str:
+    """The kvferry_proxy_served label of a multi-token request routed so."""
+    return "degraded" if r.reason == NO_PREFILLER else "local" if r.local else "disaggregated"
 
 
 class CacheView:
@@ -92,7 +100,8 @@ class CacheView:
 
 def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefillers: list[Instance],
            tokens: Sequence[int] | None, ntok: int) -> Route:
-    """The cache-aware choice among usable instances (both lists non-empty)."""
+    """The cache-aware choice among usable instances (`decoders` non-empty; no prefillers: the
+    decoder serves the prompt alone)."""
     keys: dict[int, list[bytes]] = {}
     held = {d.id: view.cached(d, tokens, keys) for d in decoders}
     dc = {i: None if h is None else effective(h) for i, h in held.items()}
@@ -101,8 +110,8 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefil
     d = decoders[0] if len(decoders) == 1 else min(
         decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0), random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
-    if local:
-        return Route(d, None, local, sum((held[d.id] or {}).values()))
+    if local or not prefillers:
+        return Route(d, None, local or NO_PREFILLER, sum((held[d.id] or {}).values()))
     best, best_cost, best_cached, reasons = None, 0.0, 0, set()
     for p in prefillers:
         h = view.cached(p, tokens, keys)

@@ -25,7 +25,7 @@ from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
 from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.board import ROLES, ROWS, LoadBoard
-from kvferry.proxy.routing.cache import CacheView, Route, choose, effective, local_reason
+from kvferry.proxy.routing.cache import NO_PREFILLER, CacheView, Route, choose, effective, local_reason, served_mode
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 from kvferry.proxy.upstream import Upstream, UpstreamClient
 
@@ -93,19 +93,38 @@ class Router:
         if self.opts.policy == "cache" and not affinity:
             decoders = [i for i in self.registry.of("decoder") if i.usable]
             prefillers = [i for i in self.registry.of("prefiller") if i.usable]
-            if not decoders or not prefillers:
-                raise ProxyError(503, f"no healthy {'decoder' if not decoders else 'prefiller'} available",
-                                 "no_instance")
+            if not decoders:
+                raise ProxyError(503, "no healthy decoder available", "no_instance")
             r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
         else:
             d = self.pick(request, "decoder")
             held = self.cache.cached(d, tokens, {})
             why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
+            if not why and not any(i.usable for i in self.registry.of("prefiller")):
+                why = NO_PREFILLER
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
         self.metrics.count(self.metrics.routes, r.reason)
-        self.metrics.count(self.metrics.served, "single" if single else "local" if r.local else "disaggregated")
+        self.metrics.count(self.metrics.served, "single" if single else served_mode(r))
+        if r.reason == NO_PREFILLER:
+            self.refresh_degraded()
         return r
+
+    def served_alone(self, route: Route) -> Route:
+        """The prefill leg failed and no prefiller could take it: the decoder serves the request
+        whole (degraded), counted as such."""
+        self.metrics.count(self.metrics.routes, NO_PREFILLER)
+        self.metrics.count(self.metrics.served, "degraded")
+        self.refresh_degraded()
+        return Route(route.decoder, None, NO_PREFILLER)
+
+    def degraded(self) -> bool:
+        """No prefiller is usable while a decoder is: decoders serve whole requests."""
+        return (not any(i.usable for i in self.registry.of("prefiller"))
+                and any(i.usable for i in self.registry.of("decoder")))
+
+    def refresh_degraded(self) -> None:
+        self.metrics.degraded.set(1 if self.degraded() else 0)
 
     def observed(self, inst: Instance, route: Route, answer: dict) -> None:
         """Predicted against actual cached tokens, where the engine reports them (vLLM's
@@ -277,6 +296,7 @@ class Router:
                 else:
                     logger.warning("%s %s (%s) is unhealthy: %s; ejected", inst.role, inst.url, inst.id, why)
             self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
+        self.refresh_degraded()
         decoders = [i for i in insts if i.role == "decoder" and i.healthy]
         for inst, usage in zip(decoders, await asyncio.gather(*(self.kv_usage(i, seconds) for i in decoders)),
                                strict=True):

@@ -361,15 +361,18 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     px = f"http://127.0.0.1:{port}"
     _start(procs, tmp_path, "proxy", ["-m", "kvferry.proxy", "--port", str(port), "--discovery", f"file://{path}",
                                       "--admin-key", "admin-key-for-tests"], f"{px}/metrics")
-    until(lambda: _http_ok(f"{px}/health") and httpx.get(f"{px}/health").status_code == 200, 5, "the proxy ready")
+    until(lambda: _http_ok(f"{px}/health") and httpx.get(f"{px}/health").json()["status"] == "ok", 5,
+          "the proxy ready")
     _complete(px, 2)
     assert _served(p1) == 2
     assert set(_instances(px)) == {"p1", "d1"}  # another model, another KV layout: not used
     assert _rejected(px) == {"model": 1, "fingerprint": 1}
     disc.edit_file(str(path), lambda d: d["drain"].append("p1"))
     until(lambda: _instances(px)["p1"]["draining"], 2, "p1 drained")
+    # Its only prefiller drained: the decoder serves requests whole, and p1 gets none.
     assert httpx.post(f"{px}/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 2},
-                      timeout=10).status_code == 503
+                      timeout=10).status_code == 200
+    assert _served(p1) == 2 and httpx.get(f"{px}/health").json()["status"] == "degraded"
     local = _instances(px)["p1"]["id"]  # its KV-event subscription runs (nothing publishes: it is stale)
     health = httpx.get(f"{px}/health", headers=ADMIN).json()
     assert f"kv_events_{local}" in health["background"]

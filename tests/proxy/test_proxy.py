@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -300,9 +301,16 @@ def test_upstream_errors(cluster) -> None:
     httpx.post(cluster["p"][0].url + "/stub/fail", json={"status": 500, "count": 1})
     assert [post(url, "/v1/completions", body).status_code for _ in range(2)] == [200, 200]
     assert sum(len(log(p)["requests"]) for p in cluster["p"]) == 3  # two answered, one failed and retried
-    # Both fail: a 502 with an OpenAI-style error and no traceback.
+    # Both fail: a decoder serves the request whole (no prefiller could), the client never sees it.
     for p in cluster["p"]:
         httpx.post(p.url + "/stub/fail", json={"status": 503, "count": 1})
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200 and sum(len(log(p)["requests"]) for p in cluster["p"]) == 5
+    assert sum(1 for d in cluster["d"] for b in log(d)["requests"] if "kv_transfer_params" not in b) == 1
+    reset(cluster)
+    # Both fail and every decoder too: a 502 with an OpenAI-style error and no traceback.
+    for s in [*cluster["p"], *cluster["d"]]:
+        httpx.post(s.url + "/stub/fail", json={"status": 503, "count": 1})
     r = post(url, "/v1/completions", body)
     assert r.status_code == 502 and "answered 503" in r.json()["error"]["message"] and "Traceback" not in r.text
     reset(cluster)
@@ -536,26 +544,30 @@ def test_locust_file_runs_headless_against_the_proxy(cluster, tmp_path: Path) ->
 
 
 def test_refused_and_slow_upstreams_become_503_and_504() -> None:
-    ps = [stub(delay=0.5)]
+    slow, fast = stubs(0.5, 0)
     dead, dead2 = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"  # nothing listens
-    port = free_port()
-    px = Proc(["-m", "kvferry.proxy", "--port", str(port), "--prefiller", ps[0].url, "--prefiller", dead,
-               "--decoder", f"{dead2},7300,7400", "--read-timeout", "0.3", "--health-interval", "60",
-               "--policy", "round_robin"], f"http://127.0.0.1:{port}", "/metrics")
+
+    def start(*instances: str) -> Proc:
+        port = free_port()
+        return Proc(["-m", "kvferry.proxy", "--port", str(port), *instances, "--read-timeout", "0.3",
+                     "--health-interval", "60"], f"http://127.0.0.1:{port}", "/metrics", wait=False)
+    # The slow prefiller times out with nobody to retry on (504; its decoder would be as slow); the
+    # refused prefiller's request goes to its decoder, which refuses too (503).
+    timed, refused = start("--prefiller", slow.url, "--decoder", f"{fast.url},7300,7400"), \
+        start("--prefiller", dead, "--decoder", f"{dead2},7300,7400")
     try:
         codes = set()
-        # The slow prefiller times out, the retry finds the other one dead (503); then the dead one
-        # is ejected and the next timeout has nobody to retry on (504).
-        for i in range(2):
-            r = httpx.post(px.url + "/v1/completions", json={"prompt": f"s{i}", "max_tokens": 3}, timeout=30)
+        for px in (timed.wait(), refused.wait()):
+            r = httpx.post(px.url + "/v1/completions", json={"prompt": "s", "max_tokens": 3}, timeout=30)
             assert r.headers["content-type"].startswith("application/json") and "Traceback" not in r.text
             codes.add((r.status_code, r.json()["error"]["code"]))
         assert codes == {(503, "unreachable"), (504, "timeout")}, codes
-        text = httpx.get(px.url + "/metrics").text
-        assert 'kvferry_proxy_errors_total{instance="p1",kind="unreachable"}' in text
-        assert 'kvferry_proxy_errors_total{instance="p0",kind="timeout"}' in text
+        assert 'kvferry_proxy_errors_total{instance="p0",kind="timeout"}' in httpx.get(timed.url + "/metrics").text
+        text = httpx.get(refused.url + "/metrics").text
+        assert 'kvferry_proxy_errors_total{instance="p0",kind="unreachable"}' in text
+        assert re.search(r'kvferry_proxy_errors_total\{instance="d\d+",kind="unreachable"\}', text), text
     finally:
-        for p in [px, *ps]:
+        for p in (timed, refused, slow, fast):
             p.stop()
 
 
