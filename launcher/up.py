@@ -287,9 +287,10 @@ class Cluster:
                               f"{log_tail(self.proxy_log)}")
             try:
                 with urllib.request.urlopen(f"{self.local_proxy_url}/health", timeout=2) as r:
-                    if r.status == 200:
+                    # "ok": both roles routed (a proxy that knows only decoders answers 200 "degraded")
+                    if r.status == 200 and json.loads(r.read()).get("status") == "ok":
                         break
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise UpError(f"the proxy did not become healthy; its log ({self.proxy_log}):\n"
