@@ -47,7 +47,7 @@ def test_up_discovery_etcd_second_proxy_join_and_a_dead_decoder(tmp_path: Path, 
 
         def ready() -> bool:
             try:
-                return httpx.get(f"{b}/health", timeout=1).status_code == 200
+                return httpx.get(f"{b}/health", timeout=1).json()["status"] == "ok"  # both roles found
             except httpx.HTTPError:
                 return False
         until(ready, 20, "the second proxy to find the instances")
