@@ -83,8 +83,9 @@ class ProxyMetrics:
         self.index_blocks = Gauge("kvferry_proxy_prefix_index_blocks", "Blocks in an instance's prefix index",
                                   ["instance"], registry=r, multiprocess_mode="livemax")
         self.discovery_rejected = Counter("kvferry_proxy_discovery_rejected", "Discovery entries not used, by "
-                                          "reason: unsigned, bad_signature, lease, key, malformed, model, "
-                                          "fingerprint, insecure, duplicate (each key counted once)", ["reason"],
+                                          "reason: unsigned, bad_signature, lease, replayed, expired, version, "
+                                          "too_many, key, malformed, model, fingerprint, insecure, duplicate "
+                                          "(each key counted once)", ["reason"],
                                           registry=r)
         self.discovery_instances = Gauge("kvferry_proxy_discovery_instances", "Instances in use from discovery",
                                          ["role"], registry=r, multiprocess_mode="livemax")
