@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
 from typing import cast
 
 import httptools
 
+from kvferry.common.fd_limits import raise_fd_limit
 from kvferry.common.log import RateLimitedLog, get_logger
 
 logger = get_logger(__name__)
@@ -29,23 +29,10 @@ FD_TARGET = 1 << 16  # the soft `ulimit -n` is raised toward the hard limit, at 
 RETRY_AFTER_S = 1
 
 
-def raise_fd_limit() -> int:
-    """The soft RLIMIT_NOFILE (`ulimit -n`), raised first toward the hard limit (at most FD_TARGET)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = FD_TARGET if hard == resource.RLIM_INFINITY else min(FD_TARGET, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (OSError, ValueError):
-            pass
-    return FD_TARGET if soft == resource.RLIM_INFINITY else soft
-
-
 def default_max_connections() -> int:
     """Client connections one process holds by default: half the descriptors beyond FD_RESERVE,
     so each client connection leaves one for the upstream connection it may need."""
-    return max(16, (raise_fd_limit() - FD_RESERVE) // 2)
+    return max(16, (min(raise_fd_limit(FD_TARGET), FD_TARGET) - FD_RESERVE) // 2)
 
 
 def busy_answer(body: dict) -> bytes:

@@ -4,8 +4,8 @@ spare descriptor to refuse peers with when accept() runs out."""
 from __future__ import annotations
 
 import os
-import resource
 
+from kvferry.common.fd_limits import fd_limit, raise_fd_limit
 from kvferry.common.log import get_logger
 
 logger = get_logger("kvferry.launcher.lm_server")  # its lines read as the server's
@@ -22,27 +22,12 @@ def open_spare() -> int | None:
         return None
 
 
-def fd_limit() -> int:
-    """The soft RLIMIT_NOFILE (`ulimit -n`); a large number when unlimited."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
-
-
 def fit_connections(wanted: int | None) -> int:
     """The connection cap: `wanted`, or the default lowered to what `ulimit -n` allows (raising
     the soft limit toward the hard one first). An explicit cap above the limit is kept, with a
     warning: beyond the limit new connections are refused until descriptors free up."""
     cap = DEFAULT_MAX_CONNECTIONS if wanted is None else wanted
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = cap + FD_RESERVE
-    if soft != resource.RLIM_INFINITY and soft < need:
-        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        if new > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            except (OSError, ValueError):
-                pass
-    room = max(1, fd_limit() - FD_RESERVE)
+    room = max(1, raise_fd_limit(cap + FD_RESERVE) - FD_RESERVE)
     if cap <= room:
         return cap
     if wanted is not None:

@@ -37,17 +37,14 @@ import socket
 from collections.abc import Sequence
 
 from kvferry.common import messages as m
+from kvferry.common.fd_limits import fd_limit
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import tcp_listener
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.lm.byte_budget import ByteBudget
 from kvferry.engine.remote.lm.chunk_lru import ChunkLRU
-from kvferry.engine.remote.lm.fd_limits import (
-    DEFAULT_MAX_CONNECTIONS,
-    fd_limit,
-    open_spare,
-)
+from kvferry.engine.remote.lm.fd_limits import DEFAULT_MAX_CONNECTIONS, open_spare
 from kvferry.engine.remote.lm.protocol import (
     CLIENT_PURPOSE,
     LEN_BYTES,
