@@ -111,7 +111,8 @@ class Completions:
             return Prefilled(first, tid, d, p, "regen")
         if answers.is_ids(choice.get("token_ids")) and answers.is_ids(prompt_ids(first)):
             return Prefilled(first, tid, d, p, "ids")
-        ctx.metrics.errors.labels("no_token_ids", p.id).inc()
+        if not p.removed:  # a removed instance's series are gone: logged only
+            ctx.metrics.errors.labels("no_token_ids", p.id).inc()
         self._no_ids.warning("%s %s answered without token ids (choices[0].token_ids, prompt_token_ids: it "
                              "ignores return_token_ids); its decoders regenerate the first token", p.role, p.url)
         return Prefilled(first, tid, d, p, "regen")
