@@ -151,8 +151,11 @@ class Proxy:
         for iid, stream in list(self.router.cache.streams.items()):
             if iid in self._streams:
                 continue
-            self._tasks.append(asyncio.ensure_future(
-                supervise(self.loops[f"kv_events_{iid}"], functools.partial(stream.run, probe))))
+            self._streams[iid] = asyncio.ensure_future(
+                supervise(self.loops[f"kv_events_{iid}"], functools.partial(stream.run, probe)))
+            inst = self.router.registry.instances.get(iid)
+            if inst is not None:  # removed through the admin API: its loop and /health entry go too
+                inst.when_removed(functools.partial(self._detach, inst))
 
     def _attach(self, inst: Instance) -> None:
         """A discovered instance joined: follow its KV events (once the app runs)."""
@@ -164,7 +167,7 @@ class Proxy:
         self._streams[inst.id] = asyncio.ensure_future(supervise(health, functools.partial(stream.run, probe)))
 
     def _detach(self, inst: Instance) -> None:
-        """A discovered instance left: its KV-event loop stops (the router drops stream and index)."""
+        """An instance left: its KV-event loop stops (the router drops stream and index)."""
         self.loops.pop(f"kv_events_{inst.id}", None)
         task = self._streams.pop(inst.id, None)
         if task is not None:

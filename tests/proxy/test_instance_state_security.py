@@ -415,3 +415,21 @@ def test_security_admin_log_bounded_and_replays_current_state_only(tmp_path: Pat
     assert applied == [{"op": "undrain", "url": p}]
     text = kvf_logs.text
     assert "skipped a bad line" in text and "cannot apply" in text and "cannot read" in text
+
+
+def test_security_static_instance_removed_takes_its_kv_event_loop(tmp_path: Path) -> None:
+    """A --prefiller with --kv-events removed through the admin API: its event loop stops and its
+    /health entry goes (nothing publishes on the endpoint: the loop runs, stale)."""
+    p, d = stub(), stub()
+    key = {"Authorization": "Bearer admin-key-for-tests"}
+    px = Proxy(tmp_path, "--prefiller", p.url, "--decoder", f"{d.url},{free_port()},{free_port()}",
+               "--kv-events", f"{p.url}=ipc://{tmp_path}/p-events.sock", "--admin-key", "admin-key-for-tests",
+               "--workers", "1")
+    try:
+        iid = next(i["id"] for i in httpx.get(px.url + "/admin/instances", headers=key).json()["instances"]
+                   if i["url"] == p.url)
+        assert f"kv_events_{iid}" in httpx.get(px.url + "/health", headers=key).json()["background"]
+        assert httpx.delete(f"{px.url}/admin/instances/{iid}", headers=key).status_code == 200
+        assert f"kv_events_{iid}" not in httpx.get(px.url + "/health", headers=key).json()["background"]
+    finally:
+        px.stop()
