@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import cast
 
 import httptools
@@ -45,9 +46,13 @@ def busy_answer(body: dict) -> bytes:
 class Conns:
     """One server's bounded connections (each process's own, with --workers N)."""
 
-    def __init__(self, request_s: float, limit: int, busy: bytes, what: str) -> None:
-        """`busy`: the whole answer past `limit` (busy_answer); `what`: the server, in log lines."""
+    def __init__(self, request_s: float, limit: int, busy: bytes, what: str,
+                 dropped: Callable[[str], None] | None = None) -> None:
+        """`busy`: the whole answer past `limit` (busy_answer); `what`: the server, in log lines;
+        `dropped(reason)`: counts each connection refused ("max_connections") or closed before its
+        request arrived ("request_timeout")."""
         self.request_s, self.limit, self.busy, self.what = request_s, limit, busy, what
+        self.dropped = dropped
         self.open: set[Bounded] = set()
         self._refused = RateLimitedLog(logger, 60.0)
         self._expired = RateLimitedLog(logger, 60.0)
@@ -58,6 +63,8 @@ class Conns:
         if len(self.open) + others < self.limit:
             return True
         self._refused.warning("%s: refused a connection: %d open (--max-connections)", self.what, self.limit)
+        if self.dropped is not None:
+            self.dropped("max_connections")
         w = cast(asyncio.Transport, t)  # uvloop's transports are no asyncio.Transport subclass
         w.write(self.busy)
         w.close()
@@ -71,6 +78,8 @@ class Conns:
         if t is not None:
             self._expired.warning("%s: closed a connection whose request did not arrive within %gs "
                                   "(--request-timeout)", self.what, self.request_s)
+            if self.dropped is not None:
+                self.dropped("request_timeout")
             cast(asyncio.Transport, t).abort()
 
     def sweep(self, now: float) -> None:

@@ -40,11 +40,15 @@ class Controller:
         self.registry = Registry()
         # What workers and HTTP clients got wrong; shown in /health.
         self.counters = {"bad_frames": 0, "rejected_messages": 0, "bad_lookups": 0, "failed_commands": 0,
-                         "unauthorized_http": 0}
+                         "unauthorized_http": 0, "dropped_connections": 0}
         self.links = WorkerLinks(self.registry, host, monitor_ports, trust, self.counters, command_timeout,
                                  sweep_interval)
         self.moves: dict[str, MoveEvent] = {}
         self._http: HttpServer | None = None
+
+    def _dropped(self, reason: str) -> None:
+        """A connection the HTTP API refused (--max-connections) or closed (--request-timeout)."""
+        self.counters["dropped_connections"] += 1
 
     # ---- lifecycle ----
     def check_exposure(self) -> None:
@@ -63,7 +67,7 @@ class Controller:
         """Serve `app` (controller/api.py's build_app of this controller) and the worker links."""
         self.check_exposure()
         self.links.start()
-        self._http = HttpServer(app, self.host, self.port, self.http_limits)
+        self._http = HttpServer(app, self.host, self.port, self.http_limits, self._dropped)
         await self._http.start()
         logger.info("kvferry controller: web page and API on http://%s:%d/ (OpenAPI at /docs), pull %d, reply %d%s; "
                     "%s, %s", self.host, self.port, self.ports["pull"], self.ports["reply"],

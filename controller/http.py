@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,12 +85,14 @@ def bounded_protocol(conns: http_conns.Conns) -> type[asyncio.Protocol]:
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, limits: HttpLimits = DEFAULT_LIMITS) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, limits: HttpLimits = DEFAULT_LIMITS,
+                 dropped: Callable[[str], None] | None = None) -> None:
+        """`dropped(reason)`: counts the connections refused or closed early (http_conns.Conns)."""
         self.host, self.port = host, port
         limit = limits.max_connections or http_conns.default_max_connections()
         busy = http_conns.busy_answer({"error": f"kvferry-controller has {limit} connections open "
                                                 "(--max-connections); retry shortly"})
-        self.conns = http_conns.Conns(limits.request_timeout, limit, busy, "kvferry-controller")
+        self.conns = http_conns.Conns(limits.request_timeout, limit, busy, "kvferry-controller", dropped)
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, log_level="warning",
                                 timeout_graceful_shutdown=GRACE_S, http=bounded_protocol(self.conns))
         self._server = _Server(config)

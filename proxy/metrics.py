@@ -94,6 +94,10 @@ class ProxyMetrics:
                                   "stream_error, stall, timeout, unreachable, upstream_5xx)", ["reason"], registry=r)
         self.total = Histogram("kvferry_proxy_request_seconds", "Client request total time", buckets=_LAT,
                                registry=r)
+        self.dropped_connections = Counter("kvferry_proxy_dropped_connections", "Client connections the front door "
+                                           "refused or closed: max_connections (past --max-connections), "
+                                           "request_timeout (its request did not arrive within --request-timeout)",
+                                           ["reason"], registry=r)
         self.board_full = Counter("kvferry_proxy_board_full", "Instances added while every row of the --workers "
                                   "load board was held: routed, on each worker's own load", registry=r)
         # Every metric with an `instance` label, and its label names (to remove an instance's series).

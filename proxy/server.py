@@ -64,7 +64,8 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
     limit = opts.max_connections or http_conns.default_max_connections()
     busy = http_conns.busy_answer(error_body(503, f"the proxy has {limit} connections open (--max-connections); "
                                                   "retry shortly", "too_many_connections"))
-    conns = http_conns.Conns(opts.request_timeout, limit, busy, "kvferry-proxy")
+    conns = http_conns.Conns(opts.request_timeout, limit, busy, "kvferry-proxy",
+                             lambda reason: proxy.metrics.count(proxy.metrics.dropped_connections, reason))
     bounds = Bounds(conns, proxy.head_ok)
 
     def door() -> FrontDoor:

@@ -73,6 +73,8 @@ def test_connections_past_the_cap_get_a_clear_503_security(keyless: Ctl) -> None
     finally:
         for s in held:
             s.close()
+    counters = httpx.get(keyless.url + "/health", timeout=5).json()["counters"]
+    assert counters["dropped_connections"] >= 1, counters
 
 
 def test_a_rebinding_host_and_a_cross_site_change_are_refused_security(keyless: Ctl, keyed: Ctl) -> None:

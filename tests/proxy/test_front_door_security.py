@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,8 @@ def test_connections_past_the_cap_get_a_clear_503_security(client_key_only: Proc
     finally:
         for s in held:
             s.close()
+    metrics = httpx.get(client_key_only.url + "/metrics", timeout=10).text
+    assert 'kvferry_proxy_dropped_connections_total{reason="max_connections"} 1.0' in metrics
 
 
 def test_a_client_key_never_opens_the_admin_api_security(client_key_only: Proc, guarded: Proc) -> None:
@@ -191,6 +194,13 @@ def test_an_unauthenticated_body_is_refused_from_its_head_security(guarded: Proc
         assert s.recv(100).startswith(b"HTTP/1.1 100 Continue\r\n")
 
 
+def _timed_out(px: Proc) -> float:
+    """kvferry_proxy_dropped_connections_total{reason="request_timeout"}, summed over the workers."""
+    text = httpx.get(px.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(
+        r'^kvferry_proxy_dropped_connections_total\{reason="request_timeout"\} (\S+)$', text, re.M))
+
+
 def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guarded: Proc) -> None:
     auth = f"Authorization: Bearer {CLIENT}\r\n".encode()
     partial = {
@@ -201,6 +211,7 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guar
                                   + auth + b"\r\n5\r\nab",
         "a second request's head": b"GET /health HTTP/1.1\r\nHost: t\r\n\r\nGET /metr",
     }
+    before = _timed_out(guarded)
     socks = {what: connect(_port(guarded)) for what in partial}
     try:
         t0 = time.monotonic()
@@ -213,6 +224,7 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guar
     finally:
         for s in socks.values():
             s.close()
+    assert _timed_out(guarded) - before == len(partial)
     # What arrives whole is not timed: a keep-alive connection idle past the timeout, and a stream
     # answered for longer than it.
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {CLIENT}"}) as c:
