@@ -266,8 +266,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("max_connections", "size", "client connections open at once, per process; one more is answered 503 with "
                                    "Retry-After and closed (default: half of `ulimit -n` beyond 64, after raising "
                                    "it toward the hard limit)"),
-    Opt("discovery", "str", "watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file "
-                            "(docs/deploy.md)", {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH"}),
+    Opt("discovery", "str", "watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file; "
+                            "etcds:// for TLS, and ?cacert=&cert=&key= (a client certificate), ?user=&password_file= "
+                            "(an etcd user) for etcd's own security (docs/deploy.md)",
+        {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH"}),
     Opt("discovery_model", "str", "with --discovery: use only instances serving this model name (default: the "
                                   "model of the first instance seen)"),
     Opt("discovery_fingerprint", "str", "with --discovery: use only instances with this KV layout fingerprint "
