@@ -64,7 +64,7 @@ class KVFerryMetadata(KVConnectorMetadata):
     opens: list[OpenOp] = field(default_factory=list)  # prefiller: before the forward
     pieces: list[PieceOp] = field(default_factory=list)  # prefiller: after it
     saves: list[SaveOp] = field(default_factory=list)  # prefiller: after it, a prompt's last piece
-    cancels: list[str] = field(default_factory=list)  # prefiller: transfers whose requests ended unfinished
+    cancels: list[str] = field(default_factory=list)  # prefiller, before the forward: requests ended unfinished
     loads: list[LoadOp] = field(default_factory=list)
     cache_loads: list[CacheLoad] = field(default_factory=list)  # offload tiers -> blocks, before the forward
     cache_saves: list[CacheStore | CacheEvict] = field(default_factory=list)  # after it, in order

@@ -194,8 +194,11 @@ class SchedulerSide:
             self.offload.finished(rid)
         if not (self.roles.producer_side and self.roles.pd):
             return False, None
-        if self._prefills.pop(rid, None) is not None and rid in self._opened:
-            self._cancels.append(self._transfer_ids[rid])  # ended before its last piece: pages back
+        if self._prefills.pop(rid, None) is not None:  # ended before its last piece (vLLM's abort: the client left)
+            logger.info("request %s ended after %d of its %d prompt tokens were computed: transfer %s is not sent",
+                        rid, request.num_computed_tokens, request.num_prompt_tokens, self._transfer_ids.get(rid))
+            if rid in self._opened:
+                self._cancels.append(self._transfer_ids[rid])  # its pages go back
         self._opened.discard(rid)
         err = self._errors.pop(rid, None)
         tid = self._transfer_ids.pop(rid, None)

@@ -110,9 +110,13 @@ class WorkerSide:
                     self.tp_size)
 
     def opens(self, meta: KVConnectorMetadata) -> None:
-        """Before the step's forward: ask decoders for the pages of prompts it starts computing."""
+        """Before the step's forward: give back what prompts that ended unfinished held (their
+        staging pages are then free for this step's prompts), and ask decoders for the pages of
+        prompts it starts computing."""
         if not isinstance(meta, KVFerryMetadata) or self.producer is None:
             return
+        for tid in meta.cancels:
+            self.producer.cancel(tid)
         for op in meta.opens:
             for addr, share in self._receivers(op):
                 self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share)
@@ -142,8 +146,6 @@ class WorkerSide:
             self.offload.save(meta.cache_saves)
         if self.producer is None:
             return
-        for tid in meta.cancels:
-            self.producer.cancel(tid)
         for piece in meta.pieces:
             try:
                 self.producer.progress(piece.transfer_id, piece.block_ids, piece.computed_tokens)
