@@ -303,8 +303,9 @@ class KVReceiver(ReceiverSleep):
             await peering.reply(sock, ident, await self.joints.join(req, ident, self.cfg.alloc_timeout))
             return
         why = self.table.refusal(tid) or (f"transfer {tid} is already in progress" if tid in self._allocating else None)
-        if why is not None:
-            await peering.reply(sock, ident, error("duplicate", why))
+        if why is not None:  # "aborted": dropped before the prefiller asked (its client left), not a reused id
+            await peering.reply(sock, ident, error("aborted" if self.table.aborted_before_alloc(tid) else "duplicate",
+                                                   why))
             return
         with self._sleep_lock:
             asleep = self._asleep

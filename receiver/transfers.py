@@ -40,6 +40,8 @@ from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
 
+BEFORE_ALLOC = " before its alloc"  # how an id aborted before its alloc is remembered
+
 
 class TransferError(UnavailableError, RuntimeError):
     """A transfer cannot be handed over; the message says why and which key bounds it."""
@@ -114,6 +116,12 @@ class TransferTable:
             if len(self._live) >= self.MAX_LIVE:
                 return f"{len(self._live)} transfers are in progress, the most this receiver tracks"
             return None
+
+    def aborted_before_alloc(self, transfer_id: str) -> bool:
+        """Whether `transfer_id` was dropped before any alloc for it came (the proxy's abort: its
+        client left while the prefiller had not scheduled the prompt yet)."""
+        with self._cond:
+            return self._ended.get(transfer_id, "").endswith(BEFORE_ALLOC)
 
     def add(self, inc: Incoming) -> None:
         """Start tracking `inc`; TransferError (the caller still owns the pages) when its id is
@@ -214,7 +222,7 @@ class TransferTable:
                     self.buffer.release(q.res)
                     return True
                 if transfer_id not in self._ended:
-                    self._remember_locked(transfer_id, why + " before its alloc")
+                    self._remember_locked(transfer_id, why + BEFORE_ALLOC)
                     logger.info("transfer %s aborted before its alloc: %s", transfer_id, reason or "no reason")
                 return False
             if generation and inc.res.generation != generation:

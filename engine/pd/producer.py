@@ -43,7 +43,7 @@ from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges,
 from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank, same_rank
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
-from kvferry.sender.errors import SendError, TransferDropped, failure_reason
+from kvferry.sender.errors import SendError, failure_reason
 from kvferry.sender.kv_sender import Grant, KVSender, SendResult, sender_config
 
 logger = get_logger(__name__)
@@ -372,11 +372,12 @@ class PDProducer:
         self.staging.release(out.res)
         try:
             r = fut.result()
-        except TransferDropped as e:  # its client left: nothing is wrong here
-            bump(self.counters.failures, failure_reason(e))
-            logger.info("transfer %s: not sent: %s", out.transfer_id, e)
         except Exception as e:  # noqa: BLE001 - a done-callback must not raise: every failure is counted
-            bump(self.counters.failures, failure_reason(e))
+            reason = failure_reason(e)
+            bump(self.counters.failures, reason)
+            if reason == "aborted":  # dropped on the decoder (its client left): nothing is wrong here
+                logger.info("transfer %s: not sent: %s", out.transfer_id, e)
+                return
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)
         else:

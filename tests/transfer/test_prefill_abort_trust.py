@@ -5,6 +5,7 @@ free the pages within the tests' bounds."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ from kvferry.common.config import load_config  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint  # noqa: E402
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig  # noqa: E402
-from kvferry.sender.errors import TransferDropped  # noqa: E402
+from kvferry.sender.errors import AllocFailed, TransferDropped  # noqa: E402
 from kvferry.sender.kv_sender import KVSender, SenderConfig  # noqa: E402
 from tests.kv_caches import make_caches  # noqa: E402
 from tests.polling import until  # noqa: E402
@@ -135,3 +136,20 @@ def test_trust_a_dropped_joint_transfer_is_told_to_every_writer_and_frees_its_pa
         for s in senders:
             s.close()
         rx.close()
+
+
+def test_trust_a_prompt_dropped_before_its_alloc_is_refused_as_aborted_not_as_an_error(pair, caplog) -> None:
+    """The client left before the prefiller scheduled the prompt: the decoder refuses its alloc as
+    `aborted` (not a reused id), and the prefiller counts it so and logs no error."""
+    producer, consumer, addr = pair
+    proxy_abort(addr.alloc_port, "F")
+    until(lambda: consumer.receiver.table.status("F") != "pending", 5, "the abort remembered")
+    producer.open("F", addr, list(range(64)), 64)
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        with pytest.raises(AllocFailed, match="before its alloc") as e:
+            producer.submit("F", addr, list(range(64)), list(range(4)), 64).result(10)
+    assert e.value.code == "aborted" and producer.counters.failures == {"aborted": 1}
+    assert consumer.receiver.counters.refusals == {"aborted": 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    until(producer.staging.fully_free, 5, "the staging pages back")
+    assert consumer.buffer.fully_free()
