@@ -1,5 +1,6 @@
 """A Python child process (`python ARGS`) whose output goes to a log file the test reads back, in a
-session of its own so stopping it stops what it started."""
+session of its own so stopping it stops what it started; and the two calls the discovery tests
+make of the stub engines and proxies so started (by URL)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
 
 from kvferry.launcher.vllm_proc import stop_group
 
@@ -26,3 +29,16 @@ class Proc:
 
     def stop(self) -> None:
         stop_group(self.proc, 10)
+
+
+def served(stub: str) -> int:
+    """Requests the stub engine at `stub` was asked."""
+    return len(httpx.get(f"{stub}/stub/log", timeout=5).json()["requests"])
+
+
+def complete(proxy: str, n: int) -> None:
+    """`n` completions through the proxy at `proxy`, each answered 200."""
+    for _ in range(n):
+        r = httpx.post(f"{proxy}/v1/completions", json={"model": "stub", "prompt": "hello there", "max_tokens": 3},
+                       timeout=10)
+        assert r.status_code == 200, r.text

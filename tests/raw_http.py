@@ -41,3 +41,20 @@ def closed_within(s: socket.socket, seconds: float) -> None:
         except ConnectionResetError:
             return
     raise AssertionError(f"still open after {seconds}s")
+
+
+def closed_by_the_timeout(port: int, partial: dict[str, bytes], request_s: float) -> None:
+    """Send each partial request on a connection of its own: each is closed by the server's
+    request timeout (`request_s`): within it plus 4 s of slack, and not much before it."""
+    socks = {what: connect(port) for what in partial}
+    try:
+        t0 = time.monotonic()
+        for what, data in partial.items():
+            socks[what].sendall(data)
+        for what, s in socks.items():
+            closed_within(s, request_s + 4)
+            took = time.monotonic() - t0
+            assert took >= request_s * 0.8, (what, took)  # by the timeout, not at once
+    finally:
+        for s in socks.values():
+            s.close()

@@ -17,7 +17,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher.stores import Proc
 from tests.polling import until
-from tests.raw_http import answer, closed_within, connect
+from tests.raw_http import answer, closed_by_the_timeout, closed_within, connect
 
 ADMIN = "an-admin-key-for-the-security-tests"
 REQUEST_S = 1.0
@@ -116,18 +116,7 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(keyl
         "body": b"POST /lookup HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"tokens\": [",
         "a second request's head": b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\nGET /api/st",
     }
-    socks = {what: connect(keyless.port) for what in partial}
-    try:
-        t0 = time.monotonic()
-        for what, data in partial.items():
-            socks[what].sendall(data)
-        for what, s in socks.items():
-            closed_within(s, REQUEST_S + 4)
-            took = time.monotonic() - t0
-            assert took >= REQUEST_S * 0.8, (what, took)  # by the timeout, not at once
-    finally:
-        for s in socks.values():
-            s.close()
+    closed_by_the_timeout(keyless.port, partial, REQUEST_S)
     # A keep-alive connection idle past the timeout between two whole requests is not cut.
     with httpx.Client(timeout=10) as c:
         assert c.get(keyless.url + "/health").status_code == 200

@@ -25,7 +25,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
-from tests.logged_proc import Proc
+from tests.logged_proc import Proc, complete, served
 from tests.polling import until
 
 _PREFIXES = itertools.count()
@@ -251,17 +251,6 @@ def _instances(proxy: str) -> dict[str, dict]:
     return {i["instance_id"]: i for i in r.json()["instances"] if "instance_id" in i}
 
 
-def _served(stub: str) -> int:
-    return len(httpx.get(f"{stub}/stub/log", timeout=5).json()["requests"])
-
-
-def _complete(proxy: str, n: int) -> None:
-    for _ in range(n):
-        r = httpx.post(f"{proxy}/v1/completions", json={"model": "stub", "prompt": "hello there", "max_tokens": 3},
-                       timeout=10)
-        assert r.status_code == 200, r.text
-
-
 def _rejected(proxy: str) -> dict[str, float]:
     text = httpx.get(f"{proxy}/metrics", timeout=5).text
     return {k: float(v) for k, v in re.findall(r'kvferry_proxy_discovery_rejected_total\{reason="(\w+)"\} (\S+)', text)}
@@ -278,9 +267,9 @@ def test_discovery_etcd_two_proxies_join_expire_drain(etcd_server, cluster_secre
     a, b = (_proxy(procs, tmp_path, n, target, secret_file) for n in ("proxy-a", "proxy-b"))
     for px in (a, b):
         until(lambda px=px: {"p1", "d1"} <= set(_instances(px)), 10, f"{px} to see p1 and d1")
-    _complete(a, 2)
-    _complete(b, 2)
-    assert _served(p1) == 4
+    complete(a, 2)
+    complete(b, 2)
+    assert served(p1) == 4
 
     # A forged decoder (unsigned, and signed with another secret) is used by neither proxy.
     async def forge() -> None:
@@ -313,20 +302,20 @@ def test_discovery_etcd_two_proxies_join_expire_drain(etcd_server, cluster_secre
     for px in (a, b):
         until(lambda px=px: "p2" in _instances(px), 2.0, f"{px} to route to p2")
     assert time.monotonic() - t_reg <= 2.0
-    before = _served(p2)
-    _complete(a, 4)
-    _complete(b, 4)
-    assert _served(p2) - before == 4  # round robin over p1 and p2, on each proxy
+    before = served(p2)
+    complete(a, 4)
+    complete(b, 4)
+    assert served(p2) - before == 4  # round robin over p1 and p2, on each proxy
 
     # Drain p2 through proxy a's admin API: proxy b drains it too.
     local = _instances(a)["p2"]["id"]
     r = httpx.post(f"{a}/admin/instances/{local}/drain", headers=ADMIN, timeout=5)
     assert r.status_code == 200 and r.json()["draining"]
     until(lambda: _instances(b)["p2"]["draining"], 2.0, "proxy b to drain p2")
-    before = _served(p2)
-    _complete(b, 3)
-    _complete(a, 3)
-    assert _served(p2) == before
+    before = served(p2)
+    complete(b, 3)
+    complete(a, 3)
+    assert served(p2) == before
     local_b = _instances(b)["p2"]["id"]
     assert httpx.post(f"{b}/admin/instances/{local_b}/undrain", headers=ADMIN, timeout=5).status_code == 200
     until(lambda: not _instances(a)["p2"]["draining"], 2.0, "proxy a to undrain p2")
@@ -340,10 +329,10 @@ def test_discovery_etcd_two_proxies_join_expire_drain(etcd_server, cluster_secre
     for px in (a, b):
         until(lambda px=px: "p2" not in _instances(px), 2 + 2.0, f"{px} to drop p2")
     assert time.monotonic() - t_kill <= 4.0
-    before = _served(p2)
-    _complete(a, 3)
-    _complete(b, 3)
-    assert _served(p2) == before
+    before = served(p2)
+    complete(a, 3)
+    complete(b, 3)
+    assert served(p2) == before
 
 
 def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]) -> None:
@@ -363,8 +352,8 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
                                       "--admin-key", "admin-key-for-tests"], f"{px}/metrics")
     until(lambda: _http_ok(f"{px}/health") and httpx.get(f"{px}/health").json()["status"] == "ok", 5,
           "the proxy ready")
-    _complete(px, 2)
-    assert _served(p1) == 2
+    complete(px, 2)
+    assert served(p1) == 2
     assert set(_instances(px)) == {"p1", "d1"}  # another model, another KV layout: not used
     assert _rejected(px) == {"model": 1, "fingerprint": 1}
     disc.edit_file(str(path), lambda d: d["drain"].append("p1"))
@@ -372,7 +361,7 @@ def test_discovery_file_proxy_follows_the_file(tmp_path: Path, procs: list[Proc]
     # Its only prefiller drained: the decoder serves requests whole, and p1 gets none.
     assert httpx.post(f"{px}/v1/completions", json={"model": "stub", "prompt": "x", "max_tokens": 2},
                       timeout=10).status_code == 200
-    assert _served(p1) == 2 and httpx.get(f"{px}/health").json()["status"] == "degraded"
+    assert served(p1) == 2 and httpx.get(f"{px}/health").json()["status"] == "degraded"
     local = _instances(px)["p1"]["id"]  # its KV-event subscription runs (nothing publishes: it is stale)
     health = httpx.get(f"{px}/health", headers=ADMIN).json()
     assert f"kv_events_{local}" in health["background"]
@@ -467,7 +456,7 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
         def discovery_ok() -> bool:
             return httpx.get(f"{px}/health", headers=ADMIN, timeout=5).json()["background"]["discovery"]["ok"]
         until(lambda: not discovery_ok(), 5, "the outage on /health")
-        _complete(px, 2)  # still serving what it knew
+        complete(px, 2)  # still serving what it knew
         assert {"p1", "d1"} <= set(_instances(px))
         etcd = stores.start_etcd(tmp_path / "e2", port=etcd.port)
 
@@ -480,6 +469,6 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
         until(lambda: asyncio.run(keys()) == 2, 10, "the sidecars to register in the new etcd")
         until(discovery_ok, 5, "the proxy to list the new etcd")
         assert {"p1", "d1"} <= set(_instances(px))
-        _complete(px, 2)
+        complete(px, 2)
     finally:
         etcd.stop()

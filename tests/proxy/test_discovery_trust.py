@@ -37,7 +37,7 @@ from kvferry.common.netutil import free_port, machine_address
 from kvferry.launcher import stores
 from kvferry.launcher.join import Member, Registrar
 from kvferry.testing.processes import wait_http
-from tests.logged_proc import Proc
+from tests.logged_proc import Proc, complete, served
 from tests.polling import until
 from tests.tls_certs import _signed, make_certs
 
@@ -126,17 +126,6 @@ def _rejected(proxy: str, reason: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _served(stub: str) -> int:
-    return len(httpx.get(f"{stub}/stub/log", timeout=5).json()["requests"])
-
-
-def _complete(proxy: str, n: int) -> None:
-    for _ in range(n):
-        r = httpx.post(f"{proxy}/v1/completions", json={"model": "stub", "prompt": "hello", "max_tokens": 2},
-                       timeout=10)
-        assert r.status_code == 200, r.text
-
-
 @pytest.fixture(scope="module")
 def cluster(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One proxy watching a prefix where a prefiller and a decoder stay registered (a Registrar
@@ -203,9 +192,9 @@ def test_trust_replayed_record_routes_nothing(cluster: Cluster) -> None:
     stranger(c.etcd, "/v3/kv/put", {"key": b64(stolen.key), "value": b64(stolen.value), "lease": str(stolen.lease)})
     until(lambda: _rejected(c.proxy, "replayed") > replayed, 5, "the proxy to refuse the replayed record")
     assert iid not in _instances(c.proxy)
-    served = _served(c.victim)
-    _complete(c.proxy, 4)
-    assert _served(c.victim) == served
+    before = served(c.victim)
+    complete(c.proxy, 4)
+    assert served(c.victim) == before
 
     # The same instance restarts elsewhere (a new URL) with the same id; the stranger writes the
     # old record over the new one (the key keeps its new create revision).
@@ -250,9 +239,9 @@ def test_trust_kept_alive_dead_lease_routes_nothing_after_the_signed_expiry(clus
         assert time.time() >= expires  # not earlier: it was the expiry, not the lease
         assert c.bg.run(c.client.get(reg.key)) is not None  # the lease, kept alive, still holds the key
         assert _rejected(c.proxy, "expired") == expired + 1
-        served = _served(c.victim)
-        _complete(c.proxy, 4)
-        assert _served(c.victim) == served
+        before = served(c.victim)
+        complete(c.proxy, 4)
+        assert served(c.victim) == before
     finally:
         alive.set()
         t.join(5)
@@ -277,9 +266,9 @@ def test_trust_replayed_drain_mark_drains_nothing(cluster: Cluster) -> None:
         stranger(c.etcd, "/v3/kv/put", {"key": b64(mark.key), "value": b64(mark.value), "lease": str(mark.lease)})
         until(lambda: _rejected(c.proxy, "replayed") > replayed, 5, "the proxy to refuse the replayed mark")
         assert not _instances(c.proxy)[iid]["draining"]
-        served = _served(c.victim)
-        _complete(c.proxy, 4)  # round robin over p-live and this one
-        assert _served(c.victim) == served + 2
+        before = served(c.victim)
+        complete(c.proxy, 4)  # round robin over p-live and this one
+        assert served(c.victim) == before + 2
     finally:
         _end(c, reg, beat, stop)
 
@@ -341,7 +330,7 @@ def test_trust_garbage_keys_cost_bounded_logs_and_memory(cluster: Cluster,
         assert text.count("logging no more of them") == 1
         assert max(map(len, text.splitlines())) < 2000  # the long key is shown cut
         assert {"p-live", "d-live"} <= set(_instances(c.proxy))
-        _complete(c.proxy, 2)
+        complete(c.proxy, 2)
 
         stranger(c.etcd, "/v3/kv/deleterange", {"key": b64(junk), "range_end": b64(prefix_end(junk))})
         until(lambda: not watch._logged and len(watch._held) <= 5, 10, "the watch to forget the junk")

@@ -21,7 +21,7 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.proxy.options import parse
 from tests.polling import until
-from tests.raw_http import answer, closed_within, connect
+from tests.raw_http import answer, closed_by_the_timeout, closed_within, connect
 from tests.stub_procs import Proc, _no_process_outlives_its_test, proxy, stubs  # noqa: F401 - stops what a test started
 
 CLIENT, ADMIN = "client-key-0123", "admin-key-4567"
@@ -212,18 +212,7 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guar
         "a second request's head": b"GET /health HTTP/1.1\r\nHost: t\r\n\r\nGET /metr",
     }
     before = _timed_out(guarded)
-    socks = {what: connect(_port(guarded)) for what in partial}
-    try:
-        t0 = time.monotonic()
-        for what, data in partial.items():
-            socks[what].sendall(data)
-        for what, s in socks.items():
-            closed_within(s, REQUEST_S + 4)
-            took = time.monotonic() - t0
-            assert took >= REQUEST_S * 0.8, (what, took)  # by the timeout, not at once
-    finally:
-        for s in socks.values():
-            s.close()
+    closed_by_the_timeout(_port(guarded), partial, REQUEST_S)
     assert _timed_out(guarded) - before == len(partial)
     # What arrives whole is not timed: a keep-alive connection idle past the timeout, and a stream
     # answered for longer than it.
