@@ -23,12 +23,16 @@ Reported (JSON, last line):
   cache can flip a near-tie token: not wrong KV);
 - ``stranded_pages``: decoder pd_buffer pages not free 3 s after the load (read from /metrics,
   live: common/live_gauges.py);
-- ``abort_to_idle_p50_ms`` / ``_max_ms``: on the quiet cluster after the soak, a client leaves a
-  300-word request at each phase in turn (``--abort-trials`` in all); the time from its close
-  until every instance's pd_buffer pages are free with nothing in flight (kvferry's live gauges;
-  vLLM shows no live per-request state: its running gauge waits for an engine step, and it does
-  not count a client's abort in request_success_total). An engine cannot stop inside a step:
-  ``prefill_step_ms`` is that prompt's undisturbed time to first token;
+- ``abort_to_decoder_pages_p50_ms`` / ``_max_ms`` and ``abort_to_idle_p50_ms`` / ``_max_ms``: on
+  the quiet cluster after the soak, a client leaves a 300-word request at each phase in turn
+  (``--abort-trials`` in all; during prefill it closes its connection at a random point of the
+  prefill, before any byte of the answer, as a client that gives up does); the time from its
+  close until every decoder's pd_buffer pages are free with nothing in flight, and until every
+  instance's are (a prefiller's staging pages too: they come back when its engine ends the
+  request, after the step it is in) (kvferry's live gauges; vLLM shows no live per-request
+  state: its running gauge waits for an engine step, and it does not count a client's abort in
+  request_success_total). An engine cannot stop inside a step: ``prefill_step_ms`` is that
+  prompt's undisturbed time to first token;
 - ``restart_to_serving_s``: per killed role, from the SIGKILL until the proxy's health check
   routes to the instance again.
 """
@@ -40,6 +44,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -174,10 +179,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def pages_settled(state: dict) -> bool:
-    """Every instance's pd_buffer pages free (a prefiller's staging, a decoder's receiving) and no
-    transfer in flight: read live (common/live_gauges.py)."""
+def pages_settled(state: dict, role: str | None = None) -> bool:
+    """Every instance's (of `role`) pd_buffer pages free (a prefiller's staging, a decoder's
+    receiving) and no transfer in flight: read live (common/live_gauges.py)."""
     for inst in state["instances"]:
+        if role is not None and inst["role"] != role:
+            continue
         m = metrics(inst["url"])
         if m.get("kvferry:pd_transfers_in_flight", 0) or \
                 m.get("kvferry:pd_buffer_free_pages") != m.get("kvferry:pd_buffer_pages"):
@@ -271,9 +278,21 @@ def soak(args: argparse.Namespace, state: dict, state_file: Path, jobs: list[Job
             "restart_to_serving_s": restarts}
 
 
+def leave_during_prefill(url: str, job: Job, after_s: float) -> None:
+    """Send the streamed request, then close the connection `after_s` later, before any byte of the
+    answer was read (headers come with the first token): the close a client that gives up makes."""
+    u = httpx.URL(url)
+    raw = json.dumps(body(job, True)).encode()
+    with socket.create_connection((u.host, u.port or 80), timeout=10) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                  % (path(job).encode(), u.host.encode(), len(raw)) + raw)
+        time.sleep(after_s)
+
+
 def abort_trials(state: dict, n: int, rng: random.Random) -> dict:
     """On the quiet cluster: one client at a time leaves a 300-word request at a phase; the time
-    from its close until every instance's pd_buffer pages are free with nothing in flight."""
+    from its close until every decoder's pd_buffer pages are free with nothing in flight, and until
+    every instance's are."""
     proxy = state["proxy"]["url"]
     job = Job(-1, False, words(rng, 300), None)
     t0 = time.monotonic()
@@ -281,22 +300,36 @@ def abort_trials(state: dict, n: int, rng: random.Random) -> dict:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break
-    step_ms = (time.monotonic() - t0) * 1e3
-    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    step_s = time.monotonic() - t0
+    to_decoders: dict[str, list[float]] = {p: [] for p in PHASES}
+    to_idle: dict[str, list[float]] = {p: [] for p in PHASES}
     for k in range(n):
         deadline = time.monotonic() + 60
         while not pages_settled(state) and time.monotonic() < deadline:
             time.sleep(0.1)
         phase = PHASES[k % len(PHASES)]
-        run_one(proxy, Job(-2 - k, False, words(rng, 300), phase), rng, threading.Event())
+        job = Job(-2 - k, False, words(rng, 300), phase)
+        if phase == "prefill":
+            leave_during_prefill(proxy, job, rng.uniform(0.0, 0.9 * step_s))
+        else:
+            run_one(proxy, job, rng, threading.Event())
         closed = time.monotonic()
-        while not pages_settled(state) and time.monotonic() - closed < 60:
+        decoders = None
+        while time.monotonic() - closed < 60:
+            if decoders is None and pages_settled(state, "decoder"):
+                decoders = time.monotonic()
+            if pages_settled(state):
+                break
             time.sleep(0.02)
-        times[phase].append((time.monotonic() - closed) * 1e3)
-    every = [t for ts in times.values() for t in ts]
-    return {"abort_to_idle_p50_ms": round(statistics.median(every), 1), "abort_to_idle_max_ms": round(max(every), 1),
-            "abort_to_idle_by_phase_ms": {p: [round(t) for t in ts] for p, ts in times.items()},
-            "prefill_step_ms": round(step_ms, 1), "abort_trials": n}
+        done = time.monotonic()
+        to_decoders[phase].append(((decoders or done) - closed) * 1e3)
+        to_idle[phase].append((done - closed) * 1e3)
+    out: dict = {"prefill_step_ms": round(step_s * 1e3, 1), "abort_trials": n}
+    for name, times in (("abort_to_decoder_pages", to_decoders), ("abort_to_idle", to_idle)):
+        every = [t for ts in times.values() for t in ts]
+        out.update({f"{name}_p50_ms": round(statistics.median(every), 1), f"{name}_max_ms": round(max(every), 1),
+                    f"{name}_by_phase_ms": {p: [round(t) for t in ts] for p, ts in times.items()}})
+    return out
 
 
 def main() -> int:
