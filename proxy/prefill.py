@@ -10,6 +10,7 @@ import time
 
 from aiohttp import web
 
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.transfer_params import ParamsError, prefill_answer
@@ -29,7 +30,7 @@ logger = get_logger(__name__)
 DECODER_CAN_SERVE = frozenset({"unreachable", "upstream_5xx", "stream_broken"})
 
 
-class NoPrefiller(Exception):
+class NoPrefiller(UnavailableError):
     """The prefill leg failed and no other prefiller could take it: the decoder serves the
     request alone (degraded) rather than the client getting an error."""
 
@@ -45,7 +46,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
             tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, a fifth of its CPU
             leg = prefill_leg(body, tid, decoder)
             t0 = time.perf_counter()
-            ctx.transfers.started(tid)  # the decoder's arrival notice may beat the prefiller's answer
+            ctx.transfers.started(tid, decoder)  # its arrival notice may beat the prefiller's answer
             try:
                 with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
                     out = await up.json(path, leg, kind, raw_ids=True)

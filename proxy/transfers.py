@@ -60,8 +60,12 @@ class Transfers:
     def notify_host(self) -> str:
         return notify_host(self.opts)
 
-    def started(self, tid: str) -> None:
-        """The prefill leg of `tid` is about to be sent: an arrival notice may come from now on."""
+    def started(self, tid: str, decoder: Instance | None = None) -> None:
+        """The prefill leg of `tid` is about to be sent: an arrival notice may come from now on, and
+        an abort may follow: the decoder's abort socket connects now, so that an abort goes over a
+        connection whose handshake is done (the first message of a new connection was seen lost)."""
+        if decoder is not None and decoder.spec.alloc_port is not None and not decoder.removed:
+            self._sock(decoder)
         if self.opts.proxy_port:
             self._track(self._arrivals, tid, None)
 
@@ -98,21 +102,29 @@ class Transfers:
         """Tell the decoder's receiver to drop a transfer nobody will read (its pages come back now)."""
         if not tid or decoder.spec.alloc_port is None:  # served alone, or a decoder with no receiver: no transfer
             return
+        if decoder.removed and decoder.id not in self._abort_socks:
+            # A request that outlived its decoder's removal: its pages still come back.
+            sock = self._connect(decoder)
+            self._send(sock, tid, why)
+            sock.close(linger=LAST_ABORT_LINGER_MS)
+        else:
+            self._send(self._sock(decoder), tid, why)
+        self._forget(tid)
+
+    def _sock(self, decoder: Instance) -> zmq.Socket:
+        """The decoder's abort socket, connected on first use and kept until the decoder leaves."""
         sock = self._abort_socks.get(decoder.id)
         if sock is None:
-            # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.
-            sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
-            sock.setsockopt(zmq.SNDHWM, 1000)
-            sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, decoder.spec.alloc_port)}")
-            if decoder.removed:  # a request that outlived its decoder's removal: its pages still come back
-                self._send(sock, tid, why)
-                sock.close(linger=LAST_ABORT_LINGER_MS)
-                self._forget(tid)
-                return
-            self._abort_socks[decoder.id] = sock
+            sock = self._abort_socks[decoder.id] = self._connect(decoder)
             decoder.when_removed(functools.partial(self._drop, decoder.id))
-        self._send(sock, tid, why)
-        self._forget(tid)
+        return sock
+
+    def _connect(self, decoder: Instance) -> zmq.Socket:
+        # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.
+        sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, decoder.spec.alloc_port)}")
+        return sock
 
     @staticmethod
     def _send(sock: zmq.Socket, tid: str, why: str) -> None:

@@ -115,7 +115,7 @@ class Handles:
         NIXL thread. `gen`: this `gen` as read before the preparation began."""
         self.close(grant.prepared)
         grant.prepared = prep
-        if prep is None or grant.ended or grant.peer.dropped:
+        if prep is None or grant.ended or grant.cut or grant.peer.dropped:
             return
         prep.peer, prep.owner, prep.gen = grant.peer, self, gen
         self._open.add(prep)  # before the make is queued: a close from now on is queued after it
