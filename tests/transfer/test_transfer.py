@@ -536,21 +536,22 @@ def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another
     a, src_a = sender("a")
     b, src_b = sender("b")
     src_a.fill_(0xAA)
-    gate = threading.Event()
+    gate, holding = threading.Event(), threading.Event()
     original = a.write
 
     # On A's loop, between its grant and its write: the loop is held, so the receiver's word that
     # A was dropped is read only after this write was posted (it lands late, in A's own pages).
+    # The abort is sent once A holds its grant here: sent earlier, the sender may read the drop
+    # with the grant and rightly write nothing, and the late write would not be tested.
     def held_write(*args, **kw):
+        holding.set()
         gate.wait(30)
         return original(*args, **kw)
 
     a.write = held_write
     fa = a.send("A", r.addr, keys(2, 1), chunks_of(src_a, 2), 64)
-    deadline = time.monotonic() + 10
-    while r.state()[2] == 4 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert r.state()[2] == 2, "A never reserved its pages: nothing was tested"
+    assert holding.wait(10), "A never had its grant: nothing was tested"
+    assert r.state()[2] == 2, r.state()
     proxy = raw_socket(r.alloc_port, None)  # another connection than A's sender: the proxy's abort
     try:
         proxy.send(m.encode(m.AbortTransfer(transfer_id="A", generation=0, reason="client disconnected")))
