@@ -324,12 +324,10 @@ def test_kv_that_never_arrives_is_recomputed_within_the_timeout(pd, peer) -> Non
     _, d, plain_vllm = pd
     pr = prompt(400, seed=5)
     want = plain(plain_vllm, pr, 6)
-    t0 = time.monotonic()
     # A transfer id no prefiller will ever send: the decoder waits pd_kv_ready_timeout, then recomputes.
-    got = disagg_decode_only(d, pr + want[0][:1], 5, f"never-{uuid.uuid4().hex}")
-    waited = time.monotonic() - t0
+    got, waited = decode_timing_the_recompute(d, pr + want[0][:1], 5, f"never-{uuid.uuid4().hex}")
     assert got == want[0][1:]
-    assert DECODER_KEYS["pd_kv_ready_timeout"] - 0.5 <= waited < DECODER_KEYS["pd_kv_ready_timeout"] + 10
+    assert DECODER_KEYS["pd_kv_ready_timeout"] - 0.5 <= waited < DECODER_KEYS["pd_kv_ready_timeout"] + 5
     assert peer.fully_free()
 
 
@@ -341,12 +339,27 @@ def test_prefiller_gone_after_its_alloc_frees_pages_and_the_request_recomputes(p
     tid = f"doomed-{uuid.uuid4().hex}"
     reply = peer.alloc(tid, 3)  # what a prefiller does before its write; then it "dies"
     assert isinstance(reply, m.AllocResponse)
-    t0 = time.monotonic()
-    got = disagg_decode_only(d, pr + want[0][:1], 5, tid)
+    got, waited = decode_timing_the_recompute(d, pr + want[0][:1], 5, tid)
     assert got == want[0][1:]
-    # The request recomputes after pd_kv_ready_timeout; the pages come back when the lease ends.
-    assert time.monotonic() - t0 < DECODER_KEYS["pd_kv_ready_timeout"] + 10
+    # The request recomputes after pd_kv_ready_timeout, long before the reservation's lease ends;
+    # the pages come back when it does.
+    assert waited < DECODER_KEYS["pd_kv_ready_timeout"] + 5 < DECODER_KEYS["pd_lease_seconds"]
     assert peer.fully_free(timeout=DECODER_KEYS["pd_lease_seconds"] + 5)
+
+
+def decode_timing_the_recompute(d: Decoder, pr: list[int], n: int, tid: str) -> tuple[list[int], float]:
+    """A decode-only request whose KV never comes: (its tokens, seconds until the decoder gave up
+    waiting and recomputed, as its recompute counter shows). The recompute itself is not timed: a
+    prompt's first forward on a decoder takes seconds on a loaded CPU."""
+    before = pd_metrics(d)["pd_recomputed_requests_total"]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        t0 = time.monotonic()
+        fut = ex.submit(disagg_decode_only, d, pr, n, tid)
+        until(lambda: pd_metrics(d)["pd_recomputed_requests_total"] > before or fut.done(), 60,
+              "the decoder's recompute", every=0.1)
+        waited = time.monotonic() - t0
+        assert pd_metrics(d)["pd_recomputed_requests_total"] == before + 1, fut.result()
+        return fut.result(120), waited
 
 
 def disagg_decode_only(d: Decoder, pr: list[int], n: int, tid: str) -> list[int]:
