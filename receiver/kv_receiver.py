@@ -2,11 +2,9 @@
 
 Two threads, neither of which spins:
 
-- ``kvf-recv-ports``: an asyncio loop serving the init and alloc ports (ZMQ ROUTER, made by
-  common/zsock.py: with a cluster secret only its holders get a frame through, and the NIXL
-  metadata of the pd_buffer goes to nobody else). Each request is its own task (buffer/peering.py),
-  and allocations that must wait for pages wait in a thread pool, so a slow or stuck request never
-  holds up another.
+- ``kvf-recv-ports``: an asyncio loop serving the init and alloc ports (receiver/ports.py). Each
+  request is its own task, and allocations that must wait for pages wait in a thread pool, so a
+  slow or stuck request never holds up another.
 - ``kvf-recv-nixl``: the only user of the NIXL agent after start-up. It polls notifications
   (every 50 us while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
   commits arrived transfers, sends the optional proxy notification, and expires leases. Its
@@ -22,12 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import functools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -43,12 +39,13 @@ from kvferry.common.counters import Counters
 from kvferry.common.errors import UnavailableError
 from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise_thread
-from kvferry.receiver.conns import ConnWatch
+from kvferry.receiver.errors import TransferError
 from kvferry.receiver.joints import Joints
+from kvferry.receiver.ports import Ports
 from kvferry.receiver.sleep import ReceiverSleep
-from kvferry.receiver.transfers import Incoming, ReceivedTransfer, TransferError, TransferTable
+from kvferry.receiver.transfer_states import Incoming
+from kvferry.receiver.transfers import ReceivedTransfer, TransferTable
 
 logger = get_logger(__name__)
 
@@ -132,9 +129,9 @@ class KVReceiver(ReceiverSleep):
         self._threads: list[threading.Thread] = []
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_waiting_allocs, thread_name_prefix="kvf-alloc")
         self._bad = RateLimitedLog(logger)
-        self._ready = threading.Event()
-        self._stop_async: Callable[[], object] = lambda: None
-        self._start_error: BaseException | None = None
+        self._ports = Ports(cfg.host, cfg.init_port, cfg.alloc_port, cfg.trust, cfg.advertise_host, self._on_init,
+                            self._on_alloc, self._bad_frame, self._writer_gone, WRITER_GONE_GRACE_S)
+        self.table.on_quarantine = self._quarantined
         self.nixl_health = LoopHealth("receiver NIXL thread")
         self.counters = ReceiverCounters()
         self._init_sleep()  # vLLM sleep mode: receiver/sleep.py
@@ -143,12 +140,10 @@ class KVReceiver(ReceiverSleep):
     def start(self) -> KVReceiver:
         self.buffer.register(self._agent)
         self._agent_metadata = self._agent.get_agent_metadata()
-        t = threading.Thread(target=self._ports_main, name="kvf-recv-ports", daemon=True)
-        t.start()
-        self._threads.append(t)
-        if not self._ready.wait(10) or self._start_error is not None:
+        self._threads.append(self._ports.start())
+        if not self._ports.started(10):
             self.close()
-            raise ReceiverError(f"receiver ports did not start: {self._start_error}")
+            raise ReceiverError(f"receiver ports did not start: {self._ports.error}")
         t = threading.Thread(target=supervise_thread, args=(self.nixl_health, self._nixl_main, self._stop),
                              name="kvf-recv-nixl", daemon=True)
         t.start()
@@ -161,8 +156,7 @@ class KVReceiver(ReceiverSleep):
     def close(self) -> None:
         self._stop.set()
         self._kick.set()
-        with contextlib.suppress(RuntimeError):  # the loop already ended
-            self._stop_async()
+        self._ports.stop()
         for t in self._threads:
             t.join(timeout=5)
         self._threads.clear()
@@ -194,59 +188,6 @@ class KVReceiver(ReceiverSleep):
             yield t
 
     # ---- ports ----
-    def _ports_main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._serve())
-        except BaseException as e:  # noqa: BLE001 - reported to start()
-            self._start_error = e
-            self._ready.set()
-        finally:
-            loop.close()
-
-    async def _serve(self) -> None:
-        ctx = zmq.asyncio.Context()
-        socks = []
-        try:
-            for port, key in ((self.cfg.init_port, "pd_peer_init_port"), (self.cfg.alloc_port, "pd_peer_alloc_port")):
-                try:
-                    socks.append(zsock.listen(ctx, zmq.ROUTER, self.cfg.trust, self.cfg.host, port, key))
-                except zsock.BindError as e:
-                    raise ReceiverError(str(e)) from None
-            init, alloc = socks
-            logger.info("receiver listening on %s (init %d, alloc %d); prefillers dial %s",
-                        self.cfg.host, self.cfg.init_port, self.cfg.alloc_port,
-                        advertised(self.cfg.host, self.cfg.advertise_host, "the receiver (pd_peer_host)"))
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            self._stop_async = lambda: loop.call_soon_threadsafe(stop.set)
-
-            def quarantined(inc: Incoming, reason: str) -> None:  # any thread, under the table's lock
-                with contextlib.suppress(RuntimeError):  # the loop closed: the receiver is closing
-                    loop.call_soon_threadsafe(self._tell_writers, alloc, inc.transfer_id, inc.res.generation,
-                                              inc.conn, reason)
-            self.table.on_quarantine = quarantined
-            self._ready.set()
-            # One reader per port, awaiting recv directly: zmq.asyncio's Poller adds ~0.6 ms a message.
-            conns = ConnWatch(alloc, self._writer_gone, WRITER_GONE_GRACE_S)
-            readers = [asyncio.ensure_future(peering.serve(sock, handler, name,
-                                                           functools.partial(self._bad_frame, port_name=name),
-                                                           on_seen=seen))
-                       for sock, name, handler, seen in ((init, "init", self._on_init, None),
-                                                         (alloc, "alloc", self._on_alloc, conns.seen))]
-            readers.append(asyncio.ensure_future(conns.run()))
-            if self._stop.is_set():
-                stop.set()
-            await stop.wait()
-            for task in readers:
-                task.cancel()
-            await asyncio.gather(*readers, return_exceptions=True)
-        finally:
-            self.table.on_quarantine = None
-            for s in socks:
-                s.close(linger=0)
-            ctx.term()
-
     def _bad_frame(self, why: str, port_name: str) -> None:
         self.counters.bad_frames += 1
         self._bad.warning("receiver %s: rejected %s on the %s port", self.receiver_id, why, port_name)
@@ -323,6 +264,9 @@ class KVReceiver(ReceiverSleep):
         if isinstance(reply, m.ErrorReply):
             self._refused(reply.code)
         await peering.reply(sock, ident, reply)
+
+    def _quarantined(self, inc: Incoming, reason: str) -> None:  # any thread, under the table's lock
+        self._ports.call_soon(self._tell_writers, inc.transfer_id, inc.res.generation, inc.conn, reason)
 
     def _tell_writers(self, sock: zmq.asyncio.Socket, tid: str, generation: int, conn: bytes, reason: str) -> None:
         """On the ports loop: the transfer `conn` reserved was dropped by someone else (the proxy: its

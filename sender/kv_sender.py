@@ -14,7 +14,8 @@ otherwise. Every wait is bounded:
   request left (earlier than the receiver's own start of the lease), less a safety margin.
 
 A transfer given up before its write was posted is aborted with ``final``: the receiver may reuse
-its pages at once. Once a write was posted, only its notification or the lease's end frees them.
+its pages at once. Once a write was posted, only its notification or the lease's end frees them
+(how each grant ends: sender/grant_ends.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -34,7 +35,6 @@ from kvferry.buffer import nixl_agent, peering
 from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
-from kvferry.common.counters import Counters
 from kvferry.common.log import get_logger
 from kvferry.sender import prepared
 from kvferry.sender.addr import ReceiverAddr
@@ -43,23 +43,22 @@ from kvferry.sender.errors import (
     ChunkError,
     FingerprintMismatch,
     HandshakeFailed,
-    LeaseExpired,
     ReceiverRestarted,
     SendError,
-    WriteFailed,
 )
+from kvferry.sender.grant_ends import GrantEnds
 from kvferry.sender.grants import (
     LEASE_MARGIN,
     AllocLink,
     Grant,
     check_ranges,
-    nothing_in_flight,
     pd_region,
     refusal,
     renew_until_done,
     send_abort,
 )
 from kvferry.sender.prepared import checked_descs
+from kvferry.sender.results import SenderCounters, SendResult
 from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
@@ -81,42 +80,6 @@ class SenderConfig:
 def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> SenderConfig:
     return SenderConfig(sender_id, handshake_timeout=cfg.pd_handshake_timeout, alloc_timeout=cfg.pd_alloc_timeout,
                         tp_rank=tp_rank, trust=zsock.trust_of(cfg), net_devices=cfg.nixl_net_devices)
-
-
-@dataclass
-class SenderCounters(Counters):
-    """What one sender did since it started; the pd tier exports these as metrics."""
-
-    transfers: int = 0
-    failed: int = 0
-    bytes: int = 0
-    handshakes: int = 0
-    alloc_wait_seconds: float = 0.0  # alloc request sent -> pages granted or refused
-    alloc_waits: int = 0
-
-    def waited(self, sent_at: float) -> None:
-        self.alloc_wait_seconds += time.monotonic() - sent_at
-        self.alloc_waits += 1
-
-
-@dataclass
-class SendResult:
-    transfer_id: str
-    sent_chunks: int
-    bytes: int
-    seconds: float
-    handshook: bool = False
-    # Where the time went, in seconds (transfer_bench.py prints them): "alloc" (request sent ->
-    # pages granted), "to_nixl" (write asked -> posted by the NIXL thread), "write" (posted ->
-    # NIXL done, which includes the notification's send), and "handshake" when one was made.
-    phases: dict[str, float] = field(default_factory=dict)
-    posted_at: float = 0.0  # time.monotonic() when the NIXL thread posted the (last) write
-
-
-def _grant_result(grant: Grant, called: float, posted: float, done: float) -> SendResult:
-    phases = dict(grant.phases, to_nixl=posted - called, write=done - posted)
-    return SendResult(grant.transfer_id, grant.chunks, grant.written, done - grant.requested, grant.handshook,
-                      phases, posted)
 
 
 class KVSender(SenderSleep):
@@ -141,9 +104,10 @@ class KVSender(SenderSleep):
             self._ctx, cfg.trust, self._nixl, self._hello, fingerprint, roles=("sender", "receiver"), me=cfg.sender_id,
             timeout_key="pd_handshake_timeout", on_drop=self._on_drop, max_peers=cfg.max_receivers,
             error=HandshakeFailed, fingerprint_error=FingerprintMismatch, watch_disconnect=True, new_state=AllocLink)
+        self.counters = SenderCounters()
+        self._ends = GrantEnds(self._loop, self._peers, self._preps, self.counters)  # sender/grant_ends.py
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvf-send", daemon=True)
         self._thread.start()
-        self.counters = SenderCounters()
 
     # ---- memory ----
     def register(self, tensor) -> None:  # torch.Tensor
@@ -194,7 +158,7 @@ class KVSender(SenderSleep):
         region = pd_region(grant.peer)
         local, remote, nbytes, widest, prep = checked_descs(grant, chunks, first, runs, self._ranges, self._device_id)
         xf: concurrent.futures.Future[nixl_agent.XferDone] = concurrent.futures.Future()
-        with grant.lock:  # against the receiver's drop (_cut), which reads `writes` on the loop
+        with grant.lock:  # against the receiver's drop (GrantEnds.cut), which reads `writes` on the loop
             refused = refusal(grant, widest, called)
             if refused is None:
                 grant.posted = True
@@ -202,9 +166,9 @@ class KVSender(SenderSleep):
                 grant.writes.add(xf)  # all before the post: once queued, the NIXL thread only waits for the GIL
         if refused is not None:
             err, reason = refused  # no reason: it ended (or was dropped) already, nothing to abort
-            self._fail(grant, out, err, reason) if reason else out.set_exception(err)
+            self._ends.fail(grant, out, err, reason) if reason else out.set_exception(err)
             return out
-        xf.add_done_callback(lambda f: self._written(grant, len(chunks), nbytes, called, notify, f, out))
+        xf.add_done_callback(lambda f: self._ends.written(grant, len(chunks), nbytes, called, notify, f, out))
         self._nixl.post("WRITE", local, self._mem, remote, region.mem_type,
                         grant.peer.agent, grant.notice if notify else b"", grant.deadline, xf, prep)
         return out
@@ -220,7 +184,7 @@ class KVSender(SenderSleep):
 
     def release(self, grant: Grant, reason: str) -> None:
         """The caller will not finish this transfer: tell the receiver (see grants.nothing_in_flight)."""
-        asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True), self._loop)
+        asyncio.run_coroutine_threadsafe(self._ends.end(grant, reason, abort=True), self._loop)
 
     def _check_open(self, transfer_id: str) -> None:
         if not self._thread.is_alive():
@@ -297,7 +261,7 @@ class KVSender(SenderSleep):
                 logger.warning("receiver %s sent a bad alloc reply: %s", peer.state.addr, e)
                 continue
             if isinstance(reply, m.AbortTransfer):
-                self._dropped(peer, reply)
+                self._ends.dropped(peer, reply)
                 continue
             fut = pending.pop(reply.transfer_id or "", None)
             if fut is not None and not fut.done():
@@ -305,28 +269,6 @@ class KVSender(SenderSleep):
             elif isinstance(reply, m.AllocResponse):
                 # We gave up on it already and wrote nothing: the pages may go back at once.
                 await send_abort(peer, reply.transfer_id, reply.generation, "sender gave up waiting", final=True)
-
-    def _dropped(self, peer: peering.Peer[AllocLink], msg: m.AbortTransfer) -> None:
-        """The receiver dropped one of this connection's transfers (the proxy's abort: its client
-        left); on the loop, while the prompt may still be computing."""
-        grant = peer.state.grants.get(msg.transfer_id)
-        if grant is None:
-            peer.state.dropped_early(msg.transfer_id, msg.reason or "no reason given")
-        elif not msg.generation or msg.generation == grant.generation:
-            self._cut(grant, msg.reason or "no reason given")
-
-    def _cut(self, grant: Grant, reason: str) -> None:
-        """No write into `grant` is posted from now on; once none is in flight, the pages are given
-        back (final when every write ended DONE), without waiting for the prompt's compute to end."""
-        with grant.lock:
-            if grant.cut or grant.ended:
-                return
-            grant.cut = reason[:200]
-            idle = not grant.writes
-        logger.info("transfer %s: receiver %s dropped it (%s); nothing more is written", grant.transfer_id,
-                    grant.addr, grant.cut)
-        if idle:  # else the last write's end gives the pages back (_written)
-            asyncio.ensure_future(self._end(grant, f"dropped by the receiver ({grant.cut})", abort=True))
 
     # ---- one transfer ----
     async def _send(self, tid: str, addr: ReceiverAddr, keys: list[bytes], chunks: list[tuple[int, int]],
@@ -360,7 +302,7 @@ class KVSender(SenderSleep):
         pending = peer.state.pending
         fut = asyncio.get_running_loop().create_future()
         pending[tid] = fut
-        peer.busy += 1  # until the grant ends (_end): the peer is not dropped for room meanwhile
+        peer.busy += 1  # until the grant ends (GrantEnds.end): the peer is not dropped for room meanwhile
         granted = False
         try:
             sent_at = time.monotonic()
@@ -399,62 +341,8 @@ class KVSender(SenderSleep):
             peer.state.grants[tid] = grant
             why = peer.state.early_drops.pop(tid, None)
             if why is not None:
-                self._cut(grant, why)
+                self._ends.cut(grant, why)
             return grant
         finally:
             if not granted:
                 peer.busy -= 1
-
-    def _written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
-                 f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future) -> None:
-        """On the NIXL thread: a write of `grant` ended."""
-        x = f.result()
-        with grant.lock:  # `clean` before `writes` shrinks: a drop that then finds none in flight reads it
-            if x.state != "DONE":
-                grant.clean = False
-            grant.writes.discard(f)
-            settled = bool(grant.cut) and not grant.writes
-        if settled and x.state == "DONE" and not notify:  # the last write in flight of a dropped grant
-            asyncio.run_coroutine_threadsafe(self._end(grant, f"dropped by the receiver ({grant.cut})", abort=True),
-                                             self._loop)
-        if x.state != "DONE":
-            # A write was posted: it may still land until the lease ends, so the abort is not final.
-            err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
-                                "the lease; raise pd_lease_seconds") if x.state == "EXPIRED"
-                   else WriteFailed(f"transfer {grant.transfer_id} to {grant.addr}: NIXL write failed: {x.state}"))
-            # An error may mean a broken connection: handshake afresh next time. A write the lease
-            # cut short says nothing about the connection, which other grants may still use.
-            self._fail(grant, out, err, f"write {x.state}", drop=x.state != "EXPIRED")
-            return
-        grant.chunks += nchunks
-        grant.written += nbytes
-        res = _grant_result(grant, called, x.posted, x.done)
-        if notify:
-            asyncio.run_coroutine_threadsafe(self._end(grant, "", abort=False, sent=res.bytes), self._loop)
-        out.set_result(res)
-
-    def _fail(self, grant: Grant, out: concurrent.futures.Future, err: SendError, reason: str,
-              drop: bool = False) -> None:
-        asyncio.run_coroutine_threadsafe(self._end(grant, reason, abort=True, drop=drop, failed=True), self._loop)
-        out.set_exception(err)
-
-    async def _end(self, grant: Grant, reason: str, abort: bool, drop: bool = False, failed: bool = False,
-                   sent: int = 0) -> None:
-        """On the loop: the grant is over (finished, failed or given up); once per grant."""
-        if grant.ended:
-            return
-        self._preps.close(grant.prepared)
-        peer = grant.peer
-        if peer.state.grants.get(grant.transfer_id) is grant:
-            del peer.state.grants[grant.transfer_id]
-        if abort:
-            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))
-        if drop:
-            self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
-        grant.ended = True
-        peer.busy -= 1
-        if failed:
-            self.counters.failed += 1
-        elif not abort:
-            self.counters.transfers += 1
-            self.counters.bytes += sent
