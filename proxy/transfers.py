@@ -120,10 +120,14 @@ class Transfers:
         return sock
 
     def _connect(self, decoder: Instance) -> zmq.Socket:
+        """A socket to the decoder's alloc port (callers checked that it has one)."""
+        port = decoder.spec.alloc_port
+        if port is None:
+            raise ValueError(f"decoder {decoder.id} has no alloc port")
         # The alloc port speaks CurveZMQ when the cluster has a secret: so does this socket.
         sock = zsock.socket(self._zmq, zmq.DEALER, self.trust, server=False)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, decoder.spec.alloc_port)}")
+        sock.connect(f"tcp://{net.hostport(decoder.spec.kv_host, port)}")
         return sock
 
     @staticmethod
