@@ -19,10 +19,18 @@ import httpx
 import pytest
 from aiohttp import web
 
+from kvferry.common.netutil import free_port
 from kvferry.proxy import front_door
 from kvferry.proxy.front_door import FastRequest, FrontDoor
 from kvferry.proxy.streaming import EventStream
-from tests.stub_procs import _no_process_outlives_its_test, log, proxy, stubs  # noqa: F401 - stops what a test started
+from tests.stub_procs import (
+    Proc,
+    _no_process_outlives_its_test,  # noqa: F401 - stops what a test started
+    log,
+    proxy,
+    stub,
+    stubs,
+)
 
 
 @asynccontextmanager
@@ -279,8 +287,12 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
     """The client reads the head of a long stream, then nothing: after --stall-timeout its
     connection is cut and its decode leg ended, on the hot path and on aiohttp's (a chunked
     request); the decoder is not blamed (no error, still healthy)."""
-    p0, d0 = stubs(0, 0)
-    px = proxy([p0], [d0], "--stall-timeout", "2", "--workers", "1")
+    p0, d0 = stub(0, False), cheap_token_stub()
+    p0.wait(), d0.wait()
+    # --health-interval 60: a stub writing its stream yields to its event loop only while its
+    # socket is full, so the harness's 0.3 s probes may go unanswered and eject it meanwhile
+    # (healthy False, through no failure of a leg: seen under load).
+    px = proxy([p0], [d0], "--stall-timeout", "2", "--workers", "1", "--health-interval", "60")
     u = urlsplit(px.url)
     body = json.dumps({"model": "stub", "prompt": "hello there", "max_tokens": 60_000, "stream": True}).encode()
     if path == "hot":
@@ -324,6 +336,21 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
             break
         time.sleep(0.1)
     assert running(d0) == 0 and log(d0)["cut_streams"] <= 1, log(d0)["cut_streams"]
+
+
+# A stub engine whose tokens cost next to nothing. A stub computes its whole answer before it
+# sends its head: 60,000 of its usual tokens take 0.3 s on an idle machine, and took over the 2 s
+# --stall-timeout on a loaded CI one, where the proxy rightly failed the decode leg as a stall (no
+# byte from the decoder for 2 s; the client was not full then, it had read all there was).
+_CHEAP_TOKENS = ("from kvferry.testing import stub_engine as s\n"
+                 "assert callable(s.next_token)\n"
+                 "s.next_token = lambda seq, mix=0: 300 + len(seq) % 500\n"
+                 "s.main()\n")
+
+
+def cheap_token_stub() -> Proc:
+    port = free_port()
+    return Proc(["-c", _CHEAP_TOKENS, "--port", str(port)], f"http://127.0.0.1:{port}", "/health", wait=False)
 
 
 def running(stub) -> float:
