@@ -9,14 +9,15 @@ requests (chat and completions alternately, prompts of 8-200 words from a pool o
 tokens, `ignore_eos`), `--concurrency` at a time. A `--disconnect` fraction of them leave at a
 random phase: during prefill (before the first token), right after the first token, or
 mid-decode. At a third of the requests decoder 0 is SIGKILLed, at two thirds prefiller 0;
-`kvferry up` starts each again. A request refused with 503 while every prefiller is dead is
-retried by its client after 0.5 s (counted in ``unavailable_503``); one that never completes is
-``failed``.
+`kvferry up` starts each again. While every prefiller is dead the decoders serve prompts whole
+(``degraded``); a request refused with 503 all the same is retried by its client after 0.5 s
+(counted in ``unavailable_503``); one that never completes is ``failed``.
 
 Reported (JSON, last line):
 
 - ``requests``, ``ok``, ``failed``, ``disconnected``, ``migrated`` (the proxy's
-  kvferry_proxy_migrations_total over the run), ``unavailable_503``;
+  kvferry_proxy_migrations_total over the run), ``degraded`` (prompts its decoders served alone
+  while no prefiller was usable: kvferry_proxy_served_total{mode="degraded"}), ``unavailable_503``;
 - ``wrong``: completed answers whose tokens differ from the same prompt's answer on the quiet
   cluster before the chaos, where the reference's top-2 logprob margin at the first difference is
   at least ``--tie-margin``; ``near_tie``: differences at a smaller margin (vLLM CPU's prefix
@@ -166,6 +167,12 @@ def run_one(url: str, job: Job, rng: random.Random, stop: threading.Event) -> Re
     return res
 
 
+def degraded(url: str) -> float:
+    """Prompts the proxy served on a decoder alone as no prefiller was usable."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+               if line.startswith('kvferry_proxy_served_total{mode="degraded"}'))
+
+
 def metrics(url: str) -> dict[str, float]:
     """Each series of `url`'s /metrics summed over its labels."""
     out: dict[str, float] = {}
@@ -260,7 +267,7 @@ def soak(args: argparse.Namespace, state: dict, state_file: Path, jobs: list[Job
                 killers.append(t)
             results[job.i] = run_one(proxy, job, rng, stop)
 
-    m0 = metrics(proxy)
+    m0, degraded0 = metrics(proxy), degraded(proxy)
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker, args=(args.seed + k,), daemon=True) for k in range(args.concurrency)]
     for t in threads:
@@ -275,7 +282,7 @@ def soak(args: argparse.Namespace, state: dict, state_file: Path, jobs: list[Job
     mig = sum(v for k, v in m1.items() if k.startswith("kvferry_proxy_migrations_total")) - \
         sum(v for k, v in m0.items() if k.startswith("kvferry_proxy_migrations_total"))
     return {"results": results, "elapsed_s": round(elapsed, 1), "migrated": int(mig),
-            "restart_to_serving_s": restarts}
+            "degraded": int(degraded(proxy) - degraded0), "restart_to_serving_s": restarts}
 
 
 def leave_during_prefill(url: str, job: Job, after_s: float) -> None:
@@ -392,7 +399,8 @@ def main() -> int:
         out = {"requests": len(jobs), "ok": sum(r.ok for r in res.values()),
                "disconnected": sum(1 for j in jobs if j.leave),
                "failed": sum(1 for j in jobs if not j.leave and not res[j.i].ok),
-               "migrated": s["migrated"], "unavailable_503": sum(r.unavailable for r in res.values()),
+               "migrated": s["migrated"], "degraded": s["degraded"],
+               "unavailable_503": sum(r.unavailable for r in res.values()),
                "wrong": wrong, "near_tie": near, "stranded_pages": stranded,
                "restart_to_serving_s": s["restart_to_serving_s"], "elapsed_s": s["elapsed_s"],
                "errors": sorted({r.error for j in jobs if not j.leave and (r := res[j.i]).error})[:10]}
