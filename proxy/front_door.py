@@ -133,7 +133,10 @@ class FrontDoor(asyncio.Protocol):
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        return self.task is not None  # a half-closed client may still read its answer
+        """A client that closes its side has left (a client giving up closes so): the transport
+        closes and the handler is cancelled, its prefill stopped and its transfer aborted, as on
+        aiohttp's path and vLLM's own server. A half-closed HTTP/1.1 client is not served on."""
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.conns.discard(self)

@@ -11,11 +11,13 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ import pytest
 from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.proxy.options import OptionError, parse
+from tests.polling import until
 from tests.stub_procs import (
     Proc,
     _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
@@ -441,6 +444,34 @@ def test_client_disconnect_cancels_the_decode_leg() -> None:
                           timeout=30).status_code == 200
     finally:
         for p in [px, *ps, *ds]:
+            p.stop()
+
+
+def test_trust_a_client_that_closes_its_side_during_prefill_has_left() -> None:
+    """A client that gives up closes its connection (FIN, not a reset) while the prefiller computes:
+    the proxy takes it as gone, as vLLM's own server does, and sends no decode leg. (Taken as a
+    half-close, the prompt was computed, sent and decoded for nobody.)"""
+    p0 = stub(0, False, "--prompt-delay", "3")
+    d0 = stub(0, False)
+    p0.wait(), d0.wait()
+    px = proxy([p0], [d0], "--health-interval", "60")
+    u = urlsplit(px.url)
+
+    def legs(role: str) -> int:
+        return sum(i["in_flight"] for i in httpx.get(px.url + "/health").json()["instances"] if i["role"] == role)
+
+    try:
+        raw = json.dumps({"model": "stub", "prompt": "a prompt", "max_tokens": 8, "stream": True}).encode()
+        with socket.create_connection((u.hostname, u.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+            until(lambda: legs("prefiller") == 1, 10, "the prefill leg sent")
+        until(lambda: legs("prefiller") == 0 and legs("decoder") == 0, 10, "no leg in flight")
+        assert log(d0)["requests"] == [], log(d0)["requests"]
+        assert httpx.post(px.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2},
+                          timeout=30).status_code == 200
+    finally:
+        for p in (px, p0, d0):
             p.stop()
 
 
