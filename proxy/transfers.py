@@ -60,11 +60,11 @@ class Transfers:
     def notify_host(self) -> str:
         return notify_host(self.opts)
 
-    def started(self, tid: str, decoder: Instance | None = None) -> None:
+    def started(self, tid: str, decoder: Instance) -> None:
         """The prefill leg of `tid` is about to be sent: an arrival notice may come from now on, and
         an abort may follow: the decoder's abort socket connects now, so that an abort goes over a
         connection whose handshake is done (the first message of a new connection was seen lost)."""
-        if decoder is not None and decoder.spec.alloc_port is not None and not decoder.removed:
+        if decoder.spec.alloc_port is not None and not decoder.removed:
             self._sock(decoder)
         if self.opts.proxy_port:
             self._track(self._arrivals, tid, None)
