@@ -10,8 +10,8 @@ from aiohttp import web
 from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth
-from kvferry.proxy.context import Context
-from kvferry.proxy.errors import ProxyError, json_response
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.openai.errors import ProxyError, json_response
 from kvferry.proxy.options import InstanceSpec, OptionError, decoder_from, parse_url
 from kvferry.proxy.routing.registry import Instance
 
@@ -93,7 +93,7 @@ class Admin:
         return json_response(inst.describe(), 201)
 
     def _publish(self, change: dict) -> None:
-        """--workers N: the other workers make the same change (proxy/peers.py)."""
+        """--workers N: the other workers make the same change (proxy/multiproc/admin_log.py)."""
         if self.ctx.peers is not None:
             self.ctx.peers.publish(change)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
 from aiohttp import HttpVersion11, web
@@ -14,34 +14,46 @@ from kvferry.common import http_guard, zsock
 from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth, supervise
-from kvferry.proxy import limits
 from kvferry.proxy.admin import Admin
-from kvferry.proxy.body import BodyReader
-from kvferry.proxy.chat import Chat
-from kvferry.proxy.completions import Completions
-from kvferry.proxy.context import Context
-from kvferry.proxy.discovery import Discovery, is_loopback
-from kvferry.proxy.errors import ProxyError, error_body, json_response
-from kvferry.proxy.front_door import FastRequest
+from kvferry.proxy.flows.chat import Chat
+from kvferry.proxy.flows.completions import Completions
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.kv_transfers import Transfers, notify_host
+from kvferry.proxy.flows.upstream import UpstreamClient
+from kvferry.proxy.http import limits
+from kvferry.proxy.http.front_door import FastRequest
+from kvferry.proxy.http.sse import CLIENT_STALL_S, Answer, SSEResponse
 from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.multiproc.board import LoadBoard
+from kvferry.proxy.openai.body import BodyReader
+from kvferry.proxy.openai.errors import ProxyError, error_body, json_response
 from kvferry.proxy.options import OptionError, ProxyOptions
-from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing.board import LoadBoard
+from kvferry.proxy.routing.membership import Discovery, is_loopback
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
-from kvferry.proxy.streaming import CLIENT_STALL_S
-from kvferry.proxy.transfers import Transfers, notify_host
-from kvferry.proxy.upstream import UpstreamClient
 
 logger = get_logger(__name__)
 
 PROBE_S = 2.0  # one /metrics scrape at most
 
 
+def on_aiohttp(handle: Callable[[web.Request], Awaitable[Answer]]) -> Callable[[web.Request],
+                                                                          Awaitable[web.StreamResponse]]:
+    """An endpoint's handler as aiohttp's server takes it: a stream answers with its aiohttp response."""
+    async def serve(request: web.Request) -> web.StreamResponse:
+        resp = await handle(request)
+        if isinstance(resp, SSEResponse):
+            assert resp.response is not None, "a stream on aiohttp's server is prepared on it"
+            return resp.response
+        return resp
+    return serve
+
+
 class Proxy:
     def __init__(self, opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers | None = None) -> None:
-        """`board` and `peers`: a worker of `--workers N` (proxy/workers.py): load and admin changes
+        """`board` and `peers`: a worker of `--workers N` (proxy/multiproc/supervisor.py): load and admin changes
         shared with the other workers."""
         self.opts = opts
         self.peers = peers
@@ -128,8 +140,8 @@ class Proxy:
         # The body reader reads within --max-body-bytes itself; client_max_size backs up any other reader.
         app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
         app[CLIENT_STALL_S] = self.opts.stall_timeout
-        app.router.add_post("/v1/completions", self.completions.handle, expect_handler=self._expect)
-        app.router.add_post("/v1/chat/completions", self.chat.handle, expect_handler=self._expect)
+        app.router.add_post("/v1/completions", on_aiohttp(self.completions.handle), expect_handler=self._expect)
+        app.router.add_post("/v1/chat/completions", on_aiohttp(self.chat.handle), expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         self.admin.routes(app, self._expect)
         app.on_startup.append(self._start)
@@ -309,7 +321,7 @@ class Proxy:
         return resp
 
     async def fast(self, request: FastRequest) -> web.StreamResponse:
-        """A request of the front door's hot path (proxy/front_door.py), guarded as aiohttp's are."""
+        """A request of the front door's hot path (proxy/http/front_door.py), guarded as aiohttp's are."""
         handle = self.completions.handle if request.path == "/v1/completions" else self.chat.handle
         return await self._guard(request, handle)  # type: ignore[arg-type]
 

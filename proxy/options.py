@@ -64,7 +64,7 @@ class ProxyOptions:
     read_timeout: float = 600.0
     health_interval: float = 5.0
     log_level: str = "info"
-    workers: int = 0  # processes serving --port (proxy/workers.py); parse() sets it (0: not yet resolved)
+    workers: int = 0  # processes serving --port (proxy/multiproc/supervisor.py); parse() sets it (0: not yet resolved)
     # Front-door limits (docs/proxy.md): each answered with an OpenAI-shaped JSON error.
     max_body_bytes: int = 64 << 20  # a larger body gets 413 before it is read
     max_batch_prompts: int = 256  # prompts in one /v1/completions list; each is two upstream requests

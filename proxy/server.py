@@ -1,11 +1,11 @@
 """kvferry's OpenAI-facing disaggregation proxy (DESIGN.md steps 1-3, 5-7): `serve` and `main`.
 
 Per request: pick a prefiller and a decoder (routing.py), run the prompt on the prefiller with
-max_tokens=1 and kv_transfer_params naming the decoder's receiver (prefill.py, legs.py), send the
+max_tokens=1 and kv_transfer_params naming the decoder's receiver (flows/prefill.py, openai/legs.py), send the
 first token to the client at once, then stream the decoder's continuation as one well-formed
-OpenAI stream (streaming.py). completions.py and chat.py hold each endpoint's flow; admin.py the
-proxy's own pages; transfers.py aborts and arrival notifications; upstream.py the requests to the
-engines and their failures (over http_client.py's pool); app.py wires the parts into one aiohttp
+OpenAI stream (flows/streaming.py). flows/completions.py and flows/chat.py hold each endpoint's flow; admin.py the
+proxy's own pages; flows/kv_transfers.py aborts and arrival notifications; flows/upstream.py the requests to the
+engines and their failures (over http/client.py's pool); app.py wires the parts into one aiohttp
 application.
 
 No client `kv_transfer_params` ever reaches an engine: the proxy alone chooses where KV goes
@@ -14,7 +14,7 @@ by an immediate /health probe of that instance, which ejects it when the probe f
 health loop re-admits it. The health loop and the notification reader run supervised (shown on
 /health).
 
-aiohttp serves the clients; the legs to the engines go through http_client.py's keep-alive pool
+aiohttp serves the clients; the legs to the engines go through http/client.py's keep-alive pool
 (a fraction of aiohttp's client's CPU per request, itself a fraction of httpx's); imports neither
 torch nor vLLM.
 """
@@ -35,12 +35,12 @@ from kvferry.common import netutil as net
 from kvferry.common.log import get_logger
 from kvferry.proxy import metrics
 from kvferry.proxy.app import Proxy
-from kvferry.proxy.errors import ProxyError, error_body
-from kvferry.proxy.front_door import Bounds, FrontDoor, close_idle
+from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.multiproc.board import LoadBoard
+from kvferry.proxy.multiproc.supervisor import Supervisor
+from kvferry.proxy.openai.errors import ProxyError, error_body
 from kvferry.proxy.options import OptionError, ProxyOptions, parse
-from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing.board import LoadBoard
-from kvferry.proxy.workers import Supervisor
 
 __all__ = ["Proxy", "ProxyError", "main", "serve"]
 
@@ -52,7 +52,7 @@ GC_THRESHOLD = 20_000  # young objects between collections (Python's default: 70
 async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers | None = None,
                 worker: int | None = None, ready: Callable[[], None] | None = None) -> None:
     """Run the proxy on --host/--port until SIGINT or SIGTERM; `worker`: one of --workers N
-    (proxy/workers.py), which binds the port with SO_REUSEPORT beside its peers."""
+    (proxy/multiproc/supervisor.py), which binds the port with SO_REUSEPORT beside its peers."""
     proxy = Proxy(opts, board, peers)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
     await runner.setup()

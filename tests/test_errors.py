@@ -13,7 +13,7 @@ FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "
            "sender")
 # Control-flow signals internal to one module, never raised to a caller.
 INTERNAL = {"kvferry.engine.remote.lm.server.Unauthorized", "kvferry.engine.remote.lm.server.Closing",
-            "kvferry.proxy.errors.ProxyError",
+            "kvferry.proxy.openai.errors.ProxyError",
             "kvferry.sender.errors.ReceiverRestarted"}
 
 

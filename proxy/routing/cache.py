@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvferry.common import zsock
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
 from kvferry.proxy.routing.registry import Instance
 
@@ -52,10 +52,10 @@ class CacheView:
 
     def __init__(self, opts: ProxyOptions, metrics: ProxyMetrics) -> None:
         self.opts, self.metrics = opts, metrics
-        self.streams: dict[str, EventStream] = {}  # instance id -> its stream
+        self.streams: dict[str, KVEventSubscription] = {}  # instance id -> its stream
         self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
 
-    def add(self, inst: Instance) -> EventStream | None:
+    def add(self, inst: Instance) -> KVEventSubscription | None:
         ev = self.opts.kv_events.get(inst.url)
         if ev is None:
             return None
@@ -64,12 +64,13 @@ class CacheView:
         def count(result: str, n: int = 1, inst: Instance = inst) -> None:
             if not inst.removed:  # its series left with it
                 counter.labels(inst.id, result).inc(n)
-        stream = EventStream(f"{inst.role} {inst.url}", ev[0], ev[1], PrefixIndex(self.opts.prefix_index_max_blocks),
-                             self.opts.kv_events_stale_after, count, self.trust)
+        stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1],
+                                     PrefixIndex(self.opts.prefix_index_max_blocks),
+                                     self.opts.kv_events_stale_after, count, self.trust)
         self.streams[inst.id] = stream
         return stream
 
-    def remove(self, inst: Instance) -> EventStream | None:
+    def remove(self, inst: Instance) -> KVEventSubscription | None:
         return self.streams.pop(inst.id, None)
 
     def forget(self, inst: Instance) -> None:

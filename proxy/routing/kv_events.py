@@ -86,7 +86,7 @@ def parse(frames: list[bytes]) -> tuple[int, bytes]:
     return int.from_bytes(frames[1], "big", signed=True), frames[2]
 
 
-class EventStream:
+class KVEventSubscription:
     """Subscribes to one instance's events and keeps its index; `fresh` says whether to trust it."""
 
     def __init__(self, name: str, endpoint: str, replay_endpoint: str | None, index: PrefixIndex,

@@ -14,8 +14,8 @@ from prometheus_client import Gauge
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
+from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
 from kvferry.proxy.options import InstanceSpec
-from kvferry.proxy.routing.board import BoardFull, LoadBoard
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
 

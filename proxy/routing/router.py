@@ -20,14 +20,14 @@ from aiohttp import web
 from prometheus_client import Gauge
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.flows.upstream import Upstream, UpstreamClient
 from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.multiproc.board import ROLES, ROWS, LoadBoard
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
-from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing.board import ROLES, ROWS, LoadBoard
 from kvferry.proxy.routing.cache import NO_PREFILLER, CacheView, Route, choose, effective, local_reason, served_mode
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
-from kvferry.proxy.upstream import Upstream, UpstreamClient
 
 logger = get_logger(__name__)
 _board_full_log = RateLimitedLog(logger, 10.0)

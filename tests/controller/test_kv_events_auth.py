@@ -16,7 +16,7 @@ import zmq
 from kvferry.common import secret, zsock
 from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
-from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
@@ -50,9 +50,9 @@ async def until(cond, timeout: float = 10.0) -> None:
 def test_kv_events_auth_only_a_subscriber_with_the_secret_hears_the_relay(tmp_path: Path) -> None:
     pub = kv.ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/replay.sock")
     relay, ep, rep = relay_for(tmp_path, SECRET)
-    good = EventStream("with secret", ep, rep, PrefixIndex(1000), stale_after=5.0, trust=SECRET)
-    wrong = EventStream("wrong secret", ep, rep, PrefixIndex(1000), stale_after=5.0, trust=WRONG)
-    plain = EventStream("no secret", ep, rep, PrefixIndex(1000), stale_after=5.0)
+    good = KVEventSubscription("with secret", ep, rep, PrefixIndex(1000), stale_after=5.0, trust=SECRET)
+    wrong = KVEventSubscription("wrong secret", ep, rep, PrefixIndex(1000), stale_after=5.0, trust=WRONG)
+    plain = KVEventSubscription("no secret", ep, rep, PrefixIndex(1000), stale_after=5.0)
     streams = [good, wrong, plain]
 
     async def go() -> None:

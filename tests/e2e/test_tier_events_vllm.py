@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion
@@ -44,7 +44,7 @@ def server(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPa
 def test_the_cpu_tiers_chunks_reach_the_proxys_index_and_outlive_a_prefix_cache_reset(server: tuple) -> None:
     s, pub, replay = server
     counts: dict[str, int] = {}
-    stream = EventStream("kv_both test", pub, replay, PrefixIndex(10_000), stale_after=30.0,
+    stream = KVEventSubscription("kv_both test", pub, replay, PrefixIndex(10_000), stale_after=30.0,
                          counter=lambda r, n=1: counts.__setitem__(r, counts.get(r, 0) + n))
     keys = prefix_keys(PROMPT, BLOCK)
 

@@ -15,7 +15,7 @@ from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.tier_events import ChunkRemoved, ChunkStored, TierEventLog
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
 from kvferry.proxy.routing.cache import CacheView, choose, effective
-from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
 from kvferry.proxy.routing.registry import Instance
 
@@ -39,10 +39,10 @@ def gpu_stored(tokens: list[int], first_hash: int = 1) -> kv.BlockStored:
 
 
 class Feed:
-    """A proxy EventStream fed with batches encoded as vLLM's publisher encodes them."""
+    """A proxy KVEventSubscription fed with batches encoded as vLLM's publisher encodes them."""
 
     def __init__(self) -> None:
-        self.stream = EventStream("test", "ipc:///nonexistent", None, PrefixIndex(1000), stale_after=10.0)
+        self.stream = KVEventSubscription("test", "ipc:///nonexistent", None, PrefixIndex(1000), stale_after=10.0)
         self.seq = 0
         self.enc = msgspec.msgpack.Encoder()
 

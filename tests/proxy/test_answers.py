@@ -1,4 +1,4 @@
-"""proxy/answers.py's raw prompt ids: a prefill answer parsed with its long prompt_token_ids kept
+"""proxy/openai/answers.py's raw prompt ids: a prefill answer parsed with its long prompt_token_ids kept
 as the engine wrote them equals the answer parsed whole, whatever the engine sends."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import msgspec
 import pytest
 
-from kvferry.proxy import answers
-from kvferry.proxy.migrate import continuation_leg
+from kvferry.proxy.flows.migrate import continuation_leg
+from kvferry.proxy.openai import answers
 
 IDS = list(range(100, 400))
 

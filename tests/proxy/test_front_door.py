@@ -1,4 +1,4 @@
-"""proxy/front_door.py: the clients' hot path on its own protocol, and the hand-over to aiohttp.
+"""proxy/http/front_door.py: the clients' hot path on its own protocol, and the hand-over to aiohttp.
 
 First a FrontDoor on a real socket in this process, with a tiny aiohttp application as its
 fallback. Then the proxy against stub engines: raw HTTP/1.1 on one connection, mixing hot and
@@ -20,9 +20,9 @@ import pytest
 from aiohttp import web
 
 from kvferry.common.netutil import free_port
-from kvferry.proxy import front_door
-from kvferry.proxy.front_door import FastRequest, FrontDoor
-from kvferry.proxy.streaming import EventStream
+from kvferry.proxy.http import front_door
+from kvferry.proxy.http.front_door import FastRequest, FrontDoor
+from kvferry.proxy.http.sse import SSEResponse
 from tests.stub_procs import (
     Proc,
     _no_process_outlives_its_test,  # noqa: F401 - stops what a test started
@@ -146,7 +146,7 @@ def test_a_slow_client_pauses_the_stream_and_one_that_leaves_cancels_it() -> Non
     progress = {"sent": 0, "cancelled": False}
 
     async def flood(request: FastRequest) -> web.StreamResponse:
-        resp = EventStream()
+        resp = SSEResponse()
         await resp.prepare(request)
         try:
             for _ in range(4096):  # 256 MiB if nothing held it back
@@ -249,7 +249,7 @@ def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
     progress = {"cancelled": False}
 
     async def flood(request: FastRequest) -> web.StreamResponse:
-        resp = EventStream()
+        resp = SSEResponse()
         await resp.prepare(request)
         try:
             while True:

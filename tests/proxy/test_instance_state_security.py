@@ -26,10 +26,10 @@ from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
 from kvferry.proxy import metrics as metrics_mod
-from kvferry.proxy import peers as peers_mod
-from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing import board as board_mod
-from kvferry.proxy.routing.board import BoardFull, LoadBoard
+from kvferry.proxy.multiproc import admin_log as peers_mod
+from kvferry.proxy.multiproc import board as board_mod
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
 from kvferry.testing.processes import wait_http
 from tests.polling import until
 from tests.stub_procs import (
@@ -284,10 +284,10 @@ def test_security_board_rows_are_reused_and_agreed(tmp_path: Path) -> None:
 
 
 def test_security_full_board_still_registers(tmp_path: Path) -> None:
+    from kvferry.proxy.flows.upstream import UpstreamClient
     from kvferry.proxy.metrics import ProxyMetrics
     from kvferry.proxy.options import InstanceSpec, parse, parse_url
     from kvferry.proxy.routing.router import Router
-    from kvferry.proxy.upstream import UpstreamClient
     b = LoadBoard(2, str(tmp_path / "board.lock"))
     for i in range(board_mod.ROWS):
         b.claim(f"http://f{i}")

@@ -15,7 +15,7 @@ import zmq
 
 from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse
 from kvferry.proxy.routing.cache import CacheView, choose, local_reason
-from kvferry.proxy.routing.kv_events import EventStream
+from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
 from kvferry.proxy.routing.registry import Instance
 
@@ -41,9 +41,9 @@ class Counts(dict):
 
 
 @pytest.fixture
-def stream(tmp_path: Path) -> Iterator[tuple[EventStream, Counts]]:
+def stream(tmp_path: Path) -> Iterator[tuple[KVEventSubscription, Counts]]:
     counts = Counts()
-    s = EventStream("prefiller test", f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock",
+    s = KVEventSubscription("prefiller test", f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock",
                     PrefixIndex(1000), stale_after=1.0, counter=counts)
     yield s, counts
     s.close()
@@ -215,7 +215,7 @@ def test_kv_events_flags_name_the_mistake() -> None:
 
 def test_a_closed_stream_ends_its_loop_quietly(tmp_path: Path) -> None:
     """An instance removed through /admin: its stream's loop ends instead of being restarted."""
-    s = EventStream("decoder gone", f"ipc://{tmp_path}/none.sock", f"ipc://{tmp_path}/none-r.sock",
+    s = KVEventSubscription("decoder gone", f"ipc://{tmp_path}/none.sock", f"ipc://{tmp_path}/none-r.sock",
                     PrefixIndex(10), stale_after=1.0)
 
     async def go() -> None:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvferry.proxy.migrate import strip_token_ids, token_ids_in
+from kvferry.proxy.openai.rewrite import strip_token_ids, token_ids_in
 from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
 
 BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8, "temperature": 0,

@@ -193,7 +193,7 @@ def test_workers_flag() -> None:
 def test_a_worker_that_never_listens_is_killed_after_the_start_deadline(monkeypatch) -> None:
     """No unbounded wait: the supervisor gives up on a worker stuck before it listens, kills it,
     and stops (nothing left running)."""
-    from kvferry.proxy import workers
+    from kvferry.proxy.multiproc import supervisor as workers
     from kvferry.proxy.options import parse
 
     monkeypatch.setattr(workers, "START_S", 1.0)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from kvferry.proxy.relay import CHAT_UNUSUAL, ChatRelay, plain_batch, plain_sse
-from kvferry.proxy.upstream import plain_events
+from kvferry.proxy.http.sse import plain_events
+from kvferry.proxy.openai.rewrite import CHAT_UNUSUAL, ChatRelay, plain_batch, plain_sse
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
 

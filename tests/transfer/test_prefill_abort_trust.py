@@ -53,7 +53,7 @@ def pair() -> Iterator[tuple[PDProducer, PDConsumer, ReceiverAddr]]:
 
 
 def proxy_abort(alloc_port: int, tid: str) -> None:
-    """What the proxy sends when a client leaves (proxy/transfers.py): never final, any generation."""
+    """What the proxy sends when a client leaves (proxy/flows/kv_transfers.py): never final, any generation."""
     ctx = zmq.Context()
     try:
         sock = zsock.connect(ctx, zmq.DEALER, zsock.PLAIN, zsock.tcp("127.0.0.1", alloc_port))

@@ -7,102 +7,28 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
 from kvferry.common.log import get_logger
-from kvferry.proxy import answers, limits, migrate
-from kvferry.proxy.context import Context
-from kvferry.proxy.errors import ProxyError, error_body
-from kvferry.proxy.front_door import cut_off
-from kvferry.proxy.legs import Prefilled, completion_decode_leg, prompt_ids
-from kvferry.proxy.merge import offset_after, shift_offsets
+from kvferry.proxy.flows import migrate
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.sse import SSEResponse, sse
 from kvferry.proxy.metrics import observe, observe_all
-from kvferry.proxy.relay import ChatRelay, DecodeRelay
+from kvferry.proxy.openai import answers, json_codec, rewrite
+from kvferry.proxy.openai.errors import ProxyError, error_body
+from kvferry.proxy.openai.legs import Prefilled, completion_decode_leg, prompt_ids
+from kvferry.proxy.openai.merge import offset_after, shift_offsets
+from kvferry.proxy.openai.rewrite import ChatRelay, DecodeRelay
 from kvferry.proxy.routing.registry import Instance
-from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-CLIENT_STALL_S = web.AppKey("client_stall_s", float)  # --stall-timeout, for a stream on aiohttp's path
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-            b"Transfer-Encoding: chunked\r\n")
-
-
-class EventStream(web.StreamResponse):
-    """An SSE response whose headers go out with its first event, in one write (aiohttp's
-    StreamResponse sends them alone at prepare(): a syscall more per request). On the front
-    door's hot path (a request with a `door`, proxy/front_door.py) it writes the chunked
-    stream to the client's connection itself. A client that reads nothing for --stall-timeout is
-    cut off on either path (the door's sweep; here a bound on each write)."""
-
-    _send_headers_immediately = False
-
-    def __init__(self) -> None:  # aiohttp's own state: made by prepare(), on its path only
-        self._status = 200  # what the front door's guard reads, on either path
-        self._door: Any = None
-        self._pending = b""  # the head, sent with the first event
-        self._ended = False
-        self._stall_s = 0.0  # aiohttp's path: --stall-timeout, from the application at prepare()
-
-    async def prepare(self, request: Any) -> Any:
-        door = getattr(request, "door", None)
-        if door is None:
-            web.StreamResponse.__init__(self, headers=SSE_HEADERS)
-            self._stall_s = request.app[CLIENT_STALL_S]
-            return await super().prepare(request)
-        self._door, self._pending = door, SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
-                                                           else b"Connection: close\r\n\r\n")
-        return None
-
-    async def write(self, data: Any) -> None:
-        if self._door is None:
-            await self._bounded(super().write(data))
-            return
-        if data:
-            out, self._pending = self._pending + b"%x\r\n%s\r\n" % (len(data), data), b""
-            await self._door.send(out)
-
-    def write_now(self, data: bytes) -> bool:
-        """Write one chunk from a callback (a decode leg's direct relay): False, nothing written, on
-        aiohttp's path, before the head went out, or while the client's socket is full."""
-        door = self._door
-        return (door is not None and not self._pending and not self._ended
-                and door.send_now(b"%x\r\n%s\r\n" % (len(data), data)))
-
-    async def write_eof(self, data: Any = b"") -> None:
-        if self._door is None:
-            await self._bounded(super().write_eof(data))
-            return
-        if self._ended:
-            return
-        self._ended = True
-        out = self._pending + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
-        self._pending = b""
-        await self._door.send(out)
-
-    async def _bounded(self, write: Any) -> None:
-        """aiohttp's write, which waits for a full socket without a bound: cut after --stall-timeout."""
-        try:
-            async with asyncio.timeout(self._stall_s):
-                await write
-        except TimeoutError:
-            t = self._req.transport if self._req is not None else None
-            if t is not None:
-                cut_off(t, self._stall_s)
-            raise asyncio.CancelledError from None  # as aiohttp's cancel on the connection's loss would
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + limits.dumps(obj) + b"\n\n"
-
-
 async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefilled, echo: str, max_tokens: int,
-                     t0: float) -> web.StreamResponse:
+                     t0: float) -> SSEResponse:
     """A completion stream after its prefill leg: the first token, then the decoder's chunks; a
-    decode leg that fails mid-stream continues on another decoder (proxy/migrate.py)."""
+    decode leg that fails mid-stream continues on another decoder (proxy/flows/migrate.py)."""
     metrics = ctx.metrics
     first, tid, d, mode = pre.first, pre.tid, pre.decoder, pre.mode
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -123,7 +49,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
     fingerprint = None  # vLLM's system_fingerprint, on the usage chunk as vLLM puts it
     up = ctx.router.upstream(d)
     finished = done
-    resp = EventStream()
+    resp = SSEResponse()
     # The tokens the client got are kept ("ids" mode only: the proxy knows the prompt's token ids).
     rl = DecodeRelay(resp, metrics.itl, want_ids, parse_lp, [] if mode == "ids" else None)
     first_leg = True
@@ -184,9 +110,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                         if mode == "regen":
                                             prompt_tokens = u["usage"].get("prompt_tokens") or prompt_tokens
                                         continue
-                                m = migrate.TOKEN_IDS.search(data)  # one search: the ids kept and stripped
+                                m = rewrite.TOKEN_IDS.search(data)  # one search: the ids kept and stripped
                                 if rl.sent is not None:
-                                    ids = migrate.token_ids_in(data, m)
+                                    ids = rewrite.token_ids_in(data, m)
                                     if ids is None:
                                         rl.sent = None  # an engine that ignores return_token_ids: no moving
                                         completion_tokens = 1
@@ -199,7 +125,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                     # vLLM writes compact JSON: swap the decoder's id and time for ours in
                                     # place (the ids first: `m` points into the chunk as it came).
                                     if not want_ids:
-                                        data = migrate.strip_token_ids(data, m)
+                                        data = rewrite.strip_token_ids(data, m)
                                     data = data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
                                 else:
                                     chunk = up.chunk(data)
@@ -212,7 +138,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                                         if parse_lp:
                                             shift_offsets(c, shift)
                                             next_off = offset_after(c.get("logprobs")) or next_off
-                                    data = limits.dumps(chunk)
+                                    data = json_codec.dumps(chunk)
                                 out.append(b"data: " + data + b"\n\n")
                             if out:
                                 if up.done:  # [DONE] came with it: one write with the stream's end
@@ -309,12 +235,12 @@ def drop_first_token(c: dict) -> None:
 
 async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str, body: dict, t0: float,
                      first_text: str | None = None, first: dict | None = None,
-                     move: migrate.ChatMove | None = None) -> web.StreamResponse:
+                     move: migrate.ChatMove | None = None) -> SSEResponse:
     """Stream a chat leg to the client; with `first_text`, send the prefiller's first token at
     once (role chunk, then the token with its logprobs and id, as plain vLLM streams them) and
     drop the decoder's repeat of it."""
     metrics = ctx.metrics
-    resp = EventStream()
+    resp = SSEResponse()
     cr = ChatRelay(resp, move)
     # A frozen decoder fails the leg after --stall-timeout, as a completion stream's does.
     events = up.events(path, body, cr.direct)
@@ -400,10 +326,10 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     return resp
 
 
-async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, move: migrate.ChatMove,
+async def _continue_chat(ctx: Context, resp: SSEResponse, d: Instance, move: migrate.ChatMove,
                          e: ProxyError, head: dict) -> None:
     """A chat stream whose decoder failed goes on as a completion of prompt + tokens sent on
-    another decoder, its chunks written as chat chunks (proxy/migrate.py); then the usage."""
+    another decoder, its chunks written as chat chunks (proxy/flows/migrate.py); then the usage."""
     if move.tid:  # a local route (one instance did it all) has no transfer
         ctx.transfers.abort(d, move.tid, f"decode leg failed: {e.kind}")
     while True:
@@ -440,9 +366,9 @@ async def _continue_chat(ctx: Context, resp: web.StreamResponse, d: Instance, mo
 
 
 async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: dict, t0: float
-                         ) -> web.StreamResponse:
+                         ) -> SSEResponse:
     """A chat answer the prefiller already finished, written as the stream the client asked for."""
-    resp = EventStream()
+    resp = SSEResponse()
     await resp.prepare(request)
     choice = out["choices"][0]
     msg = choice.get("message") or {}

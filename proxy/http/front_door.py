@@ -223,7 +223,7 @@ class FrontDoor(asyncio.Protocol):
                 if self.sent:  # a stream began, then failed past its own handling: it cannot be answered again
                     raise ConnectionResetError("answer already begun")
                 await self.send(head(resp.status, resp.reason, resp.headers, resp.body, self.keep_alive))
-            else:  # an event stream (streaming.EventStream) writes itself; its end, if not yet sent
+            else:  # an event stream (streaming.KVEventSubscription) writes itself; its end, if not yet sent
                 await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.keep_alive = False

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common.transfer_params import decode_leg_params, prefill_leg_params
-from kvferry.proxy import answers
-from kvferry.proxy.body import GREEDY_EPS
+from kvferry.proxy.openai import answers
+from kvferry.proxy.openai.body import GREEDY_EPS
 from kvferry.proxy.routing.registry import Instance
 
 

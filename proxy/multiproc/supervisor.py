@@ -7,7 +7,7 @@ share:
 - load: each instance's requests in flight and queued prompt tokens (routing/board.py), so two
   workers do not both send their next prompt to the prefiller that looks idle to each alone;
   round-robin turns too; and instance ids (a row's), so every worker names an instance alike;
-- admin changes (peers.py): one made through any worker holds on all of them for every later
+- admin changes (multiproc/admin_log.py): one made through any worker holds on all of them for every later
   request; the file keeps current state only (compacted), which a replacement worker replays;
 - metrics: prometheus-client's multiprocess mode (metrics.py), /metrics sums every worker's.
 
@@ -29,9 +29,9 @@ import tempfile
 import time
 
 from kvferry.common.log import get_logger
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.peers import Peers
-from kvferry.proxy.routing.board import LoadBoard
 
 logger = get_logger(__name__)
 

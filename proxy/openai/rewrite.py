@@ -1,25 +1,67 @@
 """A decode stream's chunks as the client gets them, rewritten as bytes a read at a time rather
 than parsed chunk by chunk, and, for a read that comes while the stream's task waits, written to
 the client in the decoder connection's own callback (Upstream.events' `direct`): no task wakeup
-per token. proxy/streaming.py takes whatever is not the usual chunk, chunk by chunk."""
+per token. proxy/flows/streaming.py takes whatever is not the usual chunk, chunk by chunk."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Protocol
 
-import msgspec
-
-from kvferry.proxy import limits, migrate
 from kvferry.proxy.metrics import observe_all
+from kvferry.proxy.openai import json_codec
+
+# vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
+# does not match: its key has no quote before "token_ids").
+TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
+
+
+def token_ids_in(data: bytes, m: re.Match | None | bool = True) -> list[int] | None:
+    """The `token_ids` of one raw stream chunk, None when it has none (`m`: TOKEN_IDS.search(data)
+    when the caller has it)."""
+    if m is True:
+        m = TOKEN_IDS.search(data)
+    if m is None or m is False:
+        return None
+    try:
+        return ids_list(m.group(1))
+    except ValueError:  # "1,,2": not JSON, so no ids the proxy can keep
+        return None
+
+
+def ids_list(inner: bytes) -> list[int]:
+    """What TOKEN_IDS' group holds (between the brackets) as ints; ValueError for "1,,2"."""
+    inner = inner.strip()
+    return [int(x) for x in inner.split(b",")] if inner else []
+
+
+def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:
+    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not); `m`:
+    TOKEN_IDS.search(data) when the caller has it (one search serves both)."""
+    if m is True:
+        m = TOKEN_IDS.search(data)
+    if m is None or m is False:
+        return data
+    return data[:m.start()] + b'"token_ids":null' + data[m.end():]
+
 
 GAPS_BATCH = 64  # a long stream's gaps reach /metrics every this many batches
 
 
 class Client(Protocol):
-    """Where the chunks go (streaming.EventStream)."""
+    """Where the chunks go (http/sse.py's SSEResponse)."""
 
     def write_now(self, data: bytes) -> bool: ...
+
+
+class Tracker(Protocol):
+    """What a chat stream that may move to another decoder keeps (flows/migrate.py's ChatMove)."""
+
+    want_ids: bool  # the client asked for token ids
+    ok: bool  # every chunk so far was plain content with its ids: the stream can still move
+    got: list[int]  # the token ids the client got
+    ended: bool  # a chunk with a finish_reason went out
 
 
 # A chunk with one of these keys is not a usual one: a usage or prompt ids chunk; in chat, a delta
@@ -28,7 +70,6 @@ class Client(Protocol):
 COMPLETION_UNUSUAL = (b'"usage"', b'"prompt_token_ids":[')
 CHAT_UNUSUAL = (*COMPLETION_UNUSUAL, b'"tool_calls"', b'"reasoning', b'"function_call"')
 _FINISH = b'"finish_reason":'
-_ID_LIST = msgspec.json.Decoder(list[int])
 
 
 def _token_ids(found: list[bytes]) -> list[int]:
@@ -36,9 +77,9 @@ def _token_ids(found: list[bytes]) -> list[int]:
     list at a time only where that refuses (an empty list, a number past 64 bits). ValueError when
     they are not integers."""
     try:
-        return _ID_LIST.decode(b"[" + b",".join(found) + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return [t for inner in found for t in migrate.ids_list(inner)]
+        return json_codec.int_list(b"[" + b",".join(found) + b"]")
+    except ValueError:
+        return [t for inner in found for t in ids_list(inner)]
 
 
 def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
@@ -74,7 +115,7 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
         # Without keep_ids a chunk need not carry ids (--first-token decoder's legs do not ask:
         # vLLM writes null, others nothing); whatever ids come are stripped all the same.
         if one:
-            m = migrate.TOKEN_IDS.search(sse)
+            m = TOKEN_IDS.search(sse)
             if m is None:
                 if keep_ids:
                     return None
@@ -82,9 +123,9 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
             else:
                 found = [m.group(1)]
                 if not want_ids:
-                    sse = migrate.strip_token_ids(sse, m)
+                    sse = strip_token_ids(sse, m)
         else:
-            parts = migrate.TOKEN_IDS.split(sse)  # one pass: the text around each list, and its ids
+            parts = TOKEN_IDS.split(sse)  # one pass: the text around each list, and its ids
             found = parts[1::2]
             if keep_ids and len(found) != n:
                 return None
@@ -118,7 +159,7 @@ def swap_pairs(keys: tuple[bytes, ...], dec: tuple[Any, ...], ours: tuple[Any, .
     swap: tuple[bytes, ...] = ()
     for key, d, o in zip(keys, dec, ours, strict=True):
         if keep_equal or d != o:
-            swap += (key + limits.dumps(d), key + limits.dumps(o))
+            swap += (key + json_codec.dumps(d), key + json_codec.dumps(o))
     return swap
 
 
@@ -189,7 +230,7 @@ class ChatRelay:
 
     __slots__ = ("resp", "move", "swap")
 
-    def __init__(self, resp: Client, move: migrate.ChatMove | None) -> None:
+    def __init__(self, resp: Client, move: Tracker | None) -> None:
         self.resp, self.move = resp, move
         self.swap: tuple[bytes, ...] | None = None  # the decoder's id, time and model, and the client's
 

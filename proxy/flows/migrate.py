@@ -11,53 +11,18 @@ no gap; usage counts the tokens the client received. At most `--max-migrations` 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
-from kvferry.proxy import answers
-from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.openai import answers
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)
 
 # Failures after which a request moves: the instance's, never the request's (a 4xx, a bad answer).
 MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", "unreachable", "upstream_5xx"})
-# vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
-# does not match: its key has no quote before "token_ids").
-TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
-
-
-def token_ids_in(data: bytes, m: re.Match | None | bool = True) -> list[int] | None:
-    """The `token_ids` of one raw stream chunk, None when it has none (`m`: TOKEN_IDS.search(data)
-    when the caller has it)."""
-    if m is True:
-        m = TOKEN_IDS.search(data)
-    if m is None or m is False:
-        return None
-    try:
-        return ids_list(m.group(1))
-    except ValueError:  # "1,,2": not JSON, so no ids the proxy can keep
-        return None
-
-
-def ids_list(inner: bytes) -> list[int]:
-    """What TOKEN_IDS' group holds (between the brackets) as ints; ValueError for "1,,2"."""
-    inner = inner.strip()
-    return [int(x) for x in inner.split(b",")] if inner else []
-
-
-def strip_token_ids(data: bytes, m: re.Match | None | bool = True) -> bytes:
-    """A raw chunk without its `token_ids` (the proxy asked for them; the client did not); `m`:
-    TOKEN_IDS.search(data) when the caller has it (one search serves both)."""
-    if m is True:
-        m = TOKEN_IDS.search(data)
-    if m is None or m is False:
-        return data
-    return data[:m.start()] + b'"token_ids":null' + data[m.end():]
-
-
 class Migration:
     """One request's moves: which decoders failed it, how many moves are left."""
 

@@ -16,17 +16,18 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from kvferry.proxy import body as bodies
-from kvferry.proxy import migrate, streaming
-from kvferry.proxy.context import Context
-from kvferry.proxy.errors import ProxyError, json_response
-from kvferry.proxy.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
-from kvferry.proxy.merge import merge_samples
+from kvferry.proxy.flows import migrate, streaming
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.metrics import observe
-from kvferry.proxy.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.openai import body as bodies
+from kvferry.proxy.openai.errors import ProxyError, json_response
+from kvferry.proxy.openai.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
+from kvferry.proxy.openai.merge import merge_samples
 from kvferry.proxy.routing.cache import Route
 from kvferry.proxy.routing.registry import Instance
-from kvferry.proxy.upstream import Upstream
 
 PATH = "/v1/chat/completions"
 T = TypeVar("T")
@@ -37,7 +38,7 @@ class Chat:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> Answer:
         t0 = time.perf_counter()
         ctx = self.ctx
         body = await ctx.bodies.read(request)
@@ -152,7 +153,7 @@ class Chat:
         decoder then serves the request alone)."""
         leg = chat_prefill_leg(body, max_key)
         if self.ctx.opts.legs_carry_ids:
-            leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/migrate.py)
+            leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/flows/migrate.py)
         try:
             first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
         except NoPrefiller:

@@ -11,12 +11,16 @@ import time
 from aiohttp import web
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy import answers, migrate, streaming
-from kvferry.proxy import body as bodies
-from kvferry.proxy.answers import BadAnswer
-from kvferry.proxy.context import Context
-from kvferry.proxy.errors import ProxyError, json_response
-from kvferry.proxy.legs import (
+from kvferry.proxy.flows import migrate, streaming
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.http.sse import Answer
+from kvferry.proxy.metrics import observe
+from kvferry.proxy.openai import answers
+from kvferry.proxy.openai import body as bodies
+from kvferry.proxy.openai.answers import BadAnswer
+from kvferry.proxy.openai.errors import ProxyError, json_response
+from kvferry.proxy.openai.legs import (
     Prefilled,
     completion_decode_leg,
     completion_prefill_leg,
@@ -24,9 +28,7 @@ from kvferry.proxy.legs import (
     prompt_ids,
     sample,
 )
-from kvferry.proxy.merge import merge_completion, merge_samples
-from kvferry.proxy.metrics import observe
-from kvferry.proxy.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.openai.merge import merge_completion, merge_samples
 
 logger = get_logger(__name__)
 
@@ -38,7 +40,7 @@ class Completions:
         self.ctx = ctx
         self._no_ids = RateLimitedLog(logger, 60.0)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> Answer:
         t0 = time.perf_counter()
         ctx = self.ctx
         body = await ctx.bodies.read(request)
@@ -187,7 +189,7 @@ class Completions:
         observe(ctx.metrics.total, time.perf_counter() - t0)
         return out
 
-    async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> web.StreamResponse:
+    async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> Answer:
         """One prompt, streamed: the prefiller's first token at once, then the decoder's stream."""
         pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
         echo = await self.echo(body, pre) if pre.mode == "ids" else ""

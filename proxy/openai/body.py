@@ -8,8 +8,9 @@ from typing import Any
 from aiohttp import web
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy import answers, limits
-from kvferry.proxy.errors import ProxyError
+from kvferry.proxy.http import limits
+from kvferry.proxy.openai import answers, json_codec
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 
 logger = get_logger(__name__)
@@ -25,7 +26,7 @@ class BodyReader:
     async def read(self, request: web.Request) -> dict:
         """The body as a JSON object, or a 400 naming the field (413 via limits.TooLarge)."""
         try:
-            body = limits.loads(await limits.read_body(request, self.opts.max_body_bytes))
+            body = json_codec.loads(await limits.read_body(request, self.opts.max_body_bytes))
         except (ValueError, UnicodeDecodeError) as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):

@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from kvferry.common.errors import KVFerryError
-from kvferry.proxy import limits
+from kvferry.proxy.openai import json_codec
 
 
 class ProxyError(KVFerryError):
@@ -34,4 +34,4 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
 
 
 def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=limits.dumps(obj), status=status, content_type="application/json", headers=headers)
+    return web.Response(body=json_codec.dumps(obj), status=status, content_type="application/json", headers=headers)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvferry.proxy.body import BodyReader
+from kvferry.proxy.flows.kv_transfers import Transfers
 from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.multiproc.admin_log import Peers
+from kvferry.proxy.openai.body import BodyReader
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.peers import Peers
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
-from kvferry.proxy.transfers import Transfers
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.transfer_params import ParamsError, prefill_answer
-from kvferry.proxy.context import Context
-from kvferry.proxy.errors import ProxyError
-from kvferry.proxy.legs import prefill_leg
+from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.metrics import observe
+from kvferry.proxy.openai.errors import ProxyError
+from kvferry.proxy.openai.legs import prefill_leg
 from kvferry.proxy.routing.cache import Route
 from kvferry.proxy.routing.registry import Instance
-from kvferry.proxy.upstream import Upstream
 
 logger = get_logger(__name__)
 

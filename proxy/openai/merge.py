@@ -3,9 +3,9 @@ n>1 or of a batch of prompts, numbered and counted as one vLLM would answer."""
 
 from __future__ import annotations
 
-from kvferry.proxy import answers
-from kvferry.proxy.answers import BadAnswer
-from kvferry.proxy.legs import prompt_ids
+from kvferry.proxy.openai import answers
+from kvferry.proxy.openai.answers import BadAnswer
+from kvferry.proxy.openai.legs import prompt_ids
 
 
 def offset_after(lp: dict | None) -> int:

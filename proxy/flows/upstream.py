@@ -1,4 +1,4 @@
-"""Requests to the engines: the legs' connection pool (http_client.py) and the aiohttp session
+"""Requests to the engines: the legs' connection pool (http/client.py) and the aiohttp session
 the health checks use, and `Upstream`, one leg to one instance, which maps every failure to a
 client error and reports it to the router."""
 
@@ -11,10 +11,11 @@ import aiohttp
 from prometheus_client import Gauge
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy import answers, limits
-from kvferry.proxy.answers import BadAnswer
-from kvferry.proxy.errors import ProxyError
-from kvferry.proxy.http_client import Broken, Pool, Response, Timeout, Unreachable
+from kvferry.proxy.http.client import Broken, Pool, Response, Timeout, Unreachable
+from kvferry.proxy.http.sse import events as sse_events
+from kvferry.proxy.openai import answers, json_codec
+from kvferry.proxy.openai.answers import BadAnswer
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 
@@ -22,17 +23,6 @@ logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
 _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connections, waited up to --read-timeout",
                   "read": "--read-timeout"}  # "stall": Upstream._stalled names its flag
-
-
-def plain_events(whole: bytes) -> list[bytes] | None:
-    """The payloads of whole SSE events, each one `data:` line (vLLM's), split in one pass; None
-    when any event is otherwise (more lines, a carriage return, an error event). A payload is
-    JSON, whose strings escape newlines, so a newline only ends a line."""
-    n = whole.count(b"\n\n") + 1
-    if (whole.startswith(b"data: ") and whole.count(b"\n") == 2 * (n - 1) and whole.count(b"data: ") == n
-            and b"\r" not in whole and b'{"error"' not in whole):
-        return whole[6:].split(b"\n\ndata: ")
-    return None
 
 
 class UpstreamClient:
@@ -125,7 +115,7 @@ class Upstream:
         a decode stream, whose every wait --stall-timeout bounds (its failure: kind "stall")."""
         c = self.client
         try:
-            resp = await c.pool.request("POST", self.inst.url, path, limits.dumps(body), stream)
+            resp = await c.pool.request("POST", self.inst.url, path, json_codec.dumps(body), stream)
         except (Unreachable, Broken) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except Timeout as e:
@@ -167,7 +157,7 @@ class Upstream:
         resp = await self.open(path, body)
         try:
             raw = await resp.read()
-            out = answers.loads_answer(raw) if raw_ids else limits.loads(raw)
+            out = answers.loads_answer(raw) if raw_ids else json_codec.loads(raw)
             if kind is not None:
                 answers.choice0(out, kind)
             return out
@@ -207,16 +197,7 @@ class Upstream:
                 if cut < 0:
                     continue
                 whole, buf = buf[:cut], buf[cut + 2:]
-                batch = plain_events(whole)
-                if batch is None:  # the general case, line by line
-                    batch = []
-                    for ev in whole.split(b"\n\n"):
-                        for line in ev.split(b"\n"):
-                            if line.startswith(b"data: "):
-                                data = line[6:].rstrip(b"\r")
-                                if data.startswith(b'{"error"'):
-                                    self._stream_error(data)
-                                batch.append(data)
+                batch = sse_events(whole, self._stream_error)
                 if b"[DONE]" in batch:
                     # Read to the end of the body: a released, fully read response keeps its
                     # connection for the next request.
@@ -246,13 +227,13 @@ class Upstream:
                                        f"{self.client.opts.stall_timeout:g}s (--stall-timeout)")
 
     def bad(self, why: str) -> ProxyError:
-        """An answer the proxy cannot use (answers.py): a 502 naming the field, never a guess."""
+        """An answer the proxy cannot use (openai/answers.py): a 502 naming the field, never a guess."""
         return self.fail("bad_answer", 502, f"{self.inst.role} {self.inst.url} answered {why}")
 
     def chunk(self, data: bytes) -> dict:
         """One streamed chunk, parsed and checked."""
         try:
-            return answers.chunk(limits.loads(data))
+            return answers.chunk(json_codec.loads(data))
         except (ValueError, BadAnswer) as e:
             raise self.bad(f"a bad stream chunk ({e})") from None
 
@@ -267,7 +248,7 @@ class Upstream:
         """vLLM reports a failure after its 200 as an error event (then [DONE]); an EngineCore
         that died mid-stream says so this way. 5xx: the instance's failure; else the request's."""
         try:
-            err = limits.loads(data).get("error") or {}
+            err = json_codec.loads(data).get("error") or {}
         except (ValueError, AttributeError):
             err = {}
         if not isinstance(err, dict):

@@ -3,24 +3,18 @@
 A body is read in the chunks the transport delivers (each read awaits, so other requests keep
 flowing while a large one trickles in) and counted against --max-body-bytes as it arrives: an
 over-size body is refused from its Content-Length before any of it is read, or as soon as the
-running count passes the limit, never after buffering all of it. Parsing uses msgspec (2-8x
-faster than the json module and its encoder ~10x), which bounds how long one large body holds
-the event loop: parsing in a thread would not help, as JSON decoding holds the GIL throughout.
+running count passes the limit, never after buffering all of it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from kvferry.common.errors import BadDataError
 
 RETRY_AFTER_S = 1  # what a 503 for a full proxy asks clients to wait
-
-_decoder = msgspec.json.Decoder()
-_encoder = msgspec.json.Encoder()
 
 
 class TooLarge(BadDataError):
@@ -50,15 +44,6 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         parts.append(chunk)
     return b"".join(parts)
 
-
-def loads(raw: bytes) -> Any:
-    """JSON text to Python objects (ValueError when it is not JSON)."""
-    return _decoder.decode(raw)
-
-
-def dumps(obj: Any) -> bytes:
-    """Compact JSON, as vLLM writes it."""
-    return _encoder.encode(obj)
 
 
 class Gate:
