@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import socket
+import sys
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -44,14 +47,27 @@ logger = get_logger(__name__)
 IDLE_WAIT_S = 0.003  # an engine step with nothing to run waits this long for an arrival
 
 
+_SYS_ARCH_PRCTL = 158  # x86-64 Linux's syscall number
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
 def request_amx() -> bool:
-    """Ask Linux for AMX tile permission (a no-op without AMX). vLLM's bf16 CPU attention uses
-    AMX without asking; a decoder whose first step loads remote KV would die of SIGILL."""
+    """Ask Linux for AMX tile permission (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), as torch does
+    before its own AMX kernels; False without AMX, on another CPU or OS). vLLM's bf16 CPU
+    attention uses AMX without asking; a decoder whose first step loads remote KV would die of
+    SIGILL."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
     try:
-        return bool(torch.cpu._init_amx())
-    except (AttributeError, RuntimeError) as e:  # old torch, or a kernel without AMX support
+        libc = ctypes.CDLL(None, use_errno=True)
+        ok = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError) as e:
         logger.debug("AMX permission not requested: %s", e)
         return False
+    if not ok:  # EINVAL or EOPNOTSUPP: no AMX here (a kernel older than 5.16 or a CPU without it)
+        logger.debug("AMX permission not granted: %s", os.strerror(ctypes.get_errno()))
+    return ok
 
 
 class WorkerSide:

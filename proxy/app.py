@@ -317,7 +317,7 @@ class Proxy:
         finally:
             if gated:
                 self.gate.leave()
-        self.metrics.count(self.metrics.requests, endpoint, str(resp.status))
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         return resp
 
     async def fast(self, request: FastRequest) -> web.StreamResponse:

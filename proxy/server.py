@@ -33,7 +33,6 @@ from aiohttp import web
 from kvferry.common import http_conns, zsock
 from kvferry.common import netutil as net
 from kvferry.common.log import get_logger
-from kvferry.proxy import metrics
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
 from kvferry.proxy.multiproc.admin_log import Peers
@@ -65,7 +64,7 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
     busy = http_conns.busy_answer(error_body(503, f"the proxy has {limit} connections open (--max-connections); "
                                                   "retry shortly", "too_many_connections"))
     conns = http_conns.Conns(opts.request_timeout, limit, busy, "kvferry-proxy",
-                             lambda reason: proxy.metrics.count(proxy.metrics.dropped_connections, reason))
+                             lambda reason: proxy.metrics.dropped_connections.labels(reason).inc())
     bounds = Bounds(conns, proxy.head_ok)
 
     def door() -> FrontDoor:
@@ -155,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             _port_free(opts)
             return Supervisor(opts, opts.workers, _worker).run()
         _use_uvloop()
-        metrics.one_process()
         asyncio.run(serve(opts))
     except OptionError as e:
         print(f"kvferry-proxy: error: {e}", file=sys.stderr)

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# DESIGN.md "Layout": which kvferry subpackages (and heavy libraries) each folder may import.
+# Which kvferry subpackages (and heavy libraries) each folder may import (docs/architecture.md "Layers").
 ALLOWED = {
     "common": set(),
     "kernels": {"common"},
@@ -113,6 +113,40 @@ def test_modules_and_classes_stay_small() -> None:
                 if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                     big.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not big, "split these by concern: " + "; ".join(big)
+
+
+# Private names of other libraries the library may use because their owners document them.
+DOCUMENTED_PRIVATE = {"_exit"}  # os._exit: the documented way for a forked child to end
+
+
+def test_no_private_attribute_of_another_library() -> None:
+    """The library uses other libraries through their public API: no `obj._name` or
+    getattr(obj, "_name") unless kvferry itself defines `_name` (its own classes' privates)."""
+    trees = {p: ast.parse(p.read_text()) for folder in ALLOWED for p in (REPO / folder).rglob("*.py")}
+    own = set(DOCUMENTED_PRIVATE)
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+                own.add(n.value)  # __slots__ entries
+    found = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            name = None
+            if isinstance(n, ast.Attribute):
+                name = n.attr
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "setattr",
+                                                                                             "hasattr")
+                  and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)):
+                name = n.args[1].value
+            if name and name.startswith("_") and not name.startswith("__") and name not in own:
+                found.append(f"{path.relative_to(REPO)}:{n.lineno}: {name}")
+    assert not found, "use the library's public API instead of: " + "; ".join(found)
 
 
 def module_name(path: Path) -> str:

@@ -21,7 +21,6 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http.sse import Answer
-from kvferry.proxy.metrics import observe
 from kvferry.proxy.openai import body as bodies
 from kvferry.proxy.openai.errors import ProxyError, json_response
 from kvferry.proxy.openai.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
@@ -50,11 +49,11 @@ class Chat:
         n = body.get("n") or 1
         if n > 1:  # stream=true was refused by the body reader
             outs = await fan_out(self.one(request, sample(body, n, i), max_key, max_tokens) for i in range(n))
-            observe(ctx.metrics.total, time.perf_counter() - t0)
+            ctx.metrics.total.observe(time.perf_counter() - t0)
             return json_response(merge_samples(outs, n))
         if not body.get("stream"):
             out = await self.one(request, body, max_key, max_tokens)
-            observe(ctx.metrics.total, time.perf_counter() - t0)
+            ctx.metrics.total.observe(time.perf_counter() - t0)
             return json_response(out)
         route, ntok = await self._route(request, body, max_tokens == 1)
         d = route.decoder

@@ -15,7 +15,6 @@ from kvferry.proxy.flows import migrate, streaming
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.http.sse import Answer
-from kvferry.proxy.metrics import observe
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai import body as bodies
 from kvferry.proxy.openai.answers import BadAnswer
@@ -155,7 +154,7 @@ class Completions:
                     with ctx.router.upstream(d) as up:
                         t1 = time.perf_counter()
                         rest = await up.json("/v1/completions", leg, "completion")
-                        observe(ctx.metrics.decoder_first, time.perf_counter() - t1)
+                        ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
                     d.served_one()
                     break
                 except ProxyError as e:
@@ -186,7 +185,7 @@ class Completions:
                 c.pop("prompt_token_ids", None)
             out.pop("prompt_token_ids", None)
         out.pop("kv_transfer_params", None)
-        observe(ctx.metrics.total, time.perf_counter() - t0)
+        ctx.metrics.total.observe(time.perf_counter() - t0)
         return out
 
     async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> Answer:

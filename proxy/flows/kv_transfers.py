@@ -24,7 +24,7 @@ from kvferry.common import netutil as net
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
-from kvferry.proxy.metrics import ProxyMetrics, observe
+from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import OptionError, ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 
@@ -76,7 +76,7 @@ class Transfers:
             return
         if self._early.pop(tid, 0) is None:
             self._arrivals.pop(tid, None)
-            observe(self.metrics.kv_wait, 0.0)
+            self.metrics.kv_wait.observe(0.0)
             return
         self._track(self._arrivals, tid, time.perf_counter())
 
@@ -89,7 +89,7 @@ class Transfers:
         if t is None:
             self._track(self._early, tid, None)
         else:
-            observe(self.metrics.kv_wait, max(0.0, time.perf_counter() - t))
+            self.metrics.kv_wait.observe(max(0.0, time.perf_counter() - t))
         return True
 
     @staticmethod

@@ -16,7 +16,6 @@ from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.transfer_params import ParamsError, prefill_answer
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.metrics import observe
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import prefill_leg
 from kvferry.proxy.routing.cache import Route
@@ -53,7 +52,7 @@ async def prefill(ctx: Context, request: web.Request, path: str, body: dict, rou
                     _check_answer(up, out)
                 p.served_one()
                 ctx.router.observed(p, route, out)
-                observe(ctx.metrics.prefill, time.perf_counter() - t0)
+                ctx.metrics.prefill.observe(time.perf_counter() - t0)
                 ctx.transfers.prefilled(tid)
                 return out, tid, p
             except asyncio.CancelledError:  # the client left: nobody will read this transfer

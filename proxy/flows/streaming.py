@@ -15,7 +15,6 @@ from kvferry.proxy.flows import migrate
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http.sse import SSEResponse, sse
-from kvferry.proxy.metrics import observe, observe_all
 from kvferry.proxy.openai import answers, json_codec, rewrite
 from kvferry.proxy.openai.errors import ProxyError, error_body
 from kvferry.proxy.openai.legs import Prefilled, completion_decode_leg, prompt_ids
@@ -69,7 +68,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             c0["token_ids"] = choice.get("token_ids") if want_ids else None
             await resp.write(sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [c0]}))
-            observe(metrics.ttft, time.perf_counter() - t0)
+            metrics.ttft.observe(time.perf_counter() - t0)
         if not done:
             leg = completion_decode_leg(body, first if mode == "ids" else None, tid, max_tokens, True)
             if mode == "regen":
@@ -89,9 +88,9 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
                             if rl.swap is None:
                                 chunk = up.chunk(batch[0])
                                 swap = rl.learn((chunk.get("id"), chunk.get("created")), (rid, created))
-                                observe(metrics.decoder_first, time.perf_counter() - t1)
+                                metrics.decoder_first.observe(time.perf_counter() - t1)
                                 if ttft_due:  # the decoder's first chunk is the client's first token
-                                    observe(metrics.ttft, time.perf_counter() - t0)
+                                    metrics.ttft.observe(time.perf_counter() - t0)
                                     ttft_due = False
                             # The decode leg's usage chunk comes last: the chunks before it may still be usual.
                             usage_tail = batch[-1:] if b'"usage"' in batch[-1] else []
@@ -187,7 +186,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             first_leg = False
         raise
     finally:
-        observe_all(metrics.itl, rl.gaps)
+        metrics.itl.observe_all(rl.gaps)
         if not finished and first_leg:
             ctx.transfers.abort(d, tid, "decode leg did not finish")
     if rl.sent is not None:
@@ -201,7 +200,7 @@ async def completion(ctx: Context, request: web.Request, body: dict, pre: Prefil
             u["system_fingerprint"] = fingerprint
         tail = sse(u)
     await resp.write_eof(last_batch + tail + b"data: [DONE]\n\n")
-    observe(metrics.total, time.perf_counter() - t0)
+    metrics.total.observe(time.perf_counter() - t0)
     return resp
 
 
@@ -255,7 +254,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
         started = repeat = True
         # The client's own request says which fields it asked for (the leg asks for token ids).
         await resp.write(first_chat_chunks(first, first_text, move.body if move is not None else body))
-        observe(metrics.ttft, time.perf_counter() - t0)
+        metrics.ttft.observe(time.perf_counter() - t0)
     # Without the prefiller's first token nor a move, nothing is rewritten (id, created and model
     # come from the stream itself): each chunk goes out as the engine wrote it.
     if rid is None and not skip and move is None:
@@ -306,7 +305,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
             if not started:
                 await resp.prepare(request)
                 started = True
-                observe(metrics.ttft, time.perf_counter() - t0)
+                metrics.ttft.observe(time.perf_counter() - t0)
             if up.done:  # [DONE] came with it: one write with the stream's end
                 last_batch = b"".join(out)
             else:
@@ -322,7 +321,7 @@ async def relay_chat(ctx: Context, request: web.Request, up: Upstream, path: str
     if not started:
         await resp.prepare(request)
     await resp.write_eof(last_batch + b"data: [DONE]\n\n")
-    observe(metrics.total, time.perf_counter() - t0)
+    metrics.total.observe(time.perf_counter() - t0)
     return resp
 
 
@@ -378,7 +377,7 @@ async def chat_as_stream(ctx: Context, request: web.Request, out: dict, body: di
     await resp.write(sse(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", **delta},
                                               "logprobs": choice.get("logprobs"),
                                               "finish_reason": choice.get("finish_reason")}])))
-    observe(ctx.metrics.ttft, time.perf_counter() - t0)
+    ctx.metrics.ttft.observe(time.perf_counter() - t0)
     if (body.get("stream_options") or {}).get("include_usage") and out.get("usage"):
         await resp.write(sse(dict(head, choices=[], usage=out["usage"])))
     await resp.write(b"data: [DONE]\n\n")

@@ -7,12 +7,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
-import aiohttp
-from prometheus_client import Gauge
-
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.http.client import Broken, Pool, Response, Timeout, Unreachable
 from kvferry.proxy.http.sse import events as sse_events
+from kvferry.proxy.metrics import Value
 from kvferry.proxy.openai import answers, json_codec
 from kvferry.proxy.openai.answers import BadAnswer
 from kvferry.proxy.openai.errors import ProxyError
@@ -26,22 +24,19 @@ _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connection
 
 
 class UpstreamClient:
-    """The legs' pool and the health checks' session (open between the app's start and cleanup),
-    and the headers every upstream request carries."""
+    """The legs' pool and the health checks' (open between the app's start and cleanup), and the
+    headers every upstream request carries."""
+
+    CHECK_CONNECTIONS = 2  # per instance: a periodic check and a failed leg's probe at once
 
     def __init__(self, opts: ProxyOptions) -> None:
         self.opts = opts
-        self.session: aiohttp.ClientSession | None = None
         self._pool: Pool | None = None
+        self._checks: Pool | None = None
+        self._closed = False
         self.headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
-
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        """The session, between start() and close() (the app's lifetime: every request falls in it)."""
-        assert self.session is not None, "the upstream client is not started"
-        return self.session
 
     @property
     def pool(self) -> Pool:
@@ -50,8 +45,14 @@ class UpstreamClient:
         return self._pool
 
     @property
+    def checks(self) -> Pool:
+        """The health checks' and load scrapes' connections, between start() and close()."""
+        assert self._checks is not None, "the upstream client is not started"
+        return self._checks
+
+    @property
     def is_open(self) -> bool:
-        return self.session is not None and not self.session.closed
+        return self._pool is not None and not self._closed
 
     def start(self) -> None:
         o = self.opts
@@ -61,23 +62,20 @@ class UpstreamClient:
         # --workers N: the connections are the proxy's, split between its workers (at least one each).
         per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
         self._pool = Pool(per_worker, o.connect_timeout, wait, o.read_timeout, self.headers, o.stall_timeout)
-        timeout = aiohttp.ClientTimeout(total=None, connect=wait, sock_connect=o.connect_timeout,
-                                        sock_read=o.read_timeout)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, limit_per_host=4, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())  # engines set no cookies: none kept
+        self._checks = Pool(self.CHECK_CONNECTIONS, o.connect_timeout, wait, o.read_timeout, self.headers,
+                            o.stall_timeout)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
-        if self.session is not None:
-            await self.session.close()
+        self._closed = True
+        for p in (self._pool, self._checks):
+            if p is not None:
+                await p.close()
 
 
 class LegWatcher(Protocol):
     """What a leg reports to (the router): its in-flight gauge, and each failure."""
 
-    def in_flight(self, inst: Instance) -> Gauge: ...
+    def in_flight(self, inst: Instance) -> Value: ...
 
     def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None: ...
 

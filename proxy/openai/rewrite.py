@@ -9,7 +9,6 @@ import re
 import time
 from typing import Any, Protocol
 
-from kvferry.proxy.metrics import observe_all
 from kvferry.proxy.openai import json_codec
 
 # vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
@@ -176,7 +175,7 @@ class DecodeRelay:
         # came without its token ids.
         self.sent = sent
         self.ended = False  # a chunk with a finish_reason went out (on this leg)
-        self.gaps: list[float] = []  # inter-token gaps, observed together (metrics.observe_all)
+        self.gaps: list[float] = []  # inter-token gaps, observed together (Histogram.observe_all)
         self.last = 0.0
 
     def learn(self, dec: tuple[Any, Any], ours: tuple[Any, Any]) -> tuple[bytes, ...]:
@@ -209,7 +208,7 @@ class DecodeRelay:
         self.gaps.append(now - self.last)
         self.last = now
         if len(self.gaps) >= GAPS_BATCH:
-            observe_all(self.itl, self.gaps)
+            self.itl.observe_all(self.gaps)
             self.gaps.clear()
 
     def _rewrite(self, head: list[bytes]) -> tuple[bytes, list[int], bool] | None:

@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from prometheus_client import Gauge
-
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
+from kvferry.proxy.metrics import Value
 from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
 from kvferry.proxy.options import InstanceSpec
 
@@ -42,7 +41,7 @@ class Instance:
     # True once it left the registry: what was kept for it is freed (see `retire`), and requests
     # still in flight on it count on this object only.
     removed: bool = False
-    in_flight_gauge: Gauge | None = field(default=None, repr=False, compare=False)  # its labelled gauge (the router's)
+    in_flight_gauge: Value | None = field(default=None, repr=False, compare=False)  # its labelled gauge (the router's)
     _on_removed: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def counted(self, active: int, queued: int) -> None:

@@ -15,17 +15,16 @@ import functools
 import random
 from typing import Protocol, cast
 
-import aiohttp
 from aiohttp import web
-from prometheus_client import Gauge
 
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.flows.upstream import Upstream, UpstreamClient
-from kvferry.proxy.metrics import ProxyMetrics
+from kvferry.proxy.metrics import ProxyMetrics, Value
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import ROLES, ROWS, LoadBoard
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import InstanceSpec, ProxyOptions
+from kvferry.proxy.routing import health
 from kvferry.proxy.routing.cache import NO_PREFILLER, CacheView, Route, choose, effective, local_reason, served_mode
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 
@@ -75,6 +74,7 @@ class Router:
             probe.cancel()
         if self.client.is_open:
             self.client.pool.drop(inst.url)
+            self.client.checks.drop(inst.url)
         self.metrics.forget_instance(inst.id)
 
     def live_instances(self) -> set[str]:
@@ -104,8 +104,8 @@ class Router:
                 why = NO_PREFILLER
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
-        self.metrics.count(self.metrics.routes, r.reason)
-        self.metrics.count(self.metrics.served, "single" if single else served_mode(r))
+        self.metrics.routes.labels(r.reason).inc()
+        self.metrics.served.labels("single" if single else served_mode(r)).inc()
         if r.reason == NO_PREFILLER:
             self.refresh_degraded()
         return r
@@ -113,8 +113,8 @@ class Router:
     def served_alone(self, route: Route) -> Route:
         """The prefill leg failed and no prefiller could take it: the decoder serves the request
         whole (degraded), counted as such."""
-        self.metrics.count(self.metrics.routes, NO_PREFILLER)
-        self.metrics.count(self.metrics.served, "degraded")
+        self.metrics.routes.labels(NO_PREFILLER).inc()
+        self.metrics.served.labels("degraded").inc()
         self.refresh_degraded()
         return Route(route.decoder, None, NO_PREFILLER)
 
@@ -138,7 +138,7 @@ class Router:
             self.metrics.predicted_cached.labels(inst.id).inc(min(route.predicted, prompt))
             self.metrics.routed_prompt.labels(inst.id).inc(prompt)
 
-    def in_flight(self, inst: Instance) -> Gauge:
+    def in_flight(self, inst: Instance) -> Value:
         """The instance's in-flight gauge, labelled once (labels() costs a lookup per call) and held
         by the instance: a request that ends after the instance went moves the gauge it started on,
         which is no longer on /metrics, rather than labelling the series again."""
@@ -209,66 +209,16 @@ class Router:
         self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(0)
 
     async def check(self, inst: Instance, seconds: float) -> tuple[bool, str]:
-        """GET /health: vLLM answers 200 while its EngineCore lives and 503 once it is dead (then
-        its API server exits, and the port refuses connections)."""
-        timeout = aiohttp.ClientTimeout(total=seconds)
-        try:
-            async with self.client.http.get(f"{inst.url}/health", timeout=timeout,
-                                               headers=self.client.headers) as r:
-                return r.status == 200, f"/health answered {r.status}"
-        except TimeoutError:
-            return False, f"/health did not answer within {timeout.total:g}s"
-        except aiohttp.ClientError as e:
-            return False, f"/health failed ({type(e).__name__}: {e})"
-
-    async def kv_usage(self, inst: Instance, seconds: float) -> float | None:
-        """A decoder's vllm:kv_cache_usage_perc (0..1) from its /metrics; None when it has none."""
-        timeout = aiohttp.ClientTimeout(total=seconds)
-        try:
-            async with self.client.http.get(f"{inst.url}/metrics", timeout=timeout,
-                                               headers=self.client.headers) as r:
-                if r.status != 200:
-                    return None
-                async for raw in r.content:  # line by line: no whole page in memory
-                    if raw.startswith(b"vllm:kv_cache_usage_perc"):
-                        v = float(raw.rsplit(b" ", 1)[1])
-                        return v if 0.0 <= v <= 1.0 else None
-        except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
-            return None
-        return None
-
-    async def engine_load(self, inst: Instance, seconds: float) -> tuple[int | None, float | None]:
-        """(running + waiting requests, KV cache usage 0..1) from vLLM's /metrics, summed over its
-        engines; (None, None) when it cannot be read."""
-        timeout = aiohttp.ClientTimeout(total=seconds)
-        load, usage, seen = 0.0, None, False
-        try:
-            async with self.client.http.get(f"{inst.url}/metrics", timeout=timeout,
-                                               headers=self.client.headers) as r:
-                if r.status != 200:
-                    return None, None
-                async for raw in r.content:  # line by line: no whole page in memory
-                    if raw.startswith((b"vllm:num_requests_running", b"vllm:num_requests_waiting")):
-                        name = raw.split(b"{", 1)[0].split(b" ", 1)[0]
-                        if name in (b"vllm:num_requests_running", b"vllm:num_requests_waiting"):
-                            v = float(raw.rsplit(b" ", 1)[1])
-                            if not 0 <= v < 1e9:
-                                return None, None
-                            load += v
-                            seen = True
-                    elif raw.startswith(b"vllm:kv_cache_usage_perc"):
-                        v = float(raw.rsplit(b" ", 1)[1])
-                        usage = v if 0.0 <= v <= 1.0 else None
-        except (TimeoutError, aiohttp.ClientError, ValueError, IndexError):
-            return None, None
-        return (round(load) if seen else None), usage
+        """GET /health (routing/health.py)."""
+        return await health.check(self.client.checks, inst.url, seconds)
 
     async def scrape_load(self, seconds: float) -> None:
         """One round of /metrics scrapes: every proxy sees the same engine counts (docs/proxy.md
         "Load across proxies")."""
         insts = [i for i in self.registry.instances.values() if i.healthy]
         owns = [i.all_active for i in insts]
-        results = await asyncio.gather(*(self.engine_load(i, seconds) for i in insts))
+        results = [health.load_of(s) for s in await asyncio.gather(
+            *(health.engine_series(self.client.checks, i.url, seconds) for i in insts))]
         for inst, own, (load, usage) in zip(insts, owns, results, strict=True):
             inst.engine_load, inst.own_at_scrape = load, own
             if usage is not None and inst.role == "decoder":
@@ -298,9 +248,9 @@ class Router:
             self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
         self.refresh_degraded()
         decoders = [i for i in insts if i.role == "decoder" and i.healthy]
-        for inst, usage in zip(decoders, await asyncio.gather(*(self.kv_usage(i, seconds) for i in decoders)),
-                               strict=True):
-            inst.kv_usage = usage
+        pages = await asyncio.gather(*(health.engine_series(self.client.checks, i.url, seconds) for i in decoders))
+        for inst, series in zip(decoders, pages, strict=True):
+            inst.kv_usage = health.usage_of(series)
 
     def probes(self) -> list[asyncio.Task]:
         return list(self._probes.values())
@@ -316,4 +266,4 @@ class _Uncounted:
         pass
 
 
-_UNCOUNTED = cast(Gauge, _Uncounted())
+_UNCOUNTED = cast(Value, _Uncounted())

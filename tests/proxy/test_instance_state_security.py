@@ -296,7 +296,7 @@ def test_security_full_board_still_registers(tmp_path: Path) -> None:
     router = Router(opts, metrics, UpstreamClient(opts), b)
     inst = router.register(InstanceSpec("prefiller", parse_url("url", "http://127.0.0.1:7")))
     assert inst.board is None and router.registry.instances[inst.id] is inst
-    assert metrics.board_full._value.get() == 1
+    assert metrics.board_full.get() == 1
     router.remove(inst)
     assert inst.removed and inst.id not in router.registry.instances
 

@@ -1,65 +1,88 @@
-"""proxy/metrics.py: its fast paths (observe, observe_all, the lock-free LoopValue) leave every metric
-exactly as prometheus-client's own calls do."""
+"""proxy/metrics.py: its own lock-free values leave every metric exactly as prometheus-client's own
+classes would show it, one process or several (its multiprocess files)."""
 
 from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest, values
+import prometheus_client as prom
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import multiprocess as mp_metrics
 
 from kvferry.proxy import metrics
-from kvferry.proxy.metrics import LoopValue, ProxyMetrics, observe, observe_all
+from kvferry.proxy.metrics import ProxyMetrics
 
-# On bounds (observe() puts a sample equal to a bound in that bound's bucket), between them, past
-# the last one, zero and negative.
+# On bounds (a sample equal to a bound goes in that bound's bucket), between them, past the last
+# one, zero and negative.
 SAMPLES = [0.0, -0.5, 0.001, 0.0010001, 0.0024, 0.0025, 0.7, 1, 59.9, 60, 61, 1e9, 0.003, 0.003]
 
 
-def itl_lines(m: ProxyMetrics) -> list[str]:
-    """The histogram's samples as /metrics shows them (its creation time aside)."""
-    return [ln for ln in generate_latest(m.registry).decode().splitlines()
-            if ln.startswith("kvferry_proxy_inter_token_seconds") and "_created" not in ln]
+def _lines(text: bytes, prefix: str = "") -> list[str]:
+    """The page's samples (creation times aside: prometheus-client's classes add them, ours not)."""
+    return [ln for ln in text.decode().splitlines()
+            if ln.startswith(prefix) and "_created" not in ln and not ln.startswith("#")]
 
 
 def test_observe_all_equals_one_observe_per_sample() -> None:
     each, together = ProxyMetrics(), ProxyMetrics()
     for s in SAMPLES:
         each.itl.observe(s)
-    observe_all(together.itl, SAMPLES[:5])
-    observe_all(together.itl, SAMPLES[5:])
-    observe_all(together.itl, [])
-    assert itl_lines(together) == itl_lines(each)
-    text = "\n".join(itl_lines(together))
+    together.itl.observe_all(SAMPLES[:5])
+    together.itl.observe_all(SAMPLES[5:])
+    together.itl.observe_all([])
+    itl = "kvferry_proxy_inter_token_seconds"
+    assert _lines(together.render(), itl) == _lines(each.render(), itl)
+    text = "\n".join(_lines(together.render(), itl))
     assert 'kvferry_proxy_inter_token_seconds_bucket{le="0.001"} 3.0' in text
     assert 'kvferry_proxy_inter_token_seconds_bucket{le="60.0"} 12.0' in text
     assert "kvferry_proxy_inter_token_seconds_count 14.0" in text
 
 
-def test_observe_and_lock_free_values_count_as_prometheus_does(monkeypatch) -> None:
-    ref = ProxyMetrics()
-    monkeypatch.setattr(values, "ValueClass", LoopValue)  # what one_process() sets in the proxy's process
-    fast = ProxyMetrics()
-    assert fast.folder is None  # not taken for prometheus-client's multiprocess mode
-    assert isinstance(fast.ttft._sum, LoopValue)
+def test_values_count_as_prometheus_clients_own_classes_do() -> None:
+    """The same changes made to ours and to prometheus-client's Counter, Gauge and Histogram show
+    the same page, comments (HELP, TYPE) included."""
+    ours = ProxyMetrics()
+    reg = CollectorRegistry()
+    ref_ttft = prom.Histogram("kvferry_proxy_ttft_seconds", "Client time to first token",
+                              buckets=metrics._LAT, registry=reg)
+    ref_requests = prom.Counter("kvferry_proxy_requests", "Client requests by endpoint and status",
+                                ["endpoint", "status"], registry=reg)
+    ref_in_flight = prom.Gauge("kvferry_proxy_in_flight", "Requests in flight per instance", ["instance", "role"],
+                               registry=reg)
+    ref_errors = prom.Counter("kvferry_proxy_errors", "Errors by kind and instance", ["kind", "instance"],
+                              registry=reg)
     for s in SAMPLES:
-        ref.ttft.observe(s)
-        observe(fast.ttft, s)
-    for m in (ref, fast):
+        ref_ttft.observe(s)
+        ours.ttft.observe(s)
+    for requests, in_flight, errors in ((ours.requests, ours.in_flight, ours.errors),
+                                        (ref_requests, ref_in_flight, ref_errors)):
         for _ in range(3):
-            m.count(m.requests, "/v1/completions", "200")
-        g = m.in_flight.labels("d0", "decoder")
+            requests.labels("/v1/completions", "200").inc()
+        g = in_flight.labels("d0", "decoder")
         g.inc()
         g.inc()
         g.dec()
-        m.errors.labels("timeout", "d0").inc(2.5)
+        errors.labels("timeout", "d0").inc(2.5)
+    names = ("kvferry_proxy_ttft_seconds", "kvferry_proxy_requests", "kvferry_proxy_in_flight",
+             "kvferry_proxy_errors")
 
-    def lines(m: ProxyMetrics) -> list[str]:
-        return [ln for ln in generate_latest(m.registry).decode().splitlines() if "_created" not in ln]
-    assert lines(fast) == lines(ref)
-    assert 'kvferry_proxy_ttft_seconds_bucket{le="0.0025"} 6.0' in lines(fast)
-    assert 'kvferry_proxy_in_flight{instance="d0",role="decoder"} 1.0' in lines(fast)
+    def page(text: bytes) -> list[str]:
+        return [ln for ln in text.decode().splitlines() if "_created" not in ln
+                and any(ln.split(" ")[2 if ln.startswith("#") else 0].startswith(n) for n in names)]
+    assert sorted(page(ours.render())) == sorted(page(generate_latest(reg)))
+    assert 'kvferry_proxy_ttft_seconds_bucket{le="0.0025"} 6.0' in page(ours.render())
+    assert 'kvferry_proxy_in_flight{instance="d0",role="decoder"} 1.0' in page(ours.render())
+
+
+def test_a_gone_instances_series_leave_the_page() -> None:
+    m = ProxyMetrics()
+    m.errors.labels("timeout", "d0").inc()
+    m.errors.labels("timeout", "d1").inc()
+    m.healthy.labels("d0", "decoder", "http://d0").set(1)
+    m.forget_instance("d0")
+    text = m.render().decode()
+    assert 'instance="d0"' not in text and 'kvferry_proxy_errors_total{instance="d1",kind="timeout"} 1.0' in text
 
 
 def _worker_sets_healthy(folder: str, value: int) -> None:
