@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
 from kvferry.controller.api import build_app
 from kvferry.controller.cluster import Controller
 from kvferry.controller.http import HttpLimits
@@ -121,6 +121,7 @@ async def serve(args: argparse.Namespace, trust: zsock.Trust = zsock.PLAIN) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    configure_logging()  # after the flags parse: a bad flag, or --help, needs no logging
     try:
         trust = zsock.Trust(csecret.from_env(args.cluster_secret_file, "kvferry-controller"),
                             args.require_cluster_secret)

@@ -36,7 +36,7 @@ import msgspec
 import torch
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
 from kvferry.engine.offload.ops import layout_digest, offload_salt
 from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.worker import OffloadWorker
@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, default=0, help="tokens in the self-check (default: the cache size)")
     ap.add_argument("--use_mla", action="store_true", help="accepted for LMCache compatibility; not supported")
     args = ap.parse_args(argv)
+    configure_logging()
     if args.use_mla:
         ap.error("--use_mla: kvferry's standalone engine has no MLA layout yet")
     if args.device != "cpu" and not torch.cuda.is_available():
