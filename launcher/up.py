@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
-from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
-from kvferry.common.zsock import is_loopback
+from kvferry.common.netutil import advertised, http_url, is_loopback, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.local_node import UpError, gpu_count, model_of
 from kvferry.launcher.pd_instances import Decoder, Prefiller
