@@ -55,7 +55,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
 
     from kvferry.buffer.pd_buffer import PDBuffer
     from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
-    from kvferry.receiver.transfers import TransferError
+    from kvferry.receiver.transfer_table import TransferError
 
     torch.set_num_threads(1)
     fp = fingerprint(**opts.pop("fingerprint", {}))
