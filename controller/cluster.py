@@ -21,7 +21,7 @@ from kvferry.controller.guard import ASGIApp
 from kvferry.controller.http import DEFAULT_LIMITS, HttpLimits, HttpServer
 from kvferry.controller.models import MoveEvent
 from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
-from kvferry.controller.workers import PORTS, WorkerLinks, new_id
+from kvferry.controller.worker_links import PORTS, WorkerLinks, new_id
 
 logger = get_logger(__name__)
 
