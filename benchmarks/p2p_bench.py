@@ -5,7 +5,7 @@ and the P2P retrieval rate next to raw NIXL between two processes on the same co
     python benchmarks/p2p_bench.py --json --mac-only [--mac-rounds 15] [--mac-chunks 12]
 
 kvferry-controller and two kv_both vLLM servers (tiny model, bf16, vLLM's prefix cache off;
-instance 1 on core 0, instance 2 on core 1) with seed 003's P2P keys. After a warm-up (a prompt on
+instance 1 on core 0, instance 2 on core 1) with LMCache's P2P keys. After a warm-up (a prompt on
 each, then one P2P fetch, which makes instance 2's NIXL handshake with instance 1), each round,
 with fresh random prompts P and Q:
 

@@ -4,7 +4,8 @@ them, IPv4 and IPv6 alike.
 
 One place formats ``host:port`` (an IPv6 address goes in brackets: ``[::1]:8000``), resolves a
 name in both families, and picks the address a port is *advertised* on when it is bound to every
-interface (DESIGN.md "Across machines": every port has a bind address and an advertised one).
+interface: every port has a bind address and an advertised one, the address peers on other
+machines dial (docs/deploy.md, "Addresses: bind and advertise").
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the process, so a peer without the secret cannot complete the handshake. libzmq 
 peer before a single frame reaches kvferry; a peer that has it is authenticated both ways and
 its traffic encrypted. Without a secret a socket speaks plain ZMQ, as LMCache's do: fine on
 loopback; a port bound beyond loopback logs one warning naming ``cluster_secret``, or fails when
-``require_cluster_secret`` is set (DESIGN.md "Trust").
+``require_cluster_secret`` is set: who may reach a port is decided by where it listens and
+whether it has the secret, nothing else (docs/security.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Loaded by vLLM with ``--kv-transfer-config '{"kv_connector": "KVFerryConnector",
 "kv_connector_module_path": "kvferry.connector", "kv_role": "kv_both" | "kv_producer" |
-"kv_consumer"}'`` and configured by the seed's YAML keys (``KVFERRY_CONFIG_FILE`` /
+"kv_consumer"}'`` and configured by LMCache's YAML keys (``KVFERRY_CONFIG_FILE`` /
 ``LMCACHE_CONFIG_FILE``, env, or ``kv_connector_extra_config``).
 
 Offload (kv_both, and prefillers): prompts' chunks are stored to the local CPU and disk tiers

@@ -1,7 +1,7 @@
 """`kvferry-controller`: the P2P cluster's registry, lookup service, mover and web page.
 
 Ports: `--monitor-ports` (ZMQ; workers report to pull/heartbeat, schedulers look up on reply,
-controller/worker_links.py) and `--port` (HTTP: seed 001's API, the page and /docs, controller/api.py).
+controller/worker_links.py) and `--port` (HTTP: LMCache's controller API, the page and /docs, controller/api.py).
 With `--cluster-secret-file` every ZMQ port speaks CurveZMQ; with `--admin-key` (or
 KVFERRY_ADMIN_KEY) the HTTP API needs the key (controller/cluster.py says how exposure is judged).
 """

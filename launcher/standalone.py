@@ -1,4 +1,4 @@
-"""The KV engine without vLLM (seed 002, 3.5): for tests, CPU-only setups and custom integrations.
+"""The KV engine without vLLM (LMCache's standalone mode): for tests, CPU-only setups and custom integrations.
 
     python -m kvferry.launcher.standalone --config FILE [--device cpu] [--model_name NAME]
         [--kvcache_shape_spec '(2,2,256,4,16):float16:2'] [--num-tokens N]

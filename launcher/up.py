@@ -1,6 +1,6 @@
 """`kvferry up`: a local xPyD cluster (N prefillers, M decoders, the proxy) in one command.
 
-Picks free ports, writes each instance's seed-style config, splits the CPU cores (or GPUs)
+Picks free ports, writes each instance's LMCache-style config, splits the CPU cores (or GPUs)
 between the instances, starts them and the proxy, shows progress while they load, and stops
 everything, children first, on Ctrl-C or SIGTERM. Every child gets PR_SET_PDEATHSIG, so a
 launcher that dies on its own leaves no orphan behind. The cluster gets a new cluster secret

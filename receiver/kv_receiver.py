@@ -75,7 +75,7 @@ class ReceiverConfig:
 
 
 def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
-    """This TP rank's receiver settings from the seed's keys (one init/alloc port per rank)."""
+    """This TP rank's receiver settings from LMCache's PD keys (one init/alloc port per rank)."""
     init, alloc = cfg.ports("pd_peer_init_port"), cfg.ports("pd_peer_alloc_port")
     if tp_rank >= len(init) or tp_rank >= len(alloc):
         raise ReceiverError(f"TP rank {tp_rank} has no port: pd_peer_init_port / pd_peer_alloc_port list "

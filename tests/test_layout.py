@@ -1,4 +1,4 @@
-"""Package layout: kvferry.* subpackages only, imports point down DESIGN.md's layer table."""
+"""Package layout: kvferry.* subpackages only, imports point down docs/architecture.md's layer table."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# DESIGN.md "Layout": which kvferry subpackages (and heavy libraries) each folder may import.
+# docs/architecture.md "Layers": which kvferry subpackages (and heavy libraries) each folder may import.
 ALLOWED = {
     "common": set(),
     "kernels": {"common"},

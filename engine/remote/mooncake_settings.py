@@ -1,5 +1,5 @@
 """The Mooncake store's settings (docs/mooncake.md): ``remote_url: mooncakestore://host:port/`` and
-the seed's ``extra_config`` keys, read once at start-up so a wrong value is one ConfigError naming
+LMCache's ``extra_config`` keys for it, read once at start-up so a wrong value is one ConfigError naming
 the key, never a stream of misses inside vLLM."""
 
 from __future__ import annotations
