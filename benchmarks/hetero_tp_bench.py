@@ -38,7 +38,7 @@ from kvferry.common.netutil import free_port
 from kvferry.kernels.head_map import ChunkGeometry, chunk_runs
 from kvferry.kernels.layout import KVLayout
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
-from kvferry.receiver.transfers import Incoming
+from kvferry.receiver.transfer_table import Incoming
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.descs import write_descs
 from kvferry.sender.kv_sender import KVSender, SenderConfig

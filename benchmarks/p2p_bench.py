@@ -5,7 +5,7 @@ and the P2P retrieval rate next to raw NIXL between two processes on the same co
     python benchmarks/p2p_bench.py --json --mac-only [--mac-rounds 15] [--mac-chunks 12]
 
 kvferry-controller and two kv_both vLLM servers (tiny model, bf16, vLLM's prefix cache off;
-instance 1 on core 0, instance 2 on core 1) with seed 003's P2P keys. After a warm-up (a prompt on
+instance 1 on core 0, instance 2 on core 1) with LMCache's P2P keys. After a warm-up (a prompt on
 each, then one P2P fetch, which makes instance 2's NIXL handshake with instance 1), each round,
 with fresh random prompts P and Q:
 
@@ -199,14 +199,14 @@ class RawNixl:
                 p.wait(timeout=10)
 
 
-# ---- get throughput with and without the chunk MAC (no vLLM: P2P workers in their own processes)
+# ---- get throughput with and without the chunk MAC (no vLLM: P2P services in their own processes)
 MAC_CHUNK = CHUNK * TOKEN_BYTES  # 4 MiB
 
 
 def _mac_worker(name: str, secret_text: str | None, nchunks: int):
     from kvferry.common import messages as m
     from kvferry.common.config import KVFerryConfig
-    from kvferry.engine.p2p.worker import P2PWorker
+    from kvferry.engine.p2p.service import P2PService
     from kvferry.engine.tiers.cpu import CPUTier
     fp = m.LayoutFingerprint(model="p2p-bench", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
                              block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=CHUNK,
@@ -217,7 +217,7 @@ def _mac_worker(name: str, secret_text: str | None, nchunks: int):
                         controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=10.0,
                         cluster_secret=secret_text)
     cpu = CPUTier(capacity=(nchunks + 2) * MAC_CHUNK, slot_bytes=MAC_CHUNK)
-    return P2PWorker(cfg, cpu, 0, 1, b"p2p-bench", fp, f"ipc://@kvferry-p2p-bench-{name}-{os.getpid()}")
+    return P2PService(cfg, cpu, 0, 1, b"p2p-bench", fp, f"ipc://@kvferry-p2p-bench-{name}-{os.getpid()}")
 
 
 def mac_holder(conn, name: str, secret_text: str | None, tag_at: str, nchunks: int, core: int) -> None:
@@ -344,7 +344,7 @@ def main() -> int:
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--cluster-secret", action="store_true", help="run the cluster with a cluster secret")
     ap.add_argument("--mac-only", action="store_true", help="only the get throughput with and without the MAC "
-                    "(P2P workers in their own processes, no vLLM)")
+                    "(P2P services in their own processes, no vLLM)")
     ap.add_argument("--mac-rounds", type=int, default=15)
     ap.add_argument("--mac-chunks", type=int, default=12, help="4 MiB chunks per get")
     args = ap.parse_args()

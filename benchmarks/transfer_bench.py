@@ -54,7 +54,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
-from kvferry.receiver.transfers import Incoming
+from kvferry.receiver.transfer_table import Incoming
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.kv_sender import KVSender, SenderConfig
 

@@ -1,6 +1,6 @@
 """One way to create kvferry's NIXL agents: UCX, no progress thread.
 
-NIXL's UCX progress thread busy-polls a whole core even when idle (measured here: ~99 %); on a
+NIXL's UCX progress thread busy-polls a whole core even when idle; on a
 CPU host that core is the model's. kvferry drives progress itself, from the thread that already
 waits on a transfer (the sender's completion polling, the receiver's notification polling), with
 short sleeps, so an idle sender or receiver uses almost no CPU.

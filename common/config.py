@@ -124,7 +124,7 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_relay_port: int | None = None
     kv_events_relay_replay_port: int | None = None
 
-    # --- trust (DESIGN.md "Trust", docs/security.md) ---
+    # --- trust (docs/security.md) ---
     cluster_secret: str | None = None  # or cluster_secret_file; never logged
     cluster_secret_file: str | None = None
     require_cluster_secret: bool = False  # a port beyond loopback without a secret is an error

@@ -22,7 +22,6 @@ request that *changes* something, and a page that renames the server's address a
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 
 from kvferry.common import netutil as net
@@ -73,12 +72,7 @@ class Hosts:
         if not header:
             return False
         name = host_name(header)
-        if name in self.names:
-            return True
-        try:
-            return ipaddress.ip_address(name).is_loopback
-        except ValueError:
-            return False
+        return name in self.names or net.is_loopback(name)
 
 
 def cross_site(origin: str | None, fetch_site: str | None, host: str | None) -> bool:

@@ -4,7 +4,8 @@ them, IPv4 and IPv6 alike.
 
 One place formats ``host:port`` (an IPv6 address goes in brackets: ``[::1]:8000``), resolves a
 name in both families, and picks the address a port is *advertised* on when it is bound to every
-interface (DESIGN.md "Across machines": every port has a bind address and an advertised one).
+interface: every port has a bind address and an advertised one, the address peers on other
+machines dial (docs/deploy.md, "Addresses: bind and advertise").
 """
 
 from __future__ import annotations
@@ -141,11 +142,29 @@ def resolve(host: str) -> list[str]:
     return out
 
 
-def _loopback(addr: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Is `host` this machine's loopback, and only that? kvferry's one answer (what may listen
+    without a secret or key, what a peer elsewhere cannot dial):
+
+    - True: any 127.0.0.0/8 address, ``::1`` (bracketed, with a ``%zone``, or IPv4-mapped
+      ``::ffff:127.x.y.z`` alike), and the name ``localhost`` (any case, trailing dot or not).
+    - False: a wildcard (``""``, ``"*"``, ``0.0.0.0``, ``::``): a bind there listens on every
+      interface; every other address; every other name.
+
+    No DNS lookup: a name is judged by its text, so the answer cannot change with /etc/hosts or
+    a resolver, and a name that happens to resolve to loopback counts as beyond it (the safe side:
+    a warning, or a refusal under require_cluster_secret; advertised() separately warns about a
+    name that resolves to loopback only)."""
+    host = unbracket(host.strip())
+    if host.lower().rstrip(".") == "localhost":
+        return True
     try:
-        return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
 
 
 def _routed_address(family: int) -> str | None:
@@ -158,7 +177,7 @@ def _routed_address(family: int) -> str | None:
             addr = s.getsockname()[0]
     except OSError:
         return None
-    return None if _loopback(addr) else str(addr)
+    return None if is_loopback(addr) else str(addr)
 
 
 def machine_address(prefer_ipv6: bool = False) -> str | None:
@@ -166,7 +185,7 @@ def machine_address(prefer_ipv6: bool = False) -> str | None:
     loopback, else the address of the default route; None where there is none (then loopback is
     all there is)."""
     for addr in resolve(socket.gethostname()):
-        if not _loopback(addr) and is_ipv6(addr) == prefer_ipv6:
+        if not is_loopback(addr) and is_ipv6(addr) == prefer_ipv6:
             return addr
     families = (socket.AF_INET6, socket.AF_INET) if prefer_ipv6 else (socket.AF_INET, socket.AF_INET6)
     for fam in families:
@@ -209,10 +228,10 @@ def _warn_loopback_name(host: str, what: str) -> None:
         return
     except ValueError:
         pass
-    if host == "localhost":
+    if is_loopback(host):  # localhost: meant
         return
     addrs = resolve(host)
-    if addrs and all(_loopback(a) for a in addrs):
+    if addrs and all(is_loopback(a) for a in addrs):
         other = machine_address()
         if other is not None:
             _log_once(what, host, f"{what}: {host!r} resolves to loopback only ({', '.join(addrs)}) while this "

@@ -1,4 +1,4 @@
-"""The cluster secret: who may talk to kvferry's ports (DESIGN.md "Trust").
+"""The cluster secret: who may talk to kvferry's ports (docs/security.md).
 
 One secret per cluster, from the config key ``cluster_secret`` or ``cluster_secret_file`` (env
 ``KVFERRY_CLUSTER_SECRET`` / ``KVFERRY_CLUSTER_SECRET_FILE``; the proxy, controller and

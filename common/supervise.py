@@ -1,6 +1,6 @@
 """Background loops that never die silently: each one that raises is logged with its traceback,
 counted, and started again after a pause (doubling to 30 s); its state is there for /health
-and the metrics (DESIGN.md "Invariants": nothing dies without a word)."""
+and the metrics: a background failure is always seen, never a thread that quietly stopped."""
 
 from __future__ import annotations
 

@@ -6,15 +6,14 @@ the process, so a peer without the secret cannot complete the handshake. libzmq 
 peer before a single frame reaches kvferry; a peer that has it is authenticated both ways and
 its traffic encrypted. Without a secret a socket speaks plain ZMQ, as LMCache's do: fine on
 loopback; a port bound beyond loopback logs one warning naming ``cluster_secret``, or fails when
-``require_cluster_secret`` is set (DESIGN.md "Trust").
+``require_cluster_secret`` is set: who may reach a port is decided by where it listens and
+whether it has the secret, nothing else (docs/security.md).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import ipaddress
-import socket as _socket
 import threading
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +26,7 @@ from kvferry.common import netutil as net
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.errors import ConfigurationError, UnavailableError
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import is_loopback  # also zsock.is_loopback to kvferry.proxy.app, for now
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
 
@@ -63,22 +63,6 @@ def curve_keys(secret: ClusterSecret, role: str) -> tuple[bytes, bytes]:
     """(public, secret) z85 CurveZMQ keys for `role` ("server" or "client"), derived from the secret."""
     sk = z85.encode(secret.key(f"curvezmq-{role}-v1"))
     return zmq.curve_public(sk), sk
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1, and names that resolve there; "*", "0.0.0.0" and "" are every interface."""
-    host = net.unbracket(host)
-    if host in net.WILDCARDS:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in _socket.getaddrinfo(host, None, proto=_socket.IPPROTO_TCP))
-    except (OSError, ValueError):
-        return False
 
 
 def check_exposure(host: str, what: str, trust: Trust, fix: str = "Set cluster_secret_file") -> None:

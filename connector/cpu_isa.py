@@ -5,7 +5,7 @@ transposed per head for its `vec` kernels, packed in 16-token tiles for `amx` (b
 AMX tiles). Two machines with one model, dtype and block size can therefore hold different bytes
 for the same tokens; kvferry names the family in the layout fingerprint, so such a pair is refused
 at the handshake and their offload keys never match, rather than one reading the other's blocks
-as its own (measured on vLLM CPU 0.32: docs/pd.md "Why not on vLLM CPU").
+as its own (docs/pd.md, "Why not on vLLM CPU").
 """
 
 from __future__ import annotations

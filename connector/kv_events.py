@@ -18,6 +18,7 @@ from kvferry.common import zsock
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import is_loopback
 from kvferry.engine.api import ChunkStored, TierEvent
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def start_relay(cfg: KVFerryConfig, vc: VllmConfig) -> KVEventsRelay | None:
                           "(or remove kv_events_relay_port)")
     for name in ("endpoint", "replay_endpoint"):
         ep = getattr(ev, name, None) or ""
-        if ep.startswith("tcp://") and not zsock.is_loopback(ep[6:].rsplit(":", 1)[0].strip("[]")):
+        if ep.startswith("tcp://") and not is_loopback(ep[6:].rsplit(":", 1)[0]):
             logger.warning("vLLM's KV events %s %s listens beyond loopback, unauthenticated, next to kvferry's "
                            "relay: bind it to ipc:// or 127.0.0.1 so only the relay reads it", name, ep)
     spec = RelaySpec(dialable(ev.endpoint), dialable(ev.replay_endpoint) if ev.replay_endpoint else None,

@@ -2,7 +2,7 @@
 
 Loaded by vLLM with ``--kv-transfer-config '{"kv_connector": "KVFerryConnector",
 "kv_connector_module_path": "kvferry.connector", "kv_role": "kv_both" | "kv_producer" |
-"kv_consumer"}'`` and configured by the seed's YAML keys (``KVFERRY_CONFIG_FILE`` /
+"kv_consumer"}'`` and configured by LMCache's YAML keys (``KVFERRY_CONFIG_FILE`` /
 ``LMCACHE_CONFIG_FILE``, env, or ``kv_connector_extra_config``).
 
 Offload (kv_both, and prefillers): prompts' chunks are stored to the local CPU and disk tiers
@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvferry.common.log import configure_in_vllm
 from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta
 from kvferry.connector.roles import roles
 from kvferry.connector.scheduler_side import SchedulerSide
@@ -61,6 +62,8 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        # kvferry's log lines follow vLLM's logging settings (common/log.py), set up here, not at import.
+        configure_in_vllm(getattr(vllm_config, "logging_config", None))
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # vLLM passes None too
         self.roles = roles(vllm_config)
         check_vllm_version(installed_vllm_version(), self.roles.cfg.allow_unsupported_vllm)
@@ -130,6 +133,7 @@ class KVFerryConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVFerryPromMetrics:
+        configure_in_vllm(getattr(vllm_config, "logging_config", None))  # the API server's process: no connector
         return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker side ----

@@ -30,7 +30,7 @@ def offload_wanted(cfg: KVFerryConfig, kv_role: str) -> bool:
 
 
 def store_pd(cfg: KVFerryConfig, kv_role: str) -> bool:
-    """Seed 002 appendix 2: a prefiller and a decoder without enable_pd share KV through remote_url
+    """LMCache's store-based PD: a prefiller and a decoder without enable_pd share KV through remote_url
     (the decoder loads the prompt from the store, as a kv_both instance would)."""
     return not cfg.enable_pd and bool(cfg.remote_url) and kv_role in ("kv_producer", "kv_consumer")
 

@@ -99,7 +99,7 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
     "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", None),
     "pd_loop_restarts": ("kvferry:pd_loop_restarts", "Times the receiver's NIXL thread failed and was started "
                          "again (its log says why)", None),
-    "p2p_loop_restarts": ("kvferry:p2p_loop_restarts", "Times a P2P worker loop (heartbeats, reports) failed and "
+    "p2p_loop_restarts": ("kvferry:p2p_loop_restarts", "Times a P2P service loop (heartbeats, reports) failed and "
                           "was started again (its log says why)", None),
     "usage_bytes": ("kvferry:cache_usage_bytes", "Bytes held by a tier", TIER),
     "chunks": ("kvferry:cache_chunks", "Chunks held by a tier", TIER),

@@ -24,8 +24,8 @@ from kvferry.connector.cpu_isa import attention_isa
 from kvferry.connector.metadata import KVFerryMetadata, KVFerryWorkerMeta, OpenOp, SaveOp
 from kvferry.connector.roles import Roles, engine_id, model_name, salt
 from kvferry.engine.api import (
-    OffloadWorker,
-    P2PWorker,
+    OffloadCopier,
+    P2PService,
     PagedKV,
     PDConsumer,
     PDProducer,
@@ -84,7 +84,7 @@ class WorkerSide:
         self.tp_size = get_tensor_model_parallel_world_size()
         self.producer: PDProducer | None = None
         self.consumer: PDConsumer | None = None
-        self.offload: OffloadWorker | None = None
+        self.offload: OffloadCopier | None = None
         self.live: LiveGauges | None = None
         self._load_blocks: dict[str, list[int]] = {}  # req -> blocks it loads into (reported on failure)
         self._errors: set[int] = set()
@@ -105,9 +105,9 @@ class WorkerSide:
         if roles.offload:
             ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size, isa=isa)
             digest = layout_digest(msgspec.msgpack.encode(ofp))
-            self.offload = OffloadWorker(cfg, kv, self.tp_rank, digest)
+            self.offload = OffloadCopier(cfg, kv, self.tp_rank, digest)
             if cfg.enable_p2p and self.offload.cpu is not None:
-                self.offload.p2p = P2PWorker(cfg, self.offload.cpu, self.tp_rank, self.tp_size,
+                self.offload.p2p = P2PService(cfg, self.offload.cpu, self.tp_rank, self.tp_size,
                                              salt(self.vc, cfg, kv.num_layers), ofp,
                                              notice_addr(engine_id(self.vc)))
         if roles.pd and roles.producer_side:

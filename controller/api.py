@@ -1,4 +1,4 @@
-"""The controller's HTTP API (seed 001's: /lookup, /move, /clear, /health, ...) and its web page.
+"""The controller's HTTP API (LMCache's: /lookup, /move, /clear, /health, ...) and its web page.
 
 A FastAPI app, so /openapi.json and /docs describe every endpoint. Errors keep the API's one shape,
 `{"error": "<what to fix>"}`: a body that fails its model is a 400 naming the field (not FastAPI's

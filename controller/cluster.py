@@ -1,6 +1,6 @@
 """The controller: one registry, its worker links (ZMQ), its HTTP API, and what the API asks of them.
 
-Trust (DESIGN.md "Trust", docs/security.md): with a cluster secret every ZMQ socket speaks
+Trust (docs/security.md): with a cluster secret every ZMQ socket speaks
 CurveZMQ, so a worker without the secret gets no frame through either way; with an admin key every
 HTTP endpoint but /health needs it (controller/api.py). Without them a loopback controller serves
 as LMCache's does; beyond loopback each missing one is a warning, or a one-line error under
@@ -21,7 +21,7 @@ from kvferry.controller.guard import ASGIApp
 from kvferry.controller.http import DEFAULT_LIMITS, HttpLimits, HttpServer
 from kvferry.controller.models import MoveEvent
 from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
-from kvferry.controller.workers import PORTS, WorkerLinks, new_id
+from kvferry.controller.worker_links import PORTS, WorkerLinks, new_id
 
 logger = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """`kvferry-controller`: the P2P cluster's registry, lookup service, mover and web page.
 
 Ports: `--monitor-ports` (ZMQ; workers report to pull/heartbeat, schedulers look up on reply,
-controller/workers.py) and `--port` (HTTP: seed 001's API, the page and /docs, controller/api.py).
+controller/worker_links.py) and `--port` (HTTP: LMCache's controller API, the page and /docs, controller/api.py).
 With `--cluster-secret-file` every ZMQ port speaks CurveZMQ; with `--admin-key` (or
 KVFERRY_ADMIN_KEY) the HTTP API needs the key (controller/cluster.py says how exposure is judged).
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
 from kvferry.controller.api import build_app
 from kvferry.controller.cluster import Controller
 from kvferry.controller.http import HttpLimits
@@ -121,6 +121,7 @@ async def serve(args: argparse.Namespace, trust: zsock.Trust = zsock.PLAIN) -> N
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    configure_logging()  # after the flags parse: a bad flag, or --help, needs no logging
     try:
         trust = zsock.Trust(csecret.from_env(args.cluster_secret_file, "kvferry-controller"),
                             args.require_cluster_secret)

@@ -4,6 +4,7 @@ The engine's internal modules may move; this list is the contract the connector 
 """
 
 from kvferry.engine.chunking import loaded_blocks
+from kvferry.engine.offload.copier import OffloadCopier
 from kvferry.engine.offload.ops import (
     CacheEvict,
     CacheLoad,
@@ -13,9 +14,8 @@ from kvferry.engine.offload.ops import (
 )
 from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.tier_events import ChunkStored, TierEvent
-from kvferry.engine.offload.worker import OffloadWorker
 from kvferry.engine.p2p.notices import notice_addr
-from kvferry.engine.p2p.worker import P2PWorker
+from kvferry.engine.p2p.service import P2PService
 from kvferry.engine.pd.consumer import PDConsumer
 from kvferry.engine.pd.producer import PDProducer
 from kvferry.engine.pd.shared import fingerprint
@@ -26,7 +26,8 @@ from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
-    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadWorker", "P2PWorker",
+    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadCopier",
+    "P2PService",
     "KVLayout", "PDConsumer", "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "Slice", "detect_layout",
     "feeds", "fingerprint", "layout_digest", "loaded_blocks", "notice_addr", "offload_salt",
 ]

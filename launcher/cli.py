@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     join_arguments(p)
     p.set_defaults(func=_join)
     args = parser.parse_args(argv)
+    if args.func in (_relay, _up, _join):  # the commands that run services log; the others print
+        from kvferry.common.log import configure_logging
+        configure_logging()
     return args.func(args)
 
 

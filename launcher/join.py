@@ -31,7 +31,7 @@ from kvferry.common import secret as cluster_secret
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.etcd import EtcdAccessError, EtcdError
 from kvferry.common.log import get_logger
-from kvferry.common.netutil import advertised
+from kvferry.common.netutil import advertised, is_loopback
 
 logger = get_logger(__name__)
 
@@ -44,16 +44,6 @@ def version() -> str:
         return importlib.metadata.version("kvferry")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def loopback(host: str) -> bool:
-    from ipaddress import ip_address
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -210,7 +200,7 @@ def _secret(args: argparse.Namespace, target: disc.Target, advertise: str) -> cl
     except cluster_secret.SecretError as e:
         raise JoinError(str(e)) from None
     if secret is None and not args.insecure_discovery:
-        beyond = [h for h in (target.host, advertise) if h and not loopback(h)]
+        beyond = [h for h in (target.host, advertise) if h and not is_loopback(h)]
         if beyond:
             raise JoinError(f"{beyond[0]} is beyond loopback and there is no cluster secret: proxies trust an entry "
                             "only when it is signed with it. Give --cluster-secret-file (or KVFERRY_CLUSTER_SECRET"
@@ -295,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     if gpu_count():
         keys.setdefault("pd_buffer_device", "cuda")
     pub, replay = (f"ipc://{log_dir}/kv-events-{port}{s}.sock" for s in ("", "-replay"))
-    if loopback(advertise):  # tcp events beyond loopback wait for authenticated KV events (docs/deploy.md)
+    if is_loopback(advertise):  # tcp events beyond loopback wait for authenticated KV events (docs/deploy.md)
         import json
         extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                     "endpoint": pub, "replay_endpoint": replay}),
@@ -313,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         ports = {"receiver_host": advertise, "init_ports": [inst.init_port], "alloc_ports": [inst.alloc_port]}
     rec = m.InstanceRecord(instance_id=args.instance_id or f"{args.role}-{socket.gethostname()}-{port}",
                            role=args.role, model=served, url=f"http://{hostport}:{port}",
-                           kv_events=[pub, replay] if loopback(advertise) else [],
+                           kv_events=[pub, replay] if is_loopback(advertise) else [],
                            fingerprint=disc.fingerprint(served, args.dtype), tp_size=args.tp,
                            kvferry_version=version(), **ports)
     print(f"kvferry join: starting the {args.role} {rec.instance_id} on port {port}; log {inst.log_path}",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.lm.fd_limits import DEFAULT_MAX_CONNECTIONS, fit_connections
 from kvferry.engine.remote.lm.server import LMServer
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--require-cluster-secret", action="store_true",
                     help="refuse to listen beyond loopback without a cluster secret (otherwise: a warning)")
     args = ap.parse_args(argv)
+    configure_logging()
     if args.device != "cpu":
         ap.error(f"device {args.device!r}: kvferry-server keeps chunks in host memory; use cpu")
     if not 0 < args.port < 65536:

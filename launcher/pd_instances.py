@@ -20,7 +20,7 @@ def write_config(path: Path, **keys: object) -> Path:
 
 
 def write_pd_config(path: Path, role: str, **keys: object) -> Path:
-    """A seed-style config file (the keys of LMCache's prefiller/decoder YAML) for a prefiller
+    """An LMCache-style config file (the keys of LMCache's prefiller/decoder YAML) for a prefiller
     (`role` "sender") or a decoder ("receiver"); `keys` override the defaults."""
     cfg: dict[str, object] = {"local_cpu": False, "enable_pd": True, "transfer_channel": "nixl", "pd_role": role,
                               "pd_buffer_size": 256 << 20, "pd_buffer_device": "cpu"}

@@ -1,4 +1,4 @@
-"""The KV engine without vLLM (seed 002, 3.5): for tests, CPU-only setups and custom integrations.
+"""The KV engine without vLLM (LMCache's standalone mode): for tests, CPU-only setups and custom integrations.
 
     python -m kvferry.launcher.standalone --config FILE [--device cpu] [--model_name NAME]
         [--kvcache_shape_spec '(2,2,256,4,16):float16:2'] [--num-tokens N]
@@ -36,10 +36,10 @@ import msgspec
 import torch
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
+from kvferry.engine.offload.copier import OffloadCopier
 from kvferry.engine.offload.ops import layout_digest, offload_salt
 from kvferry.engine.offload.planner import OffloadPlanner
-from kvferry.engine.offload.worker import OffloadWorker
 from kvferry.kernels.layout import KVLayout
 from kvferry.kernels.paged_copy import PagedKV
 
@@ -103,7 +103,7 @@ class StandaloneEngine:
                               "or local_disk with max_local_disk_size")
         digest = layout_digest(msgspec.msgpack.encode([model_name, dname, shape.num_layers, shape.num_kv_heads,
                                                        shape.head_size, cs, "flash_nhd"]))
-        self.worker = OffloadWorker(cfg, paged, 0, digest)
+        self.copier = OffloadCopier(cfg, paged, 0, digest)
         self._blocks = list(range(tokens // cs))
         self._ids = itertools.count()
 
@@ -118,7 +118,7 @@ class StandaloneEngine:
                              "(raise the tokens in --kvcache_shape_spec)")
 
     def _sync(self) -> None:
-        self.planner.forget(self.worker.take_lost())
+        self.planner.forget(self.copier.take_lost())
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Tokens of the longest prefix of `tokens` whose KV a tier holds."""
@@ -132,12 +132,12 @@ class StandaloneEngine:
         self._check(tokens)
         self._sync()
         rid = f"standalone-{next(self._ids)}"
-        before = self.worker.counters.offloaded_tokens
+        before = self.copier.counters.offloaded_tokens
         self.planner.store(rid, tokens, self._blocks)
         _, saves = self.planner.take()
-        self.worker.save(saves)
+        self.copier.save(saves)
         self.planner.finished(rid)
-        return self.worker.counters.offloaded_tokens - before
+        return self.copier.counters.offloaded_tokens - before
 
     def retrieve(self, tokens: Sequence[int]) -> int:
         """Load the longest cached prefix of `tokens` into ``kv[:, :n]``; returns n (0 on a miss)."""
@@ -148,21 +148,21 @@ class StandaloneEngine:
         if n:
             self.planner.after_alloc(rid, tokens, self._blocks, n)
         loads, saves = self.planner.take()
-        failed = any(self.worker.load(op) for op in loads)
-        self.worker.save(saves)
+        failed = any(self.copier.load(op) for op in loads)
+        self.copier.save(saves)
         self.planner.finished(rid)
         self._sync()
         return 0 if failed else n
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait (bounded) until every disk write is on disk."""
-        return self.worker.disk.flush(timeout) if self.worker.disk is not None else True
+        return self.copier.disk.flush(timeout) if self.copier.disk is not None else True
 
     def stats(self) -> dict[str, float]:
-        return {**self.planner.stats(), **self.worker.stats()}
+        return {**self.planner.stats(), **self.copier.stats()}
 
     def close(self) -> None:
-        self.worker.close()
+        self.copier.close()
 
 
 def _self_check(eng: StandaloneEngine, num_tokens: int, seed: int) -> dict:
@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, default=0, help="tokens in the self-check (default: the cache size)")
     ap.add_argument("--use_mla", action="store_true", help="accepted for LMCache compatibility; not supported")
     args = ap.parse_args(argv)
+    configure_logging()
     if args.use_mla:
         ap.error("--use_mla: kvferry's standalone engine has no MLA layout yet")
     if args.device != "cpu" and not torch.cuda.is_available():

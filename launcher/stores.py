@@ -103,7 +103,7 @@ class MooncakeMaster(Proc):
         return f"mooncakestore://127.0.0.1:{self.port}/"
 
     def extra_config(self, segment_bytes: int = 256 << 20) -> dict[str, object]:
-        """The seed's extra_config keys for a client of this master, over TCP."""
+        """LMCache's Mooncake extra_config keys for a client of this master, over TCP."""
         return {"local_hostname": "127.0.0.1", "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata",
                 "protocol": "tcp", "device_name": "", "master_server_address": f"127.0.0.1:{self.port}",
                 "global_segment_size": segment_bytes, "local_buffer_size": 0}

@@ -1,6 +1,6 @@
 """`kvferry up`: a local xPyD cluster (N prefillers, M decoders, the proxy) in one command.
 
-Picks free ports, writes each instance's seed-style config, splits the CPU cores (or GPUs)
+Picks free ports, writes each instance's LMCache-style config, splits the CPU cores (or GPUs)
 between the instances, starts them and the proxy, shows progress while they load, and stops
 everything, children first, on Ctrl-C or SIGTERM. Every child gets PR_SET_PDEATHSIG, so a
 launcher that dies on its own leaves no orphan behind. The cluster gets a new cluster secret
@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
-from kvferry.common.netutil import advertised, http_url, local_host, port_is_free
-from kvferry.common.zsock import is_loopback
+from kvferry.common.netutil import advertised, http_url, is_loopback, local_host, port_is_free
 from kvferry.launcher import stores
 from kvferry.launcher.local_node import UpError, gpu_count, model_of
 from kvferry.launcher.pd_instances import Decoder, Prefiller

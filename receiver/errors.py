@@ -1,6 +1,6 @@
 """Why a transfer cannot be handed over to the engine: the receiver's transfer errors.
 
-Apart from receiver/transfers.py so that the table and the record of where each transfer stands
+Apart from receiver/transfer_table.py so that the table and the record of where each transfer stands
 (receiver/transfer_states.py) raise the same ones.
 """
 

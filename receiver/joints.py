@@ -3,7 +3,7 @@ rank, each of its ranks slicing its K/V heads into the same pages (docs/pd.md, "
 with K/V heads"). The first writer's alloc reserves the pages; the others join it and get the
 same pages and generation; the transfer is readable only once every writer's notification came.
 
-The rules of receiver/transfers.py hold for the whole transfer, with one connection key for it
+The rules of receiver/transfer_table.py hold for the whole transfer, with one connection key for it
 that no ZMQ identity equals (`conn_key`), so no single writer's `final` abort or closed
 connection frees pages another writer may still write into:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from kvferry.common import messages as m
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.receiver.transfers import TransferTable
+from kvferry.receiver.transfer_table import TransferTable
 
 logger = get_logger(__name__)
 _stray = RateLimitedLog(logger)  # a peer can send stray notifications at will: at most one line per 10 s

@@ -13,7 +13,7 @@ Two threads, neither of which spins:
   failure in it is logged and the loop starts again (common/supervise.py).
 
 The rules that keep one request from reading another's KV (single-use transfer ids, quarantined
-pages after an abort, pinned transfers) live in receiver/transfers.py.
+pages after an abort, pinned transfers) live in receiver/transfer_table.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from kvferry.receiver.joints import Joints
 from kvferry.receiver.ports import Ports
 from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfer_states import Incoming
-from kvferry.receiver.transfers import ReceivedTransfer, TransferTable
+from kvferry.receiver.transfer_table import ReceivedTransfer, TransferTable
 
 logger = get_logger(__name__)
 
@@ -75,7 +75,7 @@ class ReceiverConfig:
 
 
 def receiver_config(cfg: KVFerryConfig, tp_rank: int = 0) -> ReceiverConfig:
-    """This TP rank's receiver settings from the seed's keys (one init/alloc port per rank)."""
+    """This TP rank's receiver settings from LMCache's PD keys (one init/alloc port per rank)."""
     init, alloc = cfg.ports("pd_peer_init_port"), cfg.ports("pd_peer_alloc_port")
     if tp_rank >= len(init) or tp_rank >= len(alloc):
         raise ReceiverError(f"TP rank {tp_rank} has no port: pd_peer_init_port / pd_peer_alloc_port list "

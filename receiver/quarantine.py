@@ -5,7 +5,7 @@ notification arrives, when the sender that reserved them says it never wrote (a 
 the same connection), when that connection closed (a sender posts no write into pages reserved
 on a closed connection), or at the lease's end, after which no sender posts a write.
 
-Apart from receiver/transfers.py, whose table decides what is quarantined (its lock guards every
+Apart from receiver/transfer_table.py, whose table decides what is quarantined (its lock guards every
 call here): this module keeps the held pages, the connections that closed, and when each page
 may come back.
 """

@@ -1,7 +1,7 @@
 """Where each of a receiver's transfers stands: reserved, arrived, or ended (and why), under one
 condition that every change notifies, so that engine threads can wait for an arrival.
 
-The table (receiver/transfers.py) makes every change, by its rules (single-use ids, quarantine,
+The table (receiver/transfer_table.py) makes every change, by its rules (single-use ids, quarantine,
 pins, leases), holding `cond`; this module records the changes, counts the transfers whose data
 is still expected, and answers, or waits for, where a transfer stands. Apart so that the rules
 read without the bookkeeping, and a reader's wait without the rules.

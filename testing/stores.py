@@ -136,7 +136,7 @@ class Controller(Proc):
         return f"http://127.0.0.1:{self.port}"
 
     def worker_keys(self, instance_id: str) -> dict[str, object]:
-        """The seed's controller keys for an instance that reports to this controller."""
+        """LMCache's controller keys for an instance that reports to this controller."""
         keys: dict[str, object] = {
             "enable_controller": True, "lmcache_instance_id": instance_id,
             "controller_pull_url": f"127.0.0.1:{self.pull}", "controller_reply_url": f"127.0.0.1:{self.reply}",

@@ -1,5 +1,5 @@
 """vLLM servers for tests of the offload and P2P tiers: a kv_both instance with the tiers its
-keys configure, and seed 003's P2P keys on free ports."""
+keys configure, and LMCache's P2P keys on free ports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvferry.launcher.vllm_proc import VLLMServer
 
 
 class OffloadServer(VLLMServer):
-    """A kv_both vLLM server: the offload tiers that `keys` configure (seed 002, 3.1)."""
+    """A kv_both vLLM server: the offload tiers that `keys` configure."""
 
     def __init__(self, model: str, log_dir: Path, cores: str | None, conf_dir: Path, port: int | None = None,
                  server: dict | None = None, **keys: object) -> None:
@@ -24,6 +24,6 @@ class OffloadServer(VLLMServer):
 
 
 def p2p_keys(host: str = "127.0.0.1") -> dict[str, object]:
-    """Seed 003's P2P keys on free ports (add a controller's `worker_keys`)."""
+    """LMCache's P2P keys (examples/seeds/p2p_example1.yaml) on free ports (add a controller's `worker_keys`)."""
     return {"enable_p2p": True, "p2p_host": host, "p2p_init_ports": free_port(), "p2p_lookup_ports": free_port(),
             "transfer_channel": "nixl"}

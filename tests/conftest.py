@@ -50,15 +50,12 @@ def no_store_client_left_behind() -> Iterator[None]:
 
 
 @pytest.fixture
-def kvf_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog for kvferry's loggers, which do not propagate to the root logger."""
+def kvf_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """caplog with kvferry's loggers at INFO (importing kvferry sets no level: the root's WARNING
+    would hide their INFO lines). Its records reach caplog as any library's do."""
     import logging
-    root = logging.getLogger("kvferry")
-    root.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        root.removeHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="kvferry")
+    return caplog
 
 
 @pytest.fixture(scope="session")

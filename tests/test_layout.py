@@ -1,4 +1,4 @@
-"""Package layout: kvferry.* subpackages only, imports point down DESIGN.md's layer table."""
+"""Package layout: kvferry.* subpackages only, imports point down docs/architecture.md's layer table."""
 
 from __future__ import annotations
 

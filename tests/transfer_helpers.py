@@ -30,10 +30,10 @@ def fingerprint(page: int = PAGE, **over) -> m.LayoutFingerprint:
 
 
 def p2p_worker(name: str, secret: str | None = None, *, slot: int, slots: int, timeout: float = 5.0, **fp):
-    """A P2PWorker on free loopback ports, its CPU tier `slots` slots of `slot` bytes (tests close
+    """A P2PService on free loopback ports, its CPU tier `slots` slots of `slot` bytes (tests close
     both: ``w.close(); w.cpu.close()``)."""
     from kvferry.common.config import KVFerryConfig
-    from kvferry.engine.p2p.worker import P2PWorker
+    from kvferry.engine.p2p.service import P2PService
     from kvferry.engine.tiers.cpu import CPUTier
     cfg = KVFerryConfig(enable_p2p=True, enable_controller=True, p2p_host="127.0.0.1",
                         p2p_init_ports=free_port(), p2p_lookup_ports=free_port(), lmcache_worker_ports=free_port(),
@@ -41,12 +41,12 @@ def p2p_worker(name: str, secret: str | None = None, *, slot: int, slots: int, t
                         controller_reply_url=f"127.0.0.1:{free_port()}", blocking_timeout_secs=timeout,
                         cluster_secret=secret)
     cpu = CPUTier(capacity=slots * slot, slot_bytes=slot)
-    return P2PWorker(cfg, cpu, 0, 1, b"salt", fingerprint(slot, **fp),
+    return P2PService(cfg, cpu, 0, 1, b"salt", fingerprint(slot, **fp),
                      f"ipc://@kvferry-test-{name}-{time.monotonic_ns()}")
 
 
 def peer_addr(w) -> m.PeerAddr:
-    """Where a P2PWorker's peers reach it."""
+    """Where a P2PService's peers reach it."""
     return m.PeerAddr(host="127.0.0.1", init_port=w.info.p2p_init_port, lookup_port=w.info.p2p_lookup_port)
 
 
@@ -55,7 +55,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
 
     from kvferry.buffer.pd_buffer import PDBuffer
     from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
-    from kvferry.receiver.transfers import TransferError
+    from kvferry.receiver.transfer_table import TransferError
 
     torch.set_num_threads(1)
     fp = fingerprint(**opts.pop("fingerprint", {}))

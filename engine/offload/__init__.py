@@ -1,1 +1,2 @@
-"""Offload to CPU, disk, peers and remote stores: the scheduler-side planner and the per-rank worker."""
+"""Offload to CPU, disk, peers and remote stores: the scheduler-side planner and the per-rank copier
+(worker side)."""

@@ -1,4 +1,4 @@
-"""What the offload planner decides and the worker carries out: loads, stores and evictions of chunks."""
+"""What the offload planner decides and the copier carries out: loads, stores and evictions of chunks."""
 
 from __future__ import annotations
 

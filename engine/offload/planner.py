@@ -2,8 +2,8 @@
 decides every load, store, promotion and eviction on its :class:`ChunkIndex`.
 
 Tiers in lookup order: the indexed ones (cpu, disk: this process knows what they hold), then the
-shared ones it asks (p2p, remote: engine/offload/shared_tiers.py). Its decisions go to the worker
-(engine/offload/worker.py) in the order they were made. It does not know vLLM: the connector maps
+shared ones it asks (p2p, remote: engine/offload/shared_tiers.py). Its decisions go to the copier
+(engine/offload/copier.py) in the order they were made. It does not know vLLM: the connector maps
 requests and blocks onto these calls, and the standalone engine (launcher/standalone.py) uses the
 same planner without vLLM.
 """

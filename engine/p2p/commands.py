@@ -1,4 +1,4 @@
-"""The controller's commands to one P2P worker (``lmcache_worker_ports``): pull chunks from a
+"""The controller's commands to one P2P service (``lmcache_worker_ports``): pull chunks from a
 peer into the CPU tier (a move), drop some, clear all, or resync the controller's view."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ logger = get_logger(__name__)
 
 
 class ControllerCommands:
-    """Carries out each command on the worker's loop and answers the controller with its result."""
+    """Carries out each command on the service's loop and answers the controller with its result."""
 
     def __init__(self, cpu: CPUTier, reports: ControllerReports, fetcher: PeerFetcher,
                  loop: asyncio.AbstractEventLoop, timeout: float) -> None:
@@ -36,7 +36,7 @@ class ControllerCommands:
         try:
             result = await self.run(msg)
         except Exception as e:  # noqa: BLE001 - the controller hears what failed; the port serves on
-            logger.exception("P2P worker: command %s failed", type(msg).__name__)
+            logger.exception("P2P service: command %s failed", type(msg).__name__)
             result = m.CommandResult(event_id=msg.event_id, ok=False, message=f"{type(e).__name__}: {e}"[:4000])
         await peering.reply(sock, ident, result)
 
@@ -57,7 +57,7 @@ class ControllerCommands:
             n = self.cpu.clear()
             self.reports.news(keys)
             self.reports.tell_planner([], keys)
-            logger.info("P2P worker: CPU tier cleared by the controller (%d chunks)", n)
+            logger.info("P2P service: CPU tier cleared by the controller (%d chunks)", n)
             return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=n)
         n = await self.reports.resync()
         return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=n)
@@ -81,5 +81,5 @@ class ControllerCommands:
             self.cpu.put(k, d)
         await self.reports.report()
         self.reports.transfer(self.loop, msg.source_id, len(datas), nbytes, time.monotonic() - t0, True, "move")
-        logger.info("P2P worker: moved in %d chunks (%s) from %s", len(datas), fmt_bytes(nbytes), msg.source_id)
+        logger.info("P2P service: moved in %d chunks (%s) from %s", len(datas), fmt_bytes(nbytes), msg.source_id)
         return m.CommandResult(event_id=msg.event_id, ok=True, num_chunks=len(datas), nbytes=nbytes)

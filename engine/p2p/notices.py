@@ -51,7 +51,7 @@ class PlannerNotices:
             try:
                 msg = m.decode(frame, expect=m.TierNotice)
             except m.MessageError as e:
-                logger.warning("bad notice from the P2P worker: %s", e)
+                logger.warning("bad notice from the P2P service: %s", e)
                 continue
             gone = set(msg.dropped)
             adopted = [(k, n) for k, n in adopted if k not in gone]

@@ -1,4 +1,4 @@
-"""What one P2P worker tells others: the controller hears its CPU tier's admissions and drops,
+"""What one P2P service tells others: the controller hears its CPU tier's admissions and drops,
 heartbeats and transfers; its own scheduler hears what a controller's move put in or took out."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ REPORT_BATCH = 4096
 
 
 class ControllerReports:
-    """Runs on the worker's asyncio loop, except :meth:`on_tier` (the CPU tier's listener, any thread)."""
+    """Runs on the service's asyncio loop, except :meth:`on_tier` (the CPU tier's listener, any thread)."""
 
     def __init__(self, info: m.WorkerInfo, cpu: CPUTier, lender: ChunkLender, push: zmq.asyncio.Socket,
                  notice: zmq.asyncio.Socket, heartbeat_s: float, health: dict[str, LoopHealth]) -> None:
@@ -39,7 +39,7 @@ class ControllerReports:
         try:
             self._push.send(m.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the controller is away and the queue is full: the next resync fixes it
-            self._warn.warning("P2P worker: a report to the controller was dropped (%s)", e)
+            self._warn.warning("P2P service: a report to the controller was dropped (%s)", e)
 
     def on_tier(self, event: str, key: bytes, data: torch.Tensor) -> None:
         self._events.put((event, key, data))
@@ -122,4 +122,4 @@ class ControllerReports:
                 self._notice.send(m.encode(m.TierNotice(adopted=[k for k, _ in a], sizes=[n for _, n in a],
                                                         dropped=dropped[i:i + REPORT_BATCH])), zmq.NOBLOCK)
             except zmq.ZMQError as e:
-                self._warn.warning("P2P worker: a notice to the scheduler was dropped (%s)", e)
+                self._warn.warning("P2P service: a notice to the scheduler was dropped (%s)", e)

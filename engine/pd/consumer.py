@@ -20,7 +20,7 @@ from kvferry.engine.pd.shared import buffer_device, buffer_gauges, bump, key_sal
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.receiver.kv_receiver import KVReceiver, receiver_config
-from kvferry.receiver.transfers import TransferError
+from kvferry.receiver.transfer_table import TransferError
 
 logger = get_logger(__name__)
 

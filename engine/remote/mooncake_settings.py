@@ -1,16 +1,16 @@
 """The Mooncake store's settings (docs/mooncake.md): ``remote_url: mooncakestore://host:port/`` and
-the seed's ``extra_config`` keys, read once at start-up so a wrong value is one ConfigError naming
+LMCache's ``extra_config`` keys for it, read once at start-up so a wrong value is one ConfigError naming
 the key, never a stream of misses inside vLLM."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import is_loopback
 from kvferry.engine.remote.base import RemoteError, hostports
 
 logger = get_logger(__name__)
@@ -62,15 +62,6 @@ def _typed(cfg: KVFerryConfig, key: str, kind: type, default: Any) -> Any:
     return value
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def rdma_devices() -> list[str]:
     """This host's RDMA devices (what the kernel lists under /sys/class/infiniband)."""
     try:
@@ -111,7 +102,7 @@ def from_config(cfg: KVFerryConfig) -> MooncakeSettings | None:
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"extra_config transfer_timeout: must be a positive number of seconds, got {timeout}")
     metadata = _typed(cfg, "metadata_server", str, "P2PHANDSHAKE")
-    hostname = _typed(cfg, "local_hostname", str, "127.0.0.1" if _loopback(host) else os.uname().nodename)
+    hostname = _typed(cfg, "local_hostname", str, "127.0.0.1" if is_loopback(host) else os.uname().nodename)
     prefer_local = _typed(cfg, "mooncake_prefer_local_alloc", bool, False)
     for key, why in NO_EFFECT.items():
         if _typed(cfg, key, bool, None) is not None:

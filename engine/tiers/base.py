@@ -1,4 +1,4 @@
-"""What every storage tier offers the offload worker, so it loops over tiers instead of naming them.
+"""What every storage tier offers the offload copier, so it loops over tiers instead of naming them.
 
 A tier holds chunk bytes by key (the prefix-hash chain). The worker reads a chunk with
 :meth:`Tier.fetch`, writes one with :meth:`Tier.store`, carries out the planner's evictions with

@@ -1,9 +1,8 @@
 """One host allocation carved into chunk-sized slots, for the CPU tier.
 
-Why one allocation: NIXL (UCX) moves data out of a registration it has used before at about twice
-the rate of a new one (measured here: 12 x 4 MiB READ between two processes, 6-7.6 GB/s from slots
-of one registration vs 2.4-4.5 GB/s from per-chunk registrations made each time), so the P2P side
-registers the arena once and never per chunk. LMCache also reserves its CPU buffer up front.
+Why one allocation: NIXL (UCX) moves data out of a registration it has used before much faster
+than out of a new one, so the P2P side registers the arena once and never per chunk. LMCache also
+reserves its CPU buffer up front.
 
 A slot is free again when the last tensor viewing it is gone (its storage holds the slot object),
 so a chunk that left the tier but is still being read — by a peer's lease, a load — is never
@@ -88,9 +87,9 @@ class HostArena:
         return len(self._warm) + len(self._cold) + self._touching
 
     def _keep_warm(self) -> None:
-        """Touch free slots ahead of use: on this VM a page fault costs more than the copy into the
-        page (48 MiB of fresh pages take 10-30 ms, a NIXL READ of them 6 ms). Only on otherwise idle
-        cores: the touching must not slow the copies and forward passes it is meant to speed up."""
+        """Touch free slots ahead of use: a fresh page's fault can cost more than the copy into it.
+        Only on otherwise idle cores: the touching must not slow the copies and forward passes it is
+        meant to speed up."""
         # Safe with the GIL: this thread holds it only between memsets (microseconds), and a thread
         # waiting for it leaves the core idle, so this one runs and lets go.
         with contextlib.suppress(AttributeError, OSError):  # Linux: this thread only
@@ -115,8 +114,8 @@ class HostArena:
 
     def pause(self) -> None:
         """Touch nothing until resume(): a NIXL transfer in or out of the arena runs on the same
-        cores, and touching 48 MiB ahead costs as much CPU as the transfer (seen here: READs at half
-        speed while the warm thread refilled). Pauses nest."""
+        cores, and touching 48 MiB ahead costs as much CPU as the transfer, which it would slow
+        down. Pauses nest."""
         with self._cv:
             self._quiet += 1
 

@@ -1,4 +1,4 @@
-"""The disk tier with NIXL's POSIX plugin moving the chunk bytes (seed 002 4.5,
+"""The disk tier with NIXL's POSIX plugin moving the chunk bytes (LMCache's NIXL storage,
 ``extra_config: {enable_nixl_storage: true, nixl_backend: POSIX, nixl_path: ...}``).
 
 Files, names, headers, checks and the writer thread are the disk tier's (engine/tiers/disk.py):

@@ -1,4 +1,4 @@
-"""LMCache's NIXL storage back-end (seed 002 4.5: ``extra_config.enable_nixl_storage`` with
+"""LMCache's NIXL storage back-end (``extra_config.enable_nixl_storage`` with
 ``nixl_backend`` POSIX, GDS, GDS_MT, HF3FS or OBJ), checked at start. POSIX becomes the disk tier
 in ``nixl_path`` with NIXL's POSIX plugin moving the bytes (engine/tiers/nixl_posix.py); the others
 stop vLLM with one line naming what is missing, instead of silently storing nothing."""

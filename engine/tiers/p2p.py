@@ -12,7 +12,7 @@ import torch
 from kvferry.engine.tiers.base import LoadRequest
 
 if TYPE_CHECKING:
-    from kvferry.engine.p2p.worker import P2PWorker
+    from kvferry.engine.p2p.service import P2PService
 
 
 class P2PTier:
@@ -20,14 +20,14 @@ class P2PTier:
 
     name = "p2p"
 
-    def __init__(self, worker: P2PWorker) -> None:
-        self.worker = worker
+    def __init__(self, service: P2PService) -> None:
+        self.service = service
         self._got: dict[bytes, torch.Tensor] = {}
 
     def prefetch(self, req: LoadRequest) -> None:
         """Read every chunk of `req` from the peer the controller named; on failure none (recompute)."""
         self._got = {}
-        w = self.worker
+        w = self.service
         if not req.keys or w.rank >= len(req.peers):
             return
         got = w.fetch(req.peer_id, req.peers[w.rank], req.keys, req.nbytes)
@@ -47,8 +47,8 @@ class P2PTier:
         return set()
 
     def stats(self) -> dict[str, float]:
-        return self.worker.stats()
+        return self.service.stats()
 
     def close(self) -> None:
         self._got = {}
-        self.worker.close()
+        self.service.close()

@@ -46,6 +46,23 @@ def test_ipv6_endpoints_are_bracketed() -> None:
     assert zsock.tcp("localhost", 1) == "tcp://127.0.0.1:1"  # IPv4 first, as before
 
 
+@pytest.mark.parametrize("host, expected", [
+    ("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("[::1]", True), ("::1%lo", True),
+    ("::ffff:127.0.0.1", True), ("localhost", True), ("LocalHost.", True), (" localhost ", True),
+    # a wildcard binds every interface: never loopback ("" included)
+    ("", False), ("*", False), ("0.0.0.0", False), ("::", False), ("[::]", False),
+    ("10.1.2.3", False), ("fe80::1", False), ("::ffff:10.0.0.1", False),
+    # any other name, even one that resolves to loopback: judged by its text, no DNS lookup
+    ("my-host", False), ("localhost.example.com", False), ("ip6-localhost", False),
+])
+def test_is_loopback_is_one_rule_without_dns(host: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_dns(*args: object, **kw: object) -> None:
+        raise AssertionError(f"is_loopback looked {args[0]!r} up")
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    assert netutil.is_loopback(host) is expected
+    assert zsock.is_loopback is netutil.is_loopback  # one rule (zsock's name is kept for kvferry.proxy.app)
+
+
 @needs_ipv6
 @pytest.mark.parametrize("with_secret", [False, True])
 def test_ipv6_zmq_sockets_bind_and_talk_on_ipv6_loopback(with_secret: bool) -> None:

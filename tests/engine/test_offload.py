@@ -168,12 +168,12 @@ def test_tiers_stay_under_their_limits_under_a_stream_of_prompts(tmp_path: Path)
         eng.store(toks)
         prompts.append(toks)
         assert eng.planner.index.by_name["cpu"].used <= cpu_cap
-        assert eng.worker.cpu.used <= cpu_cap
+        assert eng.copier.cpu.used <= cpu_cap
         assert eng.flush(10)
         on_disk = sum(n for _, n in scan(tmp_path / "kv" / "rank0"))
         assert on_disk <= disk_cap
         assert on_disk == eng.planner.index.by_name["disk"].used  # index and files agree
-        assert len(eng.worker.cpu) == len(eng.planner.index.by_name["cpu"])
+        assert len(eng.copier.cpu) == len(eng.planner.index.by_name["cpu"])
     st = eng.stats()
     assert st["evicted_chunks|cpu"] == 24 - 5 and st["evicted_chunks|disk"] == 24 - 8
     assert eng.lookup(prompts[-1]) == 512  # the newest stay

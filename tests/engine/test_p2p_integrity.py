@@ -19,7 +19,7 @@ import torch
 
 from kvferry.common import messages as m
 from kvferry.common.config import load_config
-from kvferry.engine.p2p.worker import P2PWorker
+from kvferry.engine.p2p.service import P2PService
 from kvferry.launcher.standalone import StandaloneEngine, parse_shape_spec
 from tests.polling import until
 from tests.transfer_helpers import p2p_worker, peer_addr
@@ -30,7 +30,7 @@ KEYS = [b"k0", b"k1", b"k2"]
 SECRET = "p2p-integrity-cluster-secret-0123"
 
 
-def make_worker(name: str, secret: str | None) -> P2PWorker:
+def make_worker(name: str, secret: str | None) -> P2PService:
     return p2p_worker(name, secret, slot=SLOT, slots=SLOTS, timeout=3.0)
 
 
@@ -136,7 +136,7 @@ def reader():
     w.cpu.close()
 
 
-def fetch(reader: P2PWorker, holder: Holder) -> list[torch.Tensor] | None:
+def fetch(reader: P2PService, holder: Holder) -> list[torch.Tensor] | None:
     return reader.fetch("holder", holder.addr, KEYS, [SLOT] * len(KEYS))
 
 
@@ -170,7 +170,7 @@ def test_a_lying_holder_is_a_counted_miss_and_the_truth_is_read_after(holder, re
           what="the honest holder's chunks again")
 
 
-async def _forget_peers(w: P2PWorker) -> None:
+async def _forget_peers(w: P2PService) -> None:
     import asyncio
     w.reader.peers.close()
     await asyncio.sleep(0.05)  # the dropped peer's NIXL agent is removed on the NIXL thread
@@ -241,12 +241,12 @@ def test_a_wrong_size_chunk_in_the_cpu_tier_is_a_miss_before_it_is_scattered() -
             layer.normal_()
         eng.store(toks)
         key = eng.planner.keys(toks)[1]
-        good = eng.worker.cpu.get(key)
-        eng.worker.cpu.put(key, good[: good.numel() // 2].clone())  # half a chunk under a full chunk's key
-        before = eng.worker.counters.load_errors
+        good = eng.copier.cpu.get(key)
+        eng.copier.cpu.put(key, good[: good.numel() // 2].clone())  # half a chunk under a full chunk's key
+        before = eng.copier.counters.load_errors
         assert eng.retrieve(toks) == 0  # recomputed, no exception
-        assert eng.worker.counters.load_errors == before + 1
-        assert eng.worker.cpu.get(key) is None, "the wrong-size chunk stayed in the tier"
+        assert eng.copier.counters.load_errors == before + 1
+        assert eng.copier.cpu.get(key) is None, "the wrong-size chunk stayed in the tier"
         assert eng.lookup(toks) == 256, "the scheduler still counts the dropped chunk as held"
     finally:
         eng.close()

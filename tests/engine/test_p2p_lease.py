@@ -1,4 +1,4 @@
-"""Two P2P workers in one process over real NIXL (no vLLM): what a lease guarantees.
+"""Two P2P services in one process over real NIXL (no vLLM): what a lease guarantees.
 
 The holder's chunks live in slots of one arena registered once; a chunk evicted while a peer holds
 a lease on it must keep its slot (and its bytes) until the lease ends, or the peer would read
@@ -13,7 +13,7 @@ import pytest
 
 from kvferry.common import messages as m
 from kvferry.engine.p2p.fetching import P2PError
-from kvferry.engine.p2p.worker import P2PWorker
+from kvferry.engine.p2p.service import P2PService
 from tests.polling import until
 from tests.transfer_helpers import p2p_worker, peer_addr
 
@@ -21,7 +21,7 @@ SLOT = 1 << 20
 SLOTS = 4
 
 
-def worker(name: str, secret: str | None = None, **fp) -> P2PWorker:
+def worker(name: str, secret: str | None = None, **fp) -> P2PService:
     return p2p_worker(name, secret, slot=SLOT, slots=SLOTS, **fp)
 
 
@@ -93,9 +93,9 @@ SECRET, OTHER = "p2p-test-cluster-secret-0123456", "a-different-cluster-secret-9
 
 @pytest.fixture
 def workers():
-    made: list[P2PWorker] = []
+    made: list[P2PService] = []
 
-    def make(name: str, **kw) -> P2PWorker:
+    def make(name: str, **kw) -> P2PService:
         made.append(worker(name, **kw))
         return made[-1]
 
@@ -105,7 +105,7 @@ def workers():
         w.cpu.close()
 
 
-def put(w: P2PWorker, key: bytes, value: int) -> None:
+def put(w: P2PService, key: bytes, value: int) -> None:
     t = w.cpu.alloc(SLOT)
     t.fill_(value)
     w.cpu.put(key, t)

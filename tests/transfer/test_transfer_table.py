@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.buffer.pd_buffer import PDBuffer
-from kvferry.receiver.transfers import Incoming, TransferGone, TransferTable
+from kvferry.receiver.transfer_table import Incoming, TransferGone, TransferTable
 from tests.pd_buffer_helpers import PAGE, FakeClock
 
 LEASE, QUEUE = 10.0, 100.0

@@ -1,6 +1,6 @@
 """One TP rank's side of P2P sharing between instances, coordinated by kvferry-controller.
 
-:class:`P2PWorker` owns the rank's thread, asyncio loop, NIXL agent and sockets, and wires up
+:class:`P2PService` owns the rank's thread, asyncio loop, NIXL agent and sockets, and wires up
 the jobs that run on them, each in its own module:
 
 - lends its CPU tier to peers (sender/lender.py: handshake on `p2p_init_ports`, leases on
@@ -52,7 +52,7 @@ logger = get_logger(__name__)
 POLL_S = 0.0002
 
 
-class P2PWorker:
+class P2PService:
     """One TP rank's P2P side (see the module docstring). Its public calls are thread-safe."""
 
     def __init__(self, cfg: KVFerryConfig, cpu: CPUTier, tp_rank: int, tp_size: int, salt: bytes,
@@ -72,7 +72,7 @@ class P2PWorker:
             tp_size=tp_size, salt=salt, chunk_size=cfg.chunk_size, partial_chunks=cfg.save_unfull_chunk,
             heartbeat_timeout=cfg.lmcache_worker_heartbeat_timeout, cpu_capacity=cpu.capacity)
         self.mac = chunk_mac.for_secret(self.trust.secret)  # None without a secret: chunks carry no tag
-        self.health = {name: LoopHealth(f"P2P worker {cfg.lmcache_instance_id} rank {tp_rank}: {name}")
+        self.health = {name: LoopHealth(f"P2P service {cfg.lmcache_instance_id} rank {tp_rank}: {name}")
                        for name in ("heartbeats", "reports")}
         self._warn = RateLimitedLog(logger)
         self._tasks: list[asyncio.Task] = []
@@ -128,7 +128,7 @@ class P2PWorker:
         self.reports.send(m.RegisterWorker(worker=self.info))
         for name, fn in (("heartbeats", self.reports.heartbeat_loop), ("reports", self.reports.report_loop)):
             self._tasks.append(asyncio.ensure_future(supervise(self.health[name], fn)))
-        logger.info("P2P worker %s rank %d: peers on %s:%d (init) / %d (lookup), controller commands on %d",
+        logger.info("P2P service %s rank %d: peers on %s:%d (init) / %d (lookup), controller commands on %d",
                     me, self.rank, host, self.info.p2p_init_port, self.info.p2p_lookup_port, self.info.worker_port)
 
     def _hello(self) -> m.Hello:
@@ -136,7 +136,7 @@ class P2PWorker:
                        agent_metadata=self.lender.metadata, fingerprint=self.fp)
 
     def _bad_frame(self, why: str) -> None:
-        self._warn.warning("P2P worker %s: rejected %s", self.info.instance_id, why)
+        self._warn.warning("P2P service %s: rejected %s", self.info.instance_id, why)
 
     def close(self) -> None:
         """Deregister, stop the thread, free every registration; bounded."""

@@ -1,4 +1,5 @@
-"""Worker side of offload (one per TP rank): the planner's decisions carried out on the data.
+"""The copier: offload's worker side (one per TP rank, in vLLM's worker process), the planner's
+decisions carried out on the data.
 
 Loads run before the forward pass, evictions and stores after it, in the order the planner made
 them. Each chunk goes to or comes from a tier by the name the planner gave it; the tiers
@@ -20,7 +21,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
-from kvferry.engine.p2p.worker import P2PWorker
+from kvferry.engine.p2p.service import P2PService
 from kvferry.engine.remote import mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers import nixl_storage
@@ -38,7 +39,7 @@ LOOKUP_ORDER = ("cpu", "disk", "p2p", "remote")  # also the order of the load lo
 
 
 @dataclass
-class WorkerCounters(Counters):
+class CopierCounters(Counters):
     """The copies between vLLM's KV cache and the tiers (kvferry:cache_retrieved_bytes, ...)."""
 
     retrieved_tokens: int = 0
@@ -48,7 +49,7 @@ class WorkerCounters(Counters):
     load_errors: int = 0
 
 
-class OffloadWorker:
+class OffloadCopier:
     """Worker side for one TP rank: the tiers' data and the copies in and out of vLLM's blocks."""
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
@@ -71,10 +72,10 @@ class OffloadWorker:
         if cfg.local_disk:
             self.disk = (NixlPosixDiskTier if posix else DiskTier)(rank_root(cfg.local_disk, tp_rank), layout_digest)
         self.tiers: dict[str, Tier] = {}
-        self._p2p: P2PWorker | None = None
+        self._p2p: P2PService | None = None
         self._order_tiers()
         self._lost: dict[str, set[bytes]] = {}
-        self.counters = WorkerCounters()
+        self.counters = CopierCounters()
 
     def _order_tiers(self) -> None:
         have = {"cpu": self.cpu, "disk": self.disk, "remote": self.remote,
@@ -82,13 +83,13 @@ class OffloadWorker:
         self.tiers = {name: t for name in LOOKUP_ORDER if (t := have[name]) is not None}
 
     @property
-    def p2p(self) -> P2PWorker | None:
+    def p2p(self) -> P2PService | None:
         return self._p2p
 
     @p2p.setter
-    def p2p(self, worker: P2PWorker | None) -> None:
-        """Set by the connector when enable_p2p (the P2P worker lends this rank's CPU tier)."""
-        self._p2p = worker
+    def p2p(self, service: P2PService | None) -> None:
+        """Set by the connector when enable_p2p (the P2P service lends this rank's CPU tier)."""
+        self._p2p = service
         self._order_tiers()
 
     def load(self, op: CacheLoad) -> list[int]:

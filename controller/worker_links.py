@@ -1,6 +1,6 @@
 """The controller's ZMQ side: what workers report, the schedulers' lookups, and commands to workers.
 
-Sockets (seed 003's `--monitor-ports`): pull and heartbeat (PULL) take registrations, heartbeats,
+Sockets (`--monitor-ports`, as LMCache's controller has them): pull and heartbeat (PULL) take registrations, heartbeats,
 chunk admissions/evictions and transfer reports; reply (ROUTER) answers lookups ("who holds the
 longest prefix of these chunks?"); each worker's `lmcache_worker_ports` (our DEALER) takes move,
 drop, clear and resync commands.
