@@ -26,7 +26,7 @@ from kvferry.common import netutil as net
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.errors import ConfigurationError, UnavailableError
 from kvferry.common.log import get_logger
-from kvferry.common.netutil import is_loopback  # also zsock.is_loopback to kvferry.proxy.app, for now
+from kvferry.common.netutil import is_loopback
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
 

@@ -13,6 +13,7 @@ from aiohttp import HttpVersion11, web
 from kvferry.common import http_guard, zsock
 from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import is_loopback
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.proxy.admin import Admin
 from kvferry.proxy.flows.chat import Chat
@@ -29,7 +30,7 @@ from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.openai.body import BodyReader
 from kvferry.proxy.openai.errors import ProxyError, error_body, json_response
 from kvferry.proxy.options import OptionError, ProxyOptions
-from kvferry.proxy.routing.membership import Discovery, is_loopback
+from kvferry.proxy.routing.membership import Discovery
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
@@ -109,7 +110,7 @@ class Proxy:
         """The admin API beyond loopback without an admin key: an error. Other unprotected
         surfaces beyond loopback: a warning, or (--require-cluster-secret) an error."""
         o = self.opts
-        if o.admin and not o.admin_key and not zsock.is_loopback(o.host):
+        if o.admin and not o.admin_key and not is_loopback(o.host):
             raise OptionError(f"the admin API (/admin/*) would listen on {o.host or '*'}, beyond loopback, without an "
                               "admin key: anyone who reaches it could add, drain and remove instances, and so choose "
                               "where prompts and their KV go. Set --admin-key (or KVFERRY_ADMIN_KEY; `kvferry "

@@ -1,22 +1,16 @@
-"""kvferry's OpenAI-facing disaggregation proxy (DESIGN.md steps 1-3, 5-7): `serve` and `main`.
+"""kvferry's OpenAI-facing disaggregation proxy: `serve` and `main`.
 
-Per request: pick a prefiller and a decoder (routing.py), run the prompt on the prefiller with
-max_tokens=1 and kv_transfer_params naming the decoder's receiver (flows/prefill.py, openai/legs.py), send the
-first token to the client at once, then stream the decoder's continuation as one well-formed
-OpenAI stream (flows/streaming.py). flows/completions.py and flows/chat.py hold each endpoint's flow; admin.py the
-proxy's own pages; flows/kv_transfers.py aborts and arrival notifications; flows/upstream.py the requests to the
-engines and their failures (over http/client.py's pool); app.py wires the parts into one aiohttp
-application.
+Per request: pick a prefiller and a decoder (routing/), run the prompt on the prefiller with
+max_tokens=1 and kv_transfer_params naming the decoder's receiver (flows/prefill.py,
+openai/legs.py), send the first token to the client at once, then stream the decoder's
+continuation as one well-formed OpenAI stream (flows/). docs/architecture.md names the file of
+each step.
 
-No client `kv_transfer_params` ever reaches an engine: the proxy alone chooses where KV goes
-(DESIGN.md "Trust"). An upstream failure is logged (role, URL, leg, cause), counted, and answered
-by an immediate /health probe of that instance, which ejects it when the probe fails too; the
-health loop re-admits it. The health loop and the notification reader run supervised (shown on
-/health).
-
-aiohttp serves the clients; the legs to the engines go through http/client.py's keep-alive pool
-(a fraction of aiohttp's client's CPU per request, itself a fraction of httpx's); imports neither
-torch nor vLLM.
+No client `kv_transfer_params` ever reaches an engine: the proxy alone chooses where KV goes (a
+client's would point a prefiller's sender at any host). An upstream failure is logged (role, URL,
+leg, cause), counted, and answered by an immediate /health probe of that instance, which ejects it
+when the probe fails too; the health loop re-admits it. The background loops run supervised
+(shown on /health). The proxy imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from aiohttp import web
 
 from kvferry.common import http_conns, zsock
 from kvferry.common import netutil as net
-from kvferry.common.log import get_logger
+from kvferry.common.log import configure_logging, get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
 from kvferry.proxy.multiproc.admin_log import Peers
@@ -150,6 +144,7 @@ def _port_free(opts: ProxyOptions) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse(argv)
+        configure_logging()
         if opts.workers > 1:
             _port_free(opts)
             return Supervisor(opts, opts.workers, _worker).run()

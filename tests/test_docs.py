@@ -75,10 +75,7 @@ def _cited_outside(top: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("top", [
-    *LIBRARY[:1],
-    pytest.param("proxy", marks=pytest.mark.xfail(strict=True, reason="proxy/ is rebuilt under issue 48, which "
-                                                  "drops these; then remove this mark")),
-    *LIBRARY[2:], "docs", "README.md", "examples", "deploy", "benchmarks", "Makefile", "pyproject.toml",
+    *LIBRARY, "docs", "README.md", "examples", "deploy", "benchmarks", "Makefile", "pyproject.toml",
 ])
 def test_nothing_cites_documents_outside_the_repository(top: str) -> None:
     """Docstrings, comments and docs stand alone: the why in place, or a link to a page in docs/."""

@@ -31,7 +31,7 @@ class BodyReader:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):
             raise ProxyError(400, "request body must be a JSON object", "bad_json")
-        # Only the proxy writes kv_transfer_params (DESIGN.md "Trust"): a client's would point a
+        # Only the proxy writes kv_transfer_params: a client's would point a
         # prefiller's sender at any host. vLLM also reads them from vllm_xargs.
         xargs = body.get("vllm_xargs")
         if "kv_transfer_params" in body or (isinstance(xargs, dict) and "kv_transfer_params" in xargs):

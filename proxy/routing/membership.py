@@ -10,7 +10,6 @@ once, counted). Static --prefiller/--decoder instances are left alone.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -18,6 +17,7 @@ from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
+from kvferry.common.netutil import is_loopback
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.metrics import ProxyMetrics
@@ -29,15 +29,6 @@ logger = get_logger(__name__)
 
 RETRY_S = 1.0  # after an etcd error or a bad discovery file
 MAX_LOGGED = 4096  # records remembered as logged (once each); past it the oldest is forgotten
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def spec_of(rec: m.InstanceRecord) -> tuple[InstanceSpec, tuple[str, str | None] | None]:
