@@ -11,9 +11,10 @@ mode against the same stubs twice: "vllm_router_rr" (--policy round_robin) and
 "vllm_router_default" (its default policy, cache_aware, which asks the engines' /tokenize).
 `--decoder-first` adds "kvferry_decoder_first": kvferry with `--first-token decoder` (the decoder
 computes every token, no token ids on either leg, as vllm-router's PD mode).
-`--baseline-path DIR` adds "kvferry_base": the proxy imported from DIR (a checkout of an older
-commit, e.g. `git worktree add /tmp/base HEAD~3`, with a `kvferry` package in it), to measure a
-change before and after in one run. Targets are measured in turns (every target at one concurrency,
+`--baseline-path DIR` adds "kvferry_base" (and, with `--decoder-first`,
+"kvferry_base_decoder_first"): the proxy imported from DIR (a checkout of an older commit, e.g.
+`git worktree add /tmp/base HEAD~3`, with a `kvferry` package in it), to measure a change before
+and after in one run. Targets are measured in turns (every target at one concurrency,
 then the next), `--rounds` times: the machine's speed drifts, so only numbers from one run compare.
 
 Reports per target and concurrency: req/s, p50/p99 TTFT and latency, added p50/p99 latency over
@@ -161,6 +162,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
         kv.append(("kvferry_decoder_first", None))
     if args.baseline_path:
         kv.append(("kvferry_base", str(Path(args.baseline_path).resolve())))
+        if args.decoder_first:
+            kv.append(("kvferry_base_decoder_first", str(Path(args.baseline_path).resolve())))
     for name, path in kv:
         px = free_port()
         env = dict(os.environ)
@@ -170,7 +173,7 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
                "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"]
         if args.workers is not None:  # a --baseline-path older than --workers does not start: leave it out
             cmd += ["--workers", str(args.workers)]
-        if name == "kvferry_decoder_first":
+        if name.endswith("decoder_first"):
             cmd += ["--first-token", "decoder"]
         if getattr(args, "tokenizer", None):
             cmd += ["--tokenizer", args.tokenizer]
@@ -185,6 +188,30 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
                    "--prometheus-port", str(free_port()), "--log-level", "error", *ROUTER_POLICIES[name]]
             out[name] = start(cmd, f"http://127.0.0.1:{port}/health")
             out[name].url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return out
+
+
+def vs_base(result: dict, args: argparse.Namespace) -> dict:
+    """Per mode and concurrency, the medians over rounds of this proxy's CPU per request and added
+    p50 latency over the baseline's, each ratio taken within one round."""
+    out: dict = {}
+    for mode, base in (("kvferry", "kvferry_base"), ("kvferry_decoder_first", "kvferry_base_decoder_first")):
+        if base not in result:
+            continue
+        for c in args.concurrency.split(","):
+            keys = [c] if args.rounds == 1 else [f"{c}#{r}" for r in range(args.rounds)]
+            cpu, added = [], []
+            for k in keys:
+                now, then = result[mode].get(k, {}), result[base].get(k, {})
+                if now.get("cpu_ms_per_request") and then.get("cpu_ms_per_request"):
+                    cpu.append(now["cpu_ms_per_request"] / then["cpu_ms_per_request"])
+                a, b = result["added"][mode].get(k, {}).get("p50_ms"), result["added"][base].get(k, {}).get("p50_ms")
+                if a is not None and b:
+                    added.append(a / b)
+            out.setdefault(mode, {})[c] = {
+                "cpu_ratio_median": round(statistics.median(cpu), 3) if cpu else None,
+                "cpu_ratio_range": [round(min(cpu), 3), round(max(cpu), 3)] if cpu else None,
+                "added_p50_ratio_median": round(statistics.median(added), 3) if added else None}
     return out
 
 
@@ -227,7 +254,8 @@ def main() -> int:
             for c in (int(x) for x in args.concurrency.split(",")):
                 key = str(c) if args.rounds == 1 else f"{c}#{rnd}"
                 d = result["direct"][key] = measure(f"http://127.0.0.1:{ds}", path, bodies, c, None)
-                for name, p in targets.items():
+                # Every other round in reverse, so no target always runs first or last.
+                for name, p in (list(targets.items())[::-1] if rnd % 2 else targets.items()):
                     r = result[name][key] = measure(p.url, path, bodies, c, p.pid)
                     if r.get("requests"):
                         result["added"][name][key] = {"p50_ms": round(r["p50_latency_ms"] - d["p50_latency_ms"], 3),
@@ -235,6 +263,8 @@ def main() -> int:
                     if not args.json:
                         print(key, name, r, flush=True)
         result["zero_errors"] = {name: all(r["errors"] == 0 for r in result[name].values()) for name in targets}
+        if args.baseline_path:
+            result["vs_base"] = vs_base(result, args)
         print(json.dumps(result))
     finally:
         for p in procs:

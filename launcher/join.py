@@ -323,7 +323,7 @@ def _local_health(bind_host: str, port: int) -> str:
 
 
 def _attach(args: argparse.Namespace, target: disc.Target, secret, advertise: str) -> int:
-    from kvferry.proxy.options import OptionError, parse_url
+    from kvferry.proxy.instance_flags import OptionError, parse_url
     try:
         url = parse_url("--attach", args.attach)
         init, alloc = _ports("--init-ports", args.init_ports), _ports("--alloc-ports", args.alloc_ports)

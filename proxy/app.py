@@ -24,12 +24,13 @@ from kvferry.proxy.flows.upstream import UpstreamClient
 from kvferry.proxy.http import limits
 from kvferry.proxy.http.front_door import FastRequest
 from kvferry.proxy.http.sse import CLIENT_STALL_S, Answer, SSEResponse
+from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.openai.body import BodyReader
 from kvferry.proxy.openai.errors import ProxyError, error_body, json_response
-from kvferry.proxy.options import OptionError, ProxyOptions
+from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.membership import Discovery
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router

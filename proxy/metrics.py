@@ -3,8 +3,8 @@ documented collector API (`generate_latest` over a custom `Collector`) and, with
 its multiprocess files and `MultiProcessCollector`.
 
 Why its own values rather than prometheus-client's metric classes: every value here changes on
-the event loop's one thread, so it needs no lock (prometheus-client takes one per increment,
-about 2% of a request's CPU); and a series labelled with an instance must leave the page, and
+the event loop's one thread, so it needs no lock (prometheus-client takes one per increment, on
+every request); and a series labelled with an instance must leave the page, and
 this process's memory and files, when the instance goes (`forget_instance`): instance churn must
 not grow /metrics. prometheus-client's multiprocess values cannot drop a series from their files.
 
@@ -258,7 +258,13 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.folder = _files.folder if _files is not None else None
         self.families: list[_Family] = []
-        r = self.families
+        self._requests(self.families)
+        self._routing(self.families)
+        # --workers N: the instance labels to show (the router's); "proxy" labels the proxy's own errors.
+        self.live_instances: Callable[[], set[str]] | None = None
+
+    def _requests(self, r: list[_Family]) -> None:
+        """Requests, their legs and their latencies."""
         self.requests = Counter("kvferry_proxy_requests", "Client requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("kvferry_proxy_errors", "Errors by kind and instance", ["kind", "instance"], registry=r)
@@ -284,6 +290,9 @@ class ProxyMetrics:
                                        "From the decode leg's start to its first chunk", _LAT, registry=r)
         self.ttft = Histogram("kvferry_proxy_ttft_seconds", "Client time to first token", _LAT, registry=r)
         self.itl = Histogram("kvferry_proxy_inter_token_seconds", "Gap between streamed chunks", _LAT, registry=r)
+
+    def _routing(self, r: list[_Family]) -> None:
+        """Routing, instances, discovery and connections."""
         self.routes = Counter("kvferry_proxy_routing_decisions", "Routing decisions by reason (docs/proxy.md "
                               "\"Routing\")", ["reason"], registry=r)
         self.served = Counter("kvferry_proxy_served", "Prompts by how they were served: disaggregated (a prefill "
@@ -322,8 +331,6 @@ class ProxyMetrics:
                                            ["reason"], registry=r)
         self.board_full = Counter("kvferry_proxy_board_full", "Instances added while every row of the --workers "
                                   "load board was held: routed, on each worker's own load", registry=r)
-        # --workers N: the instance labels to show (the router's); "proxy" labels the proxy's own errors.
-        self.live_instances: Callable[[], set[str]] | None = None
 
     def forget_instance(self, iid: str) -> None:
         """Every series labelled `instance=iid` leaves the page (and this process's memory and files)."""

@@ -29,11 +29,12 @@ from kvferry.common import netutil as net
 from kvferry.common.log import configure_logging, get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
+from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.multiproc.supervisor import Supervisor
 from kvferry.proxy.openai.errors import ProxyError, error_body
-from kvferry.proxy.options import OptionError, ProxyOptions, parse
+from kvferry.proxy.options import ProxyOptions, parse
 
 __all__ = ["Proxy", "ProxyError", "main", "serve"]
 
@@ -101,8 +102,8 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
 
 def _calm_gc() -> None:
     """What start-up made lives as long as the proxy: the collector stops scanning it (gc.freeze),
-    and it runs less often (a request's short-lived dicts and lists set it off: ~4% of the CPU
-    per request went to collections)."""
+    and it runs less often (a request's short-lived dicts and lists set it off, and every
+    collection costs CPU on the hot path)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 20, 20)

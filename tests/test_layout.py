@@ -115,6 +115,16 @@ def test_modules_and_classes_stay_small() -> None:
     assert not big, "split these by concern: " + "; ".join(big)
 
 
+def test_no_proxy_function_is_over_60_lines() -> None:
+    """The proxy is read more than it is written: each function does one step of a request."""
+    long = []
+    for path in (REPO / "proxy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "split these into steps: " + "; ".join(long)
+
+
 # Private names of other libraries the library may use because their owners document them.
 DOCUMENTED_PRIVATE = {"_exit"}  # os._exit: the documented way for a forked child to end
 

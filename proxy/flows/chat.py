@@ -9,15 +9,16 @@ otherwise (and always with --first-token decoder) the client gets the decoder's 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
 
-from kvferry.proxy.flows import migrate, streaming
+from kvferry.proxy.flows import migrate
+from kvferry.proxy.flows.chat_stream import ChatStream, chat_as_stream
 from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http.sse import Answer
@@ -64,19 +65,13 @@ class Chat:
             if pre is None:
                 route = ctx.router.served_alone(route)
         if max_tokens == 1 or route.local:  # one instance serves it all: no KV sent anywhere
-            p = route.prefiller if max_tokens == 1 and route.prefiller else d
-            leg, move = body, None
-            if ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
-                # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
-                leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
-            return await self._alone(route, p, ntok, lambda up: streaming.relay_chat(
-                ctx, request, up, PATH, leg, t0, move=move), move.mig if move is not None else None)
+            return await self._stream_alone(request, body, route, ntok, max_tokens, t0)
         assert pre is not None  # a route with a prefiller, whose leg answered
         first, tid = pre
         choice = first["choices"][0]
         if choice.get("finish_reason") in FINISHED:
             ctx.transfers.abort(d, tid, "the first token ended the request")
-            return await streaming.chat_as_stream(ctx, request, first, body, t0)
+            return await chat_as_stream(ctx, request, first, body, t0)
         msg = choice["message"]
         # The decoder regenerates the first token: stream the prefiller's at once only when the
         # decoder is sure to pick the same one; else stream the decoder's own.
@@ -89,57 +84,50 @@ class Chat:
             move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
                                     first.get("prompt_token_ids"))
             leg["return_token_ids"] = True
-        mig = move.mig if move is not None else migrate.Migration(ctx, ctx.opts.max_migrations)
-        try:
-            while True:
-                try:
-                    with ctx.router.upstream(d) as up:
-                        r = await streaming.relay_chat(ctx, request, up, PATH, leg, t0, first_text=fast,
-                                                       first=first, move=move)
-                    d.served_one()
-                    return r
-                except ProxyError as e:
-                    # relay_chat raises only while nothing reached the client: with no first token sent,
-                    # the conversation runs again, whole, on another decoder (no transfer: it computes
-                    # the prompt itself; a move's state is still empty).
-                    nd = mig.next_decoder(d, e) if fast is None and mig.can_move(e) else None
-                    if nd is None:
-                        raise
-                    if "kv_transfer_params" in leg:
-                        ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
-                    d, leg = nd, {k: v for k, v in leg.items() if k != "kv_transfer_params"}
-                    if move is not None:
-                        move.tid = ""
-        except (asyncio.CancelledError, ConnectionResetError):
-            if "kv_transfer_params" in leg:
-                migrate.client_left(ctx, d, tid)  # the decoder drops the request: nothing recomputed
-            raise
-        except BaseException:
-            if "kv_transfer_params" in leg:
-                ctx.transfers.abort(d, tid, "decode leg failed")
-            raise
+        dl = DecodeLeg(ctx, d, leg, tid, move.mig if move is not None else None)
+
+        def next_leg(e: ProxyError) -> dict | None:
+            # The stream raises only while nothing reached the client: with no first token sent,
+            # the conversation runs again, whole, on another decoder (no transfer: it computes the
+            # prompt itself; a move's state is still empty).
+            if fast is not None:
+                return None
+            if move is not None:
+                move.tid = ""
+            return {k: v for k, v in dl.leg.items() if k != "kv_transfer_params"}
+        return await dl.run(lambda up, leg: ChatStream(ctx, request, PATH, t0, fast, first, move).run(up, leg),
+                            next_leg)
+
+    async def _stream_alone(self, request: web.Request, body: dict, route: Route, ntok: int,
+                            max_tokens: int | None, t0: float) -> Answer:
+        """A streamed request one instance serves whole (one token, or a local route)."""
+        ctx = self.ctx
+        p = route.prefiller if max_tokens == 1 and route.prefiller else route.decoder
+        leg, move = body, None
+        if ctx.opts.legs_carry_ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
+            # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
+            leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
+        return await self._alone(route, p, ntok, lambda up: ChatStream(ctx, request, PATH, t0, move=move).run(
+            up, leg), move.mig if move is not None else None)
 
     async def _alone(self, route: Route, p: Instance, ntok: int, call: Callable[[Upstream], Awaitable[T]],
                      mig: migrate.Migration | None = None) -> T:
         """`call` on the one instance that serves the request alone. A decoder that fails it before
         its first chunk (nothing reached the client) is replaced by another; a prefiller serving a
-        one-token request is not."""
-        movable = route.local and p is route.decoder
-        while True:
+        one-token request is not, but its decoder serves it instead."""
+        if p is not route.decoder:
             try:
                 with self.ctx.router.upstream(p, ntok, "single") as up:
-                    return await call(up)
+                    out = await call(up)
+                p.served_one()
+                return out
             except ProxyError as e:
-                if p is not route.decoder and e.kind in DECODER_CAN_SERVE:
-                    p = route.decoder  # a one-token answer's prefiller failed: its decoder serves it
-                    continue
-                if not movable:
+                if e.kind not in DECODER_CAN_SERVE:
                     raise
-                mig = mig or migrate.Migration(self.ctx, self.ctx.opts.max_migrations)
-                nd = mig.next_decoder(p, e) if mig.can_move(e) else None
-                if nd is None:
-                    raise
-                p = nd
+            p = route.decoder  # a one-token answer's prefiller failed: its decoder serves it
+        dl = DecodeLeg(self.ctx, p, {}, "", mig)
+        movable = route.local
+        return await dl.run(lambda up, leg: call(up), lambda e: {} if movable else None, ntok, "single")
 
     async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
@@ -172,12 +160,7 @@ class Chat:
                 route = ctx.router.served_alone(route)
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
-
-            async def whole(up: Upstream) -> dict:
-                out = await up.json(PATH, body, "chat")
-                up.inst.served_one()
-                return out
-            return await self._alone(route, p, ntok, whole)
+            return await self._alone(route, p, ntok, lambda up: up.json(PATH, body, "chat"))
         assert pre is not None  # a route with a prefiller, whose leg answered
         first, tid = pre
         if first["choices"][0].get("finish_reason") in FINISHED:
@@ -188,25 +171,9 @@ class Chat:
                 for c in first.get("choices") or []:
                     c["token_ids"] = None
             return first
-        leg = chat_decode_leg(body, tid)
-        mig = migrate.Migration(ctx, ctx.opts.max_migrations)
-        while True:
-            try:
-                with ctx.router.upstream(d) as up:
-                    out = await up.json(PATH, leg, "chat")
-                d.served_one()
-                break
-            except ProxyError as e:
-                # Nothing reached the client: the conversation runs again, whole, on another decoder.
-                if "kv_transfer_params" in leg:
-                    ctx.transfers.abort(d, tid, f"decode leg failed: {e.kind}")
-                nd = mig.next_decoder(d, e) if mig.can_move(e) else None
-                if nd is None:
-                    raise
-                d, leg = nd, dict(body)
-            except BaseException:
-                if "kv_transfer_params" in leg:
-                    ctx.transfers.abort(d, tid, "decode leg failed")
-                raise
+        # Nothing reached the client when a decoder fails: the conversation runs again, whole, on
+        # another decoder.
+        dl = DecodeLeg(ctx, d, chat_decode_leg(body, tid), tid)
+        out = await dl.run(lambda up, leg: up.json(PATH, leg, "chat"), lambda e: dict(body))
         out.pop("kv_transfer_params", None)
         return out

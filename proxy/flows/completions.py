@@ -11,9 +11,11 @@ import time
 from aiohttp import web
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.flows import migrate, streaming
+from kvferry.proxy.flows.completion_stream import CompletionStream
 from kvferry.proxy.flows.context import Context
+from kvferry.proxy.flows.failover import DecodeLeg, whole_again
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai import body as bodies
@@ -148,34 +150,19 @@ class Completions:
             out = first
         else:
             leg = completion_decode_leg(body, first if pre.mode == "ids" else None, pre.tid, max_tokens, False)
-            mig = migrate.Migration(ctx, ctx.opts.max_migrations)
-            while True:
+
+            async def decode(up: Upstream, leg: dict) -> dict:
+                t1 = time.perf_counter()
+                rest = await up.json("/v1/completions", leg, "completion")
+                ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
                 try:
-                    with ctx.router.upstream(d) as up:
-                        t1 = time.perf_counter()
-                        rest = await up.json("/v1/completions", leg, "completion")
-                        ctx.metrics.decoder_first.observe(time.perf_counter() - t1)
-                    d.served_one()
-                    break
-                except ProxyError as e:
-                    # Nothing reached the client yet: the whole decode leg runs again on another
-                    # decoder, which computes the prompt's KV itself.
-                    if leg.get("kv_transfer_params"):
-                        ctx.transfers.abort(d, pre.tid, f"decode leg failed: {e.kind}")
-                    nd = mig.next_decoder(d, e) if mig.can_move(e) else None
-                    if nd is None:
-                        raise
-                    d = nd
-                    leg = migrate.continuation_leg(leg, leg["prompt"] if pre.mode == "ids" else None, [],
-                                                   leg["max_tokens"], leg.get("min_tokens"))
-                except BaseException:
-                    if leg.get("kv_transfer_params"):
-                        ctx.transfers.abort(d, pre.tid, "decode leg failed")
-                    raise
-            try:
-                out = merge_completion(first, rest) if pre.mode == "ids" else rest
-            except BadAnswer as e:
-                raise up.bad(str(e)) from None
+                    return merge_completion(first, rest) if pre.mode == "ids" else rest
+                except BadAnswer as e:
+                    raise up.bad(str(e)) from None
+            # Nothing reached the client yet when a decoder fails: the whole decode leg runs again
+            # on another, which computes the prompt's KV itself.
+            dl = DecodeLeg(ctx, d, leg, pre.tid)
+            out = await dl.run(decode, whole_again(leg))
             echo = "" if pre.mode == "regen" else echo  # the decoder echoed it itself
         if echo:
             out["choices"][0]["text"] = echo + (out["choices"][0].get("text") or "")
@@ -192,4 +179,4 @@ class Completions:
         """One prompt, streamed: the prefiller's first token at once, then the decoder's stream."""
         pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
         echo = await self.echo(body, pre) if pre.mode == "ids" else ""
-        return await streaming.completion(self.ctx, request, body, pre, echo, max_tokens, t0)
+        return await CompletionStream(self.ctx, body, pre, echo, max_tokens, t0).run(request)

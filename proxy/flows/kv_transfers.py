@@ -24,8 +24,9 @@ from kvferry.common import netutil as net
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
+from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.metrics import ProxyMetrics
-from kvferry.proxy.options import OptionError, ProxyOptions
+from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)

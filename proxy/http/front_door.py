@@ -2,8 +2,8 @@
 with a Content-Length body over HTTP/1.1 are parsed and answered here; every other request goes
 to aiohttp's server, which serves it as before.
 
-Why: aiohttp's server cost about a fifth of the proxy's CPU per request (its request, payload,
-writer, middleware and task objects). Its application still holds every route, the hot ones
+Why: aiohttp's server builds request, payload, writer, middleware and task objects per request,
+a large share of the proxy's CPU per request (docs/benchmarks.md). Its application still holds every route, the hot ones
 included, so each request has one handler whichever way it came in.
 
 How a request leaves the hot path: a request on another path or method, a chunked or `Expect`

@@ -1,7 +1,7 @@
 """JSON in and out of the proxy, on msgspec: a request body, an engine's answer and every chunk it
 relays are parsed and written here, and only here.
 
-msgspec rather than the json module: it decodes 2-8x and encodes about 10x faster, which bounds how
+msgspec rather than the json module: it decodes and encodes several times faster, which bounds how
 long one large body holds the event loop (decoding in a thread would not help: it holds the GIL).
 It writes compact JSON, as vLLM does, which the byte-level chunk rewriter (openai/rewrite.py)
 relies on.

@@ -1,7 +1,8 @@
 """A decode stream's chunks as the client gets them, rewritten as bytes a read at a time rather
 than parsed chunk by chunk, and, for a read that comes while the stream's task waits, written to
 the client in the decoder connection's own callback (Upstream.events' `direct`): no task wakeup
-per token. proxy/flows/streaming.py takes whatever is not the usual chunk, chunk by chunk."""
+per token; a chunk that is not the usual one is rewritten on its own.
+flows/completion_stream.py and flows/chat_stream.py relay what it rewrites."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from typing import Any, Protocol
 
 from kvferry.proxy.openai import json_codec
+from kvferry.proxy.openai.merge import offset_after, shift_offsets
 
 # vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"
 # does not match: its key has no quote before "token_ids").
@@ -54,18 +56,9 @@ class Client(Protocol):
     def write_now(self, data: bytes) -> bool: ...
 
 
-class Tracker(Protocol):
-    """What a chat stream that may move to another decoder keeps (flows/migrate.py's ChatMove)."""
-
-    want_ids: bool  # the client asked for token ids
-    ok: bool  # every chunk so far was plain content with its ids: the stream can still move
-    got: list[int]  # the token ids the client got
-    ended: bool  # a chunk with a finish_reason went out
-
-
 # A chunk with one of these keys is not a usual one: a usage or prompt ids chunk; in chat, a delta
 # that is not plain content (a move continues plain text only: migrate.ChatMove). A substring test
-# per key: bytes' own search, measured faster than one regex whose every '"' starts a try.
+# per key: bytes' own search is cheaper than one regex whose every '"' starts a try.
 COMPLETION_UNUSUAL = (b'"usage"', b'"prompt_token_ids":[')
 CHAT_UNUSUAL = (*COMPLETION_UNUSUAL, b'"tool_calls"', b'"reasoning', b'"function_call"')
 _FINISH = b'"finish_reason":'
@@ -109,32 +102,10 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
     for o in olds:
         if (o not in sse) if one else (sse.count(o) != n):
             return None
-    ids: list[int] = []
-    if keep_ids or not want_ids:
-        # Without keep_ids a chunk need not carry ids (--first-token decoder's legs do not ask:
-        # vLLM writes null, others nothing); whatever ids come are stripped all the same.
-        if one:
-            m = TOKEN_IDS.search(sse)
-            if m is None:
-                if keep_ids:
-                    return None
-                found = []
-            else:
-                found = [m.group(1)]
-                if not want_ids:
-                    sse = strip_token_ids(sse, m)
-        else:
-            parts = TOKEN_IDS.split(sse)  # one pass: the text around each list, and its ids
-            found = parts[1::2]
-            if keep_ids and len(found) != n:
-                return None
-            if found and not want_ids:
-                sse = b'"token_ids":null'.join(parts[::2])
-        if keep_ids:
-            try:
-                ids = _token_ids(found)
-            except ValueError:  # "1,,2": the chunk by chunk path decides
-                return None
+    got = _ids(sse, one, n, want_ids, keep_ids)
+    if got is None:
+        return None
+    sse, ids = got
     if one:
         f = sse.find(_FINISH)
         ended = f >= 0 and not sse.startswith(b"null", f + len(_FINISH))
@@ -143,6 +114,38 @@ def plain_sse(sse: bytes, swap: tuple[bytes, ...], want_ids: bool, keep_ids: boo
     for i in range(0, len(swap), 2):
         sse = sse.replace(swap[i], swap[i + 1])
     return sse, ids, ended
+
+
+def _ids(sse: bytes, one: bool, n: int, want_ids: bool, keep_ids: bool) -> tuple[bytes, list[int]] | None:
+    """plain_sse's token ids: (the events, stripped of their ids unless `want_ids`; the ids when
+    `keep_ids`), None when an event lacks the ids `keep_ids` needs or they are not integers."""
+    if want_ids and not keep_ids:
+        return sse, []
+    # Without keep_ids a chunk need not carry ids (--first-token decoder's legs do not ask: vLLM
+    # writes null, others nothing); whatever ids come are stripped all the same.
+    if one:
+        m = TOKEN_IDS.search(sse)
+        if m is None:
+            if keep_ids:
+                return None
+            found = []
+        else:
+            found = [m.group(1)]
+            if not want_ids:
+                sse = strip_token_ids(sse, m)
+    else:
+        parts = TOKEN_IDS.split(sse)  # one pass: the text around each list, and its ids
+        found = parts[1::2]
+        if keep_ids and len(found) != n:
+            return None
+        if found and not want_ids:
+            sse = b'"token_ids":null'.join(parts[::2])
+    if not keep_ids:
+        return sse, []
+    try:
+        return sse, _token_ids(found)
+    except ValueError:  # "1,,2": the chunk by chunk path decides
+        return None
 
 
 def plain_batch(batch: list[bytes], swap: tuple[bytes, ...], want_ids: bool, keep_ids: bool,
@@ -162,13 +165,19 @@ def swap_pairs(keys: tuple[bytes, ...], dec: tuple[Any, ...], ours: tuple[Any, .
     return swap
 
 
-class DecodeRelay:
-    """A completion's decode stream as the client gets it: what its task and its direct relay
-    (`direct`, called in the decoder connection's callback: Upstream.events) share."""
+class CompletionRewriter:
+    """A completion's decode stream as the client gets it: every chunk of it is rewritten here,
+    whichever way it comes. A read of usual chunks (`direct`, called in the decoder connection's
+    callback: Upstream.events) or a batch of them (`batch`) is rewritten as bytes, all at once
+    (plain_batch); any other chunk is rewritten on its own: as bytes in place when its id and
+    time are where vLLM writes them, else parsed. The decode leg's own usage chunk is not the
+    client's: it goes to `on_usage`."""
 
-    __slots__ = ("resp", "itl", "want_ids", "parse_lp", "swap", "sent", "ended", "gaps", "last")
+    __slots__ = ("resp", "itl", "want_ids", "parse_lp", "swap", "sent", "ended", "gaps", "last", "ours", "shift",
+                 "next_off", "on_usage", "on_no_ids")
 
-    def __init__(self, resp: Client, itl: Any, want_ids: bool, parse_lp: bool, sent: list[int] | None) -> None:
+    def __init__(self, resp: Client, itl: Any, want_ids: bool, parse_lp: bool, sent: list[int] | None,
+                 ours: tuple[str, int], shift: int, on_usage: Any, on_no_ids: Any) -> None:
         self.resp, self.itl, self.want_ids, self.parse_lp = resp, itl, want_ids, parse_lp
         self.swap: tuple[bytes, ...] | None = None  # the leg's id and time, and ours (plain_batch)
         # The tokens the client got, to continue elsewhere if the decoder fails; None once a chunk
@@ -177,20 +186,75 @@ class DecodeRelay:
         self.ended = False  # a chunk with a finish_reason went out (on this leg)
         self.gaps: list[float] = []  # inter-token gaps, observed together (Histogram.observe_all)
         self.last = 0.0
+        self.ours = ours  # the client's id and created
+        # Plain vLLM's text offsets run on across chunks: each leg's start at 0 again, so they are
+        # moved on by `shift` (the first token's, then where the last leg stopped: `next_off`).
+        self.shift = self.next_off = shift
+        self.on_usage, self.on_no_ids = on_usage, on_no_ids
 
-    def learn(self, dec: tuple[Any, Any], ours: tuple[Any, Any]) -> tuple[bytes, ...]:
-        """From a decoder's chunk (its id and created) and what the client sees instead; both pairs
-        kept, in that order (streaming.completion's chunk by chunk path swaps them by index)."""
-        self.swap = swap_pairs((b'"id":', b'"created":'), dec, ours, True)
-        return self.swap
+    def new_leg(self, now: float) -> None:
+        """A decode leg starts (the first, or one on another decoder): its id is learnt anew."""
+        self.last, self.swap, self.ended = now, None, False
+        self.shift = self.next_off
 
-    def usual(self, head: list[bytes]) -> bytes | None:
-        """The usual chunks rewritten whole (plain_batch), their ids and end noted; None otherwise."""
-        fast = self._rewrite(head)
-        if fast is None:
-            return None
-        self._note(fast)
-        return fast[0]
+    def learn(self, dec: tuple[Any, Any]) -> None:
+        """From a decoder's chunk (its id and created): both pairs kept, in that order (`one` swaps
+        them by index)."""
+        self.swap = swap_pairs((b'"id":', b'"created":'), dec, self.ours, True)
+
+    def batch(self, batch: list[bytes], parse: Any) -> bytes:
+        """A batch of the leg's chunk payloads as the client's SSE bytes (b"" for none); `parse`
+        turns one payload into a checked dict (Upstream.chunk)."""
+        # The decode leg's usage chunk comes last: the chunks before it may still be usual.
+        usage_tail = batch[-1:] if b'"usage"' in batch[-1] else []
+        fast = self._rewrite(batch[:-1] if usage_tail else batch)
+        out = []
+        if fast is not None:  # the usual chunks, rewritten whole
+            self._note(fast)
+            out.append(fast[0])
+            batch = usage_tail
+        for data in batch:
+            one = self.one(data, parse)
+            if one is not None:
+                out.append(b"data: " + one + b"\n\n")
+        return b"".join(out)
+
+    def one(self, data: bytes, parse: Any) -> bytes | None:
+        """One chunk's payload as the client gets it; None for the leg's own usage chunk."""
+        if b'"usage"' in data:
+            u = parse(data)
+            if not u.get("choices") and u.get("usage"):
+                self.on_usage(u)
+                return None
+        m = TOKEN_IDS.search(data)  # one search: the ids kept and stripped
+        if self.sent is not None:
+            ids = token_ids_in(data, m)
+            if ids is None:
+                self.sent = None  # an engine that ignores return_token_ids: no moving
+                self.on_no_ids()
+            else:
+                self.sent += ids
+        if b'"finish_reason":null' not in data and b'"finish_reason"' in data:
+            self.ended = True
+        swap = self.swap
+        assert swap is not None, "learn() first"
+        if swap[0] in data and swap[2] in data and not self.parse_lp and b'"prompt_token_ids":[' not in data:
+            # vLLM writes compact JSON: swap the decoder's id and time for ours in place (the ids
+            # first: `m` points into the chunk as it came).
+            if not self.want_ids:
+                data = strip_token_ids(data, m)
+            return data.replace(swap[0], swap[1], 1).replace(swap[2], swap[3], 1)
+        chunk = parse(data)
+        chunk["id"], chunk["created"] = self.ours
+        for c in chunk.get("choices", []):
+            if "prompt_token_ids" in c:  # the decode leg's, not the client's
+                c["prompt_token_ids"] = None
+            if not self.want_ids and "token_ids" in c:
+                c["token_ids"] = None
+            if self.parse_lp:
+                shift_offsets(c, self.shift)
+                self.next_off = offset_after(c.get("logprobs")) or self.next_off
+        return json_codec.dumps(chunk)
 
     def direct(self, sse: bytes) -> bool:
         """Write a read of usual chunks to the client at once; False (nothing changed) otherwise."""
@@ -220,50 +284,3 @@ class DecodeRelay:
         if self.sent is not None:
             self.sent += fast[1]
         self.ended = self.ended or fast[2]
-
-
-class ChatRelay:
-    """A chat leg's stream once its chunks are the usual ones (the first token's repeat dropped,
-    the decoder's id known): rewritten a batch at a time by plain_batch, in the leg's task
-    (`usual`) or in the decoder connection's callback (`direct`)."""
-
-    __slots__ = ("resp", "move", "swap")
-
-    def __init__(self, resp: Client, move: Tracker | None) -> None:
-        self.resp, self.move = resp, move
-        self.swap: tuple[bytes, ...] | None = None  # the decoder's id, time and model, and the client's
-
-    def learn(self, dec: tuple[Any, Any, Any], ours: tuple[Any, Any, Any]) -> None:
-        """From a decoder's chunk (its id, created, model) and what the client sees instead."""
-        self.swap = swap_pairs((b'"id":', b'"created":', b'"model":'), dec, ours, False)
-
-    def usual(self, batch: list[bytes]) -> bytes | None:
-        fast = self._rewrite(batch, plain_batch) if batch else None
-        if fast is None:
-            return None
-        self._note(fast)
-        return fast[0]
-
-    def direct(self, sse: bytes) -> bool:
-        fast = self._rewrite(sse, plain_sse)
-        if fast is None or not self.resp.write_now(fast[0]):
-            return False
-        self._note(fast)
-        return True
-
-    def _rewrite(self, got: Any, how: Any) -> tuple[bytes, list[int], bool] | None:
-        """`how` (plain_sse or plain_batch) on `got`. Only a move needs the chunks' ids and plain
-        content; without one every chunk goes out as written, its id, time and model swapped."""
-        if self.swap is None:
-            return None
-        m = self.move
-        if m is None:
-            return how(got, self.swap, True, False, ())
-        return how(got, self.swap, m.want_ids, m.ok, CHAT_UNUSUAL)
-
-    def _note(self, fast: tuple[bytes, list[int], bool]) -> None:
-        m = self.move
-        if m is not None:
-            if m.ok:
-                m.got += fast[1]
-            m.ended = m.ended or fast[2]

@@ -20,8 +20,9 @@ from kvferry.common.log import get_logger
 from kvferry.common.netutil import is_loopback
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.supervise import LoopHealth
+from kvferry.proxy.instance_flags import InstanceSpec, OptionError, parse_url
 from kvferry.proxy.metrics import ProxyMetrics
-from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse_url
+from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 

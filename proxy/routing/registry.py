@@ -12,9 +12,9 @@ from functools import cached_property
 
 from kvferry.common.errors import UnavailableError
 from kvferry.common.transfer_params import DisaggSpec
+from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import Value
 from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
-from kvferry.proxy.options import InstanceSpec
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
 

@@ -19,11 +19,12 @@ from aiohttp import web
 
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.flows.upstream import Upstream, UpstreamClient
+from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics, Value
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import ROLES, ROWS, LoadBoard
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.options import InstanceSpec, ProxyOptions
+from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing import health
 from kvferry.proxy.routing.cache import NO_PREFILLER, CacheView, Route, choose, effective, local_reason, served_mode
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry

@@ -70,8 +70,8 @@ class PromptTokens:
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        # The same ids as encode() without the character offsets it also computes: a quarter less
-        # CPU per prompt (tokenizers >= 0.20; older ones have encode() only). One text per call, so
+        # The same ids as encode() without the character offsets it also computes, which cost CPU
+        # on every prompt (tokenizers >= 0.20; older ones have encode() only). One text per call, so
         # no rayon pool (a thread per core, a hand-off per prompt) unless the user asks for one.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._encode_fast = getattr(self._tok, "encode_batch_fast", None)

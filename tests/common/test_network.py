@@ -18,7 +18,8 @@ import zmq
 from kvferry.common import messages as m
 from kvferry.common import netutil, secret, zsock
 from kvferry.common.netutil import free_port
-from kvferry.proxy.options import OptionError, parse
+from kvferry.proxy.instance_flags import OptionError
+from kvferry.proxy.options import parse
 from tests.stub_procs import Proc, _no_process_outlives_its_test, log, stub  # noqa: F401
 
 

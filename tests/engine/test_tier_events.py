@@ -13,7 +13,8 @@ from kvferry.common.config import load_config
 from kvferry.engine.offload.ops import GB
 from kvferry.engine.offload.planner import OffloadPlanner
 from kvferry.engine.offload.tier_events import ChunkRemoved, ChunkStored, TierEventLog
-from kvferry.proxy.options import InstanceSpec, ProxyOptions
+from kvferry.proxy.instance_flags import InstanceSpec
+from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.cache import CacheView, choose, effective
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys

@@ -395,7 +395,8 @@ def test_discovery_join_help_and_errors() -> None:
 
 def test_discovery_needs_the_secret_beyond_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvferry.proxy.app import Proxy
-    from kvferry.proxy.options import OptionError, parse
+    from kvferry.proxy.instance_flags import OptionError
+    from kvferry.proxy.options import parse
     monkeypatch.delenv("KVFERRY_CLUSTER_SECRET", raising=False)
     monkeypatch.delenv("KVFERRY_CLUSTER_SECRET_FILE", raising=False)
     for argv in (["--discovery", "etcd://10.1.2.3:2379/k"],

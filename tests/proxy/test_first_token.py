@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvferry.proxy.options import OptionError, parse
+from kvferry.proxy.instance_flags import OptionError
+from kvferry.proxy.options import parse
 from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
 
 PROMPT = "the decoder computes the answer"

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.proxy.options import InstanceSpec, OptionError, ProxyOptions, parse
+from kvferry.proxy.instance_flags import InstanceSpec, OptionError
+from kvferry.proxy.options import ProxyOptions, parse
 from kvferry.proxy.routing.cache import CacheView, choose, local_reason
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys

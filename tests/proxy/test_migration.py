@@ -79,7 +79,7 @@ def test_a_stream_whose_decoder_dies_migrates_with_no_gap_and_true_usage() -> No
 @pytest.mark.parametrize("logprobs", [1, None], ids=["chunk_by_chunk", "direct_relay"])
 def test_a_sigkilled_decoder_mid_stream_migrates(logprobs: int | None) -> None:
     """With logprobs each chunk's offsets are rewritten by the leg's task; without, the tokens
-    that come a read at a time are relayed in the decoder connection's callback (DecodeRelay.direct):
+    that come a read at a time are relayed in the decoder connection's callback (CompletionRewriter.direct):
     either way the tokens the client got are kept, and the stream continues from them."""
     p0, d0, d1, ref = stubs(0, 0.2, 0.2, 0)
     px = proxy([p0], [d0, d1], "--policy", "round_robin", "--health-interval", "60")

@@ -24,7 +24,8 @@ import pytest
 
 from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
-from kvferry.proxy.options import OptionError, parse
+from kvferry.proxy.instance_flags import OptionError
+from kvferry.proxy.options import parse
 from tests.polling import until
 from tests.stub_procs import (
     Proc,
@@ -192,7 +193,7 @@ def test_stream_is_one_well_formed_stream_with_usage(cluster) -> None:
 
 def test_a_decoder_with_a_gap_between_tokens_streams_the_same_answer() -> None:
     """A real decoder sends a token per step: each read is relayed in the decoder connection's
-    callback (relay.DecodeRelay.direct), not by the leg's task. The client's stream is the
+    callback (CompletionRewriter.direct), not by the leg's task. The client's stream is the
     one the burst path gives: one id and time, the text, the token ids only when asked, the usage."""
     p0, d0, ref = stubs(0, 0.02, 0)
     px = proxy([p0], [d0], "--workers", "1")

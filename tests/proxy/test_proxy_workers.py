@@ -177,7 +177,8 @@ def test_a_killed_worker_is_replaced_and_none_outlives_the_proxy() -> None:
 
 
 def test_workers_flag() -> None:
-    from kvferry.proxy.options import OptionError, parse
+    from kvferry.proxy.instance_flags import OptionError
+    from kvferry.proxy.options import parse
     base = ["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,3,4"]
     assert parse(base).workers == len(os.sched_getaffinity(0))
     assert parse([*base, "--workers", "1"]).workers == 1

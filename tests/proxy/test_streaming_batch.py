@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from kvferry.proxy.flows.chat_stream import ChatRelay
 from kvferry.proxy.http.sse import plain_events
-from kvferry.proxy.openai.rewrite import CHAT_UNUSUAL, ChatRelay, plain_batch, plain_sse
+from kvferry.proxy.openai.rewrite import CHAT_UNUSUAL, plain_batch, plain_sse
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
 
@@ -118,7 +119,7 @@ def test_without_ids_to_keep_a_chunk_needs_none(ids: bytes) -> None:
     b"data: " + chunk(0) + b"\n\ndata: " + chunk(1),  # a chunk cut short
 ])
 def test_what_a_direct_read_must_not_relay_is_refused(sse: bytes) -> None:
-    """plain_sse takes a read as the engine wrote it (DecodeRelay.direct): anything but whole
+    """plain_sse takes a read as the engine wrote it (CompletionRewriter.direct): anything but whole
     usual events is refused, for the leg's task to take."""
     assert plain_sse(sse, SWAP, True, keep_ids=False) is None
 
