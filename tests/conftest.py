@@ -49,6 +49,16 @@ def no_store_client_left_behind() -> Iterator[None]:
                     "before stopping the master", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    """Stops the stub engines and proxies a test started (tests/stub_procs.py), even when the test
+    failed before its own cleanup. A module-scoped fixture's processes are started before a test's
+    own fixtures, so they are not counted as the test's."""
+    from tests.stub_procs import stopped_at_the_end
+    with stopped_at_the_end():
+        yield
+
+
 @pytest.fixture
 def kvf_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     """caplog for kvferry's loggers, which do not propagate to the root logger."""

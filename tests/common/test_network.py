@@ -19,7 +19,7 @@ from kvferry.common import messages as m
 from kvferry.common import netutil, secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.proxy.options import OptionError, parse
-from tests.stub_procs import Proc, _no_process_outlives_its_test, log, stub  # noqa: F401
+from tests.stub_procs import Proc, log, stub
 
 
 def _has_ipv6_loopback() -> bool:

@@ -25,7 +25,6 @@ from kvferry.proxy.front_door import FastRequest, FrontDoor
 from kvferry.proxy.streaming import EventStream
 from tests.stub_procs import (
     Proc,
-    _no_process_outlives_its_test,  # noqa: F401 - stops what a test started
     log,
     proxy,
     stub,

@@ -22,7 +22,7 @@ from kvferry.common.netutil import free_port
 from kvferry.proxy.options import parse
 from tests.polling import until
 from tests.raw_http import answer, closed_by_the_timeout, closed_within, connect
-from tests.stub_procs import Proc, _no_process_outlives_its_test, proxy, stubs  # noqa: F401 - stops what a test started
+from tests.stub_procs import Proc, proxy, stubs
 
 CLIENT, ADMIN = "client-key-0123", "admin-key-4567"
 REQUEST_S = 1.0  # the guarded proxy's --request-timeout

@@ -33,7 +33,6 @@ from kvferry.proxy.routing.board import BoardFull, LoadBoard
 from kvferry.testing.processes import wait_http
 from tests.polling import until
 from tests.stub_procs import (
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     stub,
 )
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvferry.proxy.migrate import strip_token_ids, token_ids_in
-from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+from tests.stub_procs import events, log, post, proxy, stubs
 
 BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1, "return_token_ids": True}

@@ -28,7 +28,6 @@ from kvferry.proxy.options import OptionError, parse
 from tests.polling import until
 from tests.stub_procs import (
     Proc,
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     events,
     log,
     post,

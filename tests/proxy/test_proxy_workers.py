@@ -18,7 +18,6 @@ import httpx
 from tests.polling import until
 from tests.stub_procs import (
     Proc,
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     log,
     proxy,
     stub,
