@@ -47,13 +47,6 @@ def _record(iid: str, role: str = "prefiller", url: str = "http://127.0.0.1:1", 
                             fingerprint=disc.fingerprint("stub"), **kw)
 
 
-@pytest.fixture(scope="module")
-def cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, secret.ClusterSecret]:
-    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret.write_file(str(path), secret.generate())
-    return path, secret.from_file(str(path), "test")
-
-
 # ---- the etcd client and the registration itself (in-process, real etcd) ----
 
 def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:

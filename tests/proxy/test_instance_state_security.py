@@ -22,7 +22,6 @@ import pytest
 
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
-from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
 from kvferry.proxy import metrics as metrics_mod
@@ -74,13 +73,6 @@ def proxies() -> Iterator[list[Proxy]]:
     yield started
     for p in started:
         p.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, secret.ClusterSecret]:
-    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret.write_file(str(path), secret.generate())
-    return path, secret.from_file(str(path), "test")
 
 
 def _record(iid: str, role: str, url: str, kv_events: list[str] | None = None, port: int = 9) -> m.InstanceRecord:
