@@ -27,7 +27,6 @@ from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
 from tests.pd_helpers import BATCH_NOISE
 from tests.polling import until
-from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
 
@@ -37,10 +36,10 @@ STALL_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(kvferry_up) -> Iterator[dict]:
     """kvferry up 1P2D, and a second proxy in front of it with --stall-timeout 3 s."""
-    tmp = tmp_path_factory.mktemp("migrate")
-    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "2")
+    up = kvferry_up("migrate", "--num-prefillers", "1", "--num-decoders", "2")
+    tmp, state = up.tmp, up.state
     port = free_port()
     args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
             "--cluster-secret-file", state["cluster_secret_file"], "--stall-timeout", str(STALL_S),
@@ -66,7 +65,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     finally:
         stop_group(px, 30)
         log.close()
-        stop(proc)
 
 
 def _body(prompt: str, chat: bool) -> dict:

@@ -18,7 +18,7 @@ from kvferry.common.netutil import free_port, port_is_free
 from tests.pd_helpers import BATCH_NOISE, source_tokens
 from tests.polling import alive
 from tests.stub_procs import Proc
-from tests.up_cluster import assert_the_cluster_has_a_secret_nobody_else_sees, start_up, stop, tree
+from tests.up_cluster import assert_the_cluster_has_a_secret_nobody_else_sees, stop, tree
 
 openai = pytest.importorskip("openai")
 
@@ -33,16 +33,10 @@ def _client(url: str):
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+def up(kvferry_up) -> SimpleNamespace:
     """One 1P1D `kvferry up --first-token decoder` cluster for the whole module (its last test
     stops it): the launcher's process, its cluster.json, and its folder."""
-    tmp = tmp_path_factory.mktemp("parity")
-    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
-    try:
-        yield SimpleNamespace(proc=proc, state=state, tmp=tmp)
-    finally:
-        if proc.poll() is None:
-            stop(proc)
+    return kvferry_up("parity", "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
 
 
 @pytest.fixture(scope="module")
