@@ -21,20 +21,66 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     """Two work units for `make test`'s two workers (`-n 2 --dist loadgroup`): tests/e2e (clusters of
     real vLLM servers, pinned to cores 0 and 1), in file order, on one; everything else on the
     other. Run alone, the rest leaves a 2-core machine half idle (it waits on sockets, leases and
-    timers), so side by side the suite ends sooner (docs/testing.md). A scheduler rather than
-    xdist_group marks: xdist 3.8's marks do not reach pytest 9.2's node ids."""
+    timers), so side by side the suite ends sooner (docs/testing.md). Not xdist_group marks: xdist
+    3.8 writes a mark's group into a test's node id, which pytest 9.2 no longer reads from there."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
-    if not hasattr(LoadScopeScheduling, "_split_scope"):  # a private method: fail loudly, not split by module
-        raise pytest.UsageError("this pytest-xdist has no LoadScopeScheduling._split_scope: run with "
-                                "PYTEST_WORKERS=0, or fix tests/conftest.py for it")
+    return TwoUnits(LoadScopeScheduling(config, log))
 
-    class TwoUnits(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "vllm" if nodeid.startswith("tests/e2e/") else "rest"
 
-    return TwoUnits(config, log)
+class TwoUnits:
+    """xdist's loadscope scheduler, through its public interface (xdist.scheduler.Scheduling), shown
+    each test as `vllm::...` or `rest::...`: loadscope makes one work unit of the tests whose ids
+    agree up to their last `::`, so these are two units, each in collection order."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.original: dict[str, str] = {}  # the id loadscope is shown -> the test's own id
+
+    def shown(self, nodeid: str) -> str:
+        unit = "vllm" if nodeid.startswith("tests/e2e/") else "rest"
+        name = f"{unit}::{nodeid.replace(':', '%3A')}"  # no other `::` in it: the unit is its scope
+        self.original[name] = nodeid
+        return name
+
+    @property
+    def nodes(self) -> list:
+        return self.inner.nodes
+
+    @property
+    def collection_is_completed(self) -> bool:
+        return self.inner.collection_is_completed
+
+    @property
+    def tests_finished(self) -> bool:
+        return self.inner.tests_finished
+
+    @property
+    def has_pending(self) -> bool:
+        return self.inner.has_pending
+
+    def add_node(self, node) -> None:
+        self.inner.add_node(node)
+
+    def add_node_collection(self, node, collection) -> None:
+        self.inner.add_node_collection(node, [self.shown(n) for n in collection])
+
+    def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+        self.inner.mark_test_complete(node, item_index, duration)
+
+    def mark_test_pending(self, item: str) -> None:
+        self.inner.mark_test_pending(item)
+
+    def remove_pending_tests_from_node(self, node, indices) -> None:
+        self.inner.remove_pending_tests_from_node(node, indices)
+
+    def remove_node(self, node) -> str | None:
+        crashed = self.inner.remove_node(node)
+        return None if crashed is None else self.original.get(crashed, crashed)
+
+    def schedule(self) -> None:
+        self.inner.schedule()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +93,16 @@ def no_store_client_left_behind() -> Iterator[None]:
         n = mc.close_all()
         pytest.fail(f"{n} Mooncake client(s) left joined after this module: call mooncake_backend.close_all() "
                     "before stopping the master", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    """Stops the stub engines and proxies a test started (tests/stub_procs.py), even when the test
+    failed before its own cleanup. A module-scoped fixture's processes are started before a test's
+    own fixtures, so they are not counted as the test's."""
+    from tests.stub_procs import stopped_at_the_end
+    with stopped_at_the_end():
+        yield
 
 
 @pytest.fixture

@@ -27,9 +27,10 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from tests.polling import TimedOut, until
 
 NS_PREFIX = "kvfns"
 BRIDGE_PREFIX = "kvfb"
@@ -66,16 +67,15 @@ def pid_running(pid: int) -> bool:
 
 def _kill_ns_processes(ns: str, timeout: float = 10) -> None:
     """SIGKILL every process whose network namespace is `ns`, bounded wait until none is left."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def none_left() -> bool:
         r = ip("netns", "pids", ns, check=False)
         pids = [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
-        if not pids:
-            return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
+        return not pids
+    with contextlib.suppress(TimedOut):  # a clean-up: it does not fail on what it could not kill
+        until(none_left, timeout, every=0.1)
 
 
 def namespaces() -> list[str]:
@@ -186,12 +186,8 @@ class NetnsCluster:
 
     def _wait_reachable(self, timeout: float = 10) -> None:
         """A bridge port forwards only after its (short) setup; wait until each link is up."""
-        deadline = time.monotonic() + timeout
-        for hv in self.host_veths:
-            while Path(f"/sys/class/net/{hv}/operstate").read_text().strip() != "up":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{hv} did not come up in {timeout:.0f}s")
-                time.sleep(0.05)
+        until(lambda: all(Path(f"/sys/class/net/{hv}/operstate").read_text().strip() == "up"
+                          for hv in self.host_veths), timeout, "every bridge link to come up")
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvferry.common.netutil import free_port
 from kvferry.launcher.pd_instances import Decoder
 from kvferry.launcher.vllm_proc import VLLMServer, die_with_parent
 from tests.netns import NS_VETH, NetnsCluster
+from tests.polling import TimedOut, answers, until
 
 ADMIN_KEY = "netns-admin-key-0123456789"
 
@@ -88,17 +88,9 @@ class NsProxy:
         self.log = log
 
     def wait_ready(self, timeout: float = 60) -> NsProxy:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"proxy {self.url} not healthy after {timeout}s: {self.log.read_text()[-3000:]}")
+        until(answers(self.url + "/health", self.proc, lambda: self.log.read_text()[-3000:]), timeout,
+              lambda: f"proxy {self.url} to be healthy: {self.log.read_text()[-3000:]}", every=0.2)
+        return self
 
     def instances(self) -> dict[str, dict]:
         """/health's instances by URL."""
@@ -155,13 +147,13 @@ def metric(server: VLLMServer | NsJoin, name: str) -> float:
 
 def pages_all_free(d: VLLMServer | NsJoin, timeout: float = 30) -> bool:
     """The decoder's kvferry:pd_buffer_free_pages gauge equals its page count (bounded wait)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def all_free() -> bool:
         total, free = metric(d, "kvferry:pd_buffer_pages"), metric(d, "kvferry:pd_buffer_free_pages")
-        if total > 0 and free == total:
-            return True
-        time.sleep(0.5)
-    return False
+        return total > 0 and free == total
+    try:
+        return until(all_free, timeout, every=0.5)
+    except TimedOut:
+        return False
 
 
 def start_etcd_in(net: NetnsCluster, i: int, work: Path) -> tuple[subprocess.Popen, str]:
@@ -180,16 +172,9 @@ def start_etcd_in(net: NetnsCluster, i: int, work: Path) -> tuple[subprocess.Pop
         proc = subprocess.Popen(net.wrap(i, argv), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
     net.procs.append(proc)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"etcd exited: {(work / f'etcd-{port}.log').read_text()[-2000:]}"
-        try:
-            if httpx.get(f"{client}/health", timeout=1).status_code == 200:
-                return proc, f"{net.addr(i)}:{port}"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("etcd did not answer /health in 30 s")
+    until(answers(f"{client}/health", proc, lambda: (work / f"etcd-{port}.log").read_text()[-2000:]), 30,
+          "etcd to answer /health", every=0.2)
+    return proc, f"{net.addr(i)}:{port}"
 
 
 def start_stub_in(net: NetnsCluster, i: int, log: Path) -> int:
@@ -201,16 +186,9 @@ def start_stub_in(net: NetnsCluster, i: int, log: Path) -> int:
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
     net.procs.append(proc)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(f"http://{net.addr(i)}:{port}/health", timeout=1).status_code == 200:
-                return port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"stub engine in namespace {i} did not answer in 30 s")
+    until(answers(f"http://{net.addr(i)}:{port}/health", proc, lambda: log.read_text()[-2000:]), 30,
+          f"the stub engine in namespace {i} to answer", every=0.1)
+    return port
 
 
 class NsJoin:
@@ -241,18 +219,10 @@ class NsJoin:
         net.procs.append(self.proc)
 
     def wait_ready(self, timeout: float = 400) -> NsJoin:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvferry join {self.instance_id} exited {self.proc.returncode}: "
-                                   f"{(self.log_dir / 'join.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.instance_id} ({self.url}) not healthy after {timeout:.0f}s; logs in {self.log_dir}")
+        until(answers(self.url + "/health", self.proc, lambda: f"kvferry join {self.instance_id}: "
+                      + (self.log_dir / "join.log").read_text()[-3000:]), timeout,
+              f"{self.instance_id} ({self.url}) to be healthy; logs in {self.log_dir}", every=0.5)
+        return self
 
     def stop(self, timeout: float = 15) -> None:
         from kvferry.launcher.vllm_proc import stop_group

@@ -22,6 +22,7 @@ from kvferry.common.netutil import free_port
 from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
+from tests.polling import TimedOut, answers, until
 from tests.transfer_helpers import next_answer
 
 
@@ -178,16 +179,19 @@ class RawPeer:
 
     def fully_free(self, timeout: float = 20) -> bool:
         """True once an alloc of every page succeeds (it is handed back at once)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def all_at_once() -> bool:
             tid = f"probe-{uuid.uuid4().hex}"
             reply = self.alloc(tid, self.num_pages)
             if isinstance(reply, m.AllocResponse):
                 self.abort(tid, reply.generation)
-                time.sleep(0.2)  # let the abort land before anyone allocates again
+                time.sleep(0.2)  # a sleep: the abort lands before anyone allocates again (an abort has no reply)
                 return True
             assert reply.code == "buffer_full", reply
-        return False
+            return False
+        try:
+            return until(all_at_once, timeout, every=0)
+        except TimedOut:
+            return False
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -220,13 +224,7 @@ def running_proxy(prefillers: list[Prefiller], decoders: list[Decoder], proxy_po
     px = subprocess.Popen(args, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        until(answers(url + "/health", px), 30, "the proxy to be healthy", every=0.2)
         yield url
     finally:
         px.terminate()

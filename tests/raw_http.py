@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import time
 
+from tests.polling import until
+
 
 def connect(port: int, host: str = "127.0.0.1") -> socket.socket:
     return socket.create_connection((host, port), timeout=5)
@@ -30,17 +32,16 @@ def answer(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 def closed_within(s: socket.socket, seconds: float) -> None:
     """Until the server closed `s` (EOF or reset), reading and dropping what comes; fails past `seconds`."""
-    deadline = time.monotonic() + seconds
     s.settimeout(0.1)
-    while time.monotonic() < deadline:
+
+    def closed() -> bool:
         try:
-            if not s.recv(65536):
-                return
+            return not s.recv(65536)
         except TimeoutError:
-            continue
+            return False
         except ConnectionResetError:
-            return
-    raise AssertionError(f"still open after {seconds}s")
+            return True
+    until(closed, seconds, f"the server to close the connection within {seconds}s", every=0)
 
 
 def closed_by_the_timeout(port: int, partial: dict[str, bytes], request_s: float) -> None:

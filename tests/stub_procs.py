@@ -1,10 +1,10 @@
 """Stub engines and a proxy in front of them as separate processes (real HTTP), for tests of the
-proxy: start them, wait until they answer, read a stub's log, post and stream. The autouse fixture
-`_no_process_outlives_its_test` stops what a test started; a module that starts these processes
-imports it on purpose (`# noqa: F401`)."""
+proxy: start them, wait until they answer, read a stub's log, post and stream. tests/conftest.py's
+autouse fixture stops what a test started (`stopped_at_the_end`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import subprocess
@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator
 
 import httpx
-import pytest
 
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
@@ -21,14 +20,16 @@ from kvferry.testing.processes import wait_http
 _ALL: list[Proc] = []
 
 
-@pytest.fixture(autouse=True)
-def _no_process_outlives_its_test() -> Iterator[None]:
-    """Stops what a test started even when the test failed before its own cleanup."""
+@contextlib.contextmanager
+def stopped_at_the_end() -> Iterator[None]:
+    """Stops the processes started in its block, even when the block failed before its own cleanup."""
     n = len(_ALL)
-    yield
-    for p in _ALL[n:]:
-        p.stop()
-    del _ALL[n:]
+    try:
+        yield
+    finally:
+        for p in _ALL[n:]:
+            p.stop()
+        del _ALL[n:]
 
 
 class Proc:

@@ -247,6 +247,31 @@ def test_no_test_file_imports_another() -> None:
     assert not bad, "move what they share into a helper module under tests/: " + "; ".join(bad)
 
 
+def _sleeps(tree: ast.AST) -> list[ast.Call]:
+    """The time.sleep and asyncio.sleep calls under `tree`."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "sleep" and isinstance(n.func.value, ast.Name)
+            and n.func.value.id in ("time", "asyncio")]
+
+
+def test_tests_wait_for_conditions_with_tests_polling() -> None:
+    """A test waits for what it needs with tests/polling.py (until, until_async), not with a sleep
+    before its assert nor with a deadline loop of its own. A sleep stays only where a sleep is right
+    (pacing under test, a window in which something must not happen, a socket that gives no sign to
+    wait on), and its line says so: `# a sleep ...`."""
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name == "polling.py":
+            continue
+        text = path.read_text()
+        lines, tree, name = text.splitlines(), ast.parse(text), path.relative_to(REPO)
+        bad += [f"{name}:{c.lineno}: a sleep whose line does not say why (`# a sleep ...`)" for c in _sleeps(tree)
+                if "# a sleep" not in lines[c.lineno - 1]]
+        bad += [f"{name}:{w.lineno}: a deadline loop (tests.polling.until)" for w in ast.walk(tree)
+                if isinstance(w, ast.While) and _sleeps(w) and "deadline" in ast.unparse(w)]
+    assert not bad, "; ".join(bad)
+
+
 # tests/ mirrors the library: a folder per layer (transfer = sender, receiver, buffer, kernels and the
 # PD engine), e2e for real-vLLM clusters; at its root only what checks the whole repository.
 TEST_FOLDERS = {"common", "proxy", "transfer", "engine", "controller", "launcher", "e2e"}

@@ -12,6 +12,7 @@ import zmq
 from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
 from kvferry.receiver.conns import PROBE
+from tests.polling import TimedOut, until
 
 PAGE = 64 << 10
 
@@ -119,12 +120,11 @@ class ReceiverProc:
         return self.ask("state")
 
     def wait_fully_free(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.state()[1]:
-                return True
-            time.sleep(0.1)
-        return False
+        """Whether every page is free within `timeout` s (False for the caller's assert and its message)."""
+        try:
+            return until(lambda: self.state()[1], timeout, "every page free", every=0.1)
+        except TimedOut:
+            return False
 
     @property
     def addr(self):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvferry.common.netutil import free_port
+from tests.polling import until
 
 KVFERRY = str(Path(sys.executable).parent / "kvferry")
 
@@ -22,12 +23,11 @@ def start_up(tmp: Path, *args: str) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([KVFERRY, "up", "--port", str(port), "--log-dir", str(tmp / "logs"), *args],
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     state = tmp / "logs" / "cluster.json"
-    deadline = time.monotonic() + 400
-    while not state.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"kvferry up did not come up:\n{(tmp / 'up.out').read_text()}")
-        time.sleep(1)
-    time.sleep(0.5)  # the banner follows the state file
+
+    def up() -> bool:  # the banner, printed once the state file is written
+        assert proc.poll() is None, f"kvferry up did not come up:\n{(tmp / 'up.out').read_text()}"
+        return "kvferry is up:" in (tmp / "up.out").read_text()
+    until(up, 400, lambda: f"kvferry up to come up:\n{(tmp / 'up.out').read_text()}", every=0.5)
     return proc, json.loads(state.read_text())
 
 

@@ -20,7 +20,8 @@ from kvferry.common import netutil, secret, zsock
 from kvferry.common.netutil import free_port
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.options import parse
-from tests.stub_procs import Proc, _no_process_outlives_its_test, log, stub  # noqa: F401
+from tests.polling import until
+from tests.stub_procs import Proc, log, stub
 
 
 def _has_ipv6_loopback() -> bool:
@@ -180,7 +181,8 @@ def test_ipv6_proxy_serves_on_ipv6_loopback_and_hears_notifications() -> None:
         push = zsock.connect(ctx, zmq.PUSH, zsock.PLAIN, zsock.tcp("::1", note))
         push.send(m.encode(m.ProxyNotification(transfer_id=req["kv_transfer_params"]["transfer_id"],
                                                receiver_id="d0", num_chunks=1, num_tokens=2)))
-        assert _until(lambda: "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in httpx.get(px.url + "/metrics").text)
+        until(lambda: "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in httpx.get(px.url + "/metrics").text, 5.0,
+              "the transfer wait's sample")
     finally:
         ctx.destroy(linger=0)
 
@@ -192,15 +194,6 @@ def test_advertise_receiver_host_reaches_the_prefiller() -> None:
     assert r.status_code == 200
     spec = log(p0)["requests"][0]["kv_transfer_params"]["disagg_spec"]
     assert spec["receiver_host"] == "10.77.0.3"
-
-
-def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def _wait_samples(url: str) -> tuple[float, float]:
@@ -232,17 +225,17 @@ def test_transfer_wait_has_one_sample_per_transfer_whichever_comes_first() -> No
         t = threading.Thread(target=lambda: out.setdefault(
             "r", httpx.post(px.url + "/v1/completions", json={"prompt": "early", "max_tokens": 3}, timeout=30)))
         t.start()
-        assert _until(lambda: bool(log(p0)["requests"]), 10), "the prefill leg never reached the prefiller"
+        until(lambda: log(p0)["requests"], 10, "the prefill leg to reach the prefiller")
         notice(log(p0)["requests"][0]["kv_transfer_params"]["transfer_id"])  # before the prefiller answers
         t.join(30)
         assert out["r"].status_code == 200
-        assert _until(lambda: _wait_samples(px.url) == (1.0, 1.0)), _wait_samples(px.url)
+        until(lambda: _wait_samples(px.url) == (1.0, 1.0), 5.0, lambda: f"one sample at 0: {_wait_samples(px.url)}")
         # The usual order: answer first, notice after.
         assert httpx.post(px.url + "/v1/completions", json={"prompt": "late", "max_tokens": 3},
                           timeout=30).status_code == 200
-        time.sleep(0.05)
+        time.sleep(0.05)  # a sleep is the test's order: the notice comes after the answer
         notice(log(p0)["requests"][1]["kv_transfer_params"]["transfer_id"])
-        assert _until(lambda: _wait_samples(px.url)[0] == 2.0), _wait_samples(px.url)
+        until(lambda: _wait_samples(px.url)[0] == 2.0, 5.0, lambda: f"two samples: {_wait_samples(px.url)}")
         transfers = len(log(p0)["requests"])
         count, zero = _wait_samples(px.url)
         assert count == transfers == 2 and zero == 1.0

@@ -16,6 +16,7 @@ from kvferry.common import secret, zsock
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.netutil import free_port
 from kvferry.common.supervise import LoopHealth, supervise, supervise_thread
+from tests.polling import until
 
 A, B = "a-cluster-secret-of-32-characters", "another-cluster-secret-entirely!"
 
@@ -167,9 +168,7 @@ def test_a_loop_that_raises_is_logged_counted_and_started_again(kvf_logs) -> Non
 
     t = threading.Thread(target=supervise_thread, args=(th, tbody, stop, 0.01))
     t.start()
-    deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until(lambda: len(calls) >= 2, 5, "the thread's restart", every=0.01)
     stop.set()
     t.join(5)
     assert len(calls) == 2 and th.restarts == 1 and not t.is_alive()

@@ -18,6 +18,7 @@ from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
+from tests.polling import until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -40,13 +41,6 @@ def relay_for(tmp: Path, trust: zsock.Trust, host: str = "127.0.0.1") -> tuple[K
     return r, zsock.tcp(host, port), zsock.tcp(host, rport)
 
 
-async def until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 def test_kv_events_auth_only_a_subscriber_with_the_secret_hears_the_relay(tmp_path: Path) -> None:
     pub = kv.ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/replay.sock")
     relay, ep, rep = relay_for(tmp_path, SECRET)
@@ -57,17 +51,17 @@ def test_kv_events_auth_only_a_subscriber_with_the_secret_hears_the_relay(tmp_pa
 
     async def go() -> None:
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(EARLY, 100)]))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a sleep: the publisher's thread sends it before anyone listens (nothing to wait for)
         tasks = [asyncio.ensure_future(s.run(probe_interval=0.2)) for s in streams]
         try:
-            await until(lambda: len(good.index) == 1)  # the replay, through the relay
-            await asyncio.sleep(0.3)  # subscriptions settle before the live event
+            await until_async(lambda: len(good.index) == 1)  # the replay, through the relay
+            await asyncio.sleep(0.3)  # a sleep: subscriptions settle before the live event (a PUB shows none)
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-            await until(lambda: len(good.index) == 5)
+            await until_async(lambda: len(good.index) == 5)
             assert good.index.cached_tokens(prefix_keys(DOC, BS)) == 4 * BS
             assert good.index.cached_tokens(prefix_keys(EARLY, BS)) == BS
             assert good.fresh
-            await asyncio.sleep(1.0)  # time for strangers' probes and events, were they let in
+            await asyncio.sleep(1.0)  # a sleep is the test: time for strangers' probes and events, were they let in
             for s in (wrong, plain):
                 assert len(s.index) == 0 and s.last_seq is None and s.last_heard is None and not s.fresh, s.name
             assert relay.relayed >= 1 and relay.replays >= 1
@@ -99,10 +93,10 @@ def test_kv_events_auth_raw_zmq_stranger_gets_no_frame(tmp_path: Path) -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(rep)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a sleep: the subscriptions reach the relay's PUB, which gives no sign of them
         for i in range(5):
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:BS], 10 + i)]))
-            time.sleep(0.05)
+            time.sleep(0.05)  # a sleep: events spread out over time, each a chance for a stranger
         assert friend.poll(5000), "the subscriber with the secret got nothing"
         assert len(friend.recv_multipart()) == 3
         assert not sub.poll(500) and not dealer.poll(100), "a stranger received KV events"
@@ -151,7 +145,7 @@ def test_kv_events_auth_connector_starts_the_relay_from_its_config(tmp_path: Pat
     try:
         sub = zsock.connect(ctx, zmq.SUB, SECRET, zsock.tcp("127.0.0.1", port))
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.5)
+        time.sleep(0.5)  # a sleep: the subscription reaches the relay's PUB, which gives no sign of it
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
         assert sub.poll(5000), "nothing relayed"
         assert len(sub.recv_multipart()) == 3

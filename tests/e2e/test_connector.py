@@ -456,9 +456,7 @@ def test_transfer_wait_has_one_sample_per_transfer_through_the_proxy(pd, pd_prox
             elif line.startswith("kvferry_proxy_kv_transfer_wait_seconds_count"):
                 waits = float(line.split()[-1])
         return served, waits
-    deadline = time.monotonic() + 10
-    while counts()[1] < counts()[0] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    until(lambda: (c := counts())[1] >= c[0], 10, "a wait sample for each transfer", every=0.1)
     served, waits = counts()
     assert served >= 3 and waits == served, f"{waits} wait samples for {served} transfers"
     assert peer.fully_free()

@@ -27,7 +27,6 @@ from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
 from tests.pd_helpers import BATCH_NOISE
 from tests.polling import until
-from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
 
@@ -37,10 +36,10 @@ STALL_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(kvferry_up) -> Iterator[dict]:
     """kvferry up 1P2D, and a second proxy in front of it with --stall-timeout 3 s."""
-    tmp = tmp_path_factory.mktemp("migrate")
-    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "2")
+    up = kvferry_up("migrate", "--num-prefillers", "1", "--num-decoders", "2")
+    tmp, state = up.tmp, up.state
     port = free_port()
     args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
             "--cluster-secret-file", state["cluster_secret_file"], "--stall-timeout", str(STALL_S),
@@ -52,21 +51,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     px = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def healthy() -> bool:
+            assert px.poll() is None, (tmp / "proxy.log").read_text()
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert px.poll() is None and time.monotonic() < deadline, (tmp / "proxy.log").read_text()
-            time.sleep(0.2)
+                return False
+        until(healthy, 30, lambda: "the second proxy: " + (tmp / "proxy.log").read_text(), every=0.2)
         yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
                "decoders": [i for i in state["instances"] if i["role"] == "decoder"]}
     finally:
         stop_group(px, 30)
         log.close()
-        stop(proc)
 
 
 def _body(prompt: str, chat: bool) -> dict:
@@ -141,14 +138,14 @@ def _both_in_flight(cluster: dict) -> list[Stream]:
         streams = [Stream(url, PROMPTS[0]), Stream(url, PROMPTS[1], chat=True)]
         for s in streams:
             s.start()
-        deadline = time.monotonic() + 120
-        while not all(len(s.ids) >= 4 for s in streams) and all(s.is_alive() for s in streams):
-            if time.monotonic() > deadline:
-                for s in streams:
-                    print("stream", s.chat, s.done, len(s.ids), repr(s.error), s.chunks[:3], s.chunks[-3:])
-                print(_tail(cluster["log"]))
-                raise AssertionError("no stream got 4 tokens in 120 s")
-            time.sleep(0.01)
+
+        def stuck(streams: list[Stream] = streams) -> str:
+            for s in streams:
+                print("stream", s.chat, s.done, len(s.ids), repr(s.error), s.chunks[:3], s.chunks[-3:])
+            print(_tail(cluster["log"]))
+            return "4 tokens on each stream in 120 s"
+        until(lambda streams=streams: all(len(s.ids) >= 4 for s in streams) or not all(s.is_alive() for s in streams),
+              120, stuck, every=0.01)
         if all(s.is_alive() for s in streams):
             return streams
         for s in streams:  # one finished first: it must have finished well, and the other too
@@ -160,10 +157,7 @@ def _both_in_flight(cluster: dict) -> list[Stream]:
 def _run_and_break(cluster: dict, plain_vllm, sig: signal.Signals) -> list[Stream]:
     """Two streams in flight; then `sig` to the decoder that runs one of them."""
     url = cluster["url"]
-    deadline = time.monotonic() + 60
-    while _healthy_decoders(url) < 2:
-        assert time.monotonic() < deadline, "a decoder did not come back"
-        time.sleep(0.5)
+    until(lambda: _healthy_decoders(url) >= 2, 60, "a decoder to come back", every=0.5)
     # The decoder running a stream (round robin puts one on each, unless earlier requests moved
     # its turn): a frozen or killed decoder with no stream would test nothing. A stream lasts about
     # a second: a pair may end between its 4th token and this look; then another pair.
@@ -235,15 +229,11 @@ def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # the first token: the client leaves
-    left = time.monotonic()
-    while any(_pages(u)[0] != _pages(u)[1] or _pages(u)[2] for u in logs):  # the transfers aborted at once
-        assert time.monotonic() - left < 3.0, [_pages(u) for u in logs]
-        time.sleep(0.05)
-    deadline = time.monotonic() + 15
-    while not all(_engine_idle(u) for u in logs):
-        assert time.monotonic() < deadline, "a decoder still runs a request whose client left"
-        time.sleep(0.2)
-    time.sleep(1.0)  # a recompute would be logged by now
+    until(lambda: not any(_pages(u)[0] != _pages(u)[1] or _pages(u)[2] for u in logs),  # the transfers aborted at once
+          3.0, lambda: f"the pages back: {[_pages(u) for u in logs]}", every=0.05)
+    until(lambda: all(_engine_idle(u) for u in logs), 15, "the decoders to drop the requests whose client left",
+          every=0.2)
+    time.sleep(1.0)  # a sleep is the test: a recompute would be logged by now
     for u, p in logs.items():
         with open(p, "rb") as f:
             f.seek(start[u])
@@ -378,13 +368,11 @@ def test_restart_a_killed_decoder_is_started_again_and_serves(cluster: dict) -> 
     the proxy routes to it again once it is healthy."""
     state_file = Path(cluster["state_file"])
     d0 = cluster["victim"]
-    deadline = time.monotonic() + 300
-    while True:
-        inst = {i["url"]: i for i in json.loads(state_file.read_text())["instances"]}
-        if inst[d0]["restarts"] >= 1 and _healthy_decoders(cluster["url"]) == 2:
-            break
-        assert time.monotonic() < deadline, inst[d0]
-        time.sleep(1)
+
+    def victim() -> dict:
+        return {i["url"]: i for i in json.loads(state_file.read_text())["instances"]}[d0]
+    until(lambda: victim()["restarts"] >= 1 and _healthy_decoders(cluster["url"]) == 2, 300,
+          lambda: f"the killed decoder restarted and healthy: {victim()}", every=1)
     served = 0
     for i in range(4):  # round robin over both decoders
         r = httpx.post(cluster["url"] + "/v1/completions", json={"model": "tiny", "prompt": f"again {i}",
@@ -413,10 +401,8 @@ def test_the_only_prefiller_killed_mid_prefill_its_decoder_serves_it_whole_and_t
     WRITER_GONE_GRACE_S), not at the lease's end (30 s). With no prefiller left the decoder computes the prompt itself
     (degraded), so the client gets its answer rather than a 503."""
     decoders = [d["url"] for d in cluster["decoders"]]
-    deadline = time.monotonic() + 60
-    while _healthy_decoders(cluster["url"]) < 2 or any(_pages(u)[0] != _pages(u)[1] for u in decoders):
-        assert time.monotonic() < deadline, [_pages(u) for u in decoders]
-        time.sleep(0.5)
+    until(lambda: _healthy_decoders(cluster["url"]) >= 2 and all(_pages(u)[0] == _pages(u)[1] for u in decoders), 60,
+          lambda: f"both decoders healthy, every page free: {[_pages(u) for u in decoders]}", every=0.5)
     prefiller = next(i for i in cluster["state"]["instances"] if i["role"] == "prefiller")
     body = {"model": "tiny", "prompt": " ".join(f"word{i}" for i in range(700)), "max_tokens": 8,
             "temperature": 0}
@@ -428,10 +414,11 @@ def test_the_only_prefiller_killed_mid_prefill_its_decoder_serves_it_whole_and_t
 
     t = threading.Thread(target=ask, daemon=True)
     t.start()
-    deadline = time.monotonic() + 60
-    while not any(_pages(u)[2] for u in decoders):  # pages reserved: the prompt is computing
-        assert time.monotonic() < deadline and t.is_alive(), out
-        time.sleep(0.02)
+
+    def reserved() -> bool:
+        assert t.is_alive(), out
+        return any(_pages(u)[2] for u in decoders)
+    until(reserved, 60, lambda: f"pages reserved, the prompt computing: {out}", every=0.02)
     degraded = _metric(cluster["url"], 'kvferry_proxy_served_total{mode="degraded"}')
     killed = time.monotonic()
     os.killpg(prefiller["pid"], signal.SIGKILL)

@@ -11,7 +11,6 @@ to 1e-4 in every logprob."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from kvferry.launcher.pd_instances import CONNECTOR, write_config
 from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import completion, source_tokens, tier_value, tokens_and_logprobs
+from tests.polling import until
 
 # Appendix 2 has chunk_size 16; vLLM's CPU attention wants blocks of a multiple of 32, and a chunk
 # is whole blocks, so 32 is the smallest this build allows.
@@ -68,11 +68,8 @@ class Setup:
         """Until the store holds every chunk of `p` (puts are asynchronous)."""
         cfg = load_config({"remote_url": self.master.url, "extra_config": self.master.extra_config(16 << 20)}, env={})
         t, keys = RemoteTier(self.master.url, 1.0, mooncake=mooncake_settings.from_config(cfg)), self.keys(p)
-        deadline = time.monotonic() + timeout
         try:
-            while not all(t.exists(keys)):
-                assert time.monotonic() < deadline, f"the store never got the prompt's {len(keys)} chunks"
-                time.sleep(0.2)
+            until(lambda: all(t.exists(keys)), timeout, f"the store to get the prompt's {len(keys)} chunks", every=0.2)
         finally:
             t.close()
 
@@ -121,10 +118,8 @@ def test_the_decoder_loads_the_prefillers_prompt_from_mooncake(setup: Setup) -> 
     src = source_tokens(s.decoder)
     assert src["external_kv_transfer"] - src0.get("external_kv_transfer", 0) == loaded
     assert src["local_compute"] - src0.get("local_compute", 0) == len(p) - loaded
-    deadline = time.monotonic() + 10
-    while tier_value(s.decoder, "kvferry:cache_hit_tokens_total", "remote") < loaded:
-        assert time.monotonic() < deadline, "kvferry:cache_hit_tokens_total{tier=remote} never counted the hit"
-        time.sleep(0.2)
+    until(lambda: tier_value(s.decoder, "kvferry:cache_hit_tokens_total", "remote") >= loaded, 10,
+          "kvferry:cache_hit_tokens_total{tier=remote} to count the hit", every=0.2)
 
 
 def test_a_killed_master_is_misses_and_its_restart_brings_hits_back(setup: Setup) -> None:
@@ -136,13 +131,15 @@ def test_a_killed_master_is_misses_and_its_restart_brings_hits_back(setup: Setup
         assert tokens_and_logprobs(completion(s.decoder, p, 4))[0] == a
     assert "treating it as empty" in log(s.prefiller) and "treating it as empty" in log(s.decoder)
     s.master.restart()
-    hits0, deadline = remote_hits(s.decoder), time.monotonic() + 90
-    while remote_hits(s.decoder) == hits0:  # each instance retries after its back-off (at most 30 s)
-        assert time.monotonic() < deadline, "no remote hit within 90 s of the master's restart"
+    hits0 = remote_hits(s.decoder)
+
+    def hit_again() -> bool:  # each instance retries after its back-off (at most 30 s)
         p = prompt(300)
         a = tokens_and_logprobs(completion(s.prefiller, p, 4))[0]
         try:
             s.stored(p, timeout=5)
         except AssertionError:
-            continue  # the prefiller was still backing off: its puts were dropped
+            return False  # the prefiller was still backing off: its puts were dropped
         assert tokens_and_logprobs(completion(s.decoder, p, 4))[0] == a
+        return remote_hits(s.decoder) != hits0
+    until(hit_again, 90, "a remote hit within 90 s of the master's restart", every=0)

@@ -4,17 +4,15 @@ counters, the relay adds its delay each way, and nothing is left behind (also af
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.delay_relay import RelayThread, start_relay
 from tests.netns import NetnsCluster, ours, pid_running, sweep_stale, unavailable_reason
-from tests.polling import until
+from tests.polling import listening, until
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -45,23 +43,13 @@ print(sorted(rtts)[len(rtts) // 2])
 """
 
 
-def _wait_port(host: str, port: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"{host}:{port} never listened")
-
-
 def test_netns_harness_links_counters_relay_delay_and_cleanup(tmp_path) -> None:
     port, size = 7700, 2_000_000
     with NetnsCluster(2) as net:
         assert len(ours(net.pid)[0]) == 2
         net.popen(1, [sys.executable, "-c", ECHO, net.addr(1), str(port)], log=tmp_path / "echo.log")
-        _wait_port(net.addr(1), port)  # the test's process reaches a namespace over the bridge
+        # the test's process reaches a namespace over the bridge
+        until(lambda: listening(net.addr(1), port), 10, f"{net.addr(1)}:{port} to listen")
         # namespace 0 -> 1 directly: the KV-sized blob shows on both links' counters
         rx1, tx1 = net.veth_bytes(1)
         r = net.run(0, [sys.executable, "-c", CLIENT, net.addr(1), str(port), str(size)])

@@ -28,7 +28,7 @@ from tests.netns_pd import (
     start_etcd_in,
 )
 from tests.pd_helpers import plain, source_tokens
-from tests.polling import until
+from tests.polling import until, until_async
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -152,24 +152,26 @@ def test_netns_discovery_etcd_two_proxies_1p2d_same_tokens_lease_expiry_join_and
     async def registered() -> float:
         etcd = Etcd(f"http://{cluster['etcd']}")
         try:
-            deadline = time.monotonic() + 400
-            while time.monotonic() < deadline:
-                if await etcd.get(disc.record_key(PREFIX, "d3")) is not None:
-                    return time.monotonic()
-                await asyncio.sleep(0.02)
+            await until_async(lambda: etcd.get(disc.record_key(PREFIX, "d3")), 400, "decoder 3 to register",
+                              every=0.02)
+            return time.monotonic()
         finally:
             await etcd.close()
-        raise AssertionError("decoder 3 never registered")
     at = asyncio.run(registered())
     k = 0
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        while not all(px.instances().get(d3.url, {}).get("served", 0) > 0 for px in (pa, pb)):
-            assert time.monotonic() - at < 2.0, ("a proxy sent the new decoder nothing within 2 s of its "
-                                                 f"registration: {[px.instances() for px in (pa, pb)]}")
+
+        def routed() -> bool:
+            nonlocal k
+            if all(px.instances().get(d3.url, {}).get("served", 0) > 0 for px in (pa, pb)):
+                return True
             futs = [pool.submit(px.complete, prompt(12, seed=32_000 + k + n), 2) for n, px in enumerate((pa, pb) * 2)]
             k += 4
             for f in futs:
                 f.result(timeout=60)
+            return False
+        until(routed, 2.0 - (time.monotonic() - at), lambda: "each proxy to send the new decoder something within "
+              f"2 s of its registration: {[px.instances() for px in (pa, pb)]}", every=0)
     d3.wait_ready(timeout=5)
 
     # 5. Proxy A SIGKILLed: proxy B keeps serving.

@@ -11,7 +11,6 @@ the loaded and the computed paths agree to 1e-4 in every logprob.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvferry.engine.tiers.disk import HEADER_BYTES, scan
 from kvferry.launcher.vllm_proc import VLLMServer
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
+from tests.polling import until
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
 CHUNK = 256
@@ -82,10 +82,7 @@ def same_answer(c: Cluster, p: list[int], max_tokens: int = 8) -> None:
 
 def settle(check, timeout: float = 10.0) -> None:
     """Metrics reach /metrics with the engine's next stats update: poll, bounded."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "metrics did not settle"
-        time.sleep(0.2)
+    until(check, timeout, "metrics to settle", every=0.2)
 
 
 @pytest.mark.vllm

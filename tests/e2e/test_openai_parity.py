@@ -7,7 +7,6 @@ the cluster with SIGTERM: nothing may be left running."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -16,9 +15,9 @@ import pytest
 
 from kvferry.common.netutil import free_port, port_is_free
 from tests.pd_helpers import BATCH_NOISE, source_tokens
-from tests.polling import alive
+from tests.polling import alive, until
 from tests.stub_procs import Proc
-from tests.up_cluster import assert_the_cluster_has_a_secret_nobody_else_sees, start_up, stop, tree
+from tests.up_cluster import assert_the_cluster_has_a_secret_nobody_else_sees, stop, tree
 
 openai = pytest.importorskip("openai")
 
@@ -33,16 +32,10 @@ def _client(url: str):
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+def up(kvferry_up) -> SimpleNamespace:
     """One 1P1D `kvferry up --first-token decoder` cluster for the whole module (its last test
     stops it): the launcher's process, its cluster.json, and its folder."""
-    tmp = tmp_path_factory.mktemp("parity")
-    proc, state = start_up(tmp, "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
-    try:
-        yield SimpleNamespace(proc=proc, state=state, tmp=tmp)
-    finally:
-        if proc.poll() is None:
-            stop(proc)
+    return kvferry_up("parity", "--num-prefillers", "1", "--num-decoders", "1", "--first-token", "decoder")
 
 
 @pytest.fixture(scope="module")
@@ -417,10 +410,7 @@ def test_kvferry_up_passes_its_flags_keeps_its_secret_and_sigterm_leaves_nothing
     took = stop(proc)
     assert took < 15, f"stopping took {took:.1f}s"
     assert proc.returncode == 0
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in pids if alive(p)], "processes outlived kvferry up"
+    until(lambda: not any(alive(p) for p in pids), 5, "every process of kvferry up to end", every=0.2)
     ports = [state["proxy"]["port"]] + [i["port"] for i in state["instances"]] + \
         [i[k] for i in state["instances"] if i["role"] == "decoder" for k in ("init_port", "alloc_port")]
     busy = [p for p in ports if not port_is_free(p)]

@@ -35,6 +35,7 @@ from kvferry.engine.offload.ops import offload_salt
 from kvferry.testing.stores import Controller
 from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
+from tests.polling import until
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
 HEARTBEAT, HEARTBEAT_TIMEOUT = 0.5, 3.0
@@ -64,10 +65,8 @@ class Setup:
 
     def wait_holders(self, p: list[int], want: dict[str, int], timeout: float = 10.0) -> None:
         """Until the controller's index says `want` (reports are asynchronous)."""
-        deadline = time.monotonic() + timeout
-        while (got := self.holders(p)) != want:
-            assert time.monotonic() < deadline, f"controller lookup says {got}, expected {want}"
-            time.sleep(0.1)
+        until(lambda: self.holders(p) == want, timeout,
+              lambda: f"controller lookup to say {want} (says {self.holders(p)})", every=0.1)
 
     def move(self, p: list[int], copy: bool) -> dict:
         r = self.post("/move", {"old_position": ["instance_1", "LocalCPUBackend"],
@@ -75,13 +74,11 @@ class Setup:
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["num_tokens"] == len(p)
-        deadline = time.monotonic() + 30
-        while True:
-            ev = httpx.get(f"{self.controller.url}/move/{body['event_id']}", timeout=10).json()
-            if ev["status"] in ("done", "failed"):
-                return ev
-            assert time.monotonic() < deadline, f"move {body['event_id']} still {ev['status']}"
-            time.sleep(0.1)
+
+        def event() -> dict:
+            return httpx.get(f"{self.controller.url}/move/{body['event_id']}", timeout=10).json()
+        return until(lambda: (ev := event())["status"] in ("done", "failed") and ev, 30,
+                     lambda: f"move {body['event_id']} to end (still {event()['status']})", every=0.1)
 
 
 def log(server: OffloadServer) -> str:
@@ -130,17 +127,13 @@ def test_second_instance_retrieves_the_prompt_from_the_first(setup: Setup) -> No
     assert src["external_kv_transfer"] - src0.get("external_kv_transfer", 0) == loaded
     cached = prom(two, "vllm:prompt_tokens_cached_by_source_total")
     assert sum(v for k, v in cached.items() if 'source="p2p"' in k) >= loaded
-    deadline = time.monotonic() + 10
-    while tier_value(two, "kvferry:cache_hit_tokens_total", "p2p") < loaded:
-        assert time.monotonic() < deadline, "kvferry:cache_hit_tokens_total{tier=p2p} never counted the load"
-        time.sleep(0.5)
+    until(lambda: tier_value(two, "kvferry:cache_hit_tokens_total", "p2p") >= loaded, 10,
+          "kvferry:cache_hit_tokens_total{tier=p2p} to count the load", every=0.5)
     assert sum(prom(two, "kvferry:p2p_read_bytes_total").values()) >= 4 * (8 << 20) - (8 << 20)
     # vLLM collects a worker's counters in its steps: instance 1 reports what it lent in its next one.
     completion(one, prompt(20), 1)
-    deadline = time.monotonic() + 10
-    while sum(prom(one, "kvferry:p2p_served_chunks_total").values()) < 4:
-        assert time.monotonic() < deadline, "kvferry:p2p_served_chunks_total never counted the lent chunks"
-        time.sleep(0.5)
+    until(lambda: sum(prom(one, "kvferry:p2p_served_chunks_total").values()) >= 4, 10,
+          "kvferry:p2p_served_chunks_total to count the lent chunks", every=0.5)
     # Instance 2 promoted what it fetched: the controller now lists both.
     setup.wait_holders(p, {"instance_1": len(p), "instance_2": len(p)})
 
@@ -256,10 +249,10 @@ def _overwrite_a_lent_chunk(setup: Setup, tokens: list[int], chunk: int) -> None
         h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(junk.data_ptr(), 4096, 0)], "DRAM"),
                                   agent.get_xfer_descs([(lease.addrs[0] + lease.sizes[0] // 2, 4096, 0)], "DRAM"),
                                   name)
-        state, deadline = agent.transfer(h), time.monotonic() + 20
-        while state == "PROC" and time.monotonic() < deadline:  # the lease keeps the holder's NIXL progressing
-            time.sleep(0.001)
-            state = agent.check_xfer_state(h)
+        state = agent.transfer(h)
+        if state == "PROC":  # the lease keeps the holder's NIXL progressing
+            state = until(lambda: (st := agent.check_xfer_state(h)) != "PROC" and st, 20, "the WRITE to end",
+                          every=0.001)
         agent.release_xfer_handle(h)
         assert state == "DONE", f"the WRITE into instance 1's CPU tier ended {state}"
         look.send(m.encode(m.PeerRelease(lease_id=lease.lease_id)))
@@ -283,10 +276,8 @@ def test_a_chunk_changed_after_its_mac_is_a_counted_miss_and_recomputed(setup: S
     assert "failed the cluster-secret MAC" in log(two)
     # vLLM collects a worker's counters in its steps: one more request reports them.
     completion(two, prompt(20), 1)
-    deadline = time.monotonic() + 10
-    while sum(prom(two, "kvferry:p2p_rejected_total").values()) < rejected0 + 1:
-        assert time.monotonic() < deadline, "kvferry:p2p_rejected_total never counted the MAC failure"
-        time.sleep(0.5)
+    until(lambda: sum(prom(two, "kvferry:p2p_rejected_total").values()) >= rejected0 + 1, 10,
+          "kvferry:p2p_rejected_total to count the MAC failure", every=0.5)
 
 
 def test_killed_instance_is_dropped_and_its_prompts_recomputed(setup: Setup) -> None:
@@ -305,10 +296,8 @@ def test_killed_instance_is_dropped_and_its_prompts_recomputed(setup: Setup) -> 
     assert got[0] == want[0]
     assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
     # After the heartbeat timeout the controller forgets instance 1.
-    deadline = killed + HEARTBEAT_TIMEOUT + 5
-    while "instance_1" in httpx.get(setup.controller.url + "/health", timeout=10).json()["instances"]:
-        assert time.monotonic() < deadline, "the controller still lists the killed instance"
-        time.sleep(0.2)
+    until(lambda: "instance_1" not in httpx.get(setup.controller.url + "/health", timeout=10).json()["instances"],
+          killed + HEARTBEAT_TIMEOUT + 5 - time.monotonic(), "the controller to forget the killed instance", every=0.2)
     assert "instance_1" not in setup.holders(p)
     assert "no heartbeat for" in setup.controller.log.read_text()
     # Instance 2 kept what it computed; later requests hit its own CPU tier.

@@ -14,7 +14,6 @@ to 1e-4 in every logprob. All five servers start together (start-up dominates on
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from kvferry.launcher.stores import Proc
 from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
+from tests.polling import until
 from tests.tls_certs import make_certs
 
 FP32 = ["--dtype", "float32", "--no-enable-prefix-caching"]
@@ -74,22 +74,22 @@ class Setup:
         (such puts are dropped by design, engine/tiers/remote.py): the caller asks again. A timeout
         fails with what the server and the store said."""
         t, keys = RemoteTier(url, 1.0, redis=self.settings.get(url)), self.keys(p)
+
+        def lost() -> bool:
+            return by is not None and lost0 is not None and put_losses(by) > lost0
+
+        def held() -> str | bool:
+            return all(t.exists(keys)) or (retry and lost() and "lost")
+
+        def why() -> str:
+            return f"{url} to get the prompt's {len(keys)} chunks" + ("" if by is None else (
+                f" from {by.url} (a store failure {'was' if lost() else 'was not'} counted; Redis roles "
+                f"{self.roles()}); its remote-store lines:\n"
+                + "\n".join(ln for ln in log(by).splitlines() if "remote store" in ln)[-3000:]))
         try:
-            deadline = time.monotonic() + timeout
-            while not all(t.exists(keys)):
-                lost = by is not None and lost0 is not None and put_losses(by) > lost0
-                if lost and retry:
-                    return False
-                if time.monotonic() >= deadline:
-                    why = "" if by is None else (
-                        f" from {by.url} (a store failure {'was' if lost else 'was not'} counted; Redis roles "
-                        f"{self.roles()}); its remote-store lines:\n"
-                        + "\n".join(ln for ln in log(by).splitlines() if "remote store" in ln)[-3000:])
-                    raise AssertionError(f"{url} never got the prompt's {len(keys)} chunks{why}")
-                time.sleep(0.2)
+            return until(held, timeout, why, every=0.2) is True
         finally:
             t.close()
-        return True
 
     def served(self, server: OffloadServer, url: str, p: list[int], n: int) -> tuple[list[int], list[float]]:
         """`server`'s answer to `p`, once the store holds every chunk of `p` (asked twice if its
@@ -199,10 +199,8 @@ def share(s: Setup, first: str, second: str, url: str) -> None:
     src = source_tokens(two)
     assert src["external_kv_transfer"] - src0.get("external_kv_transfer", 0) == loaded
     assert src["local_compute"] - src0.get("local_compute", 0) == len(p) - loaded
-    deadline = time.monotonic() + 10
-    while tier_value(two, "kvferry:cache_hit_tokens_total", "remote") < loaded:
-        assert time.monotonic() < deadline, "kvferry:cache_hit_tokens_total{tier=remote} never counted the hit"
-        time.sleep(0.2)
+    until(lambda: tier_value(two, "kvferry:cache_hit_tokens_total", "remote") >= loaded, 10,
+          "kvferry:cache_hit_tokens_total{tier=remote} to count the hit", every=0.2)
 
 
 @pytest.mark.vllm
@@ -237,10 +235,7 @@ def counted(server: OffloadServer, name: str) -> float:
 
 def wait_counted(server: OffloadServer, name: str, above: float) -> None:
     """Until the counter (exported with vLLM's stats, a little after the request) passes `above`."""
-    deadline = time.monotonic() + 10
-    while counted(server, name) <= above:
-        assert time.monotonic() < deadline, f"{name} never counted the rejected chunk"
-        time.sleep(0.2)
+    until(lambda: counted(server, name) > above, 10, f"{name} to count the rejected chunk", every=0.2)
 
 
 def redis_master(s: Setup) -> redis.Redis:
@@ -310,16 +305,16 @@ def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(se
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
     assert remote_hits(c) == hits0 + 2
     s.master.kill()
-    answered, deadline = 0, time.monotonic() + 90
-    before = remote_hits(c)
-    while True:  # a steady stream: every request must succeed, hit or computed
+    answered, before = 0, remote_hits(c)
+
+    def hit_after_failover() -> bool:  # a steady stream: every request must succeed, hit or computed
+        nonlocal answered
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
         answered += 1
         promoted = s.client(s.replica).info("replication")["role"] == "master"
-        if promoted and remote_hits(c) > before:
-            break
-        assert time.monotonic() < deadline, f"no remote hit within 90 s of the kill ({answered} requests answered)"
-        time.sleep(0.2)
+        return promoted and remote_hits(c) > before
+    until(hit_after_failover, 90, lambda: f"a remote hit within 90 s of the kill ({answered} requests answered)",
+          every=0.2)
     assert answered >= 2  # at least one request ran while the store was gone
     assert "treating it as empty" in log(c)
 
@@ -337,13 +332,15 @@ def test_a_killed_lm_server_is_misses_and_its_restart_brings_hits_back(setup: Se
     assert "treating it as empty" in log(one) and "treating it as empty" in log(two)
     s.lm = start_lm_server(s.lm.log.parent, port)
     s.procs.append(s.lm)
-    hits0, deadline = remote_hits(two), time.monotonic() + 90
-    while remote_hits(two) == hits0:  # each instance retries after its back-off (at most 30 s)
-        assert time.monotonic() < deadline, "no remote hit within 90 s of the restart"
+    hits0 = remote_hits(two)
+
+    def hit_again() -> bool:  # each instance retries after its back-off (at most 30 s)
         p = prompt(600)
         a = tokens_and_logprobs(completion(one, p, 4))[0]
         try:
             s.stored(url, p, timeout=5)
         except AssertionError:
-            continue  # instance 1 was still backing off: its puts were dropped
+            return False  # instance 1 was still backing off: its puts were dropped
         assert tokens_and_logprobs(completion(two, p, 4))[0] == a
+        return remote_hits(two) != hits0
+    until(hit_again, 90, "a remote hit within 90 s of the restart", every=0)

@@ -6,10 +6,8 @@ it; a short prompt is served by the decoder alone, with plain vLLM's greedy toke
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -17,7 +15,6 @@ import pytest
 
 from tests.pd_helpers import source_tokens
 from tests.polling import until
-from tests.up_cluster import start_up, stop
 
 pytestmark = pytest.mark.vllm
 
@@ -31,21 +28,10 @@ def words(seed: int, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("routing")
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /reset_prefix_cache, to drop a prefiller's cache
-    try:
-        proc, state = start_up(tmp, "--num-prefillers", "2", "--num-decoders", "1", "--local-prefill-tokens", "16")
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE")
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-    try:
-        yield state
-    finally:
-        stop(proc)
+def cluster(kvferry_up) -> dict:
+    # VLLM_SERVER_DEV_MODE: vLLM's /reset_prefix_cache, to drop a prefiller's cache
+    return kvferry_up("routing", "--num-prefillers", "2", "--num-decoders", "1", "--local-prefill-tokens", "16",
+                      env={"VLLM_SERVER_DEV_MODE": "1"}).state
 
 
 def role(state: dict, r: str) -> list[SimpleNamespace]:
@@ -183,7 +169,7 @@ def test_chat_prompts_are_predicted_from_the_chat_template(cluster: dict) -> Non
     before = held()
     chat("first question")
     until(lambda: held() > before, 30, "the first question's BlockStored events")
-    time.sleep(1)  # the decode leg's blocks too
+    time.sleep(1)  # a sleep: the decode leg's blocks too, if it stores any (no count of them to wait for)
     routes0 = proxy_counters(cluster, "kvferry_proxy_routing_decisions_total")
     p0 = sum(proxy_counters(cluster, "kvferry_proxy_predicted_cached_tokens_total").values())
     a0 = sum(proxy_counters(cluster, "kvferry_proxy_actual_cached_tokens_total").values())

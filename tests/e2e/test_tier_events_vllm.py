@@ -18,6 +18,7 @@ from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion
+from tests.polling import until_async
 
 pytestmark = pytest.mark.vllm
 
@@ -48,25 +49,23 @@ def test_the_cpu_tiers_chunks_reach_the_proxys_index_and_outlive_a_prefix_cache_
                          counter=lambda r, n=1: counts.__setitem__(r, counts.get(r, 0) + n))
     keys = prefix_keys(PROMPT, BLOCK)
 
-    async def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not cond(stream.index.cached(keys)):
-            assert loop.time() < deadline, f"timed out waiting for {what}: {stream.index.cached(keys)} {counts}"
-            await asyncio.sleep(0.1)
+    def held(what: str):
+        return lambda: f"{what}: {stream.index.cached(keys)} {counts}"
 
     async def main() -> None:
         task = asyncio.create_task(stream.run(probe_interval=1.0))
         try:
             await asyncio.to_thread(completion, s, PROMPT, 2)
-            await wait_for(lambda h: h[GPU] == 4 * BLOCK and h[CPU] == 0, "the GPU blocks and CPU chunks")
+            await until_async(lambda: (h := stream.index.cached(keys))[GPU] == 4 * BLOCK and h[CPU] == 0, 30.0,
+                              held("the GPU blocks and CPU chunks"), every=0.1)
             assert stream.index.block_size == BLOCK  # chunks were split into vLLM's blocks
             assert len(stream.index) == 4  # the GPU and the CPU copies of the same tokens share keys
             r = await asyncio.to_thread(httpx.post, s.url + "/reset_prefix_cache", timeout=30)
             assert r.status_code == 200
             # vLLM publishes a step's events at its end: one short request lets it step.
             await asyncio.to_thread(completion, s, [7, 8, 9], 1)
-            await wait_for(lambda h: h[GPU] == 0 and h[CPU] == 2 * CHUNK, "the GPU reset, the CPU copies kept")
+            await until_async(lambda: (h := stream.index.cached(keys))[GPU] == 0 and h[CPU] == 2 * CHUNK, 30.0,
+                              held("the GPU reset, the CPU copies kept"), every=0.1)
             assert counts.get("bad", 0) == 0 and stream.index.orphans == 0, counts
         finally:
             stream.close()

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-from tests.polling import alive
+from tests.polling import alive, until
 from tests.up_cluster import KVFERRY, start_up, stop, tree
 
 
@@ -45,12 +44,11 @@ def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_ou
         url = state["proxy"]["url"]
         dead = [i for i in state["instances"] if i["role"] == "decoder"][0]
         os.killpg(dead["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def ejected() -> dict | None:
             h = httpx.get(url + "/health").json()
-            if not [i for i in h["instances"] if i["url"] == dead["url"]][0]["healthy"]:
-                break
-            time.sleep(0.5)
+            return None if [i for i in h["instances"] if i["url"] == dead["url"]][0]["healthy"] else h
+        h = until(ejected, 30, "the proxy to eject the killed decoder", every=0.5)
         inst = [i for i in h["instances"] if i["url"] == dead["url"]][0]
         assert not inst["healthy"] and h["status"] == "ok"
         assert f'kvferry_proxy_instance_healthy{{instance="{inst["id"]}",role="decoder",url="{dead["url"]}"}} 0.0' \
@@ -67,13 +65,12 @@ def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_ou
         t = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", json=body,
                                                                     timeout=180)), daemon=True)
         t.start()
-        busy = None
-        deadline = time.monotonic() + 60
-        while busy is None:  # its staging pages are taken once the prompt computes
-            busy = next((i for i in state["instances"] if i["role"] == "prefiller" and _staging_taken(i["url"])),
+
+        def computing() -> dict | None:  # its staging pages are taken once the prompt computes
+            assert t.is_alive(), out
+            return next((i for i in state["instances"] if i["role"] == "prefiller" and _staging_taken(i["url"])),
                         None)
-            assert time.monotonic() < deadline and t.is_alive(), out
-            time.sleep(0.02)
+        busy = until(computing, 60, lambda: f"a prefiller computing the prompt: {out}", every=0.02)
         os.killpg(busy["pid"], signal.SIGKILL)
         t.join(180)
         assert out["r"].status_code == 200, out["r"].text
@@ -83,11 +80,8 @@ def test_up_2p2d_keeps_serving_when_a_decoder_or_a_prefiller_dies_and_nothing_ou
         assert len(pids) >= 4
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [p for p in pids if alive(p)]
-        assert not left, "orphans outlived the launcher: " + "; ".join(f"{p}: {cmdline(p)}" for p in left)
+        until(lambda: not any(alive(p) for p in pids), 30, lambda: "the launcher's children to end; orphans: "
+              + "; ".join(f"{p}: {cmdline(p)}" for p in pids if alive(p)), every=0.5)
     finally:
         if proc.poll() is None:
             stop(proc)
@@ -139,6 +133,7 @@ def test_a_child_that_dies_while_starting_stops_the_rest(tmp_path: Path) -> None
     assert r.returncode == 1, r.stdout + r.stderr
     assert "exited with" in r.stderr and "while starting" in r.stderr and "the end of its log" in r.stderr
     assert "stopped" in r.stdout
-    time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", str(bogus)], capture_output=True, text=True).stdout.split()
-    assert not leftovers, leftovers
+
+    def leftovers() -> list[str]:
+        return subprocess.run(["pgrep", "-f", str(bogus)], capture_output=True, text=True).stdout.split()
+    until(lambda: not leftovers(), 10, lambda: f"no process left of the failed start: {leftovers()}")

@@ -28,6 +28,7 @@ from kvferry.engine.remote.lm.client import LMClient, LMError
 from kvferry.engine.remote.lm.protocol import frame
 from kvferry.launcher.stores import Proc
 from kvferry.testing.stores import start_lm_server
+from tests.polling import until
 
 KIB = 1 << 10
 A, B = "a-cluster-secret-of-32-characters", "another-cluster-secret-entirely!"
@@ -136,7 +137,7 @@ def test_a_frame_may_arrive_a_byte_at_a_time(server) -> None:
     s = raw(port)
     for i in range(0, len(data), 97):  # short writes with pauses: the server reads exactly
         s.sendall(data[i:i + 97])
-        time.sleep(0.002)
+        time.sleep(0.002)  # a sleep is the test: the frame comes in paced short writes
     assert isinstance(reply_of(s), m.RemoteReply)
     s.close()
     assert LMClient("127.0.0.1", port).get(b"slow") == blob
@@ -269,14 +270,6 @@ def lm_server(tmp_path: Path, *extra: str) -> Proc:
     return start_lm_server(tmp_path, None, "--frame-timeout", "1", *extra)
 
 
-def wait_for(pred, timeout: float = 10.0, what: str = "") -> None:  # noqa: ANN001
-    """A bounded wait for an expected event."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        time.sleep(0.05)
-
-
 def serves(port: int) -> bool:
     try:
         return still_serves(port)
@@ -298,7 +291,7 @@ def stats(p: Proc) -> dict[str, int]:
     """The server's counters: SIGUSR1 makes it log a stats line."""
     before = p.log.read_text().count("kvferry-server stats:")
     p.proc.send_signal(signal.SIGUSR1)
-    wait_for(lambda: p.log.read_text().count("kvferry-server stats:") > before, what="a stats line")
+    until(lambda: p.log.read_text().count("kvferry-server stats:") > before, what="a stats line")
     line = p.log.read_text().split("kvferry-server stats:")[-1].split("(")[0]
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
 
@@ -326,7 +319,7 @@ def test_more_connections_than_its_ulimit_then_it_serves_again(tmp_path: Path) -
         assert p.proc.poll() is None
         for s in conns:
             s.close()
-        wait_for(lambda: serves(p.port), what="serving again once descriptors were free")
+        until(lambda: serves(p.port), what="serving again once descriptors were free")
         log = p.log.read_text()
         assert 1 <= log.count("cannot accept connections") <= 3, "logged once per burst, not per connection"
         assert "ulimit -n" in log
@@ -352,7 +345,7 @@ def test_the_connection_cap_refuses_the_excess_and_serves_again_after(tmp_path: 
         assert stats(p)["refused_cap"] == 2
         assert "--max-connections limit" in p.log.read_text()
         held.pop().close()
-        wait_for(lambda: serves(p.port), what="a slot freed by a closed connection")
+        until(lambda: serves(p.port), what="a slot freed by a closed connection")
     finally:
         for s in held:
             s.close()
@@ -366,7 +359,7 @@ def test_a_trickled_partial_length_prefix_is_cut_off_by_the_frame_timeout(tmp_pa
         head = frame(m.RemoteGet(key=b"k"))[:3]
         for b in head:  # three bytes of four, a third of a second apart: still one frame in progress
             s.sendall(bytes([b]))
-            time.sleep(0.3)
+            time.sleep(0.3)  # a sleep is the test: the prefix trickles in slower than a frame
         got = reply_of(s)  # waits up to 5 s: the idle timeout (600 s) must not be what applies
         assert isinstance(got, m.ErrorReply) and got.code == "timeout" and "length prefix" in got.message
         assert closed(s)
@@ -386,7 +379,7 @@ def test_idle_connections_are_closed_and_the_client_reconnects_unnoticed(tmp_pat
         s.close()
         c = LMClient("127.0.0.1", p.port)
         c.put(b"k", b"v" * 100)
-        wait_for(lambda: c._sock is not None and closed_now(c._sock), what="the client's idle connection closed")
+        until(lambda: c._sock is not None and closed_now(c._sock), what="the client's idle connection closed")
         assert c.get(b"k") == b"v" * 100, "the next call opens a new connection instead of failing"
         c.close()
         assert stats(p)["idle_closed"] == 2
@@ -418,9 +411,9 @@ def test_trickled_max_size_puts_keep_memory_bounded(tmp_path: Path) -> None:
                 conns.append(s)
 
         trickle(3)  # these three take the whole budget...
-        wait_for(lambda: stats(p)["inflight_bytes"] >= budget, what="three frames holding the budget")
+        until(lambda: stats(p)["inflight_bytes"] >= budget, what="three frames holding the budget")
         trickle(9)  # ...so these nine wait for room, with no buffer of their own
-        wait_for(lambda: stats(p)["waiting_for_room"] == 9, what="nine frames waiting for room")
+        until(lambda: stats(p)["waiting_for_room"] == 9, what="nine frames waiting for room")
         for s in conns:
             s.sendall(b"y")  # still trickling
         st = stats(p)
@@ -448,7 +441,7 @@ def test_a_client_that_does_not_read_its_replies_is_cut_off(tmp_path: Path) -> N
         c.put(b"big", value)
         s, _ = greeting(p.port, rcvbuf=4096)
         s.sendall(frame(m.RemoteGet(key=b"big")) * 40)  # 40 MiB of replies, none read for now
-        wait_for(lambda: stats(p)["send_timeouts"] == 1, what="the send timeout")
+        until(lambda: stats(p)["send_timeouts"] == 1, what="the send timeout")
         got = 0
         while True:  # what was already in the socket buffers, then the end
             try:

@@ -20,6 +20,7 @@ from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, Serde, SerdeError
 from kvferry.engine.tiers.remote import PREFIX, RemoteError, RemoteTier
 from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
+from tests.polling import until
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)
 TOKENS = 64
@@ -125,7 +126,7 @@ def test_lm_with_the_cluster_secret_and_clients_without_it(tmp_path: Path, kvf_l
         assert plain.exists([b"A" * 16]) == [False]
         assert plain.stats()["remote_errors"] == 1
         assert "set cluster_secret_file" in kvf_logs.text
-        time.sleep(1.1)  # past the back-off: its put is tried, and refused
+        time.sleep(1.1)  # a sleep is the test's clock: past the 1 s back-off, its put is tried, and refused
         assert plain.put(b"B" * 16, chunk(2), TOKENS) and plain.flush(10)
         assert plain.stats()["stored_chunks|remote"] == 0 and plain.stats()["remote_errors"] == 2
         assert good.exists([b"A" * 16, b"B" * 16]) == [True, False]
@@ -168,7 +169,7 @@ def test_a_dead_store_is_misses_without_waiting_then_comes_back(tmp_path: Path, 
     assert len(warnings) == 1
     p = start_redis(tmp_path, port=port)
     try:
-        time.sleep(1.1)  # the first back-off
+        time.sleep(1.1)  # a sleep is the test's clock: past the first back-off (1 s)
         assert t.put(b"A" * 16, chunk(1), TOKENS) and t.flush(10)
         assert t.exists([b"A" * 16]) == [True]
         assert any("answers again" in r.getMessage() for r in kvf_logs.records)
@@ -274,14 +275,15 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
         assert t.put(b"S" * 16, a, TOKENS) and t.flush(10)
         assert redis.Redis(port=master.port).wait(1, 5000) == 1  # the replica has it
         master.kill()
-        deadline, misses = time.monotonic() + 60, 0
-        while time.monotonic() < deadline:
+        misses = 0
+
+        def hit() -> list[torch.Tensor] | None:
+            nonlocal misses
             got = t.get(b"S" * 16, TOKENS, NBYTES)
-            if got is not None:
-                break
-            misses += 1
-            time.sleep(0.2)
-        assert got is not None and torch.equal(got, a), "no hit after the failover"
+            misses += got is None
+            return None if got is None else [got]
+        (got,) = until(hit, 60, "a hit after the failover", every=0.2)
+        assert torch.equal(got, a), "no hit after the failover"
         assert misses > 0 and t.stats()["remote_errors"] >= 1
         assert redis.Redis(port=replica.port).info("replication")["role"] == "master"
         b = chunk(8)

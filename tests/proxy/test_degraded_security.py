@@ -9,7 +9,7 @@ import signal
 import httpx
 
 from tests.polling import until
-from tests.stub_procs import Proc, _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+from tests.stub_procs import Proc, events, log, post, proxy, stubs
 
 BODY = {"model": "stub", "prompt": "the prefiller is gone", "max_tokens": 4}
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}

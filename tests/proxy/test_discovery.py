@@ -26,7 +26,7 @@ from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
 from tests.logged_proc import Proc, complete, served
-from tests.polling import until
+from tests.polling import until, until_async
 
 _PREFIXES = itertools.count()
 
@@ -47,13 +47,6 @@ def _record(iid: str, role: str = "prefiller", url: str = "http://127.0.0.1:1", 
                             fingerprint=disc.fingerprint("stub"), **kw)
 
 
-@pytest.fixture(scope="module")
-def cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, secret.ClusterSecret]:
-    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret.write_file(str(path), secret.generate())
-    return path, secret.from_file(str(path), "test")
-
-
 # ---- the etcd client and the registration itself (in-process, real etcd) ----
 
 def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:
@@ -72,7 +65,7 @@ def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:
                     if len(seen) >= 2:
                         return
             w = asyncio.ensure_future(watch())
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a sleep: the watch has no "started" to wait for; it sees what follows live
             await etcd.put(prefix + b"/b", b"x")
             await etcd.revoke(lease)  # takes /a with it
             await asyncio.wait_for(w, 5)
@@ -95,29 +88,28 @@ def test_discovery_etcd_registration_appears_withdraws_and_expires(etcd_server, 
         watch = disc.EtcdWatch(target, key, views.append, lambda r: None)
         task = asyncio.ensure_future(watch.run())
 
-        async def wait_for(pred, what: str, timeout: float = 5.0) -> float:
+        async def seconds_until(pred, what: str, timeout: float = 5.0) -> float:
+            """Seconds until the latest view meets `pred`."""
             t0 = time.monotonic()
-            while not (views and pred(views[-1])):
-                assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
-                await asyncio.sleep(0.02)
+            await until_async(lambda: views and pred(views[-1]), timeout, what, every=0.02)
             return time.monotonic() - t0
         try:
             reg = disc.Registration(target, _record("p-1"), key, ttl=2)
             await reg.register()
-            assert await wait_for(lambda v: "p-1" in v.records, "the registration") < 1.0
+            assert await seconds_until(lambda v: "p-1" in v.records, "the registration") < 1.0
             assert views[-1].records["p-1"].lease == reg.lease != 0
             await reg.withdraw()
-            await wait_for(lambda v: "p-1" not in v.records, "the withdrawal", 1.0)
+            await seconds_until(lambda v: "p-1" not in v.records, "the withdrawal", 1.0)
             # Killed: registered, renewed for a while, then no more renewals.
             stop = asyncio.Event()
             await reg.register()
             beat = asyncio.ensure_future(reg.keep_alive(stop))
-            await wait_for(lambda v: "p-1" in v.records, "the second registration")
-            await asyncio.sleep(3.0)  # longer than the TTL: the renewals keep it
+            await seconds_until(lambda v: "p-1" in v.records, "the second registration")
+            await asyncio.sleep(3.0)  # a sleep is the test: longer than the TTL, the renewals keep it
             assert "p-1" in views[-1].records
             stop.set()
             await beat
-            gone = await wait_for(lambda v: "p-1" not in v.records, "the lease to expire", 6.0)
+            gone = await seconds_until(lambda v: "p-1" not in v.records, "the lease to expire", 6.0)
             assert gone <= 2 + 1.5, gone
             await reg.close()
         finally:

@@ -9,7 +9,7 @@ import pytest
 
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.options import parse
-from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+from tests.stub_procs import events, log, post, proxy, stubs
 
 PROMPT = "the decoder computes the answer"
 CHAT = [{"role": "user", "content": PROMPT}]

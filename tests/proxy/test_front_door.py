@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -23,9 +22,9 @@ from kvferry.common.netutil import free_port
 from kvferry.proxy.http import front_door
 from kvferry.proxy.http.front_door import FastRequest, FrontDoor
 from kvferry.proxy.http.sse import SSEResponse
+from tests.polling import until, until_async
 from tests.stub_procs import (
     Proc,
-    _no_process_outlives_its_test,  # noqa: F401 - stops what a test started
     log,
     proxy,
     stub,
@@ -164,17 +163,13 @@ def test_a_slow_client_pauses_the_stream_and_one_that_leaves_cancels_it() -> Non
             w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
             w.write(post_bytes("/v1/completions", b"{}"))
             await r.readline()
-            await asyncio.sleep(1.0)  # the client reads nothing more meanwhile
+            await asyncio.sleep(1.0)  # a sleep is the test: the client reads nothing more meanwhile
             (door,) = doors
             assert door.transport is not None
             assert progress["sent"] < 200, progress  # the writer waited, it did not buffer the stream
             assert door.transport.get_write_buffer_size() < 16 << 20
             w.transport.abort()
-            for _ in range(100):
-                if progress["cancelled"]:
-                    break
-                await asyncio.sleep(0.02)
-            assert progress["cancelled"]
+            await until_async(lambda: progress["cancelled"], 2.0, "the handler to be cancelled", every=0.02)
     asyncio.run(run())
 
 
@@ -266,14 +261,11 @@ def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
             await r.readline()
             for _ in range(15):  # 1.5 s reading slowly, far slower than the handler writes: not cut
                 await r.read(1 << 15)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # a sleep is the test: a slow reader
             assert doors and not progress["cancelled"]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # a sleep is the test: not cut within this time
             assert doors and not progress["cancelled"]  # not yet: the bound has not passed
-            for _ in range(150):
-                if progress["cancelled"]:
-                    break
-                await asyncio.sleep(0.02)
+            await until_async(lambda: progress["cancelled"], 3.0, "the stalled stream to be cut", every=0.02)
             assert progress["cancelled"] and not doors
             with contextlib.suppress(ConnectionResetError):  # what was in flight, then the end
                 while await r.read(1 << 16):
@@ -311,12 +303,9 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
         r, w = await asyncio.open_connection(sock=s, limit=1 << 12)
         w.write(raw)
         assert (await r.readline()).startswith(b"HTTP/1.1 200")
-        await asyncio.sleep(0.5)  # reading nothing more
+        await asyncio.sleep(0.5)  # a sleep is the test: reading nothing more, not yet cut
         assert decoder()["in_flight"] == 1
-        for _ in range(100):
-            if decoder()["in_flight"] == 0:
-                break
-            await asyncio.sleep(0.1)
+        await until_async(lambda: decoder()["in_flight"] == 0, 10, "the decode leg to end", every=0.1)
         d = decoder()
         assert d["in_flight"] == 0 and d["errors"] == 0 and d["healthy"], d
         got = 0
@@ -331,10 +320,7 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
     # max, 32 MiB on this VM, besides both send buffers: 9 MB were seen held), and then the
     # stream ends by itself before the cut. Either way nothing may still run on it: a
     # connection the proxy left open would hold the stub's write, and its request, for good.
-    for _ in range(100):
-        if running(d0) == 0:
-            break
-        time.sleep(0.1)
+    until(lambda: running(d0) == 0, 10, "nothing left running on the decoder", every=0.1)
     assert running(d0) == 0 and log(d0)["cut_streams"] <= 1, log(d0)["cut_streams"]
 
 

@@ -22,7 +22,6 @@ import pytest
 
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
-from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
 from kvferry.proxy import metrics as metrics_mod
@@ -33,7 +32,6 @@ from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
 from kvferry.testing.processes import wait_http
 from tests.polling import until
 from tests.stub_procs import (
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     stub,
 )
 
@@ -75,13 +73,6 @@ def proxies() -> Iterator[list[Proxy]]:
     yield started
     for p in started:
         p.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, secret.ClusterSecret]:
-    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret.write_file(str(path), secret.generate())
-    return path, secret.from_file(str(path), "test")
 
 
 def _record(iid: str, role: str, url: str, kv_events: list[str] | None = None, port: int = 9) -> m.InstanceRecord:
@@ -150,17 +141,17 @@ def test_security_instance_churn_leaves_fds_and_series_at_baseline(etcd_server, 
                             reg.record = _record(f"c{b}-{i}", "prefiller", f"http://127.2.{b}.{i + 1}:9",
                                                  [f"ipc://{tmp_path}/ev-{b}-{i}.sock"])
                     await asyncio.gather(*(r.register() for r in regs))
-                    await _until(lambda: px.discovered() == BATCH, f"batch {b} in the proxy")
+                    await asyncio.to_thread(until, lambda: px.discovered() == BATCH, 20.0, f"batch {b} in the proxy")
                     made = alloc.made
                     await asyncio.gather(*(client.post(px.url + "/v1/completions", json=EOS_FIRST)
                                            for _ in range(ABORTS)))
-                    await _until(lambda made=made: alloc.made - made >= ABORTS // 2,
-                                 f"batch {b}'s aborts at their decoders")
+                    await asyncio.to_thread(until, lambda made=made: alloc.made - made >= ABORTS // 2, 20.0,
+                                            f"batch {b}'s aborts at their decoders")
                     # Half withdrawn (deleted, then the lease revoked), half by their lease ending.
                     await asyncio.gather(*(r.withdraw() if i % 2 else r.etcd.revoke(r.lease)
                                            for i, r in enumerate(regs)))
-                    await _until(lambda: px.discovered() == 0, f"batch {b} gone from the proxy")
-                    await _until(lambda: alloc.open == 0, f"batch {b}'s abort sockets closed")
+                    await asyncio.to_thread(until, lambda: px.discovered() == 0, 20.0, f"batch {b} gone from the proxy")
+                    await asyncio.to_thread(until, lambda: alloc.open == 0, 20.0, f"batch {b}'s abort sockets closed")
                     if b == 0:
                         fds, series, t0 = px.fds(), px.series(), time.monotonic()
         finally:
@@ -175,11 +166,6 @@ def test_security_instance_churn_leaves_fds_and_series_at_baseline(etcd_server, 
     assert set(re.findall(r'instance="([^"]+)"', px.metrics())) <= {"p0", "proxy"}  # no churned one's left
     print(f"{BATCH * BATCHES} register/withdraw cycles in {took:.1f} s, {alloc.made} abort sockets; "
           f"descriptors {fds}, series {series}")
-
-
-async def _until(pred, what: str, timeout: float = 20.0) -> None:
-    """tests.polling.until for a blocking predicate, from inside an event loop."""
-    await asyncio.to_thread(until, pred, timeout, what)
 
 
 # ---- --workers 2: more instances over the proxy's life than the load board has rows ----

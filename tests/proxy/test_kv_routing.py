@@ -19,6 +19,7 @@ from kvferry.proxy.routing.cache import CacheView, choose, local_reason
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
 from kvferry.proxy.routing.registry import Instance
+from tests.polling import until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -48,13 +49,6 @@ def stream(tmp_path: Path) -> Iterator[tuple[KVEventSubscription, Counts]]:
                     PrefixIndex(1000), stale_after=1.0, counter=counts)
     yield s, counts
     s.close()
-
-
-async def until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 def test_index_follows_stored_removed_and_cleared() -> None:
@@ -87,19 +81,19 @@ def test_events_from_vllms_publisher_fill_the_index_and_a_restart_clears_it(tmp_
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-            await until(lambda: len(s.index) == 5)
+            await until_async(lambda: len(s.index) == 5)
             assert s.index.cached_tokens(prefix_keys(DOC, BS)) == 5 * BS
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.BlockRemoved(block_hashes=[5], medium="GPU")]))
-            await until(lambda: len(s.index) == 4)
+            await until_async(lambda: len(s.index) == 4)
             pub.shutdown()
             # The instance comes back empty: a new publisher, its seq from 0 again.
             pub = publisher(tmp_path)
-            await until(lambda: len(s.index) == 0)
+            await until_async(lambda: len(s.index) == 0)
             assert counts.get("reset", 0) >= 1
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:2 * BS], 50)]))
-            await until(lambda: len(s.index) == 2)
+            await until_async(lambda: len(s.index) == 2)
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[kv.AllBlocksCleared()]))
-            await until(lambda: len(s.index) == 0)
+            await until_async(lambda: len(s.index) == 0)
             assert s.fresh
         finally:
             task.cancel()
@@ -114,10 +108,10 @@ def test_events_published_before_the_proxy_started_are_replayed(tmp_path: Path, 
     async def go() -> None:
         pub = publisher(tmp_path)
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-        await asyncio.sleep(0.5)  # published to nobody: only the replay socket has it
+        await asyncio.sleep(0.5)  # a sleep: published to nobody before the stream starts (nothing to wait for)
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
-            await until(lambda: len(s.index) == 5)
+            await until_async(lambda: len(s.index) == 5)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -147,11 +141,11 @@ def test_a_stalled_stream_is_routed_by_load(tmp_path: Path, stream) -> None:
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-            await until(lambda: len(s.index) == 5)
+            await until_async(lambda: len(s.index) == 5)
             r = choose(view_self, opts, [d0], [p0, p1], prompt, len(prompt))
             assert (r.prefiller, r.reason, r.predicted) == (p0, "cache_hit", 5 * BS)
             pub.shutdown()  # the publisher stops answering: no events, no replay
-            await until(lambda: not s.fresh, timeout=5)
+            await until_async(lambda: not s.fresh, timeout=5)
             r = choose(view_self, opts, [d0], [p0, p1], prompt, len(prompt))
             assert (r.prefiller, r.reason) == (p1, "stale_events")
         finally:
@@ -169,7 +163,7 @@ def test_hostile_frames_are_counted_and_skipped(tmp_path: Path, stream) -> None:
     async def go() -> None:
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
-            await asyncio.sleep(0.5)  # the subscription reaches the PUB socket
+            await asyncio.sleep(0.5)  # a sleep: the subscription reaches the PUB socket, which gives no sign of it
             pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1garbage"])
             pub.send_multipart([b"one frame"])
             batch = [time.time(), [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
@@ -178,7 +172,7 @@ def test_hostile_frames_are_counted_and_skipped(tmp_path: Path, stream) -> None:
             good = [time.time(), [{"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
                                    "token_ids": DOC[:BS], "block_size": BS, "lora_id": None, "medium": "GPU"}]]
             pub.send_multipart([b"", (2).to_bytes(8, "big"), msgspec.msgpack.encode(good)])
-            await until(lambda: len(s.index) == 1)
+            await until_async(lambda: len(s.index) == 1)
             assert counts.get("bad", 0) >= 3
             assert not task.done()
         finally:
@@ -221,7 +215,7 @@ def test_a_closed_stream_ends_its_loop_quietly(tmp_path: Path) -> None:
 
     async def go() -> None:
         task = asyncio.ensure_future(s.run(probe_interval=0.1))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a sleep is the test: the loop runs a few probes, then is closed under it
         s.close()
         await asyncio.wait_for(task, 5)  # returns: no exception for the supervisor to restart
     asyncio.run(go())

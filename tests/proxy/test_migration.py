@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from kvferry.proxy.openai.rewrite import strip_token_ids, token_ids_in
-from tests.stub_procs import _no_process_outlives_its_test, events, log, post, proxy, stubs  # noqa: F401
+from tests.polling import until
+from tests.stub_procs import events, log, post, proxy, stubs
 
 BODY = {"model": "stub", "prompt": "migrate this stream please", "max_tokens": 8, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1, "return_token_ids": True}
@@ -89,10 +90,10 @@ def test_a_sigkilled_decoder_mid_stream_migrates(logprobs: int | None) -> None:
         result: dict = {}
 
         def run() -> None:
-            result["ev"] = events(px.url, "/v1/completions", body)
+            result["ev"] = events(px.url, "/v1/completions", body, each=lambda ev: result.update(n=len(ev)))
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(0.9)  # a few tokens out, on d0 (round robin starts there)
+        until(lambda: result.get("n", 0) >= 3, 10, "a few tokens out")  # on d0 (round robin starts there)
         assert log(d0)["requests"], "the stream did not start on d0"
         os.killpg(d0.proc.pid, signal.SIGKILL)
         t.join(30)
@@ -113,11 +114,11 @@ def test_a_stalled_decoder_migrates_after_the_stall_timeout() -> None:
         result: dict = {}
 
         def run() -> None:
-            result["ev"] = events(px.url, "/v1/completions", body)
+            result["ev"] = events(px.url, "/v1/completions", body, each=lambda ev: result.update(n=len(ev)))
         t = threading.Thread(target=run)
         t0 = time.monotonic()
         t.start()
-        time.sleep(0.9)
+        until(lambda: result.get("n", 0) >= 3, 10, "a few tokens out")
         assert log(d0)["requests"]
         os.killpg(d0.proc.pid, signal.SIGSTOP)
         stopped = True
@@ -145,11 +146,11 @@ def test_a_stalled_chat_stream_migrates_after_the_stall_timeout() -> None:
         result: dict = {}
 
         def run() -> None:
-            result["ev"] = events(px.url, "/v1/chat/completions", chat)
+            result["ev"] = events(px.url, "/v1/chat/completions", chat, each=lambda ev: result.update(n=len(ev)))
         t = threading.Thread(target=run)
         t0 = time.monotonic()
         t.start()
-        time.sleep(0.9)
+        until(lambda: result.get("n", 0) >= 4, 10, "a few tokens out")  # after the role's chunk
         assert log(d0)["requests"]
         os.killpg(d0.proc.pid, signal.SIGSTOP)
         stopped = True

@@ -29,7 +29,6 @@ from kvferry.proxy.options import parse
 from tests.polling import until
 from tests.stub_procs import (
     Proc,
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     events,
     log,
     post,
@@ -395,7 +394,8 @@ def test_health_ejects_dead_instances_and_admin_api() -> None:
         h = httpx.get(px.url + "/health").json()
         assert h["status"] == "ok" and len(h["instances"]) == 3
         ds[0].stop()
-        time.sleep(1.2)  # health checks every 0.3 s; two failures eject
+        # health checks every 0.3 s; two failures eject
+        until(lambda: not _instances(px.url)[ds[0].url]["healthy"], 1.2, "the dead decoder's eject")
         h = httpx.get(px.url + "/health")
         assert h.status_code == 200
         dead = [i for i in h.json()["instances"] if i["url"] == ds[0].url][0]
@@ -437,9 +437,7 @@ def test_client_disconnect_cancels_the_decode_leg() -> None:
             for i, _ in enumerate(r.iter_lines()):
                 if i > 6:
                     break
-        deadline = time.monotonic() + 5
-        while log(ds[0])["cut_streams"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        until(lambda: log(ds[0])["cut_streams"] != 0, 5, "the decode leg to be cut")
         assert log(ds[0])["cut_streams"] == 1
         assert httpx.post(px.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2},
                           timeout=30).status_code == 200
@@ -621,13 +619,11 @@ def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
         push.connect(f"tcp://127.0.0.1:{note_port}")
         push.send(b"garbage")  # dropped with a warning
         push.send(m.encode(m.ProxyNotification(transfer_id=tid, receiver_id="d0", num_chunks=1, num_tokens=9)))
-        deadline = time.monotonic() + 5
-        text = ""
-        while time.monotonic() < deadline:
+
+        def counted() -> str | None:
             text = httpx.get(px.url + "/metrics").text
-            if "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text:
-                break
-            time.sleep(0.1)
+            return text if "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text else None
+        text = until(counted, 5, "the transfer wait's sample", every=0.1)
         assert "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in text
         assert 'kvferry_proxy_notifications_total{result="bad"} 1.0' in text
         assert 'kvferry_proxy_notifications_total{result="arrived"} 1.0' in text
@@ -743,15 +739,6 @@ def _instances(url: str) -> dict[str, dict]:
     return {i["url"]: i for i in httpx.get(url + "/health").json()["instances"]}
 
 
-def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_a_dead_engine_is_ejected_at_once() -> None:
     *ps, d0, d1 = stubs(0, 0, 0, 0, 0)
     ds = [d0, d1]
@@ -767,7 +754,7 @@ def test_a_dead_engine_is_ejected_at_once() -> None:
         httpx.post(ps[0].url + "/stub/fail", json={"dead": True})
         assert post(px.url, "/v1/completions", body).status_code == 200
         assert len(log(ps[0])["requests"]) == 1
-        assert _until(lambda: not _instances(px.url)[ps[0].url]["healthy"])
+        until(lambda: not _instances(px.url)[ps[0].url]["healthy"], 5.0, "p0's eject")
         for _ in range(4):
             assert post(px.url, "/v1/completions", body).status_code == 200
         assert len(log(ps[0])["requests"]) == 1
@@ -776,7 +763,7 @@ def test_a_dead_engine_is_ejected_at_once() -> None:
         ps[1].proc.wait(5)
         for _ in range(2):  # round robin over p1 and p2: one of these picks p1
             assert post(px.url, "/v1/completions", body).status_code == 200
-        assert _until(lambda: not _instances(px.url)[ps[1].url]["healthy"])
+        until(lambda: not _instances(px.url)[ps[1].url]["healthy"], 5.0, "p1's eject")
         # 3. A decoder dies mid-stream (vLLM's error event): the stream migrates to the other
         #    decoder (no error event, the whole answer), the decoder is out at once, and the next
         #    streams go to the other one.
@@ -786,7 +773,7 @@ def test_a_dead_engine_is_ejected_at_once() -> None:
             ev = events(px.url, "/v1/completions", dict(body, stream=True, max_tokens=4))
             assert ev[-1] == "[DONE]" and not any("error" in e for e in ev[:-1])
         assert len(log(ds[0])["requests"]) == n0 + 1
-        assert _until(lambda: not _instances(px.url)[ds[0].url]["healthy"])
+        until(lambda: not _instances(px.url)[ds[0].url]["healthy"], 5.0, "d0's eject")
         n = len(log(ds[0])["requests"])
         for _ in range(3):
             ev = events(px.url, "/v1/completions", dict(body, stream=True, max_tokens=4))
@@ -851,13 +838,14 @@ def test_cluster_secret_on_the_proxys_zmq_sockets(tmp_path: Path) -> None:
         strangers[0].connect(url)
         for s in strangers:
             s.send(note)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a sleep is the test: the strangers' notices are given time to (not) count
         text = httpx.get(px.url + "/metrics").text
         assert "kvferry_proxy_kv_transfer_wait_seconds_count 0.0" in text
         assert "kvferry_proxy_notifications_total{" not in text
         friend = zsock.connect(ctx, zmq.PUSH, right, url)  # kept open: no linger, a closed socket drops its queue
         friend.send(note)
-        assert _until(lambda: "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in httpx.get(px.url + "/metrics").text)
+        until(lambda: "kvferry_proxy_kv_transfer_wait_seconds_count 1.0" in httpx.get(px.url + "/metrics").text, 5.0,
+              "the friend's notice to count")
         assert 'kvferry_proxy_notifications_total{result="arrived"} 1.0' in httpx.get(px.url + "/metrics").text
         assert post(px.url, "/v1/completions", {"model": "stub", "prompt": "still", "max_tokens": 3}).status_code == 200
         assert httpx.get(px.url + "/health").json()["background"]["notifications"]["ok"]

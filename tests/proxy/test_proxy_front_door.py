@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from tests.stub_procs import (
-    _no_process_outlives_its_test,  # noqa: F401 - stops what each test started
     events,
     log,
     post,

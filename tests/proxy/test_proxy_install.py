@@ -20,7 +20,7 @@ import pytest
 
 from kvferry.common.netutil import free_port
 from kvferry.launcher.vllm_proc import stop_group
-from tests.stub_procs import _no_process_outlives_its_test, stub, wait_http  # noqa: F401
+from tests.stub_procs import stub, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 OFFLINE = ("No matching distribution found", "Could not find a version", "Failed to establish a new connection",

@@ -19,6 +19,7 @@ from kvferry.buffer.pd_buffer import (
     ReservationGone,
 )
 from tests.pd_buffer_helpers import PAGE, FakeClock
+from tests.polling import until
 
 
 def test_rounding_down_and_too_small(kvf_logs: pytest.LogCaptureFixture) -> None:
@@ -119,8 +120,7 @@ def test_cancel_waiters_ends_blocked_reserves_at_once() -> None:
     threads = [threading.Thread(target=waiter) for _ in range(2)]
     for t in threads:
         t.start()
-    while buf.stats().extra["waiting"] < 2:
-        time.sleep(0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 2, 10, "both reserves waiting", every=0.01)
     t0 = time.monotonic()
     assert buf.cancel_waiters("receiver closing") == 2
     for t in threads:
@@ -144,15 +144,13 @@ def test_fifo_no_starvation_of_a_large_request() -> None:
 
     big = threading.Thread(target=want, args=("big", 4))
     big.start()
-    while buf.stats().extra["waiting"] < 1:
-        time.sleep(0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 1, 10, "the big reserve waiting", every=0.01)
     # One page is free, but the small request must queue behind the big one.
     with pytest.raises(BufferFullTimeout):
         buf.reserve(1, "sneaky", lease_seconds=60, timeout=0)
     small = threading.Thread(target=want, args=("small", 1))
     small.start()
-    while buf.stats().extra["waiting"] < 2:
-        time.sleep(0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 2, 10, "the small reserve waiting too", every=0.01)
     for r in held:
         buf.release(r)
     big.join(5)

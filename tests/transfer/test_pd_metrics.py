@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import time
 from types import SimpleNamespace
 
 import prometheus_client
@@ -16,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvferry.connector.stats import GAUGES, SERIES, KVFerryPromMetrics, KVFerryStats, deltas
 from kvferry.engine.pd import consumer, producer, shared
+from tests.polling import until
 
 
 class _Registry:
@@ -112,9 +112,7 @@ def test_free_pages_and_transfers_in_flight_are_true_when_scraped_between_engine
             assert scrape("kvferry:pd_buffer_free_pages") == 12
             assert scrape("kvferry:pd_transfers_in_flight") == 1
             s.release(grant, "test: not needed")
-            deadline = time.monotonic() + 5
-            while scrape("kvferry:pd_buffer_free_pages") != 16 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            until(lambda: scrape("kvferry:pd_buffer_free_pages") == 16, 5, "every page free again", every=0.02)
             assert scrape("kvferry:pd_buffer_free_pages") == 16
             assert scrape("kvferry:pd_transfers_in_flight") == 0
     finally:

@@ -122,12 +122,10 @@ def decoder_step(d) -> tuple[set[str], set[int]]:
 
 def loaded(d, timeout: float = 10.0) -> tuple[set[str], set[int]]:
     """Steps until a load ends: (those requests, failed block ids; empty when loaded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ended() -> tuple[set[str], set[int]] | None:
         done, errors = decoder_step(d)
-        if done:
-            return done, errors
-    raise AssertionError(f"no load ended within {timeout}s")
+        return (done, errors) if done else None
+    return until(ended, timeout, "a load to end", every=0)
 
 
 def test_sleep_mode_is_claimed_only_with_the_hooks_that_make_it_true() -> None:
