@@ -333,7 +333,10 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     pages_back(a.leave(), "A in its first step")
     prefiller_idle()
     # D leaves during its one step: its pages are granted, nothing is written, the answer is next.
-    d = _Leaver(url, 400, 4)
+    # 1,500 tokens (one step, under PREFILL_STEP): a step of seconds, so the polls of both
+    # decoders' /metrics see its pages reserved on a loaded machine too (400 took 3.5 s, and a
+    # loaded run's polls missed it).
+    d = _Leaver(url, 1500, 4)
     until(lambda: _reserved(cluster), 120, "D's pages reserved (its step computes)", every=0.02)
     pages_back(d.leave(), "D in its only step")
     prefiller_idle()
