@@ -113,14 +113,12 @@ class FileValue(Value):
             files.of_instance.setdefault(iid, []).append(self)
 
     def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-        if not self.dropped:
-            self.files.file(self.prefix).write_value(self.key, self.value, 0.0)
+        self.set(self.value + amount)
 
     def set(self, value: float) -> None:
         self.value = value
         if not self.dropped:
-            self.files.file(self.prefix).write_value(self.key, self.value, 0.0)
+            self.files.file(self.prefix).write_value(self.key, value, 0.0)
 
 
 _files: _Files | None = None  # this process's, once multiprocess() ran
@@ -176,6 +174,12 @@ class _Family:
     def family(self) -> Metric:
         raise NotImplementedError
 
+    def _series(self, f: CounterMetricFamily | GaugeMetricFamily) -> Metric:
+        """`f` with one sample per set of label values."""
+        for values, v in self.children.items():
+            f.add_metric(values, v.value)
+        return f
+
 
 class Counter(_Family):
     kind = "counter"
@@ -185,10 +189,7 @@ class Counter(_Family):
         return self.name + "_total"
 
     def family(self) -> Metric:
-        f = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for values, v in self.children.items():
-            f.add_metric(values, v.value)
-        return f
+        return self._series(CounterMetricFamily(self.name, self.doc, labels=self.labelnames))
 
 
 class Gauge(_Family):
@@ -198,10 +199,7 @@ class Gauge(_Family):
         self.labels().set(value)
 
     def family(self) -> Metric:
-        f = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
-        for values, v in self.children.items():
-            f.add_metric(values, v.value)
-        return f
+        return self._series(GaugeMetricFamily(self.name, self.doc, labels=self.labelnames))
 
 
 class Histogram(_Family):

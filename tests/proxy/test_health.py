@@ -25,7 +25,10 @@ async def _serve(answers: dict[str, tuple[int, bytes]]) -> tuple[asyncio.Server,
     """A loopback HTTP/1.1 server answering each path with (status, body); "hang" paths never answer."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the pool closed its connection
             path = head.split(b" ", 2)[1].decode()
             status, body = answers[path]
             if status == 0:
