@@ -2,13 +2,12 @@
 and body must arrive within `request_s` of its first byte, and the open connections are capped,
 the one past the cap answered with a JSON 503 (Retry-After) and closed.
 
-aiohttp's server (a connection the proxy's front door handed over) waits for a body that stops
-halfway as long as the client holds the connection, and for a head that stops until its
-keep-alive timer (75 s); uvicorn's (the controller) waits for either forever, and for a
-connection that sends nothing at all. `Bounded` wraps such a server's protocol for one
-connection: it feeds the same bytes to httptools' parser (llhttp, as both servers' own) to see
-where each request begins and ends, and `Conns.sweep` closes a connection whose request began
-`request_s` ago and has not ended. A request being answered is not timed: only its arrival.
+The proxy's server (proxy/http/front_door.py) holds `Conns` itself. uvicorn's (the controller)
+waits forever for a head or a body that stops, and for a connection that sends nothing at all:
+`Bounded` wraps such a server's protocol for one connection. It feeds the same bytes to
+httptools' parser (llhttp, as uvicorn's own) to see where each request begins and ends, and
+`Conns.sweep` closes a connection whose request began `request_s` ago and has not ended. A
+request being answered is not timed: only its arrival.
 """
 
 from __future__ import annotations

@@ -3,14 +3,12 @@ drain, undrain, remove) behind the admin key."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
-from aiohttp import web
-
 from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.flows.context import Context
+from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, decoder_from, parse_url
 from kvferry.proxy.openai.errors import ProxyError, json_response
 from kvferry.proxy.routing.registry import Instance
@@ -22,20 +20,18 @@ class Admin:
     def __init__(self, ctx: Context, loops: dict[str, LoopHealth]) -> None:
         self.ctx, self.loops = ctx, loops
 
-    def routes(self, app: web.Application, expect: Callable[[web.Request], Awaitable[web.StreamResponse | None]]) \
-            -> None:
-        """/health and /metrics always; /admin/* unless --no-admin. `expect`: the guard's answer to
-        an `Expect: 100-continue` head (proxy/app.py)."""
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_page)
+    def routes(self, routes: Routes) -> None:
+        """/health and /metrics always; /admin/* unless --no-admin."""
+        routes.add("GET", "/health", self.health)
+        routes.add("GET", "/metrics", self.metrics_page)
         if self.ctx.opts.admin:
-            app.router.add_get("/admin/instances", self.list)
-            app.router.add_post("/admin/instances", self.add, expect_handler=expect)
-            app.router.add_post("/admin/instances/{iid}/drain", self.drain)
-            app.router.add_post("/admin/instances/{iid}/undrain", self.undrain)
-            app.router.add_delete("/admin/instances/{iid}", self.remove)
+            routes.add("GET", "/admin/instances", self.list)
+            routes.add("POST", "/admin/instances", self.add)
+            routes.add("POST", "/admin/instances/{iid}/drain", self.drain)
+            routes.add("POST", "/admin/instances/{iid}/undrain", self.undrain)
+            routes.add("DELETE", "/admin/instances/{iid}", self.remove)
 
-    def trusted(self, request: web.Request) -> bool:
+    def trusted(self, request: Request) -> bool:
         """May this caller see internal ports (receiver init/alloc ports, ZMQ errors naming
         addresses)? Only with the admin key, and only when one is set."""
         key = self.ctx.opts.admin_key
@@ -43,7 +39,7 @@ class Admin:
             return False
         return cluster_secret.authorized(request.headers.get("Authorization"), key)
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         registry = self.ctx.router.registry
         ok = registry.ready()
         # No usable prefiller: decoders serve whole requests, so the proxy still serves (200).
@@ -66,14 +62,14 @@ class Admin:
         return json_response({"status": status, "instances": insts, "background": background},
                              503 if status == "unavailable" else 200)
 
-    async def metrics_page(self, request: web.Request) -> web.Response:
+    async def metrics_page(self, request: Request) -> Response:
         self.ctx.router.refresh_degraded()  # true when read, not only as of the last health round
-        return web.Response(body=self.ctx.metrics.render(), content_type="text/plain", charset="utf-8")
+        return Response(self.ctx.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def list(self, request: web.Request) -> web.Response:
+    async def list(self, request: Request) -> Response:
         return json_response({"instances": [i.describe() for i in self.ctx.router.registry.instances.values()]})
 
-    async def add(self, request: web.Request) -> web.Response:
+    async def add(self, request: Request) -> Response:
         body = await self.ctx.bodies.read(request)
         role, url = body.get("role"), body.get("url")
         try:
@@ -120,19 +116,19 @@ class Admin:
         elif op == "remove":
             router.remove(inst)
 
-    def _inst(self, request: web.Request) -> Instance:
+    def _inst(self, request: Request) -> Instance:
         inst = self.ctx.router.registry.instances.get(request.match_info["iid"])
         if inst is None:
             raise ProxyError(404, f"no instance {request.match_info['iid']!r}", "not_found")
         return inst
 
-    async def drain(self, request: web.Request) -> web.Response:
+    async def drain(self, request: Request) -> Response:
         return await self._set_drain(self._inst(request), True)
 
-    async def undrain(self, request: web.Request) -> web.Response:
+    async def undrain(self, request: Request) -> Response:
         return await self._set_drain(self._inst(request), False)
 
-    async def _set_drain(self, inst: Instance, draining: bool) -> web.Response:
+    async def _set_drain(self, inst: Instance, draining: bool) -> Response:
         """A discovered instance is drained through discovery (etcd or the file), so every proxy
         drains it; a static one on this proxy only."""
         disc = self.ctx.router.discovery
@@ -148,7 +144,7 @@ class Admin:
         self._publish({"op": "drain" if draining else "undrain", "url": inst.url})
         return json_response(inst.describe())
 
-    async def remove(self, request: web.Request) -> web.Response:
+    async def remove(self, request: Request) -> Response:
         inst = self._inst(request)
         if inst.discovery_id is not None:
             raise ProxyError(409, f"{inst.id} is {inst.discovery_id!r} in discovery: drain it (every proxy), or "

@@ -1,14 +1,12 @@
-"""The proxy's aiohttp application: its parts wired together, the front-door middleware (keys,
+"""The proxy: its parts wired together, its routes, the guard every request passes (keys,
 --max-in-flight, errors as OpenAI JSON), /v1/models, and the supervised background loops."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from urllib.parse import urlsplit
-
-from aiohttp import HttpVersion11, web
 
 from kvferry.common import http_guard, zsock
 from kvferry.common import secret as cluster_secret
@@ -22,8 +20,9 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.kv_transfers import Transfers, notify_host
 from kvferry.proxy.flows.upstream import UpstreamClient
 from kvferry.proxy.http import limits
-from kvferry.proxy.http.front_door import FastRequest
-from kvferry.proxy.http.sse import CLIENT_STALL_S, Answer, SSEResponse
+from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.routes import Routes
+from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.multiproc.admin_log import Peers
@@ -39,18 +38,6 @@ from kvferry.proxy.routing.tokens import PromptTokens
 logger = get_logger(__name__)
 
 PROBE_S = 2.0  # one /metrics scrape at most
-
-
-def on_aiohttp(handle: Callable[[web.Request], Awaitable[Answer]]) -> Callable[[web.Request],
-                                                                          Awaitable[web.StreamResponse]]:
-    """An endpoint's handler as aiohttp's server takes it: a stream answers with its aiohttp response."""
-    async def serve(request: web.Request) -> web.StreamResponse:
-        resp = await handle(request)
-        if isinstance(resp, SSEResponse):
-            assert resp.response is not None, "a stream on aiohttp's server is prepared on it"
-            return resp.response
-        return resp
-    return serve
 
 
 class Proxy:
@@ -102,6 +89,7 @@ class Proxy:
         ctx = Context(opts, self.metrics, self.router, self.transfers, BodyReader(opts), tokens, peers)
         self.completions, self.chat = Completions(ctx), Chat(ctx)
         self.admin = Admin(ctx, self.loops)
+        self.routes = self._route_table()
 
     @property
     def notify_host(self) -> str:
@@ -138,19 +126,16 @@ class Proxy:
         except zsock.ExposureError as e:
             raise OptionError(str(e)) from None
 
-    def app(self) -> web.Application:
-        # The body reader reads within --max-body-bytes itself; client_max_size backs up any other reader.
-        app = web.Application(client_max_size=self.opts.max_body_bytes, middlewares=[self._guard])
-        app[CLIENT_STALL_S] = self.opts.stall_timeout
-        app.router.add_post("/v1/completions", on_aiohttp(self.completions.handle), expect_handler=self._expect)
-        app.router.add_post("/v1/chat/completions", on_aiohttp(self.chat.handle), expect_handler=self._expect)
-        app.router.add_get("/v1/models", self.models)
-        self.admin.routes(app, self._expect)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
+    def _route_table(self) -> Routes:
+        routes = Routes()
+        routes.add("POST", "/v1/completions", self.completions.handle)
+        routes.add("POST", "/v1/chat/completions", self.chat.handle)
+        routes.add("GET", "/v1/models", self.models)
+        self.admin.routes(routes)
+        return routes
 
-    async def _start(self, app: web.Application) -> None:
+    async def start(self) -> None:
+        """The background loops (before the first request is served)."""
         if self.opts.proxy_port:
             self.transfers.bind()  # now, so a port in use is a start-up error, not a loop's
         self.client.start()
@@ -198,7 +183,7 @@ class Proxy:
             health.recovered()
             await asyncio.sleep(self.load_interval)
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         tasks = [*self._tasks, *self._streams.values(), *self.router.probes()]
         for t in tasks:
             t.cancel()
@@ -221,7 +206,7 @@ class Proxy:
     async def _notifications(self) -> None:
         await self.transfers.notifications(self.loops["notifications"])
 
-    def refusal(self, method: str, path: str, headers: Mapping[str, str]) -> web.Response | None:
+    def refusal(self, method: str, path: str, headers: Mapping[str, str]) -> Response | None:
         """The answer to a request its head alone refuses, or None. /v1/*: the API key. /admin/*:
         the admin key, and only it (a client's --api-key never opens it: with --api-key and no
         --admin-key the admin API is closed); without keys (loopback only: _check_exposure) a
@@ -255,45 +240,33 @@ class Proxy:
                                             "unauthorized"), 401)
         return None
 
-    def head_ok(self, path: str, headers: Mapping[str, str]) -> bool:
-        """The front door's check of a hot request whose body is still on its way."""
-        return self.refusal("POST", path, headers) is None
-
-    def _refused(self, request: web.Request, endpoint: str) -> web.Response | None:
-        """refusal()'s answer, counted; a body left unread closes the connection with it."""
-        refused = self.refusal(request.method, request.path, request.headers)
+    def refuse_head(self, method: str, path: str, headers: Mapping[str, str]) -> Response | None:
+        """refusal()'s answer to a request whose body is still to come, counted (the server then
+        closes the connection, the body unread; an `Expect: 100-continue` client never sends it)."""
+        refused = self.refusal(method, path, headers)
         if refused is not None:
-            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
-            if getattr(request, "can_read_body", False):
-                refused.force_close()
+            self.metrics.requests.labels(path if path.startswith("/v1/") else "other", str(refused.status)).inc()
         return refused
 
-    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue` (curl sends it for bodies over 1 MB): a request refused from its
-        head gets its answer instead of "100 Continue", so its client never sends the body (the
-        check aiohttp's docs show for an expect_handler); any other gets "100 Continue"."""
-        path = request.path
-        refused = self._refused(request, path if path.startswith("/v1/") else "other")
-        if refused is not None:
-            return refused
-        if request.version == HttpVersion11:
-            expect = request.headers.get("Expect", "")
-            if expect.lower() != "100-continue":
-                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
-            if request.transport is not None:
-                request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return None
-
-    @web.middleware
-    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """Keys and browser rules (refusal), --max-in-flight, and no traceback ever reaches a client."""
+    async def handle(self, request: Request) -> Answer:
+        """Every request: keys and browser rules (refusal), its route, --max-in-flight, and no
+        traceback ever reaches a client."""
         if self.peers is not None:  # --workers N: the other workers' admin changes first
             self.peers.sync(self.admin.apply)
         path = request.path
         endpoint = path if path.startswith("/v1/") else "other"
-        refused = self._refused(request, endpoint)
+        refused = None if request.checked else self.refusal(request.method, path, request.headers)
         if refused is not None:
+            self.metrics.requests.labels(endpoint, str(refused.status)).inc()
             return refused
+        handler, request.match_info, allowed = self.routes.match(request.method, path)
+        if handler is None:
+            status = 405 if allowed else 404
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if allowed:
+                return json_response(error_body(405, f"{request.method} is not allowed on {path}", "bad_method"), 405,
+                                     {"Allow": ", ".join(allowed)})
+            return json_response(error_body(404, f"no route {path}", "not_found"), 404)
         gated = endpoint != "other"
         if gated and not self.gate.enter():
             self.metrics.requests.labels(endpoint, "503").inc()
@@ -305,11 +278,6 @@ class Proxy:
             resp = await handler(request)
         except ProxyError as e:
             resp = e.response()
-        except (limits.TooLarge, web.HTTPRequestEntityTooLarge):
-            resp = json_response(error_body(413, f"request body larger than {self.opts.max_body_bytes} bytes "
-                                                 "(--max-body-bytes)", "body_too_large"), 413)
-        except web.HTTPException:
-            raise
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.requests.labels(endpoint, "499").inc()
             raise
@@ -322,17 +290,12 @@ class Proxy:
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         return resp
 
-    async def fast(self, request: FastRequest) -> web.StreamResponse:
-        """A request of the front door's hot path (proxy/http/front_door.py), guarded as aiohttp's are."""
-        handle = self.completions.handle if request.path == "/v1/completions" else self.chat.handle
-        return await self._guard(request, handle)  # type: ignore[arg-type]
-
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         """The first usable instance's /v1/models, decoders first."""
         for role in ("decoder", "prefiller"):
             for inst in self.router.registry.of(role):
                 if inst.usable:
                     with self.router.upstream(inst, leg="models") as up:
                         status, body = await up.get("/v1/models")
-                    return web.Response(body=body, status=status, content_type="application/json")
+                    return Response(body, status)
         raise ProxyError(503, "no healthy instance to list models from", "no_instance")

@@ -22,8 +22,6 @@ import socket
 import sys
 from collections.abc import Callable
 
-from aiohttp import web
-
 from kvferry.common import http_conns, zsock
 from kvferry.common import netutil as net
 from kvferry.common.log import configure_logging, get_logger
@@ -48,27 +46,24 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
     """Run the proxy on --host/--port until SIGINT or SIGTERM; `worker`: one of --workers N
     (proxy/multiproc/supervisor.py), which binds the port with SO_REUSEPORT beside its peers."""
     proxy = Proxy(opts, board, peers)
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
+    await proxy.start()
     loop = asyncio.get_running_loop()
     doors: set[FrontDoor] = set()
-    aiohttp_server = runner.server
-    assert aiohttp_server is not None
 
     limit = opts.max_connections or http_conns.default_max_connections()
     busy = http_conns.busy_answer(error_body(503, f"the proxy has {limit} connections open (--max-connections); "
                                                   "retry shortly", "too_many_connections"))
     conns = http_conns.Conns(opts.request_timeout, limit, busy, "kvferry-proxy",
                              lambda reason: proxy.metrics.dropped_connections.labels(reason).inc())
-    bounds = Bounds(conns, proxy.head_ok)
+    bounds = Bounds(conns, proxy.refuse_head)
 
     def door() -> FrontDoor:
-        return FrontDoor(proxy.fast, aiohttp_server, opts.max_body_bytes, doors, bounds)
+        return FrontDoor(proxy.handle, opts.max_body_bytes, doors, bounds)
     try:
         server = await loop.create_server(door, net.unbracket(opts.host), opts.port, reuse_address=True,
                                           reuse_port=worker is not None, backlog=128)
     except OSError as e:
-        await runner.cleanup()
+        await proxy.stop()
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
     _calm_gc()
@@ -97,7 +92,7 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await runner.cleanup()
+        await proxy.stop()
 
 
 def _calm_gc() -> None:

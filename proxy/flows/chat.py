@@ -13,14 +13,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from aiohttp import web
-
 from kvferry.proxy.flows import migrate
 from kvferry.proxy.flows.chat_stream import ChatStream, chat_as_stream
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.messages import Request
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import body as bodies
 from kvferry.proxy.openai.errors import ProxyError, json_response
@@ -38,7 +37,7 @@ class Chat:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def handle(self, request: web.Request) -> Answer:
+    async def handle(self, request: Request) -> Answer:
         t0 = time.perf_counter()
         ctx = self.ctx
         body = await ctx.bodies.read(request)
@@ -98,7 +97,7 @@ class Chat:
         return await dl.run(lambda up, leg: ChatStream(ctx, request, PATH, t0, fast, first, move).run(up, leg),
                             next_leg)
 
-    async def _stream_alone(self, request: web.Request, body: dict, route: Route, ntok: int,
+    async def _stream_alone(self, request: Request, body: dict, route: Route, ntok: int,
                             max_tokens: int | None, t0: float) -> Answer:
         """A streamed request one instance serves whole (one token, or a local route)."""
         ctx = self.ctx
@@ -129,12 +128,12 @@ class Chat:
         movable = route.local
         return await dl.run(lambda up, leg: call(up), lambda e: {} if movable else None, ntok, "single")
 
-    async def _route(self, request: web.Request, body: dict, single: bool) -> tuple[Route, int]:
+    async def _route(self, request: Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
         ntok = len(tokens) if tokens is not None else bodies.chat_tokens(body["messages"])
         return self.ctx.router.route(request, tokens, ntok, single), ntok
 
-    async def _prefill(self, request: web.Request, body: dict, max_key: str, route: Route, ntok: int
+    async def _prefill(self, request: Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str] | None:
         """The prefill leg's answer and transfer id; None when no prefiller could take it (the
         decoder then serves the request alone)."""
@@ -147,7 +146,7 @@ class Chat:
             return None
         return first, tid
 
-    async def one(self, request: web.Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
+    async def one(self, request: Request, body: dict, max_key: str, max_tokens: int | None) -> dict:
         """One non-streamed chat answer: the prefiller's, when its first token ends it; else the
         decoder's, which repeats the conversation with the prompt's KV and regenerates that token."""
         ctx = self.ctx

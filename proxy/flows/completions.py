@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 
-from aiohttp import web
-
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.flows.completion_stream import CompletionStream
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg, whole_again
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.messages import Request
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai import body as bodies
@@ -41,7 +40,7 @@ class Completions:
         self.ctx = ctx
         self._no_ids = RateLimitedLog(logger, 60.0)
 
-    async def handle(self, request: web.Request) -> Answer:
+    async def handle(self, request: Request) -> Answer:
         t0 = time.perf_counter()
         ctx = self.ctx
         body = await ctx.bodies.read(request)
@@ -75,7 +74,7 @@ class Completions:
             return body
         return dict(body, return_token_ids=True)
 
-    async def first(self, request: web.Request, body: dict, max_tokens: int) -> Prefilled:
+    async def first(self, request: Request, body: dict, max_tokens: int) -> Prefilled:
         """The prefill leg (or, for max_tokens <= 1, the whole request on a prefiller; or, routed
         locally, nothing yet: the decoder serves it alone, as "regen" without a transfer)."""
         ctx = self.ctx
@@ -140,7 +139,7 @@ class Completions:
             raise up.bad("/detokenize without a 'prompt' string")
         return out["prompt"]
 
-    async def one(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> dict:
+    async def one(self, request: Request, body: dict, max_tokens: int, t0: float) -> dict:
         """One prompt, one sample, not streamed."""
         ctx = self.ctx
         pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
@@ -175,7 +174,7 @@ class Completions:
         ctx.metrics.total.observe(time.perf_counter() - t0)
         return out
 
-    async def stream(self, request: web.Request, body: dict, max_tokens: int, t0: float) -> Answer:
+    async def stream(self, request: Request, body: dict, max_tokens: int, t0: float) -> Answer:
         """One prompt, streamed: the prefiller's first token at once, then the decoder's stream."""
         pre = await self.first(request, self._leg_body(body, max_tokens), max_tokens)
         echo = await self.echo(body, pre) if pre.mode == "ids" else ""

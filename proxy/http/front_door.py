@@ -1,32 +1,28 @@
-"""The clients' hot path on an asyncio Protocol: `POST /v1/completions` and `/v1/chat/completions`
-with a Content-Length body over HTTP/1.1 are parsed and answered here; every other request goes
-to aiohttp's server, which serves it as before.
+"""The proxy's HTTP/1.1 server: one asyncio Protocol per client connection, its requests parsed by
+httptools (llhttp, the parser aiohttp's server and uvicorn use) and each answered whole by one
+handler (the proxy's guard and routes, proxy/app.py), every route alike.
 
-Why: aiohttp's server builds request, payload, writer, middleware and task objects per request,
-a large share of the proxy's CPU per request (docs/benchmarks.md). Its application still holds every route, the hot ones
-included, so each request has one handler whichever way it came in.
+Why its own server rather than aiohttp's: per request aiohttp's builds request, payload, writer,
+middleware and task objects, a large share of the proxy's CPU per request (docs/benchmarks.md);
+here a request is a head, a body and one task.
 
-How a request leaves the hot path: a request on another path or method, a chunked or `Expect`
-body, a version other than HTTP/1.1, a head longer than aiohttp takes, or a body over
---max-body-bytes. Its connection is handed to aiohttp's protocol with every byte received since
-the request began. aiohttp then serves that connection for the rest of its life, refusing
-whatever it refuses.
-
-Kept as aiohttp keeps it:
-- a client that disconnects cancels its request's handler;
+What it holds for every request:
+- a request is read whole before its handler runs: a body over --max-body-bytes is refused 413
+  from its Content-Length, or as soon as its chunks pass the limit, never buffered whole; a head
+  over MAX_HEAD bytes is refused 431;
+- a request whose body is still to come is judged from its head first (`Bounds.refuse`): one
+  refused (no or a wrong API key) is answered and its connection closed, its body never read;
+  `Expect: 100-continue` gets "100 Continue" only when its head passes;
+- requests on one connection are answered in order, one at a time; a pipelined request's head is
+  judged when its turn comes, and reading pauses while MAX_PENDING bytes of requests wait;
+- a client that disconnects (or half-closes) cancels its request's handler;
 - a slow client pauses the writer; one that reads nothing of its answer for --stall-timeout is
-  cut off (aiohttp waits for it forever), so its decoder and connection come back;
-- an idle keep-alive connection closes after 75 s;
-- a request's bytes are parsed only after the previous answer went out.
-
-Bounded here for both servers (`Bounds`; aiohttp holds none of these):
-- a request whose head and body have not arrived --request-timeout after its first byte has its
-  connection closed; a connection handed to aiohttp stays timed (common/http_conns.Bounded);
-- past --max-connections open connections (this process's, both servers'), a new one is
-  answered 503 with Retry-After and closed;
-- a request whose body is still on its way is judged from its head first: one the guard
-  refuses (no or a wrong API key) goes to aiohttp, whose guard answers 401 and drops the body
-  unread (closing the connection), rather than its body being buffered here.
+  cut off, so its decoder and connection come back;
+- an idle keep-alive connection closes after IDLE_S; a request whose head and body have not
+  arrived --request-timeout after its first byte has its connection closed;
+- past --max-connections open connections, a new one is answered 503 with Retry-After and closed;
+- bytes llhttp does not read as HTTP/1.x are answered 400 and the connection closed; an HTTP/1.0
+  request, and one asking to Upgrade, are answered and their connection closed.
 """
 
 from __future__ import annotations
@@ -36,68 +32,94 @@ import contextlib
 import fcntl
 import struct
 import termios
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
+from urllib.parse import parse_qsl, unquote
 
-from aiohttp import web
+import httptools
 from multidict import CIMultiDict
 
-from kvferry.common.http_conns import Bounded, Conns
+from kvferry.common.errors import BadDataError
+from kvferry.common.http_conns import Conns
 from kvferry.common.log import get_logger
+from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.openai.errors import error_body, json_response
+
+if TYPE_CHECKING:
+    from kvferry.proxy.http.sse import Answer
 
 logger = get_logger(__name__)
 
-HOT = frozenset({b"/v1/completions", b"/v1/chat/completions"})
-MAX_HEAD = 8190  # aiohttp's max_line_size and max_field_size: a longer head is aiohttp's to refuse
-IDLE_S = 75.0  # aiohttp's keepalive_timeout
+MAX_HEAD = 65536  # bytes of a request's line and headers
+IDLE_S = 75.0  # a keep-alive connection waits this long for its next request (aiohttp's keepalive_timeout)
 REQUEST_S = 30.0  # --request-timeout's default
-MAX_PENDING = 1 << 20  # bytes read ahead of the request being answered before reading pauses
+MAX_PENDING = 1 << 20  # bytes of requests waiting for their turn before reading pauses
 
-Handler = Callable[["FastRequest"], Awaitable[web.StreamResponse]]
-HeadCheck = Callable[[str, CIMultiDict[str]], bool]
+Handler = Callable[[Request], Awaitable["Answer"]]
+Refusal = Callable[[str, str, CIMultiDict[str]], "Response | None"]
 
 
 class Bounds:
-    """What one process's connections share: `conns` (--max-connections, --request-timeout, and
-    the connections handed to aiohttp), and `head_ok(path, headers)`: may a request whose body
-    is still on its way be read (False: the guard refuses it from its head alone)?"""
+    """What one process's connections share: `conns` (--max-connections, --request-timeout), and
+    `refuse(method, path, headers)`: the answer to a request whose body is still to come that its
+    head alone refuses (None: read it)."""
 
-    __slots__ = ("conns", "head_ok")
+    __slots__ = ("conns", "refuse")
 
-    def __init__(self, conns: Conns, head_ok: HeadCheck) -> None:
-        self.conns, self.head_ok = conns, head_ok
-
-
-def _any_head(path: str, headers: CIMultiDict[str]) -> bool:
-    return True
+    def __init__(self, conns: Conns, refuse: Refusal) -> None:
+        self.conns, self.refuse = conns, refuse
 
 
-UNBOUNDED = Bounds(Conns(REQUEST_S, 1 << 30, b"", "front door"), _any_head)
+def _no_refusal(method: str, path: str, headers: CIMultiDict[str]) -> Response | None:
+    return None
 
 
-class FastRequest:
-    """The part of aiohttp's Request the proxy's handlers use: path, headers, the whole body."""
+UNBOUNDED = Bounds(Conns(REQUEST_S, 1 << 30, b"", "front door"), _no_refusal)
 
-    __slots__ = ("path", "headers", "content_length", "whole_body", "door")
-    method = "POST"  # the hot path's only one
 
-    def __init__(self, path: str, headers: CIMultiDict[str], body: bytes, door: FrontDoor) -> None:
-        self.path, self.headers, self.whole_body, self.door = path, headers, body, door
-        self.content_length = len(body)
+class _Stop(BadDataError):
+    """Raised in a parser callback once the request is answered from what was read (a refusal):
+    nothing more of this connection is parsed."""
+
+
+class _Head:
+    """A request whose head was read, while its body arrives and until its turn."""
+
+    __slots__ = ("method", "path", "query", "headers", "to_come", "keep_alive", "http10", "judged", "checked",
+                 "parts", "size", "request")
+
+    def __init__(self, method: str, path: str, query: dict[str, str], headers: CIMultiDict[str], to_come: int,
+                 keep_alive: bool, http10: bool) -> None:
+        self.method, self.path, self.query, self.headers = method, path, query, headers
+        self.to_come = to_come  # the Content-Length, -1 for a chunked body
+        self.keep_alive, self.http10 = keep_alive, http10
+        self.judged = False  # its head passed the checks made before its body is read
+        self.checked = False  # ... Bounds.refuse among them
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.request: Request | None = None  # once whole
 
 
 class FrontDoor(asyncio.Protocol):
-    """One client connection until it leaves the hot path (then it is aiohttp's)."""
+    """One client connection."""
 
-    def __init__(self, handle: Handler, fallback: Callable[[], asyncio.Protocol], max_body: int,
-                 conns: set[FrontDoor], bounds: Bounds = UNBOUNDED) -> None:
-        self.handle, self.fallback, self.max_body, self.conns = handle, fallback, max_body, conns
-        self.bounds = bounds
+    def __init__(self, handle: Handler, max_body: int, conns: set[FrontDoor], bounds: Bounds = UNBOUNDED) -> None:
+        self.handle, self.max_body, self.conns, self.bounds = handle, max_body, conns, bounds
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.fields: CIMultiDict[str] = CIMultiDict()
+        self.in_head = False
+        self.head_bytes = 0  # received while no head was whole (llhttp buffers a header until its end)
+        self.head: _Head | None = None  # the request being read, once its head is
+        self.queue: deque[_Head] = deque()  # whole requests waiting for their turn
+        self.queued = 0
+        self.closing: Response | None = None  # answered when its turn comes, then the connection closes
         self.task: asyncio.Task[None] | None = None
-        self.keep_alive = True
-        self.sent = False  # the current request's answer began
+        self.keep_alive = True  # of the request being answered
+        self.chunked_ok = True  # its client reads a chunked answer (HTTP/1.1)
+        self.sent = False  # its answer began
         self.reading = True
         self.drained: asyncio.Future[None] | None = None  # set while the client's socket is full
         # The client's socket is full and nothing of what waits was taken since (close_idle's to cut);
@@ -106,44 +128,54 @@ class FrontDoor(asyncio.Protocol):
         self.full_left = 0
         self.idle_since: float | None = None  # waiting for a request since (close_idle's to close)
         self.request_since: float | None = None  # a request's first byte came then; its head or body is awaited
-        # A head read whose body is still arriving: (path, headers, body start, body length).
-        self.pending: tuple[str, CIMultiDict[str], int, int] | None = None
         self.loop = asyncio.get_running_loop()
 
     # ---- asyncio callbacks ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self.bounds.conns.admit(transport, len(self.conns)):
+            self.parser = None
             return  # answered 503 and closed: nothing more is read
-        self.transport = cast(asyncio.Transport, transport)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one without subclassing it
         self.conns.add(self)
         self.idle_since = self.loop.time()
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if self.task is None:
-            self.idle_since = None  # a request is arriving
-            if self.request_since is None:
-                self.request_since = self.loop.time()
-            p = self.pending
-            if p is None or len(self.buf) >= p[2] + p[3]:
-                self._next()
-        elif len(self.buf) > MAX_PENDING and self.reading:
+        parser = self.parser
+        if parser is None or self.transport is None:
+            return  # closing: the rest is not read
+        if self.head is None:
+            self.head_bytes += len(data)
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.parser = None  # answered as a plain request; the connection closes after it
+            if self.queue:
+                self.queue[-1].keep_alive = False
+        except httptools.HttpParserError as e:
+            self.parser = None
+            if self.transport is not None and not isinstance(e.__context__, _Stop):
+                self._stop(json_response(error_body(400, f"malformed HTTP request: {e}", "bad_request"), 400))
+        if self.parser is not None and self.head is None and self.head_bytes > MAX_HEAD:
+            self.parser = None
+            self._stop(json_response(error_body(431, f"request head over {MAX_HEAD} bytes", "head_too_large"), 431))
+        self._go()
+        if self.queued > MAX_PENDING and self.reading and self.transport is not None:
             self.reading = False
-            assert self.transport is not None
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         """A client that closes its side has left (a client giving up closes so): the transport
         closes and the handler is cancelled, its prefill stopped and its transfer aborted, as on
-        aiohttp's path and vLLM's own server. A half-closed HTTP/1.1 client is not served on."""
+        vLLM's own server. A half-closed HTTP/1.1 client is not served on."""
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.conns.discard(self)
         if self.task is not None:
-            self.task.cancel()  # the client left: its handler stops (aiohttp's handler_cancellation)
+            self.task.cancel()  # the client left: its handler stops
         self._wake()
         self.transport = None
+        self.parser = None
 
     def pause_writing(self) -> None:
         if self.drained is None:
@@ -155,75 +187,138 @@ class FrontDoor(asyncio.Protocol):
         self.full_since = None
         self._wake()
 
+    # ---- httptools callbacks ----
+    def on_message_begin(self) -> None:
+        self.url, self.fields, self.in_head = b"", CIMultiDict(), True
+        self.idle_since = None
+        if self.request_since is None:
+            self.request_since = self.loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None
+        self.in_head, self.head_bytes = False, 0
+        u = httptools.parse_url(self.url)
+        raw_path = u.path.decode("latin-1")
+        path = unquote(raw_path) if "%" in raw_path else raw_path
+        query = dict(parse_qsl(u.query.decode("latin-1"))) if u.query else {}
+        headers = self.fields
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        to_come = -1 if chunked else int(headers.get("Content-Length") or 0)  # llhttp checked it is a number
+        http10 = self.parser.get_http_version() != "1.1"
+        h = self.head = _Head(self.parser.get_method().decode(), path, query, headers, to_come,
+                              self.parser.should_keep_alive() and not http10, http10)
+        if self.task is None and not self.queue:
+            self._judge(h)
+        elif self.reading and self.transport is not None:  # its turn will come: its body waits meanwhile
+            self.reading = False
+            self.transport.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        h = self.head
+        assert h is not None
+        h.size += len(body)
+        if h.size > self.max_body:
+            self._stop(self._too_large())
+            raise _Stop
+        h.parts.append(body)
+
+    def on_message_complete(self) -> None:
+        h = self.head
+        assert h is not None
+        self.head, self.request_since = None, None
+        h.request = Request(h.method, h.path, h.headers, h.parts[0] if len(h.parts) == 1 else b"".join(h.parts),
+                            self, h.query)
+        h.parts = []
+        self.queue.append(h)
+        self.queued += h.size
+
     # ---- requests ----
-    def _next(self) -> None:
-        """Start the next request if its head and body are here; hand over what is not hot."""
-        buf = self.buf
-        if self.pending is not None:  # the head was read before: its body is here now
-            self._start(*self.pending)
-            self.pending = None
+    def _judge(self, h: _Head) -> None:
+        """The checks of a request's head before its body is read; raises _Stop once answered."""
+        h.judged = True
+        if h.to_come:  # who asks first, then how much: a stranger learns nothing of the limits
+            refused = self.bounds.refuse(h.method, h.path, h.headers)
+            if refused is not None:
+                self._stop(refused)
+                raise _Stop
+            h.checked = True
+        if h.to_come > self.max_body:
+            self._stop(self._too_large())
+            raise _Stop
+        expect = h.headers.get("Expect")
+        if expect is not None and not h.http10 and h.request is None:
+            if expect.lower() != "100-continue":
+                self._stop(json_response(error_body(417, f"Expect: {expect} is not understood", "bad_request"), 417))
+                raise _Stop
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _too_large(self) -> Response:
+        return json_response(error_body(413, f"request body larger than {self.max_body} bytes (--max-body-bytes)",
+                                        "body_too_large"), 413)
+
+    def _stop(self, answer: Response) -> None:
+        """Nothing more is read: `answer` goes out when its turn comes, then the connection closes."""
+        self.parser = None
+        if self.closing is None:
+            self.closing = answer
+        if self.reading and self.transport is not None:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def _go(self) -> None:
+        """The next request, if it is its turn: whole ones first, then an answer that closes the
+        connection, then the head of one still arriving (judged now that its turn came)."""
+        if self.task is not None or self.transport is None:
             return
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > MAX_HEAD or (buf and not buf.startswith(b"POST "[:len(buf)])):
-                self._hand_over()
-            return
-        if end > MAX_HEAD:
-            self._hand_over()
-            return
-        lines = bytes(buf[:end]).split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or parts[0] != b"POST" or parts[1] not in HOT or parts[2] != b"HTTP/1.1":
-            self._hand_over()
-            return
-        headers: CIMultiDict[str] = CIMultiDict()
-        length = -1
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip() or b" " in name or b"\t" in name:
-                self._hand_over()  # aiohttp answers a malformed head
-                return
-            key, val = name.decode("latin-1"), value.strip().decode("latin-1")
-            low = key.lower()
-            if low == "content-length":
-                if length >= 0 or not val.isdigit() or not val.isascii():
-                    self._hand_over()
+        if self.queue:
+            h = self.queue.popleft()
+            self.queued -= h.size
+            if not h.judged:
+                try:
+                    self._judge(h)
+                except _Stop:
+                    pass
+                if self.closing is not None:  # refused from its head, its body read already: dropped
+                    self.queue.clear()
+                    self._go()
                     return
-                length = int(val)
-            elif low in ("transfer-encoding", "expect", "upgrade"):
-                self._hand_over()
-                return
-            elif low == "connection" and val.lower() == "close":
-                self.keep_alive = False
-            headers.add(key, val)
-        if length < 0 or length > self.max_body:
-            self._hand_over()  # aiohttp refuses an over-size body from its Content-Length, unread
+            assert h.request is not None
+            h.request.checked = h.checked
+            self.keep_alive, self.chunked_ok = h.keep_alive, not h.http10
+            self.task = self.loop.create_task(self._serve(h.request))
             return
-        if len(buf) < end + 4 + length:  # the body is still on its way: other connections go on meanwhile
-            path = parts[1].decode()
-            if not self.bounds.head_ok(path, headers):
-                self._hand_over()  # aiohttp's guard answers it from its head; its body is never buffered
-                return
-            self.pending = (path, headers, end + 4, length)
+        if self.closing is not None:
+            t = self.transport
+            t.write(self.closing.encode(keep_alive=False))
+            t.close()
+            self.transport = None
             return
-        self._start(parts[1].decode(), headers, end + 4, length)
+        partial = self.head
+        if partial is not None and not partial.judged:
+            try:
+                self._judge(partial)
+            except _Stop:
+                self._go()
+                return
+        if not self.reading and self.queued <= MAX_PENDING and self.parser is not None:
+            self.reading = True
+            self.transport.resume_reading()
 
-    def _start(self, path: str, headers: CIMultiDict[str], start: int, length: int) -> None:
-        body = bytes(self.buf[start:start + length])
-        del self.buf[:start + length]
-        self.request_since = None
-        self.task = self.loop.create_task(self._serve(FastRequest(path, headers, body, self)))
-
-    async def _serve(self, request: FastRequest) -> None:
+    async def _serve(self, request: Request) -> None:
         try:
             resp = await self.handle(request)
-            if isinstance(resp, web.Response):
-                if not isinstance(resp.body, (bytes, bytearray)):
-                    raise TypeError(f"a {type(resp.body).__name__} body")  # the hot handlers answer bytes
+            if isinstance(resp, Response):
                 if self.sent:  # a stream began, then failed past its own handling: it cannot be answered again
                     raise ConnectionResetError("answer already begun")
-                await self.send(head(resp.status, resp.reason, resp.headers, resp.body, self.keep_alive))
-            else:  # an event stream (streaming.KVEventSubscription) writes itself; its end, if not yet sent
+                await self.send(resp.encode(self.keep_alive, request.method != "HEAD"))
+            else:  # a stream wrote itself; its end, if not yet sent
                 await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.keep_alive = False
@@ -239,14 +334,12 @@ class FrontDoor(asyncio.Protocol):
         if not self.keep_alive:
             t.close()
             return
-        if not self.reading:
-            self.reading = True
-            t.resume_reading()
-        if self.buf:  # the next request began arriving while this one was answered: it is timed from now
-            self.request_since = self.loop.time()
-            self._next()
-        else:
-            self.idle_since = self.loop.time()
+        now = self.loop.time()
+        if self.request_since is not None:  # the next request began arriving meanwhile: timed from now
+            self.request_since = now
+        self._go()
+        if self.task is None and self.request_since is None:
+            self.idle_since = now
 
     async def send(self, data: bytes) -> None:
         """Write to the client, waiting while its socket is full; ConnectionResetError once it left."""
@@ -275,22 +368,6 @@ class FrontDoor(asyncio.Protocol):
         if d is not None and not d.done():
             d.set_result(None)
 
-    def _hand_over(self) -> None:
-        """The rest of this connection is aiohttp's, starting with the bytes of this request (its
-        arrival still timed from its first byte, and the connection still counted)."""
-        t = self.transport
-        assert t is not None and self.task is None
-        self.conns.discard(self)
-        self.transport = None
-        proto = Bounded(self.fallback(), self.bounds.conns, self.request_since, admit=False)
-        t.set_protocol(proto)
-        proto.connection_made(t)
-        if not self.reading:
-            t.resume_reading()
-        data, self.buf = bytes(self.buf), bytearray()
-        if data:
-            proto.data_received(data)
-
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -298,7 +375,7 @@ class FrontDoor(asyncio.Protocol):
 
 async def close_idle(doors: set[FrontDoor], stall_s: float, conns: Conns | None = None) -> None:
     """Closes the connections that waited IDLE_S for a request, drops those whose request did not
-    arrive within `conns.request_s` (--request-timeout; those handed to aiohttp too), and cuts
+    arrive within `conns.request_s` (--request-timeout), and cuts
     those whose client read nothing of its answer for `stall_s` (--stall-timeout; its handler is
     cancelled as if the client had left): one sweep for all of them, checked every quarter of the
     shortest bound (at most 5 s), rather than a timer set and cancelled per request or per write."""
@@ -338,17 +415,3 @@ def unsent(t: asyncio.Transport) -> int:
         with contextlib.suppress(OSError, ValueError):
             n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
     return n
-
-
-def head(status: int, reason: str | None, headers: CIMultiDict[str] | dict, body: bytes | bytearray | None,
-         keep_alive: bool) -> bytes:
-    """A whole answer with a Content-Length body."""
-    body = body or b""
-    lines = [f"HTTP/1.1 {status} {reason or ''}"]
-    for k, v in headers.items():
-        if k.lower() not in ("content-length", "transfer-encoding", "connection"):
-            lines.append(f"{k}: {v}")
-    lines.append(f"Content-Length: {len(body)}")
-    if not keep_alive:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

@@ -2,26 +2,18 @@
 framing (`sse`), and the split of an engine's events into their `data:` payloads
 (`plain_events`).
 
-On the front door (http/front_door.py) an `SSEResponse` writes the chunked stream to the client's
-connection itself, its head going out with the first event (one write, not two). On aiohttp's
-server it writes through an aiohttp `StreamResponse`, each write bounded by --stall-timeout
-(aiohttp waits on a full socket for ever); the middleware answers aiohttp with `response`.
+An `SSEResponse` writes the chunked stream to the client's connection (http/front_door.py)
+itself; a client that reads nothing of it for --stall-timeout is cut off there.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from aiohttp import web
-
-from kvferry.proxy.http.front_door import FrontDoor, cut_off
+from kvferry.proxy.http.messages import Connection, Request, Response
 from kvferry.proxy.openai import json_codec
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-CLIENT_STALL_S = web.AppKey("client_stall_s", float)  # --stall-timeout, for a stream on aiohttp's server
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-            b"Transfer-Encoding: chunked\r\n")
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
 
 
 def sse(obj: Any) -> bytes:
@@ -58,70 +50,51 @@ def events(whole: bytes, on_error: Any) -> list[bytes]:
 
 
 class SSEResponse:
-    """A `text/event-stream` answer, streamed as chunked HTTP/1.1. `status` is 200 (what the
-    middleware counts)."""
+    """A `text/event-stream` answer, written to the client's connection (its `door`) as chunked
+    HTTP/1.1; its head goes out with the first event (one write, not two). An HTTP/1.0 client gets
+    the events unframed and the connection closed at their end. `status` is 200 (what the guard
+    counts)."""
 
-    __slots__ = ("status", "door", "response", "pending", "ended", "stall_s", "transport")
+    __slots__ = ("status", "door", "pending", "ended", "chunked")
 
     def __init__(self) -> None:
         self.status = 200
-        self.door: FrontDoor | None = None
-        self.response: web.StreamResponse | None = None  # on aiohttp's server: what answers it
-        self.pending = b""  # the front door's head, sent with the first event
+        self.door: Connection | None = None
+        self.pending = b""  # the head, sent with the first event
         self.ended = False
-        self.stall_s = 0.0  # aiohttp's server: --stall-timeout
-        self.transport: asyncio.Transport | None = None
+        self.chunked = True
 
-    async def prepare(self, request: Any) -> None:
-        """Start the answer (on the front door: only noted, its head goes with the first event)."""
-        door = getattr(request, "door", None)
-        if door is not None:
-            self.door = door
-            self.pending = SSE_HEAD + (b"Connection: keep-alive\r\n\r\n" if door.keep_alive
-                                       else b"Connection: close\r\n\r\n")
-            return
-        self.response = web.StreamResponse(headers=SSE_HEADERS)
-        self.stall_s = request.app[CLIENT_STALL_S]
-        self.transport = request.transport
-        await self.response.prepare(request)
+    async def prepare(self, request: Request) -> None:
+        """Start the answer: only noted, its head goes with the first event."""
+        door = request.door
+        assert door is not None, "a stream answers a client's connection"
+        self.door = door
+        self.chunked = door.chunked_ok
+        self.pending = SSE_HEAD + (b"Transfer-Encoding: chunked\r\n" if self.chunked else b"") + (
+            b"Connection: keep-alive\r\n\r\n" if door.keep_alive else b"Connection: close\r\n\r\n")
+
+    def _frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
 
     async def write(self, data: bytes) -> None:
-        if self.door is None:
-            assert self.response is not None, "prepare() first"
-            await self._bounded(self.response.write(data))
-            return
+        assert self.door is not None, "prepare() first"
         if data:
-            out, self.pending = self.pending + b"%x\r\n%s\r\n" % (len(data), data), b""
+            out, self.pending = self.pending + self._frame(data), b""
             await self.door.send(out)
 
     def write_now(self, data: bytes) -> bool:
-        """Write one chunk from a callback (a decode leg's direct relay): False, nothing written, on
-        aiohttp's server, before the head went out, or while the client's socket is full."""
+        """Write one chunk from a callback (a decode leg's direct relay): False, nothing written,
+        before the head went out or while the client's socket is full."""
         door = self.door
-        return (door is not None and not self.pending and not self.ended
-                and door.send_now(b"%x\r\n%s\r\n" % (len(data), data)))
+        return door is not None and not self.pending and not self.ended and door.send_now(self._frame(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
-        if self.door is None:
-            if self.response is not None:
-                await self._bounded(self.response.write_eof(data))
-            return
-        if self.ended:
+        if self.ended or self.door is None:
             return
         self.ended = True
-        out = self.pending + (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
+        out = self.pending + (self._frame(data) if data else b"") + (b"0\r\n\r\n" if self.chunked else b"")
         self.pending = b""
         await self.door.send(out)
 
-    async def _bounded(self, write: Any) -> None:
-        """aiohttp's write, which waits for a full socket without a bound: cut after --stall-timeout."""
-        try:
-            async with asyncio.timeout(self.stall_s):
-                await write
-        except TimeoutError:
-            if self.transport is not None:
-                cut_off(self.transport, self.stall_s)
-            raise asyncio.CancelledError from None  # as aiohttp's cancel on the connection's loss would
 
-
-Answer = web.Response | SSEResponse  # what a handler answers: a whole body, or a stream
+Answer = Response | SSEResponse  # what a handler answers: a whole body, or a stream

@@ -1,14 +1,12 @@
-"""The client's request body: read within --max-body-bytes, checked field by field as vLLM checks
-it, and stripped of `kv_transfer_params` (only the proxy chooses where KV goes)."""
+"""The client's request body: checked field by field as vLLM checks it, and stripped of
+`kv_transfer_params` (only the proxy chooses where KV goes)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.http import limits
+from kvferry.proxy.http.messages import Request
 from kvferry.proxy.openai import answers, json_codec
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
@@ -23,10 +21,11 @@ class BodyReader:
         self.opts = opts
         self._client_kvp = RateLimitedLog(logger, 60.0)
 
-    async def read(self, request: web.Request) -> dict:
-        """The body as a JSON object, or a 400 naming the field (413 via limits.TooLarge)."""
+    async def read(self, request: Request) -> dict:
+        """The body (read within --max-body-bytes by the server) as a JSON object, or a 400 naming
+        the field."""
         try:
-            body = json_codec.loads(await limits.read_body(request, self.opts.max_body_bytes))
+            body = json_codec.loads(request.body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):

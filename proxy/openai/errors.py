@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from kvferry.common.errors import KVFerryError
+from kvferry.proxy.http.messages import Response
 from kvferry.proxy.openai import json_codec
 
 
@@ -20,9 +19,9 @@ class ProxyError(KVFerryError):
         self.status, self.message, self.kind, self.body = status, message, kind, body
         self.param, self.headers = param, headers
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         if self.body is not None:  # an upstream 4xx, passed through as the engine wrote it
-            return web.Response(status=self.status, body=self.body, content_type="application/json")
+            return Response(self.body, self.status)
         return json_response(error_body(self.status, self.message, self.kind, self.param), self.status,
                              self.headers)
 
@@ -33,5 +32,5 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     return {"error": {"message": message, "type": etype, "param": param, "code": kind}}
 
 
-def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=json_codec.dumps(obj), status=status, content_type="application/json", headers=headers)
+def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json_codec.dumps(obj), status, headers=headers)

@@ -15,10 +15,9 @@ import functools
 import random
 from typing import Protocol, cast
 
-from aiohttp import web
-
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.flows.upstream import Upstream, UpstreamClient
+from kvferry.proxy.http.messages import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics, Value
 from kvferry.proxy.multiproc.admin_log import Peers
@@ -87,7 +86,7 @@ class Router:
             live.update(f"{role[0]}{n}" for n in self.registry.board.live_ids() for role in ROLES)
         return live
 
-    def route(self, request: web.Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
+    def route(self, request: Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
         """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
         `single`: the answer is one token, one instance serves it whole either way."""
         affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
@@ -153,7 +152,7 @@ class Router:
     def upstream(self, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> Upstream:
         return Upstream(self, self.client, inst, prompt_tokens, leg)
 
-    def pick(self, request: web.Request, role: str, exclude: Instance | None = None) -> Instance:
+    def pick(self, request: Request, role: str, exclude: Instance | None = None) -> Instance:
         """An instance of `role` for this request (by the client's affinity header when set), not
         `exclude`; a 503 when there is none."""
         key = request.headers.get(self.opts.affinity_header) if self.opts.affinity_header else None

@@ -1,8 +1,8 @@
-"""proxy/http/front_door.py: the clients' hot path on its own protocol, and the hand-over to aiohttp.
+"""proxy/http/front_door.py: the proxy's one HTTP server.
 
-First a FrontDoor on a real socket in this process, with a tiny aiohttp application as its
-fallback. Then the proxy against stub engines: raw HTTP/1.1 on one connection, mixing hot and
-other requests, pipelined, chunked and malformed."""
+First a FrontDoor on a real socket in this process, with a small handler. Then the proxy against
+stub engines: raw HTTP/1.1 on one connection, mixing the client routes and the others, pipelined,
+chunked and malformed."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from aiohttp import web
 
 from kvferry.common.netutil import free_port
 from kvferry.proxy.http import front_door
-from kvferry.proxy.http.front_door import FastRequest, FrontDoor
-from kvferry.proxy.http.sse import SSEResponse
+from kvferry.proxy.http.front_door import FrontDoor, Handler
+from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.sse import Answer, SSEResponse
+from kvferry.proxy.openai.errors import json_response
 from tests.polling import until, until_async
 from tests.stub_procs import (
     Proc,
@@ -33,23 +34,12 @@ from tests.stub_procs import (
 
 
 @asynccontextmanager
-async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse]],
-                      max_body: int = 1 << 20, stall_s: float = 60.0) -> AsyncIterator[tuple[int, set[FrontDoor]]]:
-    """A FrontDoor on a free port; aiohttp's side answers GET /other and POST /v1/completions
-    (with "aiohttp" in the body, so a test sees which side answered)."""
-    async def other(request: web.Request) -> web.Response:
-        return web.Response(text=f"aiohttp {request.method} {request.path} {len(await request.read())}")
-
-    app = web.Application(client_max_size=max_body)
-    app.router.add_get("/other", other)
-    app.router.add_post("/v1/completions", other)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    assert runner.server is not None
+async def door_server(handle: Handler, max_body: int = 1 << 20,
+                      stall_s: float = 60.0) -> AsyncIterator[tuple[int, set[FrontDoor]]]:
+    """A FrontDoor on a free port."""
     doors: set[FrontDoor] = set()
-    fallback = runner.server
     server = await asyncio.get_running_loop().create_server(
-        lambda: FrontDoor(fast, fallback, max_body, doors), "127.0.0.1", 0)
+        lambda: FrontDoor(handle, max_body, doors), "127.0.0.1", 0)
     sweep = asyncio.get_running_loop().create_task(front_door.close_idle(doors, stall_s))
     try:
         yield server.sockets[0].getsockname()[1], doors
@@ -58,12 +48,11 @@ async def door_server(fast: Callable[[FastRequest], Awaitable[web.StreamResponse
         server.close()
         for d in list(doors):
             d.close()
-        await runner.cleanup()
 
 
-async def echo(request: FastRequest) -> web.StreamResponse:
-    return web.json_response({"fast": True, "path": request.path, "body": request.whole_body.decode(),
-                              "x": request.headers.get("x-test")})
+async def echo(request: Request) -> Answer:
+    return json_response({"method": request.method, "path": request.path, "body": request.body.decode(),
+                          "x": request.headers.get("x-test"), "query": request.query})
 
 
 def post_bytes(path: str, body: bytes, *extra: str) -> bytes:
@@ -91,60 +80,144 @@ async def read_answer(r: asyncio.StreamReader) -> tuple[int, dict[str, str], byt
     return status, headers, body
 
 
-def test_hot_requests_keep_alive_and_others_go_to_aiohttp_with_their_bytes() -> None:
+def test_requests_on_one_connection_are_answered_in_order_whatever_their_route() -> None:
     async def run() -> None:
         async with door_server(echo) as (port, _):
             r, w = await asyncio.open_connection("127.0.0.1", port)
-            # Two hot requests in one write (pipelined), split mid-head from a third.
+            # Two requests in one write (pipelined), split mid-head from a third.
             w.write(post_bytes("/v1/completions", b'{"a":1}', "X-Test: one")
                     + post_bytes("/v1/chat/completions", b"{}") + b"POST /v1/compl")
-            for want in ({"fast": True, "path": "/v1/completions", "body": '{"a":1}', "x": "one"},
-                         {"fast": True, "path": "/v1/chat/completions", "body": "{}", "x": None}):
+            for want in ({"method": "POST", "path": "/v1/completions", "body": '{"a":1}', "x": "one", "query": {}},
+                         {"method": "POST", "path": "/v1/chat/completions", "body": "{}", "x": None, "query": {}}):
                 status, _, body = await read_answer(r)
                 assert status == 200 and json.loads(body) == want
             w.write(post_bytes("/v1/completions", b"[1]")[len(b"POST /v1/compl"):])
             assert json.loads((await read_answer(r))[2])["body"] == "[1]"
-            # Another path: aiohttp answers it, and every later request on this connection.
-            w.write(b"GET /other HTTP/1.1\r\nHost: t\r\n\r\n")
+            # Another route and method on the same connection, then a client route again.
+            w.write(b"GET /other%20page?a=1&b=two HTTP/1.1\r\nHost: t\r\n\r\n")
             status, _, body = await read_answer(r)
-            assert (status, body) == (200, b"aiohttp GET /other 0")
+            assert status == 200 and json.loads(body) == {"method": "GET", "path": "/other page", "body": "",
+                                                           "x": None, "query": {"a": "1", "b": "two"}}
             w.write(post_bytes("/v1/completions", b"xyz"))
-            assert (await read_answer(r))[2] == b"aiohttp POST /v1/completions 3"
+            assert json.loads((await read_answer(r))[2])["body"] == "xyz"
             w.close()
     asyncio.run(run())
 
 
-def test_what_is_not_plain_goes_to_aiohttp() -> None:
+def test_every_framing_is_read_and_what_is_not_http_is_refused() -> None:
     chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
                b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
-    cases = {
-        "chunked": (chunked, 200, b"aiohttp POST /v1/completions 5"),
-        "expect": (post_bytes("/v1/completions", b"ab", "Expect: 100-continue"), 100, None),
-        "http/1.0": (post_bytes("/v1/completions", b"ab").replace(b"HTTP/1.1", b"HTTP/1.0", 1), 200,
-                     b"aiohttp POST /v1/completions 2"),
-        "too large": (post_bytes("/v1/completions", b"x" * 2000), 413, None),
-        "bad header": (b"POST /v1/completions HTTP/1.1\r\nHost t\r\nContent-Length: 0\r\n\r\n", 400, None),
-        "two lengths": (post_bytes("/v1/completions", b"ab", "Content-Length: 2"), 400, None),
-        "query": (post_bytes("/v1/completions?x=1", b"ab"), 200, b"aiohttp POST /v1/completions 2"),
-        "other method": (b"GET /v1/completions HTTP/1.1\r\nHost: t\r\n\r\n", 405, None),
+    cases = {  # name: (bytes, status, body, closed after)
+        "chunked": (chunked, 200, "abcde", False),
+        "http/1.0": (post_bytes("/v1/completions", b"ab").replace(b"HTTP/1.1", b"HTTP/1.0", 1), 200, "ab", True),
+        "query": (post_bytes("/v1/completions?x=1", b"ab"), 200, "ab", False),
+        "too large": (post_bytes("/v1/completions", b"x" * 2000), 413, None, True),
+        "too large, chunked": (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"0\r\n\r\n", 413, None, True),
+        "bad header": (b"POST /v1/completions HTTP/1.1\r\nHost t\r\nContent-Length: 0\r\n\r\n", 400, None, True),
+        "two lengths": (post_bytes("/v1/completions", b"ab", "Content-Length: 2"), 400, None, True),
+        "length and chunked": (post_bytes("/v1/completions", b"ab", "Transfer-Encoding: chunked"), 400, None, True),
+        "not http": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 400, None, True),
+        "head too long": (b"GET / HTTP/1.1\r\nX-Big: " + b"y" * (front_door.MAX_HEAD + 10), 431, None, True),
+        "unknown expect": (post_bytes("/v1/completions", b"ab", "Expect: something"), 417, None, True),
     }
 
     async def run() -> None:
         async with door_server(echo, max_body=1000) as (port, _):
-            for name, (raw, status, body) in cases.items():
+            for name, (raw, status, body, closed) in cases.items():
                 r, w = await asyncio.open_connection("127.0.0.1", port)
                 w.write(raw)
                 got = await read_answer(r)
                 assert got[0] == status, (name, got)
-                assert body is None or got[2] == body, (name, got)
+                assert body is None or json.loads(got[2])["body"] == body, (name, got)
+                if closed:
+                    assert await asyncio.wait_for(r.read(), 5) == b"", name
+                else:  # kept: the next request is answered
+                    w.write(post_bytes("/v1/completions", b"next"))
+                    assert json.loads((await read_answer(r))[2])["body"] == "next", name
                 w.close()
+            # Expect: 100-continue: "100 Continue", then the body, then its answer.
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post_bytes("/v1/completions", b"", "Expect: 100-continue").replace(
+                b"Content-Length: 0", b"Content-Length: 2"))
+            assert (await read_answer(r))[0] == 100
+            w.write(b"ok")
+            status, _, body = await read_answer(r)
+            assert status == 200 and json.loads(body)["body"] == "ok"
+            # HEAD: the head alone.
+            w.write(b"HEAD /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await r.readline()).startswith(b"HTTP/1.1 200")
+            head = b""
+            while (line := await r.readline()) != b"\r\n":
+                head += line
+            assert b"Content-Length: " in head and b"Content-Length: 0" not in head
+            w.write(post_bytes("/v1/completions", b"after"))  # nothing of HEAD's body came before this answer
+            assert json.loads((await read_answer(r))[2])["body"] == "after"
+            w.close()
+    asyncio.run(run())
+
+
+def test_a_pipelined_head_is_judged_when_its_turn_comes() -> None:
+    """A request that arrives while a stream is answered gets nothing (no "100 Continue", no
+    refusal) until that stream ended: the answers on a connection never interleave."""
+    release = asyncio.Event()
+
+    async def slow_stream(request: Request) -> Answer:
+        if request.path == "/stream":
+            resp = SSEResponse()
+            await resp.prepare(request)
+            await resp.write(b"data: 1\n\n")
+            await release.wait()
+            await resp.write(b"data: 2\n\n")
+            return resp
+        return await echo(request)
+
+    def refuse(method: str, path: str, headers) -> Response | None:
+        return None if headers.get("Authorization") else json_response({"refused": True}, 401)
+
+    async def run() -> None:
+        doors: set[FrontDoor] = set()
+        bounds = front_door.Bounds(front_door.UNBOUNDED.conns, refuse)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: FrontDoor(slow_stream, 1 << 20, doors, bounds), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await r.readline()).startswith(b"HTTP/1.1 200")
+            while await r.readline() != b"\r\n":
+                pass
+            assert await r.readexactly(14) == b"9\r\ndata: 1\n\n\r\n"  # the first event's chunk
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: k\r\nContent-Length: 2\r\n"
+                    b"Expect: 100-continue\r\n\r\n")
+            with pytest.raises(TimeoutError):  # a sleep-bound wait is the test: nothing may come meanwhile
+                await asyncio.wait_for(r.readline(), 0.5)
+            release.set()
+            rest = b""
+            while not rest.endswith(b"\r\n0\r\n\r\n"):  # the stream's second event, then its end
+                rest += await r.readline()
+            assert rest == b"9\r\ndata: 2\n\n\r\n0\r\n\r\n", rest
+            assert (await read_answer(r))[0] == 100  # now its turn: asked for its body
+            w.write(b"ok")
+            assert json.loads((await read_answer(r))[2])["body"] == "ok"
+            # A refused head waiting its turn behind another request is answered in order, then closed.
+            w.write(post_bytes("/v1/completions", b"12", "Authorization: k")
+                    + post_bytes("/v1/completions", b"34"))
+            assert json.loads((await read_answer(r))[2])["body"] == "12"
+            status, headers, body = await read_answer(r)
+            assert status == 401 and json.loads(body) == {"refused": True} and headers["connection"] == "close"
+            assert await asyncio.wait_for(r.read(), 5) == b""
+        finally:
+            server.close()
+            for d in list(doors):
+                d.close()
     asyncio.run(run())
 
 
 def test_a_slow_client_pauses_the_stream_and_one_that_leaves_cancels_it() -> None:
     progress = {"sent": 0, "cancelled": False}
 
-    async def flood(request: FastRequest) -> web.StreamResponse:
+    async def flood(request: Request) -> Answer:
         resp = SSEResponse()
         await resp.prepare(request)
         try:
@@ -209,7 +282,7 @@ def anonymous(events: list[str]) -> list:
     return out
 
 
-def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection() -> None:
+def test_the_proxy_streams_and_serves_every_route_on_one_connection() -> None:
     p0, d0 = stubs(0, 0)
     px = proxy([p0], [d0])
     u = urlsplit(px.url)
@@ -226,10 +299,11 @@ def test_the_proxy_streams_on_the_hot_path_and_serves_the_rest_on_one_connection
         w.write(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
         status, _, raw = await read_answer(r)
         assert status == 200 and json.loads(raw)["data"]
-        w.write(post_bytes("/v1/completions", b"{not json"))  # now on aiohttp's side: the same JSON error
+        w.write(post_bytes("/v1/completions", b"{not json"))  # a JSON error, the connection kept
         status, headers, raw = await read_answer(r)
         assert status == 400 and json.loads(raw)["error"]["code"] == "bad_json"
-        w.write(post_bytes("/v1/completions", body, "Content-Type: application/json"))  # a stream, from aiohttp
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"  # chunked
+                + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
         status, headers, raw = await read_answer(r)
         assert status == 200 and headers["content-type"] == "text/event-stream", headers
         assert anonymous([e for e in raw.decode().split("\n\n") if e]) == anonymous(events), raw
@@ -243,7 +317,7 @@ def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
     client that reads, however slowly, is not cut."""
     progress = {"cancelled": False}
 
-    async def flood(request: FastRequest) -> web.StreamResponse:
+    async def flood(request: Request) -> Answer:
         resp = SSEResponse()
         await resp.prepare(request)
         try:
@@ -274,11 +348,11 @@ def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("path", ["hot", "aiohttp"])
-def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decoder(path: str) -> None:
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decoder(framing: str) -> None:
     """The client reads the head of a long stream, then nothing: after --stall-timeout its
-    connection is cut and its decode leg ended, on the hot path and on aiohttp's (a chunked
-    request); the decoder is not blamed (no error, still healthy)."""
+    connection is cut and its decode leg ended, whether its request came with a Content-Length or
+    chunked; the decoder is not blamed (no error, still healthy)."""
     p0, d0 = stub(0, False), cheap_token_stub()
     p0.wait(), d0.wait()
     # --health-interval 60: a stub writing its stream yields to its event loop only while its
@@ -287,9 +361,9 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
     px = proxy([p0], [d0], "--stall-timeout", "2", "--workers", "1", "--health-interval", "60")
     u = urlsplit(px.url)
     body = json.dumps({"model": "stub", "prompt": "hello there", "max_tokens": 60_000, "stream": True}).encode()
-    if path == "hot":
+    if framing == "length":
         raw = post_bytes("/v1/completions", body, "Content-Type: application/json")
-    else:  # a chunked body: aiohttp's server answers it
+    else:
         raw = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
 
