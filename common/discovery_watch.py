@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvferry.common import messages as m
 from kvferry.common.discovery_entries import MAX_KEY_BYTES, Entry, Rejected, Snapshot, shown, verify
 from kvferry.common.discovery_target import Target, connect
-from kvferry.common.etcd import KV, EtcdError
+from kvferry.common.etcd import KV, WatchIdle
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 
@@ -204,10 +204,8 @@ class EtcdWatch:
                             self.revision = max(self.revision, ev.kv.mod_revision)
                         if changed:
                             self._publish()
-                except EtcdError as e:
-                    if "ReadTimeout" not in str(e):
-                        raise
-                    # quiet for WATCH_IDLE_S: list again (cheap) and watch on
+                except WatchIdle:
+                    pass  # quiet for WATCH_IDLE_S: list again (cheap) and watch on
         finally:
             expiry.cancel()
             await asyncio.gather(expiry, return_exceptions=True)

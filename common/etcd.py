@@ -1,4 +1,5 @@
-"""A small etcd v3 client over etcd's JSON gRPC gateway (``/v3/...``), with httpx.
+"""A small etcd v3 client over etcd's JSON gRPC gateway (``/v3/...``), on the library's one HTTP
+client (common/http_client.py).
 
 kvferry's discovery (common/discovery.py) needs put, range (a prefix, in pages), delete, a
 compare-and-put transaction, leases (grant, keepalive, revoke) and a streaming watch. etcd (3.4
@@ -8,8 +9,9 @@ values are base64 on the wire; 64-bit integers (revisions, lease ids, TTLs) are 
 etcd's own security works through it: TLS with a client certificate (an ``ssl.SSLContext``) and
 user/password auth (``/v3/auth/authenticate`` returns a token sent in the ``Authorization`` header
 of every call; a token etcd no longer knows is fetched again once). Every call is bounded by a
-timeout and every answer by a size; a failure is an :class:`EtcdError` naming the endpoint and
-the fix (:class:`EtcdAccessError` when it is credentials, certificates or permissions).
+timeout (to connect, and between two reads) and every answer by a size; a failure is an
+:class:`EtcdError` naming the endpoint and the fix (:class:`EtcdAccessError` when it is
+credentials, certificates or permissions; :class:`WatchIdle` when a watch was only quiet).
 """
 
 from __future__ import annotations
@@ -19,18 +21,17 @@ import base64
 import json
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
-
 from kvferry.common.errors import UnavailableError
+from kvferry.common.http_client import Broken, ClosedEarly, Pool, Response, Timeout, TooLarge, Unreachable
 
 CALL_TIMEOUT_S = 3.0  # one unary call
 MAX_ANSWER_BYTES = 1 << 20  # one unary answer (a range page has its own bound)
 MAX_PAGE_BYTES = 16 << 20  # one range page; a larger one is asked again with fewer keys
 PAGE_KEYS = 256  # keys per range page to start with
+CONNECTIONS = 4  # unary calls to one endpoint at once (more wait, within the call timeout, for a free one)
 MAX_WATCH_LINE = 8 << 20  # one watch response (a batch of events) larger than this is refused
 AUTH_HINT = "add ?user=NAME&password_file=FILE to --discovery (a file, mode 600, holding the password)"
 TLS_HINT = "with etcds://, set ?cacert= (the CA that signed etcd's certificate) and ?cert= and ?key= (a client " \
@@ -44,6 +45,11 @@ class EtcdError(UnavailableError, RuntimeError):
 class EtcdAccessError(EtcdError):
     """etcd refused these credentials, this certificate or this user's permissions: a setting to
     fix, not an outage."""
+
+
+class WatchIdle(EtcdError):
+    """Nothing came on a watch, not even etcd's progress notice, for its `idle_timeout`: re-list
+    and watch again; not an outage."""
 
 
 class _TooLarge(EtcdError):
@@ -109,20 +115,39 @@ class Etcd:
         self._token = ""
         self._auth_lock = asyncio.Lock()
         self._client_cert = client_cert
-        # Plain http:// has no certificate to check: without verify=False httpx would build (and
-        # throw away) a default SSL context per client, ~35 ms of CPU.
-        verify: ssl.SSLContext | bool = tls if tls is not None else parts.scheme == "https"
-        self._client = httpx.AsyncClient(base_url=self.endpoint, timeout=timeout, verify=verify)
+        self._tls = tls  # None: https:// is verified against the system's CAs
+        # Made on the first call: a Pool belongs to the running loop, and an Etcd may be built
+        # before one runs. All calls of one Etcd go on that loop.
+        self._pool: Pool | None = None
+
+    def _headers(self) -> dict[str, str]:
+        # etcd 3.4's gateway reads JSON without a Content-Type; it is sent as any JSON client does.
+        h = {"Content-Type": "application/json"}
+        if self._token:
+            h["Authorization"] = self._token
+        return h
+
+    def _calls(self) -> Pool:
+        if self._pool is None:
+            t = self.timeout
+            self._pool = Pool(CONNECTIONS, t, t, t, self._headers(), tls=self._tls)
+        return self._pool
+
+    def _set_token(self, token: str) -> None:
+        self._token = token
+        if self._pool is not None:
+            self._pool.set_headers(self._headers())
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
 
-    def _unreachable(self, path: str, e: BaseException) -> EtcdError:
-        why = e.__cause__ or e.__context__
-        text = f"{type(e).__name__}: {e or why or 'no answer'}"
+    def _unreachable(self, path: str, e: Exception) -> EtcdError:
+        text = f"{type(e).__name__}: {e or 'no answer'}"
         if self.endpoint.startswith("https") and ("SSL" in text or "certificate" in text.lower()):
             return EtcdAccessError(f"etcd {self.endpoint}{path}: TLS: {text} ({TLS_HINT})")
-        if self.endpoint.startswith("https") and not self._client_cert and isinstance(e, httpx.ReadError):
+        if self.endpoint.startswith("https") and not self._client_cert and isinstance(e, ClosedEarly):
             # TLS 1.3: an etcd with --client-cert-auth closes the connection after the handshake
             return EtcdAccessError(f"etcd {self.endpoint}{path}: TLS: the connection was closed before an answer, as "
                                    "an etcd with --client-cert-auth does to a client without a certificate (or etcd "
@@ -145,49 +170,41 @@ class Etcd:
                                    "on the discovery prefix (docs/deploy.md \"etcd's own security\")")
         return EtcdError(f"etcd {self.endpoint}{path}: {status}: {msg}")
 
-    @asynccontextmanager
-    async def _post(self, path: str, body: dict, timeout: float | httpx.Timeout | None) -> AsyncIterator[
-            httpx.Response]:
-        headers = {"Authorization": self._token} if self._token else {}
+    async def _once(self, path: str, body: dict, max_bytes: int) -> tuple[int, object]:
         try:
-            async with self._client.stream("POST", path, json=body, headers=headers,
-                                           timeout=timeout or self.timeout) as r:
-                yield r
-        except (httpx.HTTPError, ssl.SSLError) as e:
-            raise self._unreachable(path, e) from None
-
-    async def _once(self, path: str, body: dict, timeout: float | None, max_bytes: int) -> tuple[int, object]:
-        async with self._post(path, body, timeout) as r:
-            buf = bytearray()
-            async for chunk in r.aiter_bytes():
-                buf += chunk
-                if len(buf) > max_bytes:
-                    raise _TooLarge(f"etcd {self.endpoint}{path}: an answer of more than {max_bytes} bytes")
+            r = await self._calls().request("POST", self.endpoint, path, json.dumps(body).encode())
             try:
-                return r.status_code, json.loads(buf)
-            except ValueError:
-                raise EtcdError(f"etcd {self.endpoint}{path}: answered {r.status_code} with no JSON: is this etcd's "
-                                "client port (3.4 or later)?") from None
+                raw = await r.read(max_bytes)
+            finally:
+                r.release()
+        except TooLarge:
+            raise _TooLarge(f"etcd {self.endpoint}{path}: an answer of more than {max_bytes} bytes") from None
+        except (Unreachable, Broken, Timeout) as e:
+            raise self._unreachable(path, e) from None
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            raise EtcdError(f"etcd {self.endpoint}{path}: answered {r.status} with no JSON: is this etcd's "
+                            "client port (3.4 or later)?") from None
 
     async def _authenticate(self, stale: str) -> None:
         """A token for `user` (once, however many calls found `stale` no longer valid)."""
         async with self._auth_lock:
             if self._token != stale:
                 return
-            self._token = ""
+            self._set_token("")
             status, data = await self._once("/v3/auth/authenticate", {"name": self.user, "password": self._password},
-                                            None, MAX_ANSWER_BYTES)
+                                            MAX_ANSWER_BYTES)
             if status != 200 or not isinstance(data, dict) or not data.get("token"):
                 raise self._refused("/v3/auth/authenticate", status, data)
-            self._token = str(data["token"])
+            self._set_token(str(data["token"]))
 
-    async def _call(self, path: str, body: dict, timeout: float | None = None,
-                    max_bytes: int = MAX_ANSWER_BYTES) -> dict:
+    async def _call(self, path: str, body: dict, max_bytes: int = MAX_ANSWER_BYTES) -> dict:
         for attempt in range(2):
             if self.user and not self._token:
                 await self._authenticate("")
             token = self._token
-            status, data = await self._once(path, body, timeout, max_bytes)
+            status, data = await self._once(path, body, max_bytes)
             if status == 401 and self.user and attempt == 0 and "invalid auth token" in _error(data):
                 await self._authenticate(token)  # it expired (etcd's --auth-token-ttl): once more with a new one
                 continue
@@ -272,12 +289,13 @@ class Etcd:
             if "lease not found" not in str(e):
                 raise
 
-    async def _lines(self, r: httpx.Response, path: str) -> AsyncIterator[bytes]:
-        """The stream's lines, each bounded by MAX_WATCH_LINE while it is read."""
+    async def _lines(self, r: Response, path: str) -> AsyncIterator[bytes]:
+        """The stream's lines, each bounded by MAX_WATCH_LINE while it is read (a whole line that
+        came in one read too)."""
         buf = bytearray()
-        async for chunk in r.aiter_bytes():
+        async for chunk in r.pieces():
             buf += chunk
-            while (nl := buf.find(b"\n")) >= 0:
+            while (nl := buf.find(b"\n")) >= 0 and nl <= MAX_WATCH_LINE:
                 line, buf = bytes(buf[:nl]), buf[nl + 1:]
                 yield line
             if len(buf) > MAX_WATCH_LINE:
@@ -288,24 +306,31 @@ class Etcd:
     async def watch(self, prefix: bytes, start_revision: int, idle_timeout: float) -> AsyncIterator[list[Event]]:
         """Batches of events under `prefix` from `start_revision` on, until the stream ends or
         nothing (not even etcd's progress notice) arrives for `idle_timeout` seconds: then
-        EtcdError. etcd sends a progress notice every `progress_notify` interval (10 min by default),
-        so callers re-list and re-watch on a timeout rather than treat it as an outage."""
+        WatchIdle (an EtcdError). etcd sends a progress notice every `progress_notify` interval
+        (10 min by default), so callers re-list and re-watch on WatchIdle rather than treat it as
+        an outage."""
         path = "/v3/watch"
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision), "progress_notify": True}}
         if self.user and not self._token:
             await self._authenticate("")
-        async with self._post(path, body, httpx.Timeout(self.timeout, read=idle_timeout)) as r:
-            if r.status_code != 200:
-                if r.status_code == 401 and self.user:
-                    await self._authenticate(self._token)  # the next watch has a fresh token
-                head = b""
-                async for chunk in r.aiter_bytes():
-                    head += chunk
-                    if len(head) >= 4096:
-                        break
-                raise self._refused(path, r.status_code, head[:300].decode("utf-8", "replace"))
+        # A pool of its own: the watch holds its connection for as long as it lasts, and its
+        # bound between two reads (the head's wait included) is `idle_timeout`, the stream bound
+        # of a pool (stall_timeout); connecting is bounded by the call timeout.
+        t = self.timeout
+        pool = Pool(1, t, t, t, self._headers(), idle_timeout, tls=self._tls)
+        try:
+            r = await pool.request("POST", self.endpoint, path, json.dumps(body).encode(), stream=True)
             try:
+                if r.status != 200:
+                    if r.status == 401 and self.user:
+                        await self._authenticate(self._token)  # the next watch has a fresh token
+                    head = b""
+                    async for chunk in r.pieces():
+                        head += chunk
+                        if len(head) >= 4096:
+                            break
+                    raise self._refused(path, r.status, head[:300].decode("utf-8", "replace"))
                 async for line in self._lines(r, path):
                     if not line.strip():
                         continue
@@ -321,5 +346,14 @@ class Etcd:
                                         f"({res.get('cancel_reason') or 'compacted'})")
                     yield [Event("delete" if e.get("type") == "DELETE" else "put", _kv(e.get("kv") or {}))
                            for e in res.get("events") or []]
-            except httpx.HTTPError as e:
-                raise EtcdError(f"etcd {self.endpoint}{path}: {type(e).__name__}: {e or 'no answer'}") from None
+            finally:
+                r.release()
+        except Timeout as e:
+            if e.what != "stall":
+                raise self._unreachable(path, e) from None
+            raise WatchIdle(f"etcd {self.endpoint}{path}: nothing received for {idle_timeout:g}s (not even etcd's "
+                            "progress notice)") from None
+        except (Unreachable, Broken) as e:
+            raise self._unreachable(path, e) from None
+        finally:
+            await pool.close()

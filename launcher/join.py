@@ -22,14 +22,14 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
+from urllib.parse import urlsplit
 
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common import secret as cluster_secret
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.etcd import EtcdAccessError, EtcdError
+from kvferry.common.http_client import Broken, Pool, Unreachable
 from kvferry.common.log import get_logger
 from kvferry.common.netutil import advertised, is_loopback
 
@@ -37,6 +37,7 @@ logger = get_logger(__name__)
 
 FAILS_TO_WITHDRAW = 2  # consecutive failed /health checks
 HEALTH_TIMEOUT_S = 2.0
+MAX_HEALTH_BODY = 1 << 16  # vLLM's /health answers an empty body
 
 
 def version() -> str:
@@ -63,11 +64,21 @@ class Registrar:
         self.target, self.secret, self.ttl, self.interval = target, secret, ttl, min(interval, ttl / 3)
         self.registered: dict[str, bool] = {}
 
-    async def _health(self, client: httpx.AsyncClient, url: str) -> bool:
+    async def _health(self, pool: Pool, url: str) -> bool:
+        """GET `url` answers 200 within HEALTH_TIMEOUT_S (its body bounded, read so that the
+        connection is kept for the next check)."""
+        u = urlsplit(url)
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         try:
-            return (await client.get(url, timeout=HEALTH_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                r = await pool.request("GET", f"{u.scheme}://{u.netloc}", path)
+                try:
+                    await r.read(MAX_HEALTH_BODY)
+                finally:
+                    r.release()
+        except (TimeoutError, Unreachable, Broken):
             return False
+        return r.status == 200
 
     async def keep(self, member: Member, stop: asyncio.Event) -> None:
         """Until `stop`: register once healthy, renew, withdraw after FAILS_TO_WITHDRAW failed checks."""
@@ -75,10 +86,12 @@ class Registrar:
         iid = member.record.instance_id
         fails, registered, warned = 0, False, False
         beat: tuple[asyncio.Event, asyncio.Future[None]] | None = None  # set while registered
-        async with httpx.AsyncClient() as client:
+        # The library's one HTTP client: one kept connection per member for its checks.
+        checks = Pool(1, HEALTH_TIMEOUT_S, HEALTH_TIMEOUT_S, HEALTH_TIMEOUT_S, {})
+        try:
             try:
                 while not stop.is_set():
-                    ok = await self._health(client, member.health_url)
+                    ok = await self._health(checks, member.health_url)
                     fails = 0 if ok else fails + 1
                     try:
                         if ok and not registered:
@@ -115,6 +128,8 @@ class Registrar:
                     logger.info("discovery: %s withdrawn", iid)
                 self.registered[iid] = False
                 await reg.close()
+        finally:
+            await checks.close()
 
     def start_thread(self, members: list[Member]) -> threading.Thread:
         """Keep `members` registered from a thread of its own (the launcher is not async); `stop()` ends it."""

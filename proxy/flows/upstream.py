@@ -1,14 +1,14 @@
-"""Requests to the engines: the legs' connection pool (http/client.py) and the aiohttp session
-the health checks use, and `Upstream`, one leg to one instance, which maps every failure to a
-client error and reports it to the router."""
+"""Requests to the engines: the legs' connection pool and the health checks' (both on the one
+HTTP client, common/http_client.py), and `Upstream`, one leg to one instance, which maps every
+failure to a client error and reports it to the router."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
+from kvferry.common.http_client import Broken, Pool, Response, Timeout, Unreachable
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.http.client import Broken, Pool, Response, Timeout, Unreachable
 from kvferry.proxy.http.sse import events as sse_events
 from kvferry.proxy.metrics import Value
 from kvferry.proxy.openai import answers, json_codec

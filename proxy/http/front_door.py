@@ -110,7 +110,6 @@ class FrontDoor(asyncio.Protocol):
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.url = b""
         self.fields: CIMultiDict[str] = CIMultiDict()
-        self.in_head = False
         self.head_bytes = 0  # received while no head was whole (llhttp buffers a header until its end)
         self.head: _Head | None = None  # the request being read, once its head is
         self.queue: deque[_Head] = deque()  # whole requests waiting for their turn
@@ -153,7 +152,10 @@ class FrontDoor(asyncio.Protocol):
                 self.queue[-1].keep_alive = False
         except httptools.HttpParserError as e:
             self.parser = None
-            if self.transport is not None and not isinstance(e.__context__, _Stop):
+            cause = e.__context__
+            if self.transport is not None and not isinstance(cause, _Stop):
+                if cause is not None and not isinstance(cause, httptools.HttpParserError):
+                    logger.error("front door: reading a request", exc_info=cause)  # a bug here, not the client's
                 self._stop(json_response(error_body(400, f"malformed HTTP request: {e}", "bad_request"), 400))
         if self.parser is not None and self.head is None and self.head_bytes > MAX_HEAD:
             self.parser = None
@@ -189,7 +191,7 @@ class FrontDoor(asyncio.Protocol):
 
     # ---- httptools callbacks ----
     def on_message_begin(self) -> None:
-        self.url, self.fields, self.in_head = b"", CIMultiDict(), True
+        self.url, self.fields = b"", CIMultiDict()
         self.idle_since = None
         if self.request_since is None:
             self.request_since = self.loop.time()
@@ -202,7 +204,7 @@ class FrontDoor(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self.parser is not None
-        self.in_head, self.head_bytes = False, 0
+        self.head_bytes = 0
         u = httptools.parse_url(self.url)
         raw_path = u.path.decode("latin-1")
         path = unquote(raw_path) if "%" in raw_path else raw_path

@@ -77,6 +77,47 @@ def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:
     asyncio.run(body())
 
 
+
+def test_discovery_etcd_client_bounds_on_the_one_http_client(etcd_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's bounds, on common/http_client.py: an Etcd built outside any loop works in one;
+    a range page past its byte bound is asked again with fewer keys (every key still comes); a
+    watch line past MAX_WATCH_LINE is refused; a quiet watch ends as WatchIdle after its idle
+    timeout; an endpoint nobody serves is an EtcdError naming it, not a hang."""
+    from kvferry.common import etcd as etcd_mod
+    from kvferry.common.etcd import EtcdError, WatchIdle
+    etcd, prefix = Etcd(f"http://127.0.0.1:{etcd_server.port}"), _prefix().encode()  # no loop runs yet
+
+    async def body() -> None:
+        try:
+            for i in range(12):
+                await etcd.put(prefix + b"/k%02d" % i, b"v" * 400)
+            monkeypatch.setattr(etcd_mod, "MAX_PAGE_BYTES", 3000)  # a page of 256 keys (~6 KB) is too large
+            kvs, rev = await etcd.get_prefix(prefix + b"/")
+            assert [kv.key for kv in kvs] == [prefix + b"/k%02d" % i for i in range(12)]
+            monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", 1000)
+            put = asyncio.ensure_future(etcd.put(prefix + b"/big", b"x" * 3000))
+            with pytest.raises(EtcdError, match="a response of more than 1000 bytes"):
+                async for _ in etcd.watch(prefix + b"/", rev + 1, 5):
+                    pass
+            await put
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(WatchIdle, match="nothing received for 0.5s"):
+                async for _ in etcd.watch(prefix + b"/", rev + 100, 0.5):
+                    pass
+            assert 0.45 <= loop.time() - t0 < 3.0
+        finally:
+            await etcd.close()
+        nobody = Etcd(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+        try:
+            with pytest.raises(EtcdError, match="is etcd running there") as e:
+                await nobody.get(b"/x")
+            assert not isinstance(e.value, WatchIdle)
+        finally:
+            await nobody.close()
+    asyncio.run(body())
+
+
 def test_discovery_etcd_registration_appears_withdraws_and_expires(etcd_server, cluster_secret) -> None:
     """A registration shows in a watcher at once, goes when withdrawn, and goes within the TTL when
     its keeper stops renewing (a killed instance)."""

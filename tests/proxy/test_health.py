@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kvferry.common.http_client import Pool
 from kvferry.common.netutil import free_port
-from kvferry.proxy.http.client import Pool
 from kvferry.proxy.routing import health
 
 PAGE = (b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"

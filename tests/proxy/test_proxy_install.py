@@ -55,7 +55,8 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_proxy_install_has_no_torch_nixl_or_vllm(light_venv: Path) -> None:
     py = light_venv / "bin" / "python"
-    for mod in ("torch", "nixl", "vllm", "fastapi"):
+    # aiohttp, httpx: the proxy's one server and one client are kvferry's own
+    for mod in ("torch", "nixl", "vllm", "fastapi", "aiohttp", "httpx"):
         r = subprocess.run([str(py), "-c", f"import {mod}"], capture_output=True, text=True, cwd="/")
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, f"{mod} is installed in the light venv"
     r = subprocess.run([str(light_venv / "bin" / "kvferry-proxy"), "--help"], capture_output=True, text=True, cwd="/",

@@ -1,4 +1,4 @@
-"""proxy/http/client.py against real sockets: engines that keep, close, stall, break or garble
+"""common/http_client.py against real sockets: engines that keep, close, stall, break or garble
 their connections (raw asyncio servers in the test's loop), under asyncio's loop and uvloop's."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
+from kvferry.common.http_client import MAX_BUFFERED, Broken, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
 from kvferry.common.netutil import free_port
-from kvferry.proxy.http.client import MAX_BUFFERED, Broken, Pool, Timeout, Unreachable
 from tests.polling import until_async
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -348,7 +348,7 @@ def test_a_kept_connection_closed_as_the_request_went_out_is_tried_once_on_a_new
             resp.release()
             p2 = pool()
             e.connections = 2
-            with pytest.raises(Unreachable, match="before an answer"):
+            with pytest.raises(ClosedEarly, match="before an answer"):
                 await p2.request("POST", e.url, "/x", b"{}")
             await p.close()
             await p2.close()
@@ -435,9 +435,90 @@ def test_a_whole_answer_past_its_limit_is_refused_not_held() -> None:
         async with Engine(serve) as e:
             p = pool()
             resp = await p.request("GET", e.url, "/big")
-            with pytest.raises(Broken, match="larger than 1048576 bytes"):
+            with pytest.raises(TooLarge, match="larger than 1048576 bytes"):  # a Broken the caller can tell apart
                 await resp.read(limit=1 << 20)
             resp.release()
             assert all(h.open == 0 for h in p.hosts.values())
             await p.close()
+    asyncio.run(main())
+
+
+@LOOPS
+def test_headers_set_on_the_pool_go_with_every_later_request_on_kept_connections_too(loop_kind: str) -> None:
+    """set_headers (etcd's auth token, fetched again): the next request carries the new headers,
+    on the connection already kept; none are added per request."""
+    requests: list[bytes] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while req := await read_request(r):
+            requests.append(req)
+            w.write(ok())
+            await w.drain()
+
+    async def main() -> None:
+        async with Engine(serve) as e:
+            p = Pool(2, connect_timeout=2.0, wait_timeout=2.0, read_timeout=2.0, headers={"X-A": "1"})
+            for headers in ({"X-A": "1"}, {"Authorization": "token-2"}, {}):
+                p.set_headers(headers)
+                resp = await p.request("POST", e.url, "/v3/kv/range", b"{}")
+                assert await resp.read() == b'{"ok":true}'
+                resp.release()
+            await p.close()
+            assert e.connections == 1
+        first, second, third = requests
+        assert b"\r\nX-A: 1\r\n" in first and b"Authorization" not in first
+        assert b"\r\nAuthorization: token-2\r\n" in second and b"X-A" not in second
+        assert b"X-A" not in third and b"Authorization" not in third
+        assert all(b"Host: 127.0.0.1:%d\r\n" % e.port in r for r in requests)
+    run(main, loop_kind)
+
+
+def test_a_pool_with_its_own_tls_context_trusts_its_ca_and_shows_its_client_certificate(tmp_path) -> None:
+    """Pool(tls=...) (etcd's cacert=, cert=, key=): a server signed by a private CA, which checks
+    client certificates, answers a pool whose context holds that CA and a client certificate; a
+    pool with the CA but no certificate is refused, as an Unreachable (TLS 1.3: the server's
+    refusal comes after the client's handshake ended); the system's trust knows no private CA."""
+    import ssl
+
+    from tests.tls_certs import make_certs
+    certs = make_certs(tmp_path / "certs")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certs.ca))
+    server_ctx.load_cert_chain(certs.server_cert, certs.server_key)
+    server_ctx.verify_mode = ssl.CERT_REQUIRED
+    client_ctx = ssl.create_default_context(cafile=str(certs.ca))
+    client_ctx.load_cert_chain(certs.client_cert, certs.client_key)
+    peers: list[object] = []
+
+    async def main() -> None:
+        async def on(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await read_request(r)
+                peers.append(w.get_extra_info("peercert"))
+                w.write(ok(b'{"tls":true}'))
+                await w.drain()
+            except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                w.close()
+        port = free_port()
+        server = await asyncio.start_server(on, "127.0.0.1", port, ssl=server_ctx)
+        url = f"https://127.0.0.1:{port}"
+        try:
+            p = Pool(2, 2.0, 2.0, 2.0, {}, tls=client_ctx)
+            resp = await p.request("GET", url, "/v3/maintenance/status")
+            assert await resp.read() == b'{"tls":true}'
+            resp.release()
+            await p.close()
+            assert peers and "kvferry-client" in str(peers[0])
+            no_cert = Pool(2, 2.0, 2.0, 2.0, {}, tls=ssl.create_default_context(cafile=str(certs.ca)))
+            with pytest.raises(Unreachable) as ex:
+                await no_cert.request("GET", url, "/v3/maintenance/status")
+            assert isinstance(ex.value, ClosedEarly) or "SSL" in str(ex.value), ex.value
+            await no_cert.close()
+            system = Pool(2, 2.0, 2.0, 2.0, {})
+            with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                await system.request("GET", url, "/v3/maintenance/status")
+            await system.close()
+        finally:
+            server.close()
     asyncio.run(main())

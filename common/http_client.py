@@ -1,10 +1,15 @@
-"""The engines' hot path over HTTP/1.1: keep-alive connections per instance on asyncio Protocols,
-parsed by httptools (llhttp, the parser aiohttp's server and uvicorn use).
+"""The library's one HTTP/1.1 client: keep-alive connections per host on asyncio Protocols,
+parsed by httptools (llhttp, the parser aiohttp's server and uvicorn use). It carries the proxy's
+legs to the engines (its hot path) and health checks, etcd's JSON gateway (common/etcd.py) and
+the launcher's health checks (launcher/join.py): one set of bounds and one set of errors.
 
-Why not aiohttp's client, which the health checks still use: per request it builds request,
-response, stream-reader and timer objects and runs ~500 Python calls; the proxy only POSTs a JSON
-body and reads the whole answer or its pieces as they arrive. Here a piece goes from the socket
-to the waiting leg in one callback.
+Why not aiohttp's client (or httpx): per request it builds request, response, stream-reader and
+timer objects and runs ~500 Python calls; the proxy only POSTs a JSON body and reads the whole
+answer or its pieces as they arrive. Here a piece goes from the socket to the waiting leg in one
+callback. What the other callers need costs the legs nothing per request: a TLS context of their
+own (etcd's CA and client certificate) is the pool's, headers that change (etcd's auth token) are
+set on the pool (`set_headers`), and a long stream's bound (etcd's watch) is a pool's
+`stall_timeout`.
 
 Bounds: a connect within `connect_timeout`; a free connection (at most `limit` per instance)
 within `wait_timeout`; and while a leg waits for bytes, no more than `read_timeout` between them,
@@ -43,6 +48,16 @@ class Unreachable(UnavailableError, OSError):
 
 class Broken(UnavailableError, ConnectionError):
     """The engine's answer stopped part way (its connection closed, or bytes that are not HTTP)."""
+
+
+class ClosedEarly(Unreachable):
+    """The peer closed a connection it had accepted before any answer: an engine's idle timeout
+    racing the request, or a TLS 1.3 server refusing the client's certificate (with TLS 1.3 the
+    client's handshake ends before the server has checked it, so the refusal comes as a close)."""
+
+
+class TooLarge(Broken):
+    """An answer past the reader's `limit` (`Response.read`): the caller may ask again for less."""
 
 
 class Timeout(UnavailableError, TimeoutError):
@@ -105,7 +120,7 @@ class _Conn(asyncio.Protocol):
         if r is not None and not r.complete:
             cause = f": {exc}" if exc else ""
             r.fail(Broken(f"connection closed mid-answer{cause}") if r.status else
-                   Unreachable(f"connection closed before an answer{cause}"))
+                   ClosedEarly(f"connection closed before an answer{cause}"))
             r.wake()
 
     def on_headers_complete(self) -> None:
@@ -186,17 +201,17 @@ class Response:
         return blob
 
     async def read(self, limit: int = MAX_ANSWER) -> bytes:
-        """The whole body; Broken once it passes `limit` bytes (an engine's answer is not trusted
-        to be small: the connection is dropped rather than the answer held)."""
+        """The whole body; TooLarge (a Broken) once it passes `limit` bytes (an engine's answer is
+        not trusted to be small: the connection is dropped rather than the answer held)."""
         while not self.complete:
             if self.error is not None:
                 raise self.error
             if self.size > limit:
                 self.conn.close()
-                raise Broken(f"an answer larger than {limit} bytes")
+                raise TooLarge(f"an answer larger than {limit} bytes")
             await self._wait()
         if self.size > limit:
-            raise Broken(f"an answer larger than {limit} bytes")
+            raise TooLarge(f"an answer larger than {limit} bytes")
         return self._take()
 
     async def pieces(self) -> AsyncIterator[bytes]:
@@ -239,17 +254,21 @@ class _Host:
 
 
 class Pool:
-    """Keep-alive connections to the engines, at most `limit` per instance."""
+    """Keep-alive connections, at most `limit` per host (an engine instance, an etcd endpoint),
+    each request carrying `headers`. `tls`: the context https:// connects with (a private CA, a
+    client certificate); by default the system's, verified as aiohttp's client verifies.
+    Created, used and closed on one running event loop."""
 
     def __init__(self, limit: int, connect_timeout: float, wait_timeout: float, read_timeout: float,
-                 headers: dict[str, str], stall_timeout: float | None = None) -> None:
+                 headers: dict[str, str], stall_timeout: float | None = None, *,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.limit, self.connect_timeout, self.wait_timeout = limit, connect_timeout, wait_timeout
         self.read_timeout = read_timeout
         self.stall_timeout = read_timeout if stall_timeout is None else stall_timeout
         self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.hosts: dict[str, _Host] = {}
         self.busy: set[_Conn] = set()
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
         self.loop = asyncio.get_running_loop()
         self._sweep = self.loop.create_task(self._sweeper())
 
@@ -260,11 +279,19 @@ class Pool:
             if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
                 raise Unreachable(f"{base}: not http(s)://host:port")
             tls = None
-            if u.scheme == "https":  # verified as aiohttp's client does by default (SSL_CERT_FILE is honoured)
+            if u.scheme == "https":  # by default verified as aiohttp's client does (SSL_CERT_FILE is honoured)
                 tls = self._tls = self._tls or ssl.create_default_context()
             h = self.hosts[base] = _Host(u.hostname, u.port or (443 if tls else 80),
                                          f"Host: {u.netloc}\r\n{self.extra}".encode(), tls)
         return h
+
+    def set_headers(self, headers: dict[str, str]) -> None:
+        """The headers every request carries from now on (one already sent keeps its own). Each
+        host's request head holds them, built here rather than per request: for headers that
+        change rarely (etcd's auth token, fetched again when it expires)."""
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        for base, h in self.hosts.items():
+            h.head = f"Host: {urlsplit(base).netloc}\r\n{self.extra}".encode()
 
     async def request(self, method: str, base: str, path: str, body: bytes | None = None,
                       stream: bool = False) -> Response:
