@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -348,18 +349,22 @@ def test_prefiller_gone_after_its_alloc_frees_pages_and_the_request_recomputes(p
 
 
 def decode_timing_the_recompute(d: Decoder, pr: list[int], n: int, tid: str) -> tuple[list[int], float]:
-    """A decode-only request whose KV never comes: (its tokens, seconds until the decoder gave up
-    waiting and recomputed, as its recompute counter shows). The recompute itself is not timed: a
-    prompt's first forward on a decoder takes seconds on a loaded CPU."""
+    """A decode-only request whose KV never comes: (its tokens, seconds from sending it until the
+    decoder gave up waiting, as the time of its log line says). Neither the recompute nor the
+    metrics' way out is timed: the recompute counter reaches /metrics only with the outputs of the
+    step that recomputes, seconds later on a loaded CPU."""
     before = pd_metrics(d)["pd_recomputed_requests_total"]
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        t0 = time.monotonic()
+        t0 = time.time()  # wall clock, as the log's timestamps
         fut = ex.submit(disagg_decode_only, d, pr, n, tid)
         until(lambda: pd_metrics(d)["pd_recomputed_requests_total"] > before or fut.done(), 60,
               "the decoder's recompute", every=0.1)
-        waited = time.monotonic() - t0
         assert pd_metrics(d)["pd_recomputed_requests_total"] == before + 1, fut.result()
-        return fut.result(120), waited
+        line = next((ln for ln in d.log_path.read_text(errors="replace").splitlines()
+                     if f"transfer {tid} " in ln and "did not arrive within" in ln), None)
+        assert line is not None, f"no timeout line for {tid} in {d.log_path}"
+        logged = datetime.strptime(line[1:line.index("]")], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        return fut.result(120), logged - t0
 
 
 def disagg_decode_only(d: Decoder, pr: list[int], n: int, tid: str) -> list[int]:
