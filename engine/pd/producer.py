@@ -37,6 +37,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import get_logger
+from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
@@ -74,6 +75,7 @@ class _Outgoing:
     writes: list[concurrent.futures.Future] = field(default_factory=list)
     nbytes: int = 0
     early: bool = False  # its last write went into the early grant
+    first_write: float = 0.0  # time.monotonic() when its first write was asked (0: the sender's own send)
     slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
 
 
@@ -124,7 +126,10 @@ class PDProducer:
         self.fmt = fp.chunk_format
         device = buffer_device(cfg, kv)
         self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
-        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
+        # Histogram samples (connector/stats.py): each sent transfer's seconds and bytes, here; each
+        # alloc round trip's, by the sender.
+        self.samples = Samples()
+        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device, self.samples)
         self.sender.register(self.staging.tensor)
         self._salt = key_salt(fp)
         self._slicer = Slicer(fp, tp_rank) if fp.kv_kind == "mha" and fp.slices else None
@@ -189,6 +194,7 @@ class PDProducer:
         if upto <= out.sent:
             return
         chunks = self._gather(out, block_ids, upto * self.fp.chunk_size, upto)
+        out.first_write = out.first_write or time.monotonic()
         try:
             out.writes.append(self.sender.write(out.grant.result(), chunks, out.written,
                                                 runs=self._runs(out, out.grant.result(), out.written, len(chunks))))
@@ -302,6 +308,7 @@ class PDProducer:
             fut: concurrent.futures.Future[Any]
             if out.grant is not None and _ok(out.grant) and all(_ok(w) for w in out.writes):
                 chunks = self._all_chunks(out, out.written)
+                out.first_write = out.first_write or time.monotonic()
                 fut = self.sender.write(out.grant.result(), chunks, out.written, notify=True,
                                         runs=self._runs(out, out.grant.result(), out.written, len(chunks)))
                 out.early = True
@@ -352,6 +359,7 @@ class PDProducer:
                 return
             try:
                 chunks = self._all_chunks(out, 0)
+                out.first_write = time.monotonic()
                 _chain(self.sender.write(f.result(), chunks, 0, notify=True,
                                          runs=self._runs(out, f.result(), 0, len(chunks))), result)
             except (SendError, ValueError) as e:
@@ -381,10 +389,16 @@ class PDProducer:
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)
         else:
-            dt = time.monotonic() - out.started
+            now = time.monotonic()
+            dt = now - out.started
             self.counters.early += out.early
             self.counters.sent += 1
             self.counters.sent_bytes += out.nbytes
+            # First write asked -> the notifying write done (the decoder has the data and its notice);
+            # the sender's own send (reserve, then one write) times its write in its phases.
+            first = out.first_write or now - r.phases.get("to_nixl", 0.0) - r.phases.get("write", 0.0)
+            self.samples.add("pd_transfer_seconds", now - first)
+            self.samples.add("pd_transfer_bytes", out.nbytes)
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
