@@ -75,7 +75,7 @@ class _Outgoing:
     writes: list[concurrent.futures.Future] = field(default_factory=list)
     nbytes: int = 0
     early: bool = False  # its last write went into the early grant
-    first_write: float = 0.0  # time.monotonic() when its first write was asked (0: the sender's own send)
+    first_write: float = 0.0  # time.monotonic() when its first piece was written (0: one write, timed by the sender)
     slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
 
 
@@ -105,6 +105,16 @@ def _dropped(out: _Outgoing) -> bool:
     return g is not None and g.done() and _ok(g) and bool(g.result().cut)
 
 
+def _observe_sent(samples: Samples, out: _Outgoing, r: SendResult) -> None:
+    """A transfer sent: its time from the first write asked to the notifying write done (the decoder
+    has the data and its notice), and its bytes. Written in one write (no piece while the prompt
+    computed), that write's own phases time it: asked -> posted -> done."""
+    now = time.monotonic()
+    first = out.first_write or now - r.phases.get("to_nixl", 0.0) - r.phases.get("write", 0.0)
+    samples.add("pd_transfer_seconds", now - first)
+    samples.add("pd_transfer_bytes", out.nbytes)
+
+
 def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
     """`dst` ends as `src` does."""
     def copy(f: concurrent.futures.Future) -> None:
@@ -126,9 +136,7 @@ class PDProducer:
         self.fmt = fp.chunk_format
         device = buffer_device(cfg, kv)
         self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
-        # Histogram samples (connector/stats.py): each sent transfer's seconds and bytes, here; each
-        # alloc round trip's, by the sender.
-        self.samples = Samples()
+        self.samples = Samples()  # histograms (connector/histograms.py): sent transfers', and the sender's allocs
         self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device, self.samples)
         self.sender.register(self.staging.tensor)
         self._salt = key_salt(fp)
@@ -308,7 +316,6 @@ class PDProducer:
             fut: concurrent.futures.Future[Any]
             if out.grant is not None and _ok(out.grant) and all(_ok(w) for w in out.writes):
                 chunks = self._all_chunks(out, out.written)
-                out.first_write = out.first_write or time.monotonic()
                 fut = self.sender.write(out.grant.result(), chunks, out.written, notify=True,
                                         runs=self._runs(out, out.grant.result(), out.written, len(chunks)))
                 out.early = True
@@ -359,7 +366,6 @@ class PDProducer:
                 return
             try:
                 chunks = self._all_chunks(out, 0)
-                out.first_write = time.monotonic()
                 _chain(self.sender.write(f.result(), chunks, 0, notify=True,
                                          runs=self._runs(out, f.result(), 0, len(chunks))), result)
             except (SendError, ValueError) as e:
@@ -389,16 +395,11 @@ class PDProducer:
             logger.error("transfer %s: sending %d tokens failed: %s", out.transfer_id, out.num_tokens,
                          e or type(e).__name__)
         else:
-            now = time.monotonic()
-            dt = now - out.started
+            dt = time.monotonic() - out.started
             self.counters.early += out.early
             self.counters.sent += 1
             self.counters.sent_bytes += out.nbytes
-            # First write asked -> the notifying write done (the decoder has the data and its notice);
-            # the sender's own send (reserve, then one write) times its write in its phases.
-            first = out.first_write or now - r.phases.get("to_nixl", 0.0) - r.phases.get("write", 0.0)
-            self.samples.add("pd_transfer_seconds", now - first)
-            self.samples.add("pd_transfer_bytes", out.nbytes)
+            _observe_sent(self.samples, out, r)
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
