@@ -142,8 +142,7 @@ def test_dashboard_queries_all_return_data_from_a_kvferry_up_cluster(cluster: Si
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             recomputed = pool.submit(_recompute, decoder)
             asyncio.run(_put_junk(state["discovery"]))
-            _load(state["proxy"]["url"], 24)
-            _load(b, 8)
+            _load(state["proxy"]["url"], 30)
             until(lambda: _overloaded(b), 60, "a request refused by the --max-in-flight 1 proxy")
             recomputed.result(timeout=120)
         queries = dashboard_queries(DASHBOARD)
