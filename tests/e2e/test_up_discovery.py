@@ -92,10 +92,11 @@ def _overloaded(proxy: str) -> bool:
     """A request refused 503 (overloaded) by a --max-in-flight 1 proxy: sent while a long stream holds it."""
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as c, c.stream("POST", f"{proxy}/v1/completions", json=body) as stream:
-        next(stream.iter_lines())  # the stream is under way: the proxy's one request in flight
+        lines = stream.iter_lines()
+        next(lines)  # the stream is under way: the proxy's one request in flight
         second = httpx.post(f"{proxy}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
                             timeout=60)
-        for _ in stream.iter_lines():
+        for _ in lines:
             pass
     return second.status_code == 503 and "overloaded" in second.text
 
@@ -135,10 +136,11 @@ def test_dashboard_queries_all_return_data_from_a_kvferry_up_cluster(cluster: Si
         until(lambda: {t["health"] for t in prom.targets()} == {"up"} and len(prom.targets()) == 4, 30,
               lambda: f"Prometheus to scrape every target: {prom.targets()}")
         # The engines' histograms appear with their first transfer: Prometheus must hold them before
-        # the load, or their rates would have no earlier sample to move from.
-        _load(state["proxy"]["url"], 2)
-        until(lambda: prom.query("kvferry:pd_transfer_seconds_count") and prom.query("kvferry:pd_load_seconds_count"),
-              30, "the engines' histograms in Prometheus")
+        # the load, or their rates would have no earlier sample to move from. A prefiller reports a
+        # send with its next engine step, so each look comes after one more request.
+        until(lambda: _load(state["proxy"]["url"], 1) or (prom.query("kvferry:pd_transfer_seconds_count")
+                                                          and prom.query("kvferry:pd_load_seconds_count")),
+              60, "the engines' histograms in Prometheus", every=0.5)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             recomputed = pool.submit(_recompute, decoder)
             asyncio.run(_put_junk(state["discovery"]))
