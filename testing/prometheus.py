@@ -102,6 +102,12 @@ class PrometheusServer(Proc):
         got: list[dict[str, Any]] = httpx.get(f"{self.url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
         return got
 
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule, each with its `name`, `health` ("ok", "err", "unknown": not evaluated
+        yet), `lastError` and `state` (an alert's: "inactive", "pending", "firing")."""
+        groups = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+        return [r for g in groups for r in g["rules"]]
+
     def stop(self, timeout: float = 10.0) -> None:
         if hasattr(self, "proc"):
             super().stop(timeout)

@@ -30,7 +30,8 @@ from kvferry.testing.prometheus import PrometheusServer, dashboard_queries
 from tests.polling import alive, until
 from tests.up_cluster import stop
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvferry.json"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "kvferry.json"
 KV_READY_TIMEOUT = 5.0  # a transfer that never comes is recomputed this soon (the recompute panel's data)
 
 
@@ -125,14 +126,16 @@ def test_dashboard_queries_all_return_data_from_a_kvferry_up_cluster(cluster: Si
                                                                       prometheus_available) -> None:
     """Prometheus scrapes the cluster's proxy, a second proxy (--max-in-flight 1) and both vLLMs
     every second; under a few dozen requests, with one request refused (overloaded), one recomputed
-    and one discovery entry rejected, every query of every dashboard panel returns a number."""
+    and one discovery entry rejected, every query of every dashboard panel returns a number, and
+    every alerting rule evaluates on the real series without an error."""
     state = cluster.state
     decoder = next(i["url"] for i in state["instances"] if i["role"] == "decoder")
     second = prom = None
     try:
         second, b = _second_proxy(state, cluster.tmp / "proxy-dashboard.log", "--max-in-flight", "1")
         prom = PrometheusServer({"kvferry-proxy": [_hostport(state["proxy"]["url"]), _hostport(b)],
-                                 "kvferry-engines": [_hostport(i["url"]) for i in state["instances"]]})
+                                 "kvferry-engines": [_hostport(i["url"]) for i in state["instances"]]},
+                                rule_files=[DEPLOY / "prometheus" / "kvferry-alerts.yml"])
         until(lambda: {t["health"] for t in prom.targets()} == {"up"} and len(prom.targets()) == 4, 30,
               lambda: f"Prometheus to scrape every target: {prom.targets()}")
         # The engines' histograms appear with their first transfer: Prometheus must hold them before
@@ -153,6 +156,9 @@ def test_dashboard_queries_all_return_data_from_a_kvferry_up_cluster(cluster: Si
             return [name for name, q in queries.items()
                     if not any(not math.isnan(float(s["value"][1])) for s in prom.query(q))]
         until(lambda: not empty(), 60, lambda: f"every dashboard query to return data; without: {empty()}", every=1)
+        rules = until(lambda: (r := prom.rules()) and all(x["health"] != "unknown" for x in r) and r, 30,
+                      "every alerting rule evaluated")
+        assert all(r["health"] == "ok" for r in rules) and len(rules) >= 10, rules
     finally:
         if prom is not None:
             prom.stop()
