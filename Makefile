@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
-.PHONY: setup model redis etcd chromium demo test test-slow lint clean vllm-compat
+.PHONY: setup model redis etcd chromium prometheus demo test test-slow lint clean vllm-compat
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
@@ -81,11 +81,23 @@ chromium:
 			"(install chromium yourself)"; fi; \
 	fi
 
-test: setup model redis etcd chromium
+# Prometheus and promtool for the dashboard and alert tests (Debian's prometheus; same rules as redis).
+prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing prometheus (apt-get; about 30 s)"; \
+			{ apt-get install -y --no-install-recommends prometheus || { apt-get update && \
+			  apt-get install -y --no-install-recommends prometheus; }; } \
+			> /tmp/kvferry-prometheus-install.log 2>&1 || { tail -20 /tmp/kvferry-prometheus-install.log; exit 1; }; \
+		else echo "prometheus not found and apt-get not usable: the dashboard and alert tests will skip" \
+			"(install prometheus yourself)"; fi; \
+	fi
+
+test: setup model redis etcd chromium prometheus
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow" $(PYTEST_ARGS)
 
 # The tests `make test` leaves out for CI's time budget (marked `slow`: TP=2 vLLM servers).
-test-slow: setup model redis etcd chromium
+test-slow: setup model redis etcd chromium prometheus
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m slow $(PYTEST_ARGS)
 
 # The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):

@@ -122,9 +122,11 @@ class KVFerryConnector(KVConnectorBase_V1):
     # ---- both sides ----
     def get_kv_connector_stats(self) -> KVFerryStats | None:
         now = (self._sched or self._w).stats()
-        if not now:
+        # A histogram's observations travel as lists (each TP rank's, joined by KVFerryStats.aggregate).
+        samples = self._worker.samples() if self._worker is not None else {}
+        if not now and not samples:
             return None
-        return KVFerryStats(data=deltas(now, self._last_stats))
+        return KVFerryStats(data={**deltas(now, self._last_stats), **samples})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFerryStats:

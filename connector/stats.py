@@ -2,8 +2,9 @@
 exported on vLLM's /metrics as ``kvferry:*`` Prometheus series.
 
 Stats travel as flat dicts (``name`` or ``name|label`` -> number) from the scheduler and every
-worker to vLLM's logger process; counters are deltas, gauges absolute. docs/metrics.md lists the
-series.
+worker to vLLM's logger process; counters are deltas, gauges absolute, and a histogram's key
+holds the list of its observations since the last report (connector/histograms.py), so each TP
+rank's observations reach Prometheus one by one. docs/metrics.md lists the series.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvferry.common import live_gauges
 from kvferry.common.log import get_logger
+from kvferry.connector.histograms import HISTOGRAMS, quantile
 
 logger = get_logger(__name__)
 
@@ -119,16 +121,33 @@ def deltas(now: dict[str, float], last: dict[str, float]) -> dict[str, float]:
 
 
 class KVFerryStats(KVConnectorStats):
+    """One report, or several joined: vLLM joins the TP ranks' (and the scheduler's) with
+    `aggregate`, and its logger joins a logging interval's; counters add, gauges take the
+    latest, histograms' observation lists join."""
+
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = v if k.partition("|")[0] in GAUGES else self.data.get(k, 0) + v
+            name = k.partition("|")[0]
+            if name in HISTOGRAMS:
+                self.data[k] = [*self.data.get(k, ()), *v]
+            else:
+                self.data[k] = v if name in GAUGES else self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in sorted(self.data.items()) if v}
+        """The "KV Transfer metrics" log line: counters and gauges, and each histogram's median and
+        highest observation in the interval."""
+        out: dict[str, int | float] = {}
+        for k, v in sorted(self.data.items()):
+            if k.partition("|")[0] in HISTOGRAMS:
+                if v:
+                    out[f"{k}_p50"], out[f"{k}_max"] = quantile(v, 0.5), max(v)
+            elif v:
+                out[k] = v
+        return out
 
     def is_empty(self) -> bool:
         return not any(v for k, v in self.data.items() if k.partition("|")[0] not in GAUGES)
@@ -145,6 +164,9 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             kw: dict[str, Any] = {"multiprocess_mode": "mostrecent"} if key in GAUGES else {}
             self._metrics[key] = cls(name=name, documentation=doc,
                                      labelnames=labelnames + ([label] if label else []), **kw)
+        histogram: Any = self._histogram_cls  # vLLM types it as any of its three metric classes
+        for key, (name, doc, buckets) in HISTOGRAMS.items():
+            self._metrics[key] = histogram(name=name, documentation=doc, labelnames=labelnames, buckets=list(buckets))
         self._last: dict[tuple[str, str], float] = {}  # gauges as the stats pipeline last told them
         self._read_live(vllm_config)
 
@@ -187,7 +209,10 @@ class KVFerryPromMetrics(KVConnectorPromMetrics):
             if metric is None:
                 continue
             child = metric.labels(*labels, *([value] if value else []))
-            if name in GAUGES:
+            if name in HISTOGRAMS:
+                for x in v:
+                    child.observe(x)
+            elif name in GAUGES:
                 child.set(v)
                 self._last[(name, value)] = v
             elif v > 0:

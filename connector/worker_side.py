@@ -223,6 +223,11 @@ class WorkerSide:
             out.update(self.consumer.stats())
         return out
 
+    def samples(self) -> dict[str, list[float]]:
+        """Histogram observations since the last call (connector/stats.py HISTOGRAMS)."""
+        side = self.producer or self.consumer
+        return side.samples.take() if side is not None else {}
+
     def unregister(self) -> None:
         """vLLM sleep mode, before the KV cache and the pd_buffer / staging pages (allocated in vLLM's
         memory pool) are unmapped: transfers in flight drained, NIXL registrations dropped. The

@@ -36,6 +36,7 @@ from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
+from kvferry.common.samples import Samples
 from kvferry.sender import prepared
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import (
@@ -58,7 +59,7 @@ from kvferry.sender.grants import (
     send_abort,
 )
 from kvferry.sender.prepared import checked_descs
-from kvferry.sender.results import SenderCounters, SendResult
+from kvferry.sender.results import ALLOC_SAMPLES, SenderCounters, SendResult
 from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
@@ -85,8 +86,10 @@ def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> Sende
 class KVSender(SenderSleep):
     """Sends chunks from this worker's registered memory to receivers; one per prefiller TP rank."""
 
-    def __init__(self, cfg: SenderConfig, fingerprint: m.LayoutFingerprint, device: str = "cpu") -> None:
+    def __init__(self, cfg: SenderConfig, fingerprint: m.LayoutFingerprint, device: str = "cpu",
+                 samples: Samples | None = None) -> None:
         self.cfg = cfg
+        self.samples = samples if samples is not None else Samples()  # alloc round trips (ALLOC_SAMPLES)
         self.fingerprint = fingerprint
         self.device = device
         self._device_id, self._mem = nixl_agent.device_id(device), nixl_agent.mem_type(device)
@@ -315,12 +318,12 @@ class KVSender(SenderSleep):
                 await asyncio.wait_for(peer.sock.send(request), wait)
                 reply = await asyncio.wait_for(fut, max(0.0, sent_at + wait - time.monotonic()))
             except TimeoutError:
-                self.counters.waited(sent_at)
+                self.samples.add(ALLOC_SAMPLES, self.counters.waited(sent_at))
                 pending.pop(tid, None)
                 await send_abort(peer, tid, 0, "alloc timed out", final=True)
                 raise AllocFailed("timeout", f"receiver {addr} did not answer the alloc for transfer {tid} within "
                                              f"{wait:.1f}s (pd_alloc_timeout + pd_handshake_timeout)") from None
-            self.counters.waited(sent_at)
+            self.samples.add(ALLOC_SAMPLES, self.counters.waited(sent_at))
             if isinstance(reply, m.ErrorReply):
                 if reply.code == "stale_epoch":
                     self._peers.drop(peer, "the receiver restarted")

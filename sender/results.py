@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from kvferry.common.counters import Counters
 from kvferry.sender.grants import Grant
 
+# The histogram of alloc round trips (alloc request sent -> answer or timeout), one sample per
+# SenderCounters.waited: a KVSender's `samples` (connector/stats.py exports it).
+ALLOC_SAMPLES = "pd_alloc_latency_seconds"
+
 
 @dataclass
 class SenderCounters(Counters):
@@ -24,9 +28,12 @@ class SenderCounters(Counters):
     alloc_wait_seconds: float = 0.0  # alloc request sent -> pages granted or refused
     alloc_waits: int = 0
 
-    def waited(self, sent_at: float) -> None:
-        self.alloc_wait_seconds += time.monotonic() - sent_at
+    def waited(self, sent_at: float) -> float:
+        """One alloc answered (or timed out) now, asked at `sent_at`: counted; returns the wait."""
+        dt = time.monotonic() - sent_at
+        self.alloc_wait_seconds += dt
         self.alloc_waits += 1
+        return dt
 
 
 @dataclass

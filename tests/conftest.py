@@ -170,6 +170,18 @@ def etcd_available() -> None:
 
 
 @pytest.fixture(scope="session")
+def prometheus_available() -> None:
+    """prometheus and promtool must be installed (`make prometheus`); under CI=true (.ci/run) a
+    missing one fails instead of skipping."""
+    from kvferry.testing.prometheus import prometheus_binary, promtool_binary
+    if prometheus_binary() is None or promtool_binary() is None:
+        msg = "prometheus or promtool not installed: run `make prometheus` (apt-get install prometheus)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
 def etcd_server(etcd_available: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """One real etcd for the session's discovery tests (each test uses its own key prefix)."""
     from kvferry.launcher.stores import start_etcd

@@ -14,6 +14,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
+from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_tokens, scatter_chunks
 from kvferry.engine.pd.shared import buffer_device, buffer_gauges, bump, key_salt
@@ -67,6 +68,8 @@ class PDConsumer:
         # Recomputed requests: their KV did not arrive or could not be loaded (vLLM recomputes them,
         # or fails them with pd_kv_timeout_action: fail).
         self.counters = ConsumerCounters()
+        # Histogram samples of each loaded transfer (connector/stats.py): its KV wait, its copy's time and bytes.
+        self.samples = Samples()
 
     def publish(self, live: live_gauges.LiveGauges) -> None:
         """Keep `live` true as pages and transfers change: read when /metrics is scraped, between
@@ -167,6 +170,7 @@ class PDConsumer:
     def _load(self, e: _Expected) -> None:
         t0 = time.monotonic()
         with self.receiver.claim(e.transfer_id, 0) as got:
+            arrived_at = got.arrived_at
             # The prefiller may have sent more than is loaded (a chat decode leg repeats the whole
             # prompt and recomputes its last token): its chunks must match this prompt's start.
             sent = got.num_tokens
@@ -185,6 +189,10 @@ class PDConsumer:
         self.counters.received_bytes += nbytes
         self.counters.arrival_wait_seconds += t0 - e.started
         self.counters.arrival_waits += 1
+        # Scheduled -> its KV arrived (0 when it was here first); the copy into vLLM's paged cache.
+        self.samples.add("pd_kv_wait_seconds", max(0.0, arrived_at - e.started))
+        self.samples.add("pd_load_seconds", dt)
+        self.samples.add("pd_load_bytes", nbytes)
         logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
                     e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
 

@@ -37,6 +37,7 @@ from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import get_logger
+from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
@@ -74,6 +75,7 @@ class _Outgoing:
     writes: list[concurrent.futures.Future] = field(default_factory=list)
     nbytes: int = 0
     early: bool = False  # its last write went into the early grant
+    first_write: float = 0.0  # time.monotonic() when its first piece was written (0: one write, timed by the sender)
     slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
 
 
@@ -103,6 +105,16 @@ def _dropped(out: _Outgoing) -> bool:
     return g is not None and g.done() and _ok(g) and bool(g.result().cut)
 
 
+def _observe_sent(samples: Samples, out: _Outgoing, r: SendResult) -> None:
+    """A transfer sent: its time from the first write asked to the notifying write done (the decoder
+    has the data and its notice), and its bytes. Written in one write (no piece while the prompt
+    computed), that write's own phases time it: asked -> posted -> done."""
+    now = time.monotonic()
+    first = out.first_write or now - r.phases.get("to_nixl", 0.0) - r.phases.get("write", 0.0)
+    samples.add("pd_transfer_seconds", now - first)
+    samples.add("pd_transfer_bytes", out.nbytes)
+
+
 def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
     """`dst` ends as `src` does."""
     def copy(f: concurrent.futures.Future) -> None:
@@ -124,7 +136,8 @@ class PDProducer:
         self.fmt = fp.chunk_format
         device = buffer_device(cfg, kv)
         self.staging = PDBuffer(cfg.pd_buffer_size, device, fp.page_bytes)
-        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device)
+        self.samples = Samples()  # histograms (connector/histograms.py): sent transfers', and the sender's allocs
+        self.sender = KVSender(sender_config(cfg, sender_id, tp_rank), fp, device, self.samples)
         self.sender.register(self.staging.tensor)
         self._salt = key_salt(fp)
         self._slicer = Slicer(fp, tp_rank) if fp.kv_kind == "mha" and fp.slices else None
@@ -189,6 +202,7 @@ class PDProducer:
         if upto <= out.sent:
             return
         chunks = self._gather(out, block_ids, upto * self.fp.chunk_size, upto)
+        out.first_write = out.first_write or time.monotonic()
         try:
             out.writes.append(self.sender.write(out.grant.result(), chunks, out.written,
                                                 runs=self._runs(out, out.grant.result(), out.written, len(chunks))))
@@ -385,6 +399,7 @@ class PDProducer:
             self.counters.early += out.early
             self.counters.sent += 1
             self.counters.sent_bytes += out.nbytes
+            _observe_sent(self.samples, out, r)
             logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
                         out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)

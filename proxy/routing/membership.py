@@ -153,16 +153,24 @@ class Discovery:
                                                                   if i.role == role))
 
     async def run(self, health: LoopHealth) -> None:
-        """Forever; an unreachable etcd or a bad file is logged (rate-limited), shown on /health,
-        and tried again every RETRY_S (the last good view stays in use meanwhile)."""
+        """Forever; an unreachable etcd or a bad file is logged (rate-limited), shown on /health and
+        /metrics (kvferry_proxy_discovery_healthy 0, kvferry_proxy_discovery_errors_total), and tried
+        again every RETRY_S (the last good view stays in use meanwhile)."""
+        up = self.metrics.discovery_healthy.labels(self.target.scheme)
+
+        def recovered() -> None:
+            health.recovered()
+            up.set(1)
         while True:
             try:
-                await self.source.run(health.recovered)
+                await self.source.run(recovered)
             except (EtcdError, disc.DiscoveryError) as e:
                 if health.ok:
                     logger.warning("discovery %s: %s; keeping the %d instances known, trying again every %gs",
                                    self.target, e, len(self.active), RETRY_S)
                 health.failed(e)
+                up.set(0)
+                self.metrics.discovery_errors.labels(self.target.scheme).inc()
                 await asyncio.sleep(RETRY_S)
 
     async def close(self) -> None:

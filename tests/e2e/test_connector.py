@@ -247,6 +247,51 @@ def test_pd_metrics_count_one_transfer_on_both_sides(pd, peer, tiny_model_path: 
     assert peer.fully_free()
 
 
+def histograms(server: VLLMServer, names: list[str]) -> dict[str, float]:
+    """Each kvferry:<name> histogram's _count, _sum and +Inf bucket on `server`, summed over its labels."""
+    out = {}
+    for n in names:
+        for part in ("_count", "_sum"):
+            out[n + part] = sum(prom(server, f"kvferry:{n}{part}").values())
+        out[n + "_inf"] = sum(v for k, v in prom(server, f"kvferry:{n}_bucket").items() if 'le="+Inf"' in k)
+    return out
+
+
+@pytest.mark.vllm
+def test_pd_transfer_histograms_count_every_transfer_on_both_sides(pd, peer) -> None:
+    """Each transfer is one observation in the engines' histograms (not a sum): the prefiller's
+    transfer time, bytes and alloc wait, the decoder's KV wait, load time and bytes; counts equal
+    the transfers, byte sums the KV bytes the counters say were sent and loaded."""
+    p, d, _ = pd
+    sender = ["pd_transfer_seconds", "pd_transfer_bytes", "pd_alloc_latency_seconds"]
+    loader = ["pd_kv_wait_seconds", "pd_load_seconds", "pd_load_bytes"]
+    completion(p, prompt(5, seed=9102), 1)  # earlier sends reported (with the prefiller's next step)
+
+    def now(server: VLLMServer, names: list[str]) -> dict[str, float]:
+        return {**pd_metrics(server), **histograms(server, names)}
+    p0, d0 = now(p, sender), now(d, loader)
+    n = 4
+    for i in range(n):
+        disagg(p, d, prompt(200 + 150 * i, seed=9110 + i), 2)
+    completion(p, prompt(5, seed=9103), 1)
+
+    def moved(server: VLLMServer, names: list[str], before: dict[str, float]) -> dict[str, float] | None:
+        after = now(server, names)
+        delta = {k: after[k] - before[k] for k in after}
+        return delta if all(delta[f"{x}_count"] == n for x in names) else None
+    dp = until(lambda: moved(p, sender, p0), 30, "the prefiller's histograms to count the transfers")
+    dd = until(lambda: moved(d, loader, d0), 30, "the decoder's histograms to count the loads")
+    assert dp["pd_sent_requests_total"] == dp["pd_transfer_seconds_inf"] == n, dp
+    assert dp["pd_transfer_bytes_sum"] == dp["pd_sent_bytes_total"] > 0, dp
+    assert dp["pd_alloc_latency_seconds_count"] == dp["pd_alloc_waits_total"], dp
+    assert dp["pd_alloc_latency_seconds_sum"] == pytest.approx(dp["pd_alloc_wait_seconds_total"]), dp
+    assert 0 < dp["pd_transfer_seconds_sum"] < 30 * n, dp
+    assert dd["pd_loaded_requests_total"] == dd["pd_load_seconds_inf"] == n, dd
+    assert dd["pd_load_bytes_sum"] == dd["pd_received_bytes_total"] == dp["pd_sent_bytes_total"], (dd, dp)
+    assert 0 < dd["pd_load_seconds_sum"] and 0 <= dd["pd_kv_wait_seconds_sum"] <= dd["pd_arrival_wait_seconds_total"]
+    assert peer.fully_free()
+
+
 @pytest.mark.vllm
 def test_decoder_computes_only_the_last_prompt_token(pd, peer) -> None:
     p, d, plain_vllm = pd

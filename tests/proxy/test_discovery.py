@@ -473,8 +473,9 @@ def test_discovery_load_every_proxy_sees(tmp_path: Path, procs: list[Proc]) -> N
 
 def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluster_secret, tmp_path: Path,
                                                           procs: list[Proc]) -> None:
-    """etcd dies: the proxy keeps its instances (and says so on /health); a new etcd on the same
-    address: the sidecars register again (their lease is unknown there) and the proxy lists it."""
+    """etcd dies: the proxy keeps its instances (and says so on /health and /metrics, where the
+    alerts read it); a new etcd on the same address: the sidecars register again (their lease is
+    unknown there) and the proxy lists it."""
     from kvferry.launcher import stores
     secret_file, _ = cluster_secret
     etcd = stores.start_etcd(tmp_path / "e1")
@@ -485,11 +486,21 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
         _join(procs, tmp_path, "d1", target, "decoder", d1, secret_file)
         px = _proxy(procs, tmp_path, "proxy", target, secret_file)
         until(lambda: {"p1", "d1"} <= set(_instances(px)), 10, "the proxy to see p1 and d1")
+
+        def metric(name: str) -> float | None:
+            for line in httpx.get(f"{px}/metrics", timeout=5).text.splitlines():
+                if line.startswith(f'{name}{{source="etcd"}} '):
+                    return float(line.rsplit(" ", 1)[1])
+            return None
+        assert metric("kvferry_proxy_discovery_healthy") == 1
+        assert metric("kvferry_proxy_discovery_errors_total") is None  # no error yet: no series
         etcd.kill()
 
         def discovery_ok() -> bool:
             return httpx.get(f"{px}/health", headers=ADMIN, timeout=5).json()["background"]["discovery"]["ok"]
         until(lambda: not discovery_ok(), 5, "the outage on /health")
+        assert metric("kvferry_proxy_discovery_healthy") == 0 and (metric("kvferry_proxy_discovery_errors_total")
+                                                                    or 0) >= 1
         complete(px, 2)  # still serving what it knew
         assert {"p1", "d1"} <= set(_instances(px))
         etcd = stores.start_etcd(tmp_path / "e2", port=etcd.port)
@@ -502,6 +513,7 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
                 await e.close()
         until(lambda: asyncio.run(keys()) == 2, 10, "the sidecars to register in the new etcd")
         until(discovery_ok, 5, "the proxy to list the new etcd")
+        assert metric("kvferry_proxy_discovery_healthy") == 1
         assert {"p1", "d1"} <= set(_instances(px))
         complete(px, 2)
     finally:

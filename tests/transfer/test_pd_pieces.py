@@ -57,11 +57,13 @@ def test_a_prompt_sent_in_pieces_while_it_computes_arrives_byte_exact_and_frees_
     # Step 1 computed 64 tokens (two chunks), in the blocks allocated so far; the grant may still
     # be on its way, so the step is retried until its piece went out.
     until(lambda: producer.progress("T", src_blocks[:4], 64) or producer.counters.pieces == 1, 10, "the first piece")
+    first_piece = time.monotonic()
     producer.progress("T", src_blocks[:6], 90)  # step 2: chunk 2 is not complete yet
     assert producer.counters.pieces == 1
     assert consumer.poll() == (set(), set()), "pieces without the notification must not be loadable"
     producer.progress("T", src_blocks[:8], 128)  # step 3: chunks 2 and 3
     assert producer.counters.pieces == 2
+    computing = time.monotonic() - first_piece  # the rest of the "prefill", after the first piece went out
     res = producer.submit("T", addr, tokens, src_blocks, n).result(10)
     assert res.sent_chunks == 5 and res.bytes == src.chunk_nbytes("block", CHUNK) * 4 + src.chunk_nbytes("block", 22)
     loaded = until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded")
@@ -69,6 +71,16 @@ def test_a_prompt_sent_in_pieces_while_it_computes_arrives_byte_exact_and_frees_
     want = rows(src_caches, src_blocks, n - 1)
     assert rows(dst_caches, dst_blocks, n - 1) == want, "the decoder's KV differs from the prefiller's"
     assert producer.counters.early == 1 and producer.counters.sent == 1 and not producer.counters.failures
+    # One observation each in the histograms (connector/histograms.py): the transfer's time runs from
+    # its first piece's write, so it holds the compute after it; its bytes are all the pieces'.
+    sent: dict[str, list[float]] = {}
+    until(lambda: sent.update(producer.samples.take()) or "pd_transfer_seconds" in sent, 5, "the send's samples")
+    assert sent["pd_transfer_seconds"][0] >= computing and len(sent["pd_transfer_seconds"]) == 1
+    assert sent["pd_transfer_bytes"] == [producer.counters.sent_bytes] == [res.bytes]
+    assert sent["pd_alloc_latency_seconds"] == [producer.sender.counters.alloc_wait_seconds]
+    got = consumer.samples.take()
+    assert got["pd_load_bytes"] == [consumer.counters.received_bytes] and len(got["pd_load_seconds"]) == 1
+    assert 0 <= got["pd_kv_wait_seconds"][0] <= consumer.counters.arrival_wait_seconds
     until(lambda: producer.staging.fully_free() and consumer.buffer.fully_free(), 5, "every page back")
 
 
