@@ -121,7 +121,8 @@ class Stub:
         return web.Response(text="", status=503 if self.dead else 200)
 
     async def stub_log(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.log, "headers": self.headers, "answers": self.answers, "cut_streams": self.cut_streams,
+        return web.json_response({"requests": self.log, "headers": self.headers, "answers": self.answers,
+                                  "cut_streams": self.cut_streams,
                                   "max_active": self.max_active})
 
     def app(self) -> web.Application:
