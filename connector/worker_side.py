@@ -135,7 +135,7 @@ class WorkerSide:
             self.producer.cancel(tid)
         for op in meta.opens:
             for addr, share in self._receivers(op):
-                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share, op.traceparent)
+                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share, op.traceparent, op.req_id)
 
     def start_loads(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, KVFerryMetadata):
@@ -172,7 +172,7 @@ class WorkerSide:
             for addr, share in self._receivers(op):
                 try:
                     self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens, share,
-                                         op.traceparent)
+                                         op.traceparent, op.req_id)
                 except KVFerryError as e:
                     logger.error("transfer %s: not sent to %s: %s", op.transfer_id, addr, e)
 

@@ -53,6 +53,11 @@ class _Expected:
     traceparent: str | None = None  # the decode leg's: its KV spans go under it
 
 
+def _ids(e: _Expected) -> dict[str, str]:
+    """A span's names for the request: the transfer's id and vLLM's (which holds the X-Request-Id)."""
+    return {"kvferry.transfer_id": e.transfer_id, "kvferry.vllm_request_id": e.req_id}
+
+
 class PDConsumer:
     """Decoder side: one per worker (TP rank); owns the receiver and its pd_buffer."""
 
@@ -171,7 +176,7 @@ class PDConsumer:
         """Counted (pd_recomputed by reason) and, traced, a kv.recompute span."""
         bump(self.counters.recomputed, reason)
         if self.spans is not None:
-            self.spans.recompute(e.traceparent, e.transfer_id, wall_ns(e.started), reason, why)
+            self.spans.recompute(e.traceparent, _ids(e), wall_ns(e.started), reason, why)
 
     def _load(self, e: _Expected) -> None:
         t0 = time.monotonic()
@@ -191,7 +196,7 @@ class PDConsumer:
                                     e.num_tokens)
         dt = time.monotonic() - t0
         if self.spans is not None:
-            self.spans.loaded(e.traceparent, e.transfer_id, wall_ns(e.started), wall_ns(got.arrived_at), wall_ns(t0),
+            self.spans.loaded(e.traceparent, _ids(e), wall_ns(e.started), wall_ns(got.arrived_at), wall_ns(t0),
                               nbytes, e.num_tokens)
         self.counters.loaded += 1
         self.counters.received_bytes += nbytes

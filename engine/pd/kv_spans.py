@@ -61,13 +61,16 @@ class KVSpans:
         span.end(end_time=end_ns)
 
     # ---- prefiller ----
-    def transfer(self, traceparent: str | None, transfer_id: str, receiver: str, tokens: int) -> Any:
-        """The transfer's span, started now (None: no sampled traceparent)."""
+    def transfer(self, traceparent: str | None, transfer_id: str, receiver: str, tokens: int, request_id: str
+                 ) -> Any:
+        """The transfer's span, started now (None: no sampled traceparent). `request_id`: vLLM's (it
+        holds the proxy's X-Request-Id)."""
         parent = self.tracing.remote_parent(traceparent)
         if parent is None:
             return None
         return self._start("kv.transfer", parent, time.time_ns(), {
-            "kvferry.transfer_id": transfer_id, "kvferry.kv.receiver": receiver, "kvferry.kv.tokens": tokens})
+            "kvferry.transfer_id": transfer_id, "kvferry.kv.receiver": receiver, "kvferry.kv.tokens": tokens,
+            "kvferry.vllm_request_id": request_id})
 
     def reserve(self, transfer: Any, grant: concurrent.futures.Future, pages: int) -> None:
         """`kv.reserve`, from now until `grant` is settled."""
@@ -87,25 +90,24 @@ class KVSpans:
         self._end(transfer, error=error)
 
     # ---- decoder ----
-    def loaded(self, traceparent: str | None, transfer_id: str, expected: int, arrived: int, started: int,
+    def loaded(self, traceparent: str | None, ids: dict[str, str], expected: int, arrived: int, started: int,
                nbytes: int, tokens: int) -> None:
-        """`kv.arrival` (the request handed over -> the KV arrived) and `kv.load` (from `started` to now)."""
+        """`kv.arrival` (the request handed over -> the KV arrived) and `kv.load` (from `started` to now);
+        `ids`: the transfer's and vLLM's request's."""
         parent = self.tracing.remote_parent(traceparent)
         if parent is None:
             return
-        ids = {"kvferry.transfer_id": transfer_id}
         span = self._start("kv.arrival", parent, min(expected, arrived),
                            {**ids, "kvferry.kv.arrived_first": arrived <= expected})
         self._end(span, max(expected, arrived))
         span = self._start("kv.load", parent, started, {**ids, "kvferry.kv.bytes": nbytes, "kvferry.kv.tokens": tokens})
         self._end(span)
 
-    def recompute(self, traceparent: str | None, transfer_id: str, expected: int, reason: str, why: str) -> None:
+    def recompute(self, traceparent: str | None, ids: dict[str, str], expected: int, reason: str, why: str) -> None:
         """`kv.recompute`: the request waited from `expected` until now, then its KV was given up."""
         parent = self.tracing.remote_parent(traceparent)
         if parent is not None:
-            span = self._start("kv.recompute", parent, expected,
-                               {"kvferry.transfer_id": transfer_id, "kvferry.kv.reason": reason})
+            span = self._start("kv.recompute", parent, expected, {**ids, "kvferry.kv.reason": reason})
             self._end(span, error=f"{reason}: {why}")
 
 

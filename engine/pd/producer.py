@@ -143,10 +143,10 @@ class PDProducer(ProducerSleep):
         self.spans = kv_spans(cfg, "prefiller", tp_rank)  # None: no collector configured
 
     def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int,
-             share: Slice | None = None, traceparent: str | None = None) -> None:
+             share: Slice | None = None, traceparent: str | None = None, request_id: str = "") -> None:
         """The prompt is about to compute: take staging pages and ask the decoder for its pages now.
         `share`: this rank writes only its heads into that decoder rank (slicing.feeds); `traceparent`:
-        the prefill leg's, the transfer's spans go under it."""
+        the prefill leg's, the transfer's spans go under it (named with vLLM's `request_id`)."""
         if receiver in self._open.get(transfer_id, {}) or self._asleep:
             return
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
@@ -164,7 +164,7 @@ class PDProducer(ProducerSleep):
             self.staging.release(res)
             return
         if self.spans is not None:
-            out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens)
+            out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens, request_id)
             if out.span is not None:
                 self.spans.reserve(out.span, out.grant, len(keys))
         out.grant.add_done_callback(lambda f: self._prepare(out, f))
@@ -208,7 +208,7 @@ class PDProducer(ProducerSleep):
         self.counters.pieces += 1
 
     def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], block_ids: Sequence[int],
-               num_tokens: int, share: Slice | None = None, traceparent: str | None = None
+               num_tokens: int, share: Slice | None = None, traceparent: str | None = None, request_id: str = ""
                ) -> concurrent.futures.Future[SendResult] | None:
         """The prompt's last token is computed: gather the rest now, send in the background. None
         (logged) if no staging pages came in time; StagingError if these blocks cannot be gathered."""
@@ -225,7 +225,7 @@ class PDProducer(ProducerSleep):
             if out is None:
                 return None
             if self.spans is not None:  # no early grant: the transfer's span starts now
-                out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens)
+                out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens, request_id)
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         result.add_done_callback(lambda f: self._sent(out, f))
         try:

@@ -135,6 +135,8 @@ def test_one_traced_request_is_one_trace_across_the_proxy_both_vllms_and_the_kv_
         assert s.parent_id == transfer.span_id and s.status != 2
     for n in KV_DECODER:
         assert one[n].parent_id == decode.span_id and one[n].service == "kvferry-decoder"
+    for s in (transfer, one["kv.load"]):  # vLLM's request id, which holds the X-Request-Id
+        assert "trace-e2e-1" in s.attributes["kvferry.vllm_request_id"]
     assert transfer.start_ns < one["kv.write"].end_ns <= transfer.end_ns <= one["kv.load"].end_ns
     # Its bytes: the prompt's KV in whole blocks (pd_chunk_format block), as the prefiller counted it too.
     bs = _block_size(prefiller["url"])

@@ -80,6 +80,7 @@ def test_trace_of_a_transfer_sent_in_pieces_holds_its_reserve_writes_arrival_and
     load, = spans["kv.load"]
     for s in (arrival, load):
         assert s.parent_id == DECODE_LEG[36:52] and s.service == "kvferry-decoder"
+        assert s.attributes["kvferry.vllm_request_id"] == "r"
     # The decoder loads one token less than was sent (it computes the prompt's last token itself).
     assert load.attributes["kvferry.kv.bytes"] > 0 and load.attributes["kvferry.kv.tokens"] == n - 1
     assert arrival.attributes["kvferry.kv.arrived_first"] is False  # expected before the prompt was sent
