@@ -263,8 +263,10 @@ class Proxy:
         rid = request.rid = trace_context.request_id(request.headers.get("X-Request-Id"))
         REQUEST_ID.set(rid)  # this request's task's own copy: its log lines name it
         tracer = self.client.tracer  # the API's requests are traced, not /health, /metrics, /admin
-        traced = tracer is not None and request.path.startswith("/v1/")
-        resp = await (tracer.request(request, rid, self.guarded) if traced else self.guarded(request))
+        if tracer is not None and request.path.startswith("/v1/"):
+            resp = await tracer.request(request, rid, self.guarded)
+        else:
+            resp = await self.guarded(request)
         if isinstance(resp, Response):
             resp.headers = {**resp.headers, "X-Request-Id": rid} if resp.headers else {"X-Request-Id": rid}
         return resp
