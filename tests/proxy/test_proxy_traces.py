@@ -61,20 +61,25 @@ def _seen(c: dict) -> list[tuple[str, dict, dict]]:
     return out
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_trace_continues_the_clients_traceparent_through_route_and_both_legs(traced, stream: bool) -> None:
+@pytest.mark.parametrize("path,stream", [("/v1/completions", False), ("/v1/completions", True),
+                                         ("/v1/chat/completions", True)], ids=["whole", "stream", "chat"])
+def test_trace_continues_the_clients_traceparent_through_route_and_both_legs(traced, path: str, stream: bool) -> None:
     _reset(traced)
-    trace_id = ("ab" if stream else "cd") * 16
-    body = {"prompt": "tell me about the sea", "max_tokens": 5, "stream": stream}
+    trace_id = ("ab" if stream else "cd") * 15 + ("01" if "chat" in path else "02")
+    body: dict = {"max_tokens": 5, "stream": stream}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "tell me about the sea"}]
+    else:
+        body["prompt"] = "tell me about the sea"
     hdrs = {"traceparent": _tp(trace_id), "tracestate": "vendor=abc", "X-Request-Id": "client-42"}
     if stream:
-        with httpx.stream("POST", traced["url"] + "/v1/completions", json=body, headers=hdrs, timeout=30) as r:
+        with httpx.stream("POST", traced["url"] + path, json=body, headers=hdrs, timeout=30) as r:
             r.read()
     else:
-        r = httpx.post(traced["url"] + "/v1/completions", json=body, headers=hdrs, timeout=30)
+        r = httpx.post(traced["url"] + path, json=body, headers=hdrs, timeout=30)
     assert r.status_code == 200 and r.headers["x-request-id"] == "client-42"
-    spans = _trace(traced["rx"], trace_id, {"POST /v1/completions", "route", "prefill", "decode"})
-    req, = spans["POST /v1/completions"]
+    spans = _trace(traced["rx"], trace_id, {f"POST {path}", "route", "prefill", "decode"})
+    req, = spans[f"POST {path}"]
     assert req.parent_id == CLIENT_SPAN and req.kind == 2 and req.service == "kvferry-proxy"
     assert req.attributes["kvferry.request_id"] == "client-42" and req.attributes["http.response.status_code"] == 200
     route, = spans["route"]
