@@ -202,8 +202,9 @@ class PDConsumer:
         self.counters.received_bytes += nbytes
         self.counters.arrival_wait_seconds += t0 - e.started
         self.counters.arrival_waits += 1
-        logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
-                    e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
+        logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms) "
+                    "[request %s]", e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3,
+                    e.req_id)
 
     def suspend(self) -> int:
         """vLLM sleep mode: see KVReceiver.suspend (transfers in flight drained, pd_buffer deregistered)."""

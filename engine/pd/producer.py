@@ -78,6 +78,7 @@ class _Outgoing:
     early: bool = False  # its last write went into the early grant
     slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
     span: Any = None  # its kv.transfer span (engine/pd/kv_spans.py), when traced
+    request_id: str = ""  # vLLM's (it holds the proxy's X-Request-Id): on its log line
 
 
 def _after_all(futs: Sequence[concurrent.futures.Future], fn: Callable[[], None]) -> None:
@@ -155,7 +156,8 @@ class PDProducer(ProducerSleep):
             res = self.staging.reserve(len(keys), transfer_id, self._staging_hold, timeout=0)
         except PDBufferError:
             return  # all staging pages are in flight: submit() sends it whole, waiting its turn
-        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share)
+        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share,
+                        request_id=request_id)
         try:
             out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens, keep_alive=True,
                                             share=share.share if share else (1, 0))
@@ -224,6 +226,7 @@ class PDProducer(ProducerSleep):
             out = self._staged(transfer_id, receiver, token_ids, num_tokens, share)
             if out is None:
                 return None
+            out.request_id = request_id
             if self.spans is not None:  # no early grant: the transfer's span starts now
                 out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens, request_id)
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
@@ -384,9 +387,10 @@ class PDProducer(ProducerSleep):
             self.counters.early += out.early
             self.counters.sent += 1
             self.counters.sent_bytes += out.nbytes
-            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
+            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)%s",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
-                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
+                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks,
+                        f" [request {out.request_id}]" if out.request_id else "")
 
     def publish(self, live: LiveGauges) -> None:
         """Keep `live`'s free staging pages true as they change (read when /metrics is scraped)."""
