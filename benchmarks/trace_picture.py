@@ -1,7 +1,7 @@
 """Draw one trace as a timeline (SVG, no plotting library): one row per span, children under their
 parent, each bar from its start to its end, coloured by the process (service) that recorded it.
 
-    KVFERRY_TRACE_DUMP=/tmp/trace.json pytest tests/e2e/test_traces_vllm.py -k one_traced
+    KVFERRY_TEST_TRACE_DUMP=/tmp/trace.json pytest tests/e2e/test_traces_vllm.py -k one_traced
     python benchmarks/trace_picture.py /tmp/trace.json docs/trace.svg
 
 The input is kvferry.testing.otlp_receiver's JSON (a list of spans); prints a JSON summary.

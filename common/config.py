@@ -176,7 +176,7 @@ FIELD_TYPES: dict[str, Any] = {
 # Environment variables that are not config keys.
 # kvferry's own switches (docs/configuration.md, environment variables).
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR",
-                "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
+                "TEST_TRACE_DUMP", "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
 _PREFIXES = ("lmcache.", "kvferry.")
 # The one list of each: the remote tier (engine/tiers/remote.py, engine/remote/) and the serde
 # (engine/remote/serde.py) import these. LMCache's other values load, so LMCache's config files do, and the

@@ -6,7 +6,7 @@ protobuf). One request sent with a traceparent is one trace: the proxy's spans, 
 byte count equal to the prompt's KV bytes. A stream whose decoder freezes moves to the other
 decoder, and both decode legs are in its trace.
 
-KVFERRY_TRACE_DUMP=FILE writes the first test's trace there as JSON (benchmarks/trace_picture.py
+KVFERRY_TEST_TRACE_DUMP=FILE writes the first test's trace there as JSON (benchmarks/trace_picture.py
 draws docs/trace.svg from it)."""
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def test_one_traced_request_is_one_trace_across_the_proxy_both_vllms_and_the_kv_
     prompt_tokens = r.json()["usage"]["prompt_tokens"]
     spans = _spans(rx, trace_id, {**dict.fromkeys(PROXY | KV_PREFILLER | KV_DECODER, 1), "llm_request": 2},
                    "the proxy's, vLLM's and the connector's spans")
-    if os.environ.get("KVFERRY_TRACE_DUMP"):
-        dump(rx.trace(trace_id), os.environ["KVFERRY_TRACE_DUMP"])
+    if os.environ.get("KVFERRY_TEST_TRACE_DUMP"):
+        dump(rx.trace(trace_id), os.environ["KVFERRY_TEST_TRACE_DUMP"])
     one = {n: v[0] for n, v in spans.items()}
     req, prefill, decode = one["POST /v1/completions"], one["prefill"], one["decode"]
     assert req.parent_id == CLIENT_SPAN and req.attributes["kvferry.request_id"] == "trace-e2e-1"
