@@ -38,6 +38,28 @@ def protocol_of(protocol: str | None) -> str:
     return p
 
 
+def _id_generator() -> Any:
+    """Trace and span ids from os.urandom. The SDK's default draws them from `random`, which vLLM
+    seeds alike in every worker process (the model's seed): two workers, a prefiller's and a
+    decoder's, would then make the same span ids in one trace."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class UrandomIds(IdGenerator):
+        def generate_span_id(self) -> int:
+            return _nonzero(8)
+
+        def generate_trace_id(self) -> int:
+            return _nonzero(16)
+    return UrandomIds()
+
+
+def _nonzero(nbytes: int) -> int:
+    while True:
+        v = int.from_bytes(os.urandom(nbytes), "big")
+        if v:
+            return v
+
+
 def _exporter(endpoint: str, protocol: str) -> Any:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
@@ -66,7 +88,8 @@ class Tracing:
             raise TracingError(f"tracing needs OpenTelemetry ({e.name} is missing): pip install 'kvferry[tracing]', "
                                "or turn tracing off") from None
         resource = Resource.create({"service.name": service, **(attributes or {})})
-        self.provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
+        self.provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)),
+                                       id_generator=_id_generator())
         self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=BATCH_DELAY_MS))
         self.tracer = self.provider.get_tracer("kvferry")
         self.propagator = TraceContextTextMapPropagator()

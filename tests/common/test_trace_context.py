@@ -87,3 +87,19 @@ def test_log_lines_end_with_the_request_id_of_their_request() -> None:
     finally:
         logger.removeHandler(handler)
     assert [r.rsplit(")", 1)[1] for r in records] == ["", " [request req-9]", ""]
+
+
+def test_otel_span_ids_do_not_follow_a_seeded_random() -> None:
+    """vLLM seeds `random` alike in every worker: the span ids of two workers' spans must still differ."""
+    import random
+
+    from kvferry.common.otel import Tracing
+
+    ids = []
+    for _ in range(2):
+        random.seed(0)
+        t = Tracing("http://127.0.0.1:9", "kvferry-test")  # nothing is exported: no span ends
+        ctx = t.tracer.start_span("a").get_span_context()
+        ids.append((ctx.trace_id, ctx.span_id))
+        t.shutdown()
+    assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]

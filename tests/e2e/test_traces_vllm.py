@@ -116,6 +116,8 @@ def test_one_traced_request_is_one_trace_across_the_proxy_both_vllms_and_the_kv_
                    "the proxy's, vLLM's and the connector's spans")
     if os.environ.get("KVFERRY_TEST_TRACE_DUMP"):
         dump(rx.trace(trace_id), os.environ["KVFERRY_TEST_TRACE_DUMP"])
+    every = [s for v in spans.values() for s in v]
+    assert len({s.span_id for s in every}) == len(every), "two spans of one trace share an id"
     one = {n: v[0] for n, v in spans.items()}
     req, prefill, decode = one["POST /v1/completions"], one["prefill"], one["decode"]
     assert req.parent_id == CLIENT_SPAN and req.attributes["kvferry.request_id"] == "trace-e2e-1"
