@@ -145,8 +145,10 @@ def test_one_traced_request_is_one_trace_across_the_proxy_both_vllms_and_the_kv_
     want = -(-prompt_tokens // bs) * bs * _kv_bytes_per_slot(tiny_model_path)
     assert transfer.attributes["kvferry.kv.bytes"] == want
     assert transfer.attributes["kvferry.kv.tokens"] == prompt_tokens
-    until(lambda: _metric(prefiller["url"], "kvferry:pd_sent_bytes_total") - sent_before == want, 10,
-          "the prefiller's pd_sent_bytes to count the same bytes")
+    # vLLM's API server gets the connector's counters with its periodic stats (every few seconds).
+    until(lambda: _metric(prefiller["url"], "kvferry:pd_sent_bytes_total") - sent_before == want, 60,
+          lambda: f"the prefiller's pd_sent_bytes to count {want} more bytes: "
+                  f"{_metric(prefiller['url'], 'kvferry:pd_sent_bytes_total') - sent_before}", every=0.5)
 
 
 class _Stream(threading.Thread):
