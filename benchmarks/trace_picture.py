@@ -53,7 +53,7 @@ def svg(spans: list[dict]) -> str:
     scale = BAR_W / max(1, t1 - t0)
     services = list(dict.fromkeys(s["service"] for _, s in rows))
     colour = {svc: COLOURS[i % len(COLOURS)] for i, svc in enumerate(services)}
-    h = PAD * 2 + ROW * (len(rows) + 2)
+    h = PAD * 2 + ROW * (len(rows) + 3)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + BAR_W + 2 * PAD + 70}" height="{h}" '
            'font-family="monospace" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
     for i, (depth, s) in enumerate(rows):
@@ -72,7 +72,8 @@ def svg(spans: list[dict]) -> str:
         out.append(f'<rect x="{x}" y="{y}" width="12" height="12" fill="{colour[svc]}"/>')
         out.append(f'<text x="{x + 16}" y="{y + 11}">{escape(svc)}</text>')
         x += 24 + 8 * len(svc)
-    out.append(f'<text x="{LABEL_W + PAD}" y="{y + 11}" fill="#555">0 to {(t1 - t0) / 1e6:.1f} ms</text>')
+    out.append(f'<text x="{PAD}" y="{y + ROW + 11}" fill="#555">the whole trace: {(t1 - t0) / 1e6:.1f} ms; '
+               'a red outline: a span that failed</text>')
     return "\n".join(out + ["</svg>"]) + "\n"
 
 
