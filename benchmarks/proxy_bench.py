@@ -3,6 +3,7 @@
     python benchmarks/proxy_bench.py --json [--concurrency 1,32,256] [--requests 2000] [--tokens 16]
         [--prompt-words 256] [--endpoint completions|chat] [--rounds 2] [--workers 1]
         [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS] [--tokenizer DIR] [--decoder-first]
+        [--traced]
 
 "direct" streams from the decoder stub itself; "kvferry" goes through kvferry's proxy (prefill leg
 on the prefiller stub, decode leg on the decoder stub), same load, same run. When `vllm-router`
@@ -11,6 +12,8 @@ mode against the same stubs twice: "vllm_router_rr" (--policy round_robin) and
 "vllm_router_default" (its default policy, cache_aware, which asks the engines' /tokenize).
 `--decoder-first` adds "kvferry_decoder_first": kvferry with `--first-token decoder` (the decoder
 computes every token, no token ids on either leg, as vllm-router's PD mode).
+`--traced` adds "kvferry_traced": kvferry with --otlp-traces-endpoint, every request traced
+(sample ratio 1) into an OTLP receiver (kvferry.testing.otlp_receiver, gRPC) in this process.
 `--baseline-path DIR` adds "kvferry_base" (and, with `--decoder-first`,
 "kvferry_base_decoder_first"): the proxy imported from DIR (a checkout of an older commit, e.g.
 `git worktree add /tmp/base HEAD~3`, with a `kvferry` package in it), to measure a change before
@@ -160,6 +163,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
     kv = [("kvferry", None)]
     if args.decoder_first:
         kv.append(("kvferry_decoder_first", None))
+    if getattr(args, "traced_endpoint", None):
+        kv.append(("kvferry_traced", None))
     if args.baseline_path:
         kv.append(("kvferry_base", str(Path(args.baseline_path).resolve())))
         if args.decoder_first:
@@ -175,6 +180,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
             cmd += ["--workers", str(args.workers)]
         if name.endswith("decoder_first"):
             cmd += ["--first-token", "decoder"]
+        if name == "kvferry_traced":
+            cmd += ["--otlp-traces-endpoint", args.traced_endpoint]
         if getattr(args, "tokenizer", None):
             cmd += ["--tokenizer", args.tokenizer]
         out[name] = start(cmd, f"http://127.0.0.1:{px}/metrics", env)
@@ -235,7 +242,14 @@ def main() -> int:
                     help="seconds the stubs take per token (0: a burst; a real decode step is milliseconds)")
     ap.add_argument("--decoder-first", action="store_true",
                     help="also run kvferry-proxy --first-token decoder (\"kvferry_decoder_first\")")
+    ap.add_argument("--traced", action="store_true",
+                    help="also run kvferry-proxy with every request traced (\"kvferry_traced\")")
     args = ap.parse_args()
+    receiver = None
+    if args.traced:
+        from kvferry.testing.otlp_receiver import OTLPReceiver
+        receiver = OTLPReceiver().start()
+        args.traced_endpoint = receiver.grpc_endpoint
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     bodies = [request_body(args.endpoint, args.prompt_words, args.tokens, i) for i in range(args.requests)]
     ps, ds = free_port(), free_port()
@@ -265,8 +279,12 @@ def main() -> int:
         result["zero_errors"] = {name: all(r["errors"] == 0 for r in result[name].values()) for name in targets}
         if args.baseline_path:
             result["vs_base"] = vs_base(result, args)
+        if receiver is not None:
+            result["traced_spans_received"] = len(receiver.spans())
         print(json.dumps(result))
     finally:
+        if receiver is not None:
+            receiver.stop()
         for p in procs:
             try:
                 os.killpg(p.pid, 15)

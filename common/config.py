@@ -124,6 +124,12 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_relay_port: int | None = None
     kv_events_relay_replay_port: int | None = None
 
+    # --- traces (docs/observability.md "Traces") ---
+    # the OTLP collector the connector's KV spans go to; unset: env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    # (which vLLM's --otlp-traces-endpoint sets for its processes), else no spans
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str | None = None  # "grpc" | "http/protobuf"; unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc
+
     # --- trust (docs/security.md) ---
     cluster_secret: str | None = None  # or cluster_secret_file; never logged
     cluster_secret_file: str | None = None
@@ -170,7 +176,7 @@ FIELD_TYPES: dict[str, Any] = {
 # Environment variables that are not config keys.
 # kvferry's own switches (docs/configuration.md, environment variables).
 _NON_KEY_ENV = {"CONFIG_FILE", "LOG_LEVEL", "CACHE_DIR", "NATIVE_COPY", "BENCH_DEBUG", "TEST_LOG_DIR",
-                "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
+                "TEST_TRACE_DUMP", "LOCUST_MODEL", "LOCUST_MAX_TOKENS"}
 _PREFIXES = ("lmcache.", "kvferry.")
 # The one list of each: the remote tier (engine/tiers/remote.py, engine/remote/) and the serde
 # (engine/remote/serde.py) import these. LMCache's other values load, so LMCache's config files do, and the
@@ -369,6 +375,8 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
             raise err(key, f"must be a positive number of seconds, got {getattr(c, key)}")
     if c.pd_kv_timeout_action not in ("recompute", "fail"):
         raise err("pd_kv_timeout_action", f"{c.pd_kv_timeout_action!r} is not 'recompute' or 'fail'")
+    if c.otlp_traces_protocol is not None and c.otlp_traces_protocol not in ("grpc", "http/protobuf"):
+        raise err("otlp_traces_protocol", f"{c.otlp_traces_protocol!r} is not 'grpc' or 'http/protobuf'")
     if c.pd_chunk_format not in get_args(ChunkFormat):
         raise err("pd_chunk_format", f"{c.pd_chunk_format!r} is not 'block' or 'token'")
     for key in ("pd_peer_init_port", "pd_peer_alloc_port", "pd_proxy_port", "p2p_init_ports",

@@ -294,17 +294,18 @@ class Pool:
             h.head = f"Host: {urlsplit(base).netloc}\r\n{self.extra}".encode()
 
     async def request(self, method: str, base: str, path: str, body: bytes | None = None,
-                      stream: bool = False) -> Response:
+                      stream: bool = False, headers: bytes = b"") -> Response:
         """Send one request to the engine at `base` (http://host:port); the answer once its head came.
-        `stream`: a stream whose waits are bounded by `stall_timeout` (Timeout "stall"). Raises
-        Unreachable, Broken or Timeout."""
+        `stream`: a stream whose waits are bounded by `stall_timeout` (Timeout "stall"). `headers`:
+        this request's own header lines ("Name: value\r\n" each, checked by the caller), after the
+        pool's. Raises Unreachable, Broken or Timeout."""
         h = self._host(base)
         for attempt in (0, 1):
             conn, reused = await self._conn(h)
             r = Response(conn, stream)
             conn.resp = r
             self.busy.add(conn)
-            head = f"{method} {path} HTTP/1.1\r\n".encode() + h.head
+            head = f"{method} {path} HTTP/1.1\r\n".encode() + h.head + headers
             assert conn.transport is not None
             if body is None:
                 conn.transport.write(head + b"\r\n")

@@ -30,10 +30,25 @@ import logging
 import os
 import sys
 import time
+from contextvars import ContextVar
 from typing import Any
 
-_FORMAT = "[%(asctime)s] kvferry %(levelname)s: %(message)s (%(filename)s:%(lineno)d:%(name)s)"
+# A line logged while a request is handled ends with its X-Request-Id (RequestIdFilter).
+_FORMAT = "[%(asctime)s] kvferry %(levelname)s: %(message)s (%(filename)s:%(lineno)d:%(name)s)%(request_tag)s"
 ROOT = "kvferry"
+
+# The X-Request-Id of the request this task handles (the proxy sets it per request: each request
+# has its own asyncio task, so its own copy); None outside a request.
+REQUEST_ID: ContextVar[str | None] = ContextVar("kvferry_request_id", default=None)
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_tag` to every record: " [request ID]" while a request is handled, else ""."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = REQUEST_ID.get()
+        record.request_tag = f" [request {rid}]" if rid else ""
+        return True
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -65,6 +80,7 @@ def configure_logging(default_level: str = "INFO") -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.addFilter(RequestIdFilter())
     root.addHandler(handler)
     root.setLevel(env_level() or _level(default_level) or "INFO")
     root.propagate = False  # kvferry's handler prints them; a root handler would print them twice

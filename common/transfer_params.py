@@ -8,6 +8,11 @@ body, so every field is checked on the way in and a bad one is a :class:`ParamsE
 LMCache's proxy sends the same shape without a version (the transfer id in
 ``disagg_spec.req_id``): that is read as version 1. A kvferry proxy and connector of different
 versions fail the request with an error naming both versions, never a silent recompute.
+
+An optional field leaves the version as it is: a connector that does not know it ignores it
+(msgspec drops unknown fields), and one that knows it checks it. ``traceparent`` is such a field:
+the W3C trace context of the proxy's leg, so the connector's KV spans join the request's trace
+(:func:`with_traceparent`; docs/observability.md "Traces").
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import msgspec
 
 from kvferry.common.errors import BadDataError
 from kvferry.common.messages import Id, NonNeg, Port
+from kvferry.common.trace_context import TRACEPARENT_LEN, TRACEPARENT_PATTERN, valid_traceparent
 
 # 1: transfer_id, ret_first_tok, disagg_spec (LMCache's names); answer transfer_id, num_tokens, first_tok.
+# Optional since: traceparent (both legs).
 VERSION = 1
 
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+Traceparent = Annotated[str, msgspec.Meta(min_length=TRACEPARENT_LEN, max_length=TRACEPARENT_LEN,
+                                          pattern=TRACEPARENT_PATTERN)]
 Ports = Annotated[list[Port], msgspec.Meta(min_length=1, max_length=64)]
 
 
@@ -54,6 +63,7 @@ class PrefillParams(msgspec.Struct, frozen=True, omit_defaults=True):
     transfer_id: Id | None = None
     ret_first_tok: bool = False
     kvferry_version: int | None = None  # None: LMCache's proxy, read as version 1
+    traceparent: Traceparent | None = None  # the prefill leg's span: the connector's KV spans go under it
 
     @property
     def tid(self) -> str:
@@ -77,6 +87,7 @@ class DecodeParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     transfer_id: Id
     kvferry_version: int | None = None
+    traceparent: Traceparent | None = None  # the decode leg's span
 
 
 class PrefillAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -147,6 +158,13 @@ def prefill_leg_params(tid: str, spec: DisaggSpec) -> dict[str, Any]:
 
 def decode_leg_params(tid: str) -> dict[str, Any]:
     return to_dict(DecodeParams(transfer_id=tid, kvferry_version=VERSION))
+
+
+def with_traceparent(params: dict[str, Any], traceparent: str) -> dict[str, Any]:
+    """A leg's `kv_transfer_params` carrying `traceparent` (a copy; ParamsError if it is not one)."""
+    if not valid_traceparent(traceparent):
+        raise ParamsError(f"traceparent {traceparent[:64]!r} is not a W3C version-00 traceparent")
+    return dict(params, traceparent=traceparent)
 
 
 def answer(tid: str, num_tokens: int, first_tok: int | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ class SaveOp(_ToDecoder):
 
     block_ids: list[int]
     num_tokens: int
+    traceparent: str | None = None  # the prefill leg's (kv_transfer_params): the KV spans go under it
 
 
 @dataclass
@@ -37,6 +38,7 @@ class OpenOp(_ToDecoder):
     """A prompt whose KV goes to a decoder is scheduled for the first time: reserve its pages now."""
 
     num_tokens: int
+    traceparent: str | None = None
 
 
 @dataclass
@@ -57,6 +59,7 @@ class LoadOp:
     block_ids: list[int]
     num_tokens: int
     skip_tokens: int
+    traceparent: str | None = None  # the decode leg's (kv_transfer_params)
 
 
 @dataclass

@@ -119,11 +119,11 @@ class SchedulerSide:
         if local is None or num_external <= 0:
             return
         self._tried.add(rid)
-        tid = _decode_tid(request.kv_transfer_params)
-        assert tid is not None  # matched() counted external tokens only for a request with one
+        p = decode_params(request.kv_transfer_params)
+        assert p is not None  # matched() counted external tokens only for a request with one
         # The full prompt: the transfer may cover one token more than is loaded (see PDConsumer).
-        self._loads.append(LoadOp(rid, tid, _prompt(request), list(blocks.get_block_ids()[0]),
-                                  local + num_external, local))
+        self._loads.append(LoadOp(rid, p.transfer_id, _prompt(request), list(blocks.get_block_ids()[0]),
+                                  local + num_external, local, p.traceparent))
 
     def build(self, so: SchedulerOutput) -> KVFerryMetadata:
         meta = KVFerryMetadata(idle=so.total_num_scheduled_tokens == 0)
@@ -151,13 +151,13 @@ class SchedulerSide:
             if rid not in self._opened:  # first scheduled: the decoder's pages are asked for before the compute
                 self._opened.add(rid)
                 meta.opens.append(OpenOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
-                                         _prompt(req), req.num_prompt_tokens))
+                                         _prompt(req), req.num_prompt_tokens, spec.traceparent))
             if req.num_computed_tokens + n < req.num_prompt_tokens:  # chunked prefill: not the last piece yet
                 meta.pieces.append(PieceOp(rid, spec.tid, self._blocks.get(rid), req.num_computed_tokens + n))
                 continue
             del self._prefills[rid]
             meta.saves.append(SaveOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
-                                     _prompt(req), self._blocks.get(rid), req.num_prompt_tokens))
+                                     _prompt(req), self._blocks.get(rid), req.num_prompt_tokens, spec.traceparent))
         return meta
 
     def hit_sources(self, req_id: str) -> dict[CacheHitSource, int]:

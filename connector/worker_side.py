@@ -135,7 +135,7 @@ class WorkerSide:
             self.producer.cancel(tid)
         for op in meta.opens:
             for addr, share in self._receivers(op):
-                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share)
+                self.producer.open(op.transfer_id, addr, op.token_ids, op.num_tokens, share, op.traceparent, op.req_id)
 
     def start_loads(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, KVFerryMetadata):
@@ -153,7 +153,7 @@ class WorkerSide:
             self._load_blocks[op.req_id] = loaded_blocks(op.block_ids, op.skip_tokens, op.num_tokens,
                                                          self.consumer.kv.layout.block_size)
             self.consumer.expect(op.req_id, op.transfer_id, op.token_ids, op.block_ids, op.num_tokens,
-                                 op.skip_tokens)
+                                 op.skip_tokens, op.traceparent)
 
     def saves(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, KVFerryMetadata):
@@ -171,7 +171,8 @@ class WorkerSide:
         for op in meta.saves:
             for addr, share in self._receivers(op):
                 try:
-                    self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens, share)
+                    self.producer.submit(op.transfer_id, addr, op.token_ids, op.block_ids, op.num_tokens, share,
+                                         op.traceparent, op.req_id)
                 except KVFerryError as e:
                     logger.error("transfer %s: not sent to %s: %s", op.transfer_id, addr, e)
 

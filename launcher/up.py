@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(docs/proxy.md \"First token\")")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decoder prefills a prompt itself when at most this many tokens are uncached there")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="trace every request (docs/observability.md \"Traces\"): the proxy, each vLLM "
+                        "(--otlp-traces-endpoint) and the connector send spans to this OTLP collector (gRPC, e.g. "
+                        "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for http)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="an instance that dies is started again, with back-off, at most this many times (0: never)")
 
@@ -224,6 +228,11 @@ class Cluster:
         extra += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                     "endpoint": pub, "replay_endpoint": replay}),
                   "--enable-prompt-tokens-details"]
+        if self.args.otlp_traces_endpoint:  # vLLM's spans; the connector's follow (vLLM sets the env for its processes)
+            extra += ["--otlp-traces-endpoint", self.args.otlp_traces_endpoint]
+            role = "prefiller" if i < self.args.num_prefillers else "decoder"
+            n = i if i < self.args.num_prefillers else i - self.args.num_prefillers
+            kw["env"] = {**kw.get("env", {}), "OTEL_SERVICE_NAME": f"vllm-{role}-{n}"}
         kw["extra_args"] = extra
         return kw
 
@@ -258,6 +267,8 @@ class Cluster:
                 "--cluster-secret-file", self.secret_file, "--policy", self.args.policy,
                 "--local-prefill-tokens", str(self.args.local_prefill_tokens),
                 "--first-token", self.args.first_token]
+        if self.args.otlp_traces_endpoint:
+            args += ["--otlp-traces-endpoint", self.args.otlp_traces_endpoint]
         if (Path(self.p["model"]) / "tokenizer.json").is_file():  # else text prompts are routed by load
             args += ["--tokenizer", self.p["model"]]
         if self.discovery is not None:

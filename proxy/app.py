@@ -8,9 +8,10 @@ import functools
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from kvferry.common import http_guard, zsock
+from kvferry.common import http_guard, trace_context, zsock
 from kvferry.common import secret as cluster_secret
-from kvferry.common.log import get_logger
+from kvferry.common.errors import ConfigurationError
+from kvferry.common.log import REQUEST_ID, get_logger
 from kvferry.common.netutil import is_loopback
 from kvferry.common.supervise import LoopHealth, supervise
 from kvferry.proxy.admin import Admin
@@ -48,6 +49,12 @@ class Proxy:
         self.peers = peers
         self.metrics = ProxyMetrics()
         self.client = UpstreamClient(opts)
+        if opts.otlp_traces_endpoint:  # imported only then: a proxy without tracing needs no OpenTelemetry
+            from kvferry.proxy.tracing import ProxyTracer
+            try:
+                self.client.tracer = ProxyTracer(opts)
+            except ConfigurationError as e:
+                raise OptionError(f"--otlp-traces-endpoint: {e}") from None
         self.router = Router(opts, self.metrics, self.client, board)
         self.router.peers = peers
         try:
@@ -194,6 +201,8 @@ class Proxy:
         self.transfers.close()
         for stream in self.router.cache.streams.values():
             stream.close()
+        if self.client.tracer is not None:  # the spans still batched go out now
+            await asyncio.to_thread(self.client.tracer.shutdown)
 
     # ---- background (each under supervise(): a loop that raises is logged and started again) ----
     async def _health_loop(self) -> None:
@@ -249,8 +258,22 @@ class Proxy:
         return refused
 
     async def handle(self, request: Request) -> Answer:
-        """Every request: keys and browser rules (refusal), its route, --max-in-flight, and no
-        traceback ever reaches a client."""
+        """Every request: its X-Request-Id (the client's, checked, or a fresh one: on its log lines,
+        its legs and its answer), its span when tracing is on, then `guarded`."""
+        rid = request.rid = trace_context.request_id(request.headers.get("X-Request-Id"))
+        REQUEST_ID.set(rid)  # this request's task's own copy: its log lines name it
+        tracer = self.client.tracer  # the API's requests are traced, not /health, /metrics, /admin
+        if tracer is not None and request.path.startswith("/v1/"):
+            resp = await tracer.request(request, rid, self.guarded)
+        else:
+            resp = await self.guarded(request)
+        if isinstance(resp, Response):
+            resp.headers = {**resp.headers, "X-Request-Id": rid} if resp.headers else {"X-Request-Id": rid}
+        return resp
+
+    async def guarded(self, request: Request) -> Answer:
+        """Keys and browser rules (refusal), its route, --max-in-flight, and no traceback ever
+        reaches a client."""
         if self.peers is not None:  # --workers N: the other workers' admin changes first
             self.peers.sync(self.admin.apply)
         path = request.path

@@ -76,6 +76,11 @@ class ProxyOptions:
     # Who computes the answer's first token (docs/proxy.md "First token"): "prefiller" (its token goes
     # to the client at once; the legs carry token ids) or "decoder" (as vLLM's own PD routers do).
     first_token: str = "prefiller"
+    # Traces (docs/observability.md "Traces"): off without an endpoint.
+    otlp_traces_endpoint: str | None = None  # OTLP collector; grpc: http://HOST:4317, http/protobuf: .../v1/traces
+    otlp_traces_protocol: str | None = None  # "grpc" | "http/protobuf" (None: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc)
+    trace_sample_ratio: float = 1.0  # of the traces this proxy starts (a client's traceparent decides its own)
+    service_name: str = "kvferry-proxy"
 
     @property
     def legs_carry_ids(self) -> bool:
@@ -92,6 +97,7 @@ def allowed_host(raw: str) -> str:
 
 
 POLICIES = ("cache", "load", "round_robin")
+PROTOCOLS = ("grpc", "http/protobuf")  # common/otel.py's
 FIRST_TOKEN = ("prefiller", "decoder")
 
 
@@ -195,6 +201,15 @@ OPTIONS: tuple[Opt, ...] = (
                               "carry token ids, so a broken decode stream goes on elsewhere) or decoder (the "
                               "decoder computes every token, as vLLM's PD routers do: no token ids on either leg, "
                               "first token later, no move mid-stream)", {"choices": FIRST_TOKEN}),
+    Opt("otlp_traces_endpoint", "str", "send traces (OpenTelemetry, OTLP) here, e.g. http://127.0.0.1:4317 "
+                                       "(grpc) or http://127.0.0.1:4318/v1/traces (http/protobuf); default: off",
+        {"metavar": "URL"}),
+    Opt("otlp_traces_protocol", "str", "grpc (default, as vLLM's --otlp-traces-endpoint) or http/protobuf; "
+                                       "default: env OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc",
+        {"choices": PROTOCOLS}),
+    Opt("trace_sample_ratio", "raw", "fraction of the traces this proxy starts that are recorded (default 1); "
+                                     "a client's traceparent keeps its own sampled flag", {"type": float}),
+    Opt("service_name", "str", "the proxy's service.name in its traces (default kvferry-proxy)"),
     Opt("workers", "size", "processes serving --port, routing as one proxy (default: the cores available; 1 "
                            "with --proxy-port, whose notification socket is one process's, or --discovery)"),
     Opt("log_level", "str"),
@@ -325,6 +340,21 @@ def _settings(vals: dict) -> ProxyOptions:
                           "socket, one process's; use --workers 1 with --proxy-port (or drop --proxy-port)")
     if o.policy not in POLICIES:
         raise OptionError(f"--policy: {o.policy!r} is not one of {', '.join(POLICIES)}")
+    _tracing(o, vals)
     if o.first_token not in FIRST_TOKEN:
         raise OptionError(f"--first-token: {o.first_token!r} is not one of {', '.join(FIRST_TOKEN)}")
     return o
+
+
+def _tracing(o: ProxyOptions, vals: dict) -> None:
+    """--trace-sample-ratio and --otlp-traces-protocol, checked."""
+    if "trace_sample_ratio" in vals:
+        try:
+            o.trace_sample_ratio = float(vals["trace_sample_ratio"])
+        except (TypeError, ValueError):
+            raise OptionError(f"--trace-sample-ratio must be a number from 0 to 1, got "
+                              f"{vals['trace_sample_ratio']!r}") from None
+        if not 0 <= o.trace_sample_ratio <= 1:
+            raise OptionError(f"--trace-sample-ratio must be from 0 to 1, got {o.trace_sample_ratio}")
+    if o.otlp_traces_protocol is not None and o.otlp_traces_protocol not in PROTOCOLS:
+        raise OptionError(f"--otlp-traces-protocol: {o.otlp_traces_protocol!r} is not one of {', '.join(PROTOCOLS)}")

@@ -12,7 +12,8 @@ Test hooks: ``POST /stub/fail {"status": 500, "count": 1}`` fails the next reque
 ``{"dead": true}`` plays a vLLM whose EngineCore died (every request a 500 naming it, /health
 503) and ``{"die_mid_stream": true}`` one that dies during its next stream (one token, then
 vLLM's error event and [DONE], then dead), both until ``POST /stub/reset``; ``GET /stub/log``
-returns the request bodies it saw, the text it generated for each, and how many streams the
+returns the request bodies it saw (and each one's ``traceparent``, ``tracestate`` and
+``X-Request-Id`` headers), the text it generated for each, and how many streams the
 client cut. ``{"answer": {...}}`` makes the next answer that object verbatim (200, as an engine
 with a different API shape would); ``GET /metrics`` gives vLLM's ``vllm:num_requests_running`` /
 ``vllm:num_requests_waiting`` (``--max-running`` bounds the first, the rest wait; ``--prompt-delay``
@@ -102,6 +103,7 @@ class Stub:
         self.salt = salt
         self.fail: list[int] = []
         self.log: list[dict] = []
+        self.headers: list[dict] = []  # each logged request's traceparent, tracestate and X-Request-Id
         self.answers: list[str] = []
         self.cut_streams = 0
         self.dead = False
@@ -112,11 +114,15 @@ class Stub:
         out, self.trace = self.trace, []
         return web.json_response(out)
 
+    def _log_headers(self, request: web.Request) -> None:
+        self.headers.append({k: request.headers.get(k) for k in ("traceparent", "tracestate", "x-request-id")})
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="", status=503 if self.dead else 200)
 
     async def stub_log(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.log, "answers": self.answers, "cut_streams": self.cut_streams,
+        return web.json_response({"requests": self.log, "headers": self.headers, "answers": self.answers,
+                                  "cut_streams": self.cut_streams,
                                   "max_active": self.max_active})
 
     def app(self) -> web.Application:
@@ -147,6 +153,7 @@ class Stub:
 
     async def reset(self, request: web.Request) -> web.Response:
         self.fail, self.log, self.answers, self.cut_streams, self.max_active = [], [], [], 0, 0
+        self.headers = []
         self.dead = self.die_mid_stream = False
         self.verbatim = []
         return web.json_response({"ok": True})
@@ -225,6 +232,7 @@ class Stub:
             tr = [_prompt_no(body.get("prompt")), "D" if body.get("stream") else "P", t_in, _now(), 0, 0]
             self.trace.append(tr)
         self.log.append(body)
+        self._log_headers(request)
         if (r := await self._maybe_fail()) is not None:
             return r
         prompt = body.get("prompt")
@@ -302,6 +310,7 @@ class Stub:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.log.append(body)
+        self._log_headers(request)
         if (r := await self._maybe_fail()) is not None:
             return r
         text = render_chat(body.get("messages") or [])

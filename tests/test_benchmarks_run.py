@@ -75,3 +75,20 @@ def test_proxy_bench_runs() -> None:
     assert out["zero_errors"] == {"kvferry": True, "kvferry_decoder_first": True}
     assert all(out[t][c]["requests"] == 40 and out[t][c]["cpu_ms_per_request"] > 0
                for t in ("kvferry", "kvferry_decoder_first") for c in ("1", "4"))
+
+
+def test_trace_picture_draws_a_dumped_trace(tmp_path: Path) -> None:
+    """benchmarks/trace_picture.py draws what kvferry.testing.otlp_receiver.dump writes (docs/trace.svg)."""
+    from kvferry.testing.otlp_receiver import Span, dump
+
+    t = "ab" * 16
+    spans = [Span(t, "01" * 8, "ff" * 8, "POST /v1/completions", 2, 0, 9_000_000, {}, "kvferry-proxy", {}, 0),
+             Span(t, "02" * 8, "01" * 8, "prefill", 3, 1_000_000, 4_000_000, {"kvferry.instance": "p0"},
+                  "kvferry-proxy", {}, 0),
+             Span(t, "03" * 8, "02" * 8, "kv.transfer", 1, 2_000_000, 3_500_000, {"kvferry.kv.bytes": 1 << 20},
+                  "kvferry-prefiller", {}, 2)]
+    dump(spans, str(tmp_path / "trace.json"))
+    out = run_bench("benchmarks/trace_picture.py", str(tmp_path / "trace.json"), str(tmp_path / "trace.svg"))
+    assert out == {"spans": 3, "services": ["kvferry-prefiller", "kvferry-proxy"], "ms": 9.0}
+    svg = (tmp_path / "trace.svg").read_text()
+    assert svg.startswith("<svg") and "kv.transfer 1024 KiB [kvferry-prefiller]" in svg and "prefill p0" in svg

@@ -17,6 +17,7 @@ from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_tokens, scatter_chunks
+from kvferry.engine.pd.kv_spans import kv_spans, wall_ns
 from kvferry.engine.pd.shared import buffer_device, buffer_gauges, bump, key_salt
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
@@ -50,6 +51,12 @@ class _Expected:
     skip_tokens: int  # already computed locally (prefix cache): those blocks are not written
     deadline: float
     started: float = field(default_factory=time.monotonic)
+    traceparent: str | None = None  # the decode leg's: its KV spans go under it
+
+
+def _ids(e: _Expected) -> dict[str, str]:
+    """A span's names for the request: the transfer's id and vLLM's (which holds the X-Request-Id)."""
+    return {"kvferry.transfer_id": e.transfer_id, "kvferry.vllm_request_id": e.req_id}
 
 
 class PDConsumer:
@@ -70,6 +77,7 @@ class PDConsumer:
         self.counters = ConsumerCounters()
         # Histogram samples of each loaded transfer (connector/stats.py): its KV wait, its copy's time and bytes.
         self.samples = Samples()
+        self.spans = kv_spans(cfg, "decoder", tp_rank)  # None: no collector configured
 
     def publish(self, live: live_gauges.LiveGauges) -> None:
         """Keep `live` true as pages and transfers change: read when /metrics is scraped, between
@@ -99,10 +107,10 @@ class PDConsumer:
         return out
 
     def expect(self, req_id: str, transfer_id: str, token_ids: Sequence[int], block_ids: Sequence[int],
-               num_tokens: int, skip_tokens: int = 0) -> None:
+               num_tokens: int, skip_tokens: int = 0, traceparent: str | None = None) -> None:
         self._pending[req_id] = _Expected(req_id, transfer_id, list(token_ids), list(block_ids),
                                           num_tokens, skip_tokens,
-                                          time.monotonic() + self.cfg.pd_kv_ready_timeout)
+                                          time.monotonic() + self.cfg.pd_kv_ready_timeout, traceparent=traceparent)
 
     def cancel(self, req_id: str) -> bool:
         """The request ended before its KV came (aborted): stop waiting; free the pages if they come."""
@@ -141,7 +149,7 @@ class PDConsumer:
                 if now < e.deadline:
                     continue
                 self.counters.kv_timeouts += 1
-                bump(self.counters.recomputed, "timeout")
+                self._recompute(e, "timeout", f"no KV within {self.cfg.pd_kv_ready_timeout:g}s (pd_kv_ready_timeout)")
                 logger.warning("transfer %s (request %s): KV did not arrive within %.1fs (pd_kv_ready_timeout); "
                                "%s", e.transfer_id, req_id, self.cfg.pd_kv_ready_timeout,
                                "the request fails (pd_kv_timeout_action: fail)"
@@ -151,7 +159,7 @@ class PDConsumer:
                 continue
             del self._pending[req_id]
             if st != "arrived":
-                bump(self.counters.recomputed, "ended")
+                self._recompute(e, "ended", st)
                 logger.warning("transfer %s (request %s) cannot be loaded: %s; %s", e.transfer_id, req_id, st,
                                "the request fails" if self.cfg.pd_kv_timeout_action == "fail"
                                else "recomputing the prompt")
@@ -160,12 +168,18 @@ class PDConsumer:
             try:
                 self._load(e)
             except (TransferError, ValueError, LayoutError) as err:
-                bump(self.counters.recomputed, "mismatch")
+                self._recompute(e, "mismatch", str(err))
                 logger.warning("transfer %s (request %s) not loaded: %s", e.transfer_id, req_id, err)
                 failed.add(req_id)
             else:
                 loaded.add(req_id)
         return loaded, failed
+
+    def _recompute(self, e: _Expected, reason: str, why: str) -> None:
+        """Counted (pd_recomputed by reason) and, traced, a kv.recompute span."""
+        bump(self.counters.recomputed, reason)
+        if self.spans is not None:
+            self.spans.recompute(e.traceparent, _ids(e), wall_ns(e.started), reason, why)
 
     def _load(self, e: _Expected) -> None:
         t0 = time.monotonic()
@@ -185,6 +199,9 @@ class PDConsumer:
                                     chunk_tokens(sent, self.fp.chunk_size), 0, e.block_ids, e.skip_tokens,
                                     e.num_tokens)
         dt = time.monotonic() - t0
+        if self.spans is not None:
+            self.spans.loaded(e.traceparent, _ids(e), wall_ns(e.started), wall_ns(got.arrived_at), wall_ns(t0),
+                              nbytes, e.num_tokens)
         self.counters.loaded += 1
         self.counters.received_bytes += nbytes
         self.counters.arrival_wait_seconds += t0 - e.started
@@ -193,8 +210,9 @@ class PDConsumer:
         self.samples.add("pd_kv_wait_seconds", max(0.0, arrived_at - e.started))
         self.samples.add("pd_load_seconds", dt)
         self.samples.add("pd_load_bytes", nbytes)
-        logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms)",
-                    e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3)
+        logger.info("transfer %s: %d tokens loaded from pd_buffer (%s, waited %.1f ms, copied in %.2f ms) "
+                    "[request %s]", e.transfer_id, e.num_tokens, fmt_bytes(nbytes), (t0 - e.started) * 1e3, dt * 1e3,
+                    e.req_id)
 
     def suspend(self) -> int:
         """vLLM sleep mode: see KVReceiver.suspend (transfers in flight drained, pd_buffer deregistered)."""

@@ -40,6 +40,8 @@ from kvferry.common.log import get_logger
 from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
+from kvferry.engine.pd.kv_spans import kv_spans
+from kvferry.engine.pd.producer_sleep import ProducerSleep
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
 from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank, same_rank
 from kvferry.kernels.paged_copy import PagedKV
@@ -77,6 +79,8 @@ class _Outgoing:
     early: bool = False  # its last write went into the early grant
     first_write: float = 0.0  # time.monotonic() when its first piece was written (0: one write, timed by the sender)
     slice: Slice | None = None  # this rank writes only its heads' runs (engine/pd/slicing.py)
+    span: Any = None  # its kv.transfer span (engine/pd/kv_spans.py), when traced
+    request_id: str = ""  # vLLM's (it holds the proxy's X-Request-Id): on its log line
 
 
 def _after_all(futs: Sequence[concurrent.futures.Future], fn: Callable[[], None]) -> None:
@@ -127,7 +131,7 @@ def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> No
     src.add_done_callback(copy)
 
 
-class PDProducer:
+class PDProducer(ProducerSleep):
     """Prefiller side: one per worker (TP rank)."""
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, sender_id: str,
@@ -150,11 +154,13 @@ class PDProducer:
         self._open: dict[str, dict[ReceiverAddr, _Outgoing]] = {}
         self.counters = ProducerCounters()
         self._asleep = False
+        self.spans = kv_spans(cfg, "prefiller", tp_rank)  # None: no collector configured
 
     def open(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], num_tokens: int,
-             share: Slice | None = None) -> None:
+             share: Slice | None = None, traceparent: str | None = None, request_id: str = "") -> None:
         """The prompt is about to compute: take staging pages and ask the decoder for its pages now.
-        `share`: this rank writes only its heads into that decoder rank (slicing.feeds)."""
+        `share`: this rank writes only its heads into that decoder rank (slicing.feeds); `traceparent`:
+        the prefill leg's, the transfer's spans go under it (named with vLLM's `request_id`)."""
         if receiver in self._open.get(transfer_id, {}) or self._asleep:
             return
         keys = chunk_keys(list(token_ids[:num_tokens]), self.fp.chunk_size, self._key_salt(share))
@@ -163,7 +169,8 @@ class PDProducer:
             res = self.staging.reserve(len(keys), transfer_id, self._staging_hold, timeout=0)
         except PDBufferError:
             return  # all staging pages are in flight: submit() sends it whole, waiting its turn
-        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share)
+        out = _Outgoing(transfer_id, receiver, keys, num_tokens, time.monotonic(), res, slice=share,
+                        request_id=request_id)
         try:
             out.grant = self.sender.reserve(transfer_id, receiver, keys, num_tokens, keep_alive=True,
                                             share=share.share if share else (1, 0))
@@ -171,6 +178,10 @@ class PDProducer:
             logger.warning("transfer %s: pages not reserved early: %s", transfer_id, e)
             self.staging.release(res)
             return
+        if self.spans is not None:
+            out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens, request_id)
+            if out.span is not None:
+                self.spans.reserve(out.span, out.grant, len(keys))
         out.grant.add_done_callback(lambda f: self._prepare(out, f))
         self._open.setdefault(transfer_id, {})[receiver] = out
 
@@ -208,11 +219,13 @@ class PDProducer:
                                                 runs=self._runs(out, out.grant.result(), out.written, len(chunks))))
         except ValueError as e:  # the sender's refusal of these chunks
             raise StagingError(f"transfer {transfer_id}: {e}") from e
+        self._traced_write(out, out.writes[-1], chunks, False)
         out.written = upto
         self.counters.pieces += 1
 
     def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], block_ids: Sequence[int],
-               num_tokens: int, share: Slice | None = None) -> concurrent.futures.Future[SendResult] | None:
+               num_tokens: int, share: Slice | None = None, traceparent: str | None = None, request_id: str = ""
+               ) -> concurrent.futures.Future[SendResult] | None:
         """The prompt's last token is computed: gather the rest now, send in the background. None
         (logged) if no staging pages came in time; StagingError if these blocks cannot be gathered."""
         if self._asleep:
@@ -227,6 +240,9 @@ class PDProducer:
             out = self._staged(transfer_id, receiver, token_ids, num_tokens, share)
             if out is None:
                 return None
+            out.request_id = request_id
+            if self.spans is not None:  # no early grant: the transfer's span starts now
+                out.span = self.spans.transfer(traceparent, transfer_id, str(receiver), num_tokens, request_id)
         result: concurrent.futures.Future[SendResult] = concurrent.futures.Future()
         result.add_done_callback(lambda f: self._sent(out, f))
         try:
@@ -237,33 +253,6 @@ class PDProducer:
             raise
         _after_all(out.writes + ([out.grant] if out.grant is not None else []), lambda: self._last(out, result))
         return result
-
-    def suspend(self) -> None:
-        """vLLM sleep mode, before the staging memory is unmapped: prompts still computing are
-        cancelled, every write that reads staging ends (done, or cut at its lease), then the
-        staging pages are deregistered from NIXL. Idempotent."""
-        if self._asleep:
-            return
-        self._asleep = True
-        for tid in list(self._open):
-            self.cancel(tid)
-        deadline = time.monotonic() + self._staging_lease
-        while not self.staging.fully_free():
-            if time.monotonic() >= deadline:
-                logger.warning("prefiller going to sleep: staging pages still held after %.0fs; deregistering "
-                               "anyway (no write outlives its lease)", self._staging_lease)
-                break
-            time.sleep(0.005)
-        self.sender.suspend()
-        logger.info("prefiller asleep: staging deregistered from NIXL")
-
-    def resume(self) -> None:
-        """After vLLM remapped the memory: register the staging pages again. Idempotent."""
-        if not self._asleep:
-            return
-        self.sender.resume()
-        self._asleep = False
-        logger.info("prefiller awake: staging registered again")
 
     def cancel(self, transfer_id: str) -> None:
         """The prompt will not finish computing (its request ended): give its pages back."""
@@ -318,6 +307,7 @@ class PDProducer:
                 chunks = self._all_chunks(out, out.written)
                 fut = self.sender.write(out.grant.result(), chunks, out.written, notify=True,
                                         runs=self._runs(out, out.grant.result(), out.written, len(chunks)))
+                self._traced_write(out, fut, chunks, True)
                 out.early = True
             elif out.grant is not None and _ok(out.grant):  # a piece failed: the grant was aborted
                 fut = next(w for w in out.writes if not _ok(w))
@@ -328,14 +318,20 @@ class PDProducer:
                 # reserve (as one of the writers when sliced), then write.
                 fut = self._send_sliced(out)
             else:  # no early grant: reserve and write now, as one transfer
-                fut = self.sender.send(out.transfer_id, out.receiver, out.keys, self._all_chunks(out, 0),
-                                       out.num_tokens)
+                chunks = self._all_chunks(out, 0)
+                fut = self.sender.send(out.transfer_id, out.receiver, out.keys, chunks, out.num_tokens)
+                self._traced_write(out, fut, chunks, True)
         except (SendError, ValueError) as e:
             if out.grant is not None and _ok(out.grant):  # nothing more will be written: the pages go back
                 self.sender.release(out.grant.result(), f"the last write was refused: {e}")
             result.set_exception(e if isinstance(e, SendError) else SendError(str(e)))
             return
         _chain(fut, result)
+
+    def _traced_write(self, out: _Outgoing, fut: concurrent.futures.Future, chunks: list[tuple[int, int]],
+                      notify: bool) -> None:
+        if out.span is not None and self.spans is not None:
+            self.spans.write(out.span, fut, len(chunks), sum(n for _, n in chunks), notify)
 
     def _key_salt(self, share: Slice | None) -> bytes:
         """The chunk keys' salt the decoder rank checks them with (its own heads per rank)."""
@@ -380,10 +376,16 @@ class PDProducer:
             if out.grant is not None and _ok(out.grant):
                 self.sender.release(out.grant.result(), "the request ended before its prompt was computed")
             self.staging.release(out.res)
+            if out.span is not None and self.spans is not None:
+                self.spans.sent(out.span, 0, False, "cancelled: the request ended before its prompt was computed")
         _after_all(out.writes + ([out.grant] if out.grant is not None else []), done)
 
     def _sent(self, out: _Outgoing, fut: concurrent.futures.Future) -> None:
         self.staging.release(out.res)
+        if out.span is not None and self.spans is not None:
+            exc = None if fut.cancelled() else fut.exception()
+            err = "cancelled" if fut.cancelled() else None if exc is None else f"{failure_reason(exc)}: {exc}"
+            self.spans.sent(out.span, out.nbytes, out.early, err)
         try:
             r = fut.result()
         except Exception as e:  # noqa: BLE001 - a done-callback must not raise: every failure is counted
@@ -400,9 +402,10 @@ class PDProducer:
             self.counters.sent += 1
             self.counters.sent_bytes += out.nbytes
             _observe_sent(self.samples, out, r)
-            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)",
+            logger.info("transfer %s: stored %d tokens, size %s, %.2f ms, %.2f GB/s (%d chunks)%s",
                         out.transfer_id, out.num_tokens, fmt_bytes(out.nbytes), dt * 1e3,
-                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks)
+                        out.nbytes / max(dt, 1e-9) / 1e9, r.sent_chunks,
+                        f" [request {out.request_id}]" if out.request_id else "")
 
     def publish(self, live: LiveGauges) -> None:
         """Keep `live`'s free staging pages true as they change (read when /metrics is scraped)."""

@@ -11,6 +11,7 @@ no gap; usage counts the tokens the client received. At most `--max-migrations` 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvferry.common.log import get_logger
@@ -46,6 +47,11 @@ class Migration:
         d = min(pool, key=lambda i: (i.all_active, i.all_queued))
         self.moves += 1
         self.ctx.metrics.migrations.labels(e.kind).inc()
+        tracer = self.ctx.router.client.tracer
+        if tracer is not None:
+            tracer.record("migration", time.time_ns(), {
+                "kvferry.migration.from": failed.id, "kvferry.migration.to": d.id, "kvferry.migration.move": self.moves,
+                "error.type": e.kind, "kvferry.migration.cause": e.message[:300]})
         logger.warning("migrating a request from decoder %s (%s: %s) to %s %s (move %d of at most %d)", failed.id,
                        e.kind, e.message[:160], d.id, d.url, self.moves, self.limit)
         return d

@@ -66,6 +66,8 @@ async def prefill(ctx: Context, request: Request, path: str, body: dict, route: 
                     if alone:
                         raise NoPrefiller(e.message) from e
                     raise
+                t_retry = time.time_ns()
+                failed = p
                 try:
                     p = ctx.router.pick(request, "prefiller", exclude=p)
                 except ProxyError:
@@ -73,6 +75,9 @@ async def prefill(ctx: Context, request: Request, path: str, body: dict, route: 
                         raise NoPrefiller(e.message) from e
                     raise e from None  # the client hears what went wrong
                 logger.info("retrying the prefill leg on %s %s", p.id, p.url)
+                if ctx.router.client.tracer is not None:
+                    ctx.router.client.tracer.record("retry", t_retry, {
+                        "kvferry.retry.from": failed.id, "kvferry.retry.to": p.id, "error.type": e.kind})
     raise AssertionError("unreachable")
 
 

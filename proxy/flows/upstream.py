@@ -5,10 +5,10 @@ failure to a client error and reports it to the router."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvferry.common.http_client import Broken, Pool, Response, Timeout, Unreachable
-from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.log import REQUEST_ID, RateLimitedLog, get_logger
 from kvferry.proxy.http.sse import events as sse_events
 from kvferry.proxy.metrics import Value
 from kvferry.proxy.openai import answers, json_codec
@@ -16,6 +16,9 @@ from kvferry.proxy.openai.answers import BadAnswer
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
+
+if TYPE_CHECKING:
+    from kvferry.proxy.tracing import ProxyTracer
 
 logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
@@ -34,6 +37,7 @@ class UpstreamClient:
         self._pool: Pool | None = None
         self._checks: Pool | None = None
         self._closed = False
+        self.tracer: ProxyTracer | None = None  # --otlp-traces-endpoint: each leg's span (proxy/tracing.py)
         self.headers = {"Content-Type": "application/json"}
         if opts.upstream_api_key:
             self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
@@ -89,14 +93,20 @@ class Upstream:
         self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
         self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
         self._stream: Response | None = None  # events()'s answer: released at the latest on __exit__
+        self.traced: tuple[ProxyTracer, Any] | None = None  # with tracing on: the tracer and the leg's span
 
     def __enter__(self) -> Upstream:
         i = self.inst
         i.counted(i.active + 1, i.queued_tokens + self.tokens)
         self.router.in_flight(i).inc()
+        tracer = self.client.tracer
+        if tracer is not None:
+            self.traced = (tracer, tracer.leg(i, self.leg))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.traced is not None:
+            self.traced[1].end()
         if self._stream is not None:  # a stream left part way (its generator is closed later, by
             self._stream.release()   # the loop): its connection is closed now, the engine sees it
             self._stream = None
@@ -106,14 +116,27 @@ class Upstream:
 
     def fail(self, kind: str, status: int, message: str) -> ProxyError:
         self.router.upstream_failed(self.inst, self.leg, kind, message)
+        if self.traced is not None:
+            self.traced[0].failed(self.traced[1], kind, message)
         return ProxyError(status, message, kind)
+
+    def _headers(self) -> bytes:
+        """This leg's own headers: the request's X-Request-Id (checked by the guard) and, traced,
+        the leg's trace context."""
+        rid = REQUEST_ID.get()
+        out = b"X-Request-Id: %s\r\n" % rid.encode() if rid else b""
+        if self.traced is not None:
+            out += self.traced[0].headers(self.traced[1])
+        return out
 
     async def open(self, path: str, body: dict, stream: bool = False) -> Response:
         """POST and return the response once its status is 2xx; errors become ProxyError. `stream`:
         a decode stream, whose every wait --stall-timeout bounds (its failure: kind "stall")."""
         c = self.client
+        if self.traced is not None:
+            body = self.traced[0].into_params(self.traced[1], body)
         try:
-            resp = await c.pool.request("POST", self.inst.url, path, json_codec.dumps(body), stream)
+            resp = await c.pool.request("POST", self.inst.url, path, json_codec.dumps(body), stream, self._headers())
         except (Unreachable, Broken) as e:
             raise self.fail("unreachable", 503, f"{self.inst.role} {self.inst.url} unreachable: {e}") from None
         except Timeout as e:
@@ -140,7 +163,7 @@ class Upstream:
     async def get(self, path: str) -> tuple[int, bytes]:
         """A GET relayed as it is (status and body); only a failure to get an answer is an error."""
         try:
-            resp = await self.client.pool.request("GET", self.inst.url, path)
+            resp = await self.client.pool.request("GET", self.inst.url, path, headers=self._headers())
             try:
                 body = await resp.read()
             finally:

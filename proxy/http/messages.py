@@ -32,7 +32,7 @@ class Request:
     """`path` is percent-decoded; `query` holds the query string's fields (the last of a repeated
     name); `match_info` the path's {fields} (http/routes.py); `door` the connection it came on."""
 
-    __slots__ = ("method", "path", "query", "headers", "body", "door", "match_info", "checked")
+    __slots__ = ("method", "path", "query", "headers", "body", "door", "match_info", "checked", "rid")
 
     def __init__(self, method: str, path: str, headers: CIMultiDict[str], body: bytes = b"",
                  door: Connection | None = None, query: dict[str, str] | None = None) -> None:
@@ -40,6 +40,7 @@ class Request:
         self.query = query or {}
         self.match_info: dict[str, str] = {}
         self.checked = False  # its head passed the guard's refusal before its body was read
+        self.rid = ""  # its X-Request-Id (the client's, checked, or a fresh one: the guard sets it)
 
 
 class Response:

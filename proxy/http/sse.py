@@ -70,7 +70,8 @@ class SSEResponse:
         assert door is not None, "a stream answers a client's connection"
         self.door = door
         self.chunked = door.chunked_ok
-        self.pending = SSE_HEAD + (b"Transfer-Encoding: chunked\r\n" if self.chunked else b"") + (
+        rid = b"X-Request-Id: %s\r\n" % request.rid.encode() if request.rid else b""
+        self.pending = SSE_HEAD + rid + (b"Transfer-Encoding: chunked\r\n" if self.chunked else b"") + (
             b"Connection: keep-alive\r\n\r\n" if door.keep_alive else b"Connection: close\r\n\r\n")
 
     def _frame(self, data: bytes) -> bytes:

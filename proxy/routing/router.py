@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import time
 from typing import Protocol, cast
 
 from kvferry.common.log import RateLimitedLog, get_logger
@@ -89,6 +90,8 @@ class Router:
     def route(self, request: Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
         """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
         `single`: the answer is one token, one instance serves it whole either way."""
+        tracer = self.client.tracer
+        t0 = time.time_ns() if tracer is not None else 0
         affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
         if self.opts.policy == "cache" and not affinity:
             decoders = [i for i in self.registry.of("decoder") if i.usable]
@@ -108,6 +111,12 @@ class Router:
         self.metrics.served.labels("single" if single else served_mode(r)).inc()
         if r.reason == NO_PREFILLER:
             self.refresh_degraded()
+        if tracer is not None:
+            tracer.record("route", t0, {"kvferry.route.decoder": r.decoder.id, "kvferry.route.reason": r.reason,
+                                        "kvferry.route.prefiller": r.prefiller.id if r.prefiller else "",
+                                        "kvferry.route.mode": "single" if single else served_mode(r),
+                                        "kvferry.route.predicted_cached_tokens": r.predicted,
+                                        "kvferry.route.prompt_tokens": ntok, "kvferry.route.policy": self.opts.policy})
         return r
 
     def served_alone(self, route: Route) -> Route:
