@@ -9,9 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import stop_group
 from tests.polling import until
 
 KVFERRY = str(Path(sys.executable).parent / "kvferry")
@@ -81,3 +86,31 @@ def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> 
         assert not sock.poll(1500), "a peer without the cluster secret got an answer from the decoder"
     finally:
         ctx.destroy(linger=0)
+
+
+@contextmanager
+def second_proxy(tmp: Path, state: dict, *flags: str) -> Iterator[str]:
+    """A proxy of its own (round robin, health every 0.5 s, `flags`) in front of a `kvferry up`
+    cluster's instances, with its cluster secret: its URL once /health answers; its log is
+    tmp/proxy.log; stopped with its process group on exit."""
+    port = free_port()
+    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
+            "--cluster-secret-file", state["cluster_secret_file"], "--health-interval", "0.5", *flags]
+    for i in state["instances"]:
+        args += (["--prefiller", i["url"]] if i["role"] == "prefiller" else
+                 ["--decoder", f"{i['url']},{i['init_port']},{i['alloc_port']}"])
+    log_path = tmp / "proxy.log"
+    with open(log_path, "wb") as log:
+        px = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            def healthy() -> bool:
+                assert px.poll() is None, log_path.read_text()
+                try:
+                    return httpx.get(url + "/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            until(healthy, 30, lambda: "the second proxy: " + log_path.read_text(), every=0.2)
+            yield url
+        finally:
+            stop_group(px, 30)

@@ -13,8 +13,6 @@ import re
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,10 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.common.netutil import free_port
-from kvferry.launcher.vllm_proc import stop_group
 from tests.pd_helpers import BATCH_NOISE
 from tests.polling import until
+from tests.up_cluster import second_proxy
 
 pytestmark = pytest.mark.vllm
 
@@ -40,30 +37,9 @@ def cluster(kvferry_up) -> Iterator[dict]:
     """kvferry up 1P2D, and a second proxy in front of it with --stall-timeout 3 s."""
     up = kvferry_up("migrate", "--num-prefillers", "1", "--num-decoders", "2")
     tmp, state = up.tmp, up.state
-    port = free_port()
-    args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
-            "--cluster-secret-file", state["cluster_secret_file"], "--stall-timeout", str(STALL_S),
-            "--health-interval", "0.5"]
-    for i in state["instances"]:
-        args += (["--prefiller", i["url"]] if i["role"] == "prefiller" else
-                 ["--decoder", f"{i['url']},{i['init_port']},{i['alloc_port']}"])
-    log = open(tmp / "proxy.log", "wb")
-    px = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def healthy() -> bool:
-            assert px.poll() is None, (tmp / "proxy.log").read_text()
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-        until(healthy, 30, lambda: "the second proxy: " + (tmp / "proxy.log").read_text(), every=0.2)
+    with second_proxy(tmp, state, "--stall-timeout", str(STALL_S)) as url:
         yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
                "decoders": [i for i in state["instances"] if i["role"] == "decoder"]}
-    finally:
-        stop_group(px, 30)
-        log.close()
 
 
 def _body(prompt: str, chat: bool) -> dict:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.common.netutil import free_port
-from kvferry.launcher.vllm_proc import stop_group
 from kvferry.testing.otlp_receiver import OTLPReceiver, Span, dump
 from tests.polling import until
+from tests.up_cluster import second_proxy
 
 pytestmark = pytest.mark.vllm
 
@@ -44,32 +41,11 @@ def cluster(kvferry_up) -> Iterator[dict]:
         up = kvferry_up("traces", "--num-prefillers", "1", "--num-decoders", "2",
                         "--otlp-traces-endpoint", rx.grpc_endpoint)
         tmp, state = up.tmp, up.state
-        port = free_port()
-        args = [sys.executable, "-m", "kvferry.proxy", "--port", str(port), "--policy", "round_robin",
-                "--cluster-secret-file", state["cluster_secret_file"], "--stall-timeout", str(STALL_S),
-                "--health-interval", "0.5", "--otlp-traces-endpoint", rx.grpc_endpoint]
-        for i in state["instances"]:
-            args += (["--prefiller", i["url"]] if i["role"] == "prefiller" else
-                     ["--decoder", f"{i['url']},{i['init_port']},{i['alloc_port']}"])
-        log = open(tmp / "proxy.log", "wb")
-        px = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            until(lambda: _healthy(url, px, tmp / "proxy.log"), 30, "the traced proxy", every=0.2)
+        with second_proxy(tmp, state, "--stall-timeout", str(STALL_S), "--otlp-traces-endpoint",
+                          rx.grpc_endpoint) as url:
             yield {"url": url, "rx": rx, "state": state, "log": tmp / "proxy.log"}
-        finally:
-            stop_group(px, 30)
-            log.close()
     finally:
         rx.stop()
-
-
-def _healthy(url: str, px: subprocess.Popen, log: Path) -> bool:
-    assert px.poll() is None, log.read_text()
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _spans(rx: OTLPReceiver, trace_id: str, want: dict[str, int], what: str) -> dict[str, list[Span]]:
