@@ -39,12 +39,13 @@ import time
 from pathlib import Path
 
 from kvferry.common.netutil import free_port
+from kvferry.launcher.vllm_proc import die_with_parent
 from kvferry.testing.processes import wait_http
 
 
 def start(args: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=die_with_parent)  # a killed bench leaves no stub
     try:
         wait_http(url, p, timeout=60)
     except (RuntimeError, TimeoutError):

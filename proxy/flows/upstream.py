@@ -154,6 +154,8 @@ class Upstream:
                 resp.release()
             if resp.status < 500:
                 self._refused(resp.status, raw.decode(errors="replace"))
+                if self.traced is not None:  # a CLIENT span's 4xx is an error (OpenTelemetry's HTTP conventions)
+                    self.traced[0].failed(self.traced[1], "upstream_4xx", raw.decode(errors="replace"))
                 raise ProxyError(resp.status, raw.decode(errors="replace")[:500], "upstream_4xx", body=raw)
             raise self.fail("upstream_5xx", 502, f"{self.inst.role} {self.inst.url} answered {resp.status}: "
                                                  f"{raw.decode(errors='replace')[:300]}")

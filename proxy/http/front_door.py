@@ -40,6 +40,7 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 from multidict import CIMultiDict
 
+from kvferry.common import trace_context
 from kvferry.common.errors import BadDataError
 from kvferry.common.http_conns import Conns
 from kvferry.common.log import get_logger
@@ -226,7 +227,7 @@ class FrontDoor(asyncio.Protocol):
         assert h is not None
         h.size += len(body)
         if h.size > self.max_body:
-            self._stop(self._too_large())
+            self._stop(_named(self._too_large(), h))
             raise _Stop
         h.parts.append(body)
 
@@ -247,16 +248,17 @@ class FrontDoor(asyncio.Protocol):
         if h.to_come:  # who asks first, then how much: a stranger learns nothing of the limits
             refused = self.bounds.refuse(h.method, h.path, h.headers)
             if refused is not None:
-                self._stop(refused)
+                self._stop(_named(refused, h))
                 raise _Stop
             h.checked = True
         if h.to_come > self.max_body:
-            self._stop(self._too_large())
+            self._stop(_named(self._too_large(), h))
             raise _Stop
         expect = h.headers.get("Expect")
         if expect is not None and not h.http10 and h.request is None:
             if expect.lower() != "100-continue":
-                self._stop(json_response(error_body(417, f"Expect: {expect} is not understood", "bad_request"), 417))
+                self._stop(_named(json_response(error_body(417, f"Expect: {expect} is not understood", "bad_request"),
+                                                417), h))
                 raise _Stop
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -417,3 +419,10 @@ def unsent(t: asyncio.Transport) -> int:
         with contextlib.suppress(OSError, ValueError):
             n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
     return n
+
+
+def _named(answer: Response, h: _Head) -> Response:
+    """A request refused from its head still answers with its X-Request-Id, as every answer does."""
+    rid = trace_context.request_id(h.headers.get("X-Request-Id"))
+    answer.headers = {**answer.headers, "X-Request-Id": rid} if answer.headers else {"X-Request-Id": rid}
+    return answer

@@ -112,6 +112,7 @@ def test_every_framing_is_read_and_what_is_not_http_is_refused() -> None:
         "http/1.0": (post_bytes("/v1/completions", b"ab").replace(b"HTTP/1.1", b"HTTP/1.0", 1), 200, "ab", True),
         "query": (post_bytes("/v1/completions?x=1", b"ab"), 200, "ab", False),
         "too large": (post_bytes("/v1/completions", b"x" * 2000), 413, None, True),
+        "too large, named": (post_bytes("/v1/completions", b"x" * 2000, "X-Request-Id: job-9"), 413, None, True),
         "too large, chunked": (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
                                + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"0\r\n\r\n", 413, None, True),
         "bad header": (b"POST /v1/completions HTTP/1.1\r\nHost t\r\nContent-Length: 0\r\n\r\n", 400, None, True),
@@ -129,6 +130,9 @@ def test_every_framing_is_read_and_what_is_not_http_is_refused() -> None:
                 w.write(raw)
                 got = await read_answer(r)
                 assert got[0] == status, (name, got)
+                if status in (413, 417):  # refused from its head or its chunks, yet named like every answer
+                    want = "job-9" if "named" in name else None
+                    assert got[1]["x-request-id"] == want or (want is None and len(got[1]["x-request-id"]) == 32), got
                 assert body is None or json.loads(got[2])["body"] == body, (name, got)
                 if closed:
                     assert await asyncio.wait_for(r.read(), 5) == b"", name
@@ -206,6 +210,7 @@ def test_a_pipelined_head_is_judged_when_its_turn_comes() -> None:
             assert json.loads((await read_answer(r))[2])["body"] == "12"
             status, headers, body = await read_answer(r)
             assert status == 401 and json.loads(body) == {"refused": True} and headers["connection"] == "close"
+            assert len(headers["x-request-id"]) == 32  # a refusal is named like every answer
             assert await asyncio.wait_for(r.read(), 5) == b""
         finally:
             server.close()

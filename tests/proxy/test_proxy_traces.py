@@ -142,6 +142,22 @@ def test_trace_shows_a_retried_prefill_leg_and_a_migrated_stream(traced) -> None
     _reset(traced)
 
 
+def test_trace_marks_a_leg_the_engine_refused_4xx_as_failed(traced) -> None:
+    _reset(traced)
+    for p in traced["p"]:  # whichever prefiller round robin picks refuses it
+        httpx.post(p.url + "/stub/fail", json={"status": 400, "count": 1})
+    trace_id = "4a" * 16
+    r = post(traced["url"], "/v1/completions", {"prompt": "refused", "max_tokens": 2},
+             headers={"traceparent": _tp(trace_id)})
+    assert r.status_code == 400
+    spans = _trace(traced["rx"], trace_id, {"POST /v1/completions", "prefill"})
+    leg, = spans["prefill"]
+    assert leg.status == 2 and leg.attributes["error.type"] == "upstream_4xx"
+    req, = spans["POST /v1/completions"]
+    assert req.attributes["http.response.status_code"] == 400
+    _reset(traced)
+
+
 def _stream(url: str, body: dict, traceparent: str) -> list:
     out: list = []
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={"traceparent": traceparent},
