@@ -49,6 +49,7 @@ from kvferry.common.discovery_pods import (
     standing,
 )
 from kvferry.common.discovery_target import DiscoveryError, Target
+from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 
 logger = get_logger(__name__)
@@ -65,8 +66,8 @@ QUIET_S = 10.0  # a watch silent this long past its own end is dropped and the p
 CONNECT_S = 5.0
 
 
-class _Gone(Exception):
-    """410: list again."""
+class _Gone(UnavailableError):
+    """410: the resourceVersion (or a list's continue token) is compacted away: list again."""
 
 
 def _status_message(body: object) -> str:

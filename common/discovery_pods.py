@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvferry.common import messages as m
+from kvferry.common.errors import BadDataError
 
 ROLE_LABELS = ("kvferry.io/role", "llm-d.ai/role")
 ROLES = {"prefill": "prefiller", "prefiller": "prefiller", "decode": "decoder", "decoder": "decoder"}
@@ -112,7 +113,7 @@ BOOKMARK = msgspec.json.Decoder(Bookmark)
 STATUS = msgspec.json.Decoder(StatusDetails)
 
 
-class NotInstance(ValueError):
+class NotInstance(BadDataError, ValueError):
     """A selected pod with a role that cannot be used; `reason` labels the rejection metric."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -88,17 +88,11 @@ class _Event:
     old: dict | None  # the object before (for selector transitions)
 
 
-class FakeKube:
-    """The API server (a thread per connection); `url` once started. Use as a context manager."""
+class PodStore:
+    """The pods, their revisions and the event history, with the controls a test changes them by
+    (any thread)."""
 
-    def __init__(self, tokens: dict[str, set[str] | None] | None = None, bookmark_s: float = 1.0,
-                 user: str = "system:serviceaccount:kvferry:kvferry-proxy",
-                 tls: tuple[Path, Path] | None = None) -> None:
-        """`tls`: (certificate, key) to serve https, as an API server does (in-cluster clients insist)."""
-        self.tls = tls
-        # token -> the verbs it may use on pods (None: all); no tokens: anyone
-        self.tokens = tokens if tokens is not None else {"test-token": None}
-        self.user, self.bookmark_s = user, bookmark_s
+    def __init__(self) -> None:
         self.pods: dict[tuple[str, str], dict] = {}
         self.rv = 1
         self.compacted = 0  # watches from before this revision get 410
@@ -109,54 +103,6 @@ class FakeKube:
         self.gone_next = 0
         self.requests: list[tuple[str, dict[str, str]]] = []  # (kind: list|watch, query) of every pod request
         self._snapshots: dict[str, tuple[int, list[dict]]] = {}
-        self._server: ThreadingHTTPServer | None = None
-        self.url = ""
-
-    # ---- life ----
-
-    def __enter__(self) -> FakeKube:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                fake._serve(self)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        scheme = "http"
-        if self.tls is not None:
-            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.load_cert_chain(str(self.tls[0]), str(self.tls[1]))
-            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
-            scheme = "https"
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
-        threading.Thread(target=self._server.serve_forever, name="fake-kube", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._server is not None
-        with self.cond:
-            self.epoch += 1
-            self.silent = False
-            self.cond.notify_all()
-        self._server.shutdown()
-        self._server.server_close()
-
-    def kubeconfig(self, path: Path, token: str = "test-token", namespace: str = "kvferry") -> Path:
-        """A kubeconfig naming this server and `token`."""
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "proxy", "user": {"token": token}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "proxy", "namespace": namespace}}]}))
-        path.chmod(0o600)
-        return path
 
     # ---- the store (test controls) ----
 
@@ -255,6 +201,90 @@ class FakeKube:
         with self.cond:
             return sum(1 for k, _ in self.requests if k == kind)
 
+    def _selected(self, ns: str, selector: str) -> list[dict]:
+        return [copy.deepcopy(p) for (n, _), p in sorted(self.pods.items()) if n == ns
+                and selector_matches(selector, p["metadata"].get("labels") or {})]
+
+    def _events(self, ns: str, selector: str, since: int) -> Iterator[tuple[int, str, dict]]:
+        """Under the lock: what a watcher from `since` is sent, with selector transitions."""
+        for ev in self.history:
+            if ev.rv <= since or ev.obj["metadata"]["namespace"] != ns:
+                continue
+            now = selector_matches(selector, ev.obj["metadata"].get("labels") or {})
+            before = ev.old is not None and selector_matches(selector, ev.old["metadata"].get("labels") or {})
+            if ev.type == "DELETED":
+                if before:
+                    yield ev.rv, "DELETED", ev.obj
+            elif now and not before:
+                yield ev.rv, "ADDED", ev.obj
+            elif before and not now:
+                yield ev.rv, "DELETED", ev.obj
+            elif now:
+                yield ev.rv, ev.type, ev.obj
+
+
+class FakeKube(PodStore):
+    """The API server (a thread per connection); `url` once started. Use as a context manager."""
+
+    def __init__(self, tokens: dict[str, set[str] | None] | None = None, bookmark_s: float = 1.0,
+                 user: str = "system:serviceaccount:kvferry:kvferry-proxy",
+                 tls: tuple[Path, Path] | None = None) -> None:
+        """`tokens`: token -> the verbs it may use on pods (None: all); `tls`: (certificate, key)
+        to serve https, as an API server does (in-cluster clients insist on it)."""
+        super().__init__()
+        self.tls = tls
+        self.tokens = tokens if tokens is not None else {"test-token": None}
+        self.user, self.bookmark_s = user, bookmark_s
+        self._server: ThreadingHTTPServer | None = None
+        self.url = ""
+        self.port = 0
+
+    # ---- life ----
+
+    def __enter__(self) -> FakeKube:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                fake._serve(self)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        scheme = "http"
+        if self.tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(self.tls[0]), str(self.tls[1]))
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        threading.Thread(target=self._server.serve_forever, name="fake-kube", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._server is not None
+        with self.cond:
+            self.epoch += 1
+            self.silent = False
+            self.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def kubeconfig(self, path: Path, token: str = "test-token", namespace: str = "kvferry") -> Path:
+        """A kubeconfig naming this server and `token`."""
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "proxy", "user": {"token": token}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "proxy", "namespace": namespace}}]}))
+        path.chmod(0o600)
+        return path
+
     # ---- HTTP ----
 
     def _status(self, h: BaseHTTPRequestHandler, code: int, reason: str, message: str) -> None:
@@ -290,10 +320,6 @@ class FakeKube:
         else:
             self._list(h, ns, q)
 
-    def _selected(self, ns: str, selector: str) -> list[dict]:
-        return [copy.deepcopy(p) for (n, _), p in sorted(self.pods.items()) if n == ns
-                and selector_matches(selector, p["metadata"].get("labels") or {})]
-
     def _list(self, h: BaseHTTPRequestHandler, ns: str, q: dict[str, str]) -> None:
         selector, limit = q.get("labelSelector", ""), int(q.get("limit") or 0)
         with self.cond:
@@ -319,23 +345,6 @@ class FakeKube:
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
-
-    def _events(self, ns: str, selector: str, since: int) -> Iterator[tuple[int, str, dict]]:
-        """Under the lock: what a watcher from `since` is sent, with selector transitions."""
-        for ev in self.history:
-            if ev.rv <= since or ev.obj["metadata"]["namespace"] != ns:
-                continue
-            now = selector_matches(selector, ev.obj["metadata"].get("labels") or {})
-            before = ev.old is not None and selector_matches(selector, ev.old["metadata"].get("labels") or {})
-            if ev.type == "DELETED":
-                if before:
-                    yield ev.rv, "DELETED", ev.obj
-            elif now and not before:
-                yield ev.rv, "ADDED", ev.obj
-            elif before and not now:
-                yield ev.rv, "DELETED", ev.obj
-            elif now:
-                yield ev.rv, ev.type, ev.obj
 
     def _watch(self, h: BaseHTTPRequestHandler, ns: str, q: dict[str, str]) -> None:
         selector = q.get("labelSelector", "")

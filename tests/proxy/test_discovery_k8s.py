@@ -326,6 +326,14 @@ def test_k8s_two_proxies_with_workers_follow_the_pods(tmp_path: Path, procs: lis
         _prefill(fk, "p1", p1, role_label="llm-d.ai/role")
         _decode(fk, "d1", d1)
         agree({("p0", False), ("d0", False), ("p1", False), ("d1", False)})
+        # The admin API does not write to Kubernetes: it names the command; the annotation drains on both.
+        d1_id = next(i["id"] for i in httpx.get(f"{proxies[0]}/admin/instances", headers=ADMIN, timeout=5).json()[
+            "instances"] if i.get("instance_id") == "d1")
+        r = httpx.post(f"{proxies[0]}/admin/instances/{d1_id}/drain", headers=ADMIN, timeout=5)
+        assert r.status_code == 409 and "kubectl annotate pod d1 -n kvferry kvferry.io/drain=true" in r.text, r.text
+        fk.annotate("d1", {"kvferry.io/drain": "true"})
+        agree({("p0", False), ("d0", False), ("p1", False), ("d1", True)})
+        fk.annotate("d1", {"kvferry.io/drain": "false"})
         fk.ready("d0", False)  # out of rotation: no new requests
         agree({("p0", False), ("d0", True), ("p1", False), ("d1", False)})
         before = served(d0)
