@@ -79,7 +79,8 @@ def instances(objs: tuple[dict, ...]) -> dict[str, dict]:
     for d in of_kind(objs, "Deployment"):
         role = role_of(d["spec"]["template"]["metadata"].get("labels", {}))
         if role is not None:
-            assert role not in found, f"two {role} Deployments: {found[role]['metadata']['name']}, {d['metadata']['name']}"
+            assert role not in found, f"two {role} Deployments: {found[role]['metadata']['name']}, " \
+                                      f"{d['metadata']['name']}"
             found[role] = d
     assert set(found) == {"prefill", "decode"}, f"instance Deployments by role: {sorted(found)}"
     return found
@@ -175,8 +176,13 @@ def discovery(objs: tuple[dict, ...]) -> tuple[str, str, dict[str, str]]:
     parts = urlsplit(value)
     assert parts.scheme == "k8s", f"--discovery {value!r}: expected k8s://NAMESPACE?selector=..."
     query = dict(parse_qsl(parts.query, strict_parsing=bool(parts.query)))
-    assert set(query) <= DISCOVERY_QUERY_KEYS, f"--discovery {value!r}: unknown query keys {set(query) - DISCOVERY_QUERY_KEYS}"
+    unknown = set(query) - DISCOVERY_QUERY_KEYS
+    assert not unknown, f"--discovery {value!r}: unknown query keys {unknown}"
     return parts.netloc, query.get("selector", "app.kubernetes.io/part-of=kvferry"), query
+
+
+def images(objs: tuple[dict, ...]) -> set[str]:
+    return {c["image"] for d in of_kind(objs, "Deployment") for c in d["spec"]["template"]["spec"]["containers"]}
 
 
 def pod_labels(deploy: dict) -> dict[str, str]:
@@ -247,7 +253,8 @@ def check_servicemonitor(objs: tuple[dict, ...], sm: dict) -> None:
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(sm["metadata"]) <= {"name", "namespace", "labels", "annotations"}
     assert set(sm["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
-    picked = [s for s in of_kind(objs, "Service") if label_selector_matches(sm["spec"]["selector"], s["metadata"]["labels"])]
+    picked = [s for s in of_kind(objs, "Service")
+              if label_selector_matches(sm["spec"]["selector"], s["metadata"]["labels"])]
     assert {s["metadata"]["name"] for s in picked} == {"kvferry-proxy", "kvferry-engines"}
     assert sm["spec"]["endpoints"], "a ServiceMonitor without endpoints scrapes nothing"
     for ep in sm["spec"]["endpoints"]:
@@ -255,7 +262,8 @@ def check_servicemonitor(objs: tuple[dict, ...], sm: dict) -> None:
         assert ep["path"] == "/metrics"
         assert re.fullmatch(r"\d+s", ep["interval"])
         for s in picked:
-            assert ep["port"] in {p["name"] for p in s["spec"]["ports"]}, f"{s['metadata']['name']} has no port {ep['port']}"
+            ports = {p["name"] for p in s["spec"]["ports"]}
+            assert ep["port"] in ports, f"{s['metadata']['name']} has no port {ep['port']}"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
@@ -266,7 +274,8 @@ def test_every_kubernetes_overlay_renders_into_valid_objects(name: str) -> None:
     for o in objs:
         what = f"{name}: {o['kind']} {o['metadata']['name']}"
         assert o["metadata"].get("namespace") == NAMESPACE, f"{what}: namespace {o['metadata'].get('namespace')}"
-        assert o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "kvferry", f"{what}: no part-of label"
+        labels = o["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/part-of") == "kvferry", f"{what}: no part-of label"
         if o["kind"] == "ServiceMonitor":
             check_servicemonitor(objs, o)
             continue
@@ -294,7 +303,8 @@ def test_k8s_proxy_role_grants_only_reading_pods(name: str) -> None:
     (role,) = of_kind(objs, "Role")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     (binding,) = of_kind(objs, "RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == ref
     sa = proxy(objs)["spec"]["template"]["spec"]["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
     named(objs, "ServiceAccount", sa)
@@ -334,7 +344,8 @@ def test_k8s_discovery_value_is_one_the_proxy_accepts() -> None:
     from kvferry.proxy import options
     args = argv(overlay("1p1d"), proxy(overlay("1p1d")))
     assert args[0] == "kvferry-proxy"
-    with mock.patch("kvferry.common.discovery.parse_target"), mock.patch.dict("os.environ", {"KVFERRY_ADMIN_KEY": "k" * 32}):
+    admin_key = {"KVFERRY_ADMIN_KEY": "k" * 32}
+    with mock.patch("kvferry.common.discovery.parse_target"), mock.patch.dict("os.environ", admin_key):
         o = options.parse(args[1:])
     assert (o.host, o.port, o.workers, o.require_cluster_secret) == ("0.0.0.0", 9000, 1, True)
     assert o.discovery_model == "Qwen/Qwen2.5-0.5B-Instruct"
@@ -353,7 +364,8 @@ def test_k8s_decoder_ports_agree_with_its_config_and_tp_size(name: str, tmp_path
         args = argv(objs, d)
         tp = int(flag(args, "--tensor-parallel-size"))
         res = container(d)["resources"]
-        assert int(res["limits"]["nvidia.com/gpu"]) == int(res["requests"]["nvidia.com/gpu"]) == tp, d["metadata"]["name"]
+        gpus = (int(res["limits"]["nvidia.com/gpu"]), int(res["requests"]["nvidia.com/gpu"]))
+        assert gpus == (tp, tp), f"{d['metadata']['name']}: GPUs {gpus} at TP {tp}"
         cfg = connector_config(objs, d, tmp_path)
         assert cfg.enable_pd and cfg.pd_role == {"prefill": "sender", "decode": "receiver"}[role]
         assert cfg.pd_buffer_device == "cuda" and cfg.require_cluster_secret
@@ -477,8 +489,7 @@ def test_k8s_one_overlay_of_yours_changes_the_model_and_image_everywhere(tmp_pat
     k["components"] = [os.path.relpath(K8S / "components" / "model", mine)]
     (mine / "kustomization.yaml").write_text(yaml.safe_dump(k))
     objs = kustomize(str(mine))
-    assert {c["image"] for d in of_kind(objs, "Deployment") for c in d["spec"]["template"]["spec"]["containers"]} == {
-        "registry.example.com/kvferry-vllm:v1"}
+    assert images(objs) == {"registry.example.com/kvferry-vllm:v1"}
     assert flag(argv(objs, proxy(objs)), "--discovery-model") == "llama"
     for d in instances(objs).values():
         assert d["spec"]["template"]["metadata"]["annotations"]["kvferry.io/model"] == "llama"
@@ -518,15 +529,14 @@ def test_k8s_every_documented_kustomize_command_names_an_overlay_that_renders(tm
             target = (ROOT / path).resolve()
             if not target.is_relative_to(K8S):
                 objs = documented_overlay(path, tmp_path)
-                assert {c["image"] for d in of_kind(objs, "Deployment")
-                        for c in d["spec"]["template"]["spec"]["containers"]} == {"registry.example.com/kvferry-vllm:v1"}
+                assert images(objs) == {"registry.example.com/kvferry-vllm:v1"}
                 applied.append(path)
                 continue
             assert target.parent == K8S / "overlays", f"docs/kubernetes.md: {line!r} names {path}, not an overlay"
             assert target.name in OVERLAYS, f"docs/kubernetes.md: {line!r}: no overlay {target.name}"
             assert overlay(target.name)
             applied.append(target.name)
-    assert {"my-cluster", "xpyd-tp", "monitoring"} <= set(applied), f"docs/kubernetes.md applies only {sorted(set(applied))}"
+    assert {"my-cluster", "xpyd-tp", "monitoring"} <= set(applied), f"docs/kubernetes.md applies {sorted(set(applied))}"
 
 
 def without_namespace(words: list[str]) -> list[str]:
@@ -558,7 +568,8 @@ def test_k8s_documented_grafana_configmap_command_builds_the_dashboard() -> None
     assert json.loads(cm["data"]["kvferry.json"])["panels"]
     assert len(r.stdout) < 900_000, "a ConfigMap holds at most 1 MiB"
     name = cm["metadata"]["name"]
-    assert any(re.fullmatch(rf"kubectl (-n \S+ )?label configmap {name} grafana_dashboard=1", c) for c in doc_commands())
+    label = rf"kubectl (-n \S+ )?label configmap {name} grafana_dashboard=1"
+    assert any(re.fullmatch(label, c) for c in doc_commands()), "docs/kubernetes.md must label the ConfigMap"
 
 
 @pytest.mark.slow
