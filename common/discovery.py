@@ -46,16 +46,23 @@ from kvferry.common.discovery_entries import (
     write_entry,
 )
 from kvferry.common.discovery_kube import KubeWatch
-from kvferry.common.discovery_target import DEFAULT_PREFIX, DiscoveryError, Target, connect, parse_target
+from kvferry.common.discovery_target import (
+    DEFAULT_PREFIX,
+    DiscoveryError,
+    ReadOnlyDiscovery,
+    Target,
+    connect,
+    parse_target,
+)
 from kvferry.common.discovery_watch import EtcdWatch, OnChange
 from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 
-__all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "KubeWatch", "Registration",
-           "Rejected", "Snapshot", "Target", "check_access", "check_registrable", "drain_key", "edit_file",
-           "fingerprint", "parse_target", "read_file",
-           "record_key", "set_drain", "sign", "verify", "write_entry"]
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "KubeWatch",
+           "ReadOnlyDiscovery", "Registration", "Rejected", "Snapshot", "Target", "check_access",
+           "check_registrable", "drain_key", "edit_file", "fingerprint", "parse_target", "read_file", "record_key",
+           "set_drain", "sign", "verify", "write_entry"]
 
 logger = get_logger(__name__)
 
@@ -67,7 +74,7 @@ K8S_REGISTERS = ("in Kubernetes the pods are the registrations: give each the la
 
 def check_registrable(target: Target, what: str) -> None:
     if target.scheme == "k8s":
-        raise DiscoveryError(f"{what} with --discovery {target}: {K8S_REGISTERS}")
+        raise ReadOnlyDiscovery(f"{what} with --discovery {target}: {K8S_REGISTERS}")
 
 
 def fingerprint(model: str, dtype: str = "auto", layout: m.LayoutFingerprint | None = None) -> str:
@@ -291,9 +298,9 @@ async def set_drain(target: Target, secret: ClusterSecret | None, instance_id: s
     the registration that counts now (bound to its lease, and held under it: it goes with it);
     undrain deletes it."""
     if target.scheme == "k8s":
-        raise DiscoveryError(f"cannot {'drain' if draining else 'undrain'} {instance_id} from a proxy with --discovery "
-                             f"{target} (it only reads pods): kubectl annotate pod {instance_id} -n "
-                             f"{target.namespace} kvferry.io/drain={'true' if draining else 'false'} --overwrite")
+        raise ReadOnlyDiscovery(f"cannot {'drain' if draining else 'undrain'} {instance_id} from a proxy with "
+                                f"--discovery {target} (it only reads pods): kubectl annotate pod {instance_id} -n "
+                                f"{target.namespace} kvferry.io/drain={'true' if draining else 'false'} --overwrite")
     if target.scheme == "file":
         def change(doc: dict) -> None:
             d = set(doc["drain"]) - {instance_id}

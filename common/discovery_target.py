@@ -50,6 +50,11 @@ class DiscoveryError(ConfigurationError, ValueError):
     """A bad --discovery value; the message names it and the fix."""
 
 
+class ReadOnlyDiscovery(DiscoveryError):
+    """A change kvferry does not write to this discovery (Kubernetes: the pods are the records);
+    the message names the command that makes it."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A parsed --discovery value."""

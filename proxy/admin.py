@@ -134,13 +134,13 @@ class Admin:
         the command)."""
         disc = self.ctx.router.discovery
         if inst.discovery_id is not None and disc is not None:
-            from kvferry.common.discovery import DiscoveryError
+            from kvferry.common.discovery import DiscoveryError, ReadOnlyDiscovery
             from kvferry.common.etcd import EtcdError
             try:
                 await disc.set_drain(inst, draining)
+            except ReadOnlyDiscovery as e:  # the proxy only reads pods: the error says what to run
+                raise ProxyError(409, str(e), "managed_by_kubernetes") from None
             except (EtcdError, DiscoveryError, OSError) as e:
-                if disc.target.scheme == "k8s":  # the proxy only reads pods: the error says what to run
-                    raise ProxyError(409, str(e), "managed_by_kubernetes") from None
                 raise ProxyError(503, f"cannot {'drain' if draining else 'undrain'} {inst.id} through "
                                       f"discovery: {e}", "discovery_unavailable") from None
         inst.draining = draining
