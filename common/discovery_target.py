@@ -132,6 +132,31 @@ def _file_query(flag: str, query: dict[str, str], name: str) -> str:
     return os.path.abspath(path) if path else ""
 
 
+def _query(flag: str, shown: str, raw: str, known: tuple[str, ...]) -> dict[str, str]:
+    """The URL's query as a dict; DiscoveryError for a malformed, unknown or repeated key."""
+    try:
+        pairs = parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw))
+    except ValueError:
+        raise DiscoveryError(f"{flag}: the query of {shown!r} is not NAME=VALUE&...") from None
+    names = [k for k, _ in pairs]
+    bad = sorted(set(names) - set(known)) + sorted({k for k in names if names.count(k) > 1})
+    if bad:
+        hint = ": the password goes in a file named by ?password_file=, never the URL" if "password" in bad else ""
+        raise DiscoveryError(f"{flag}: ?{bad[0]}= in {shown!r} is unknown or repeated (known: "
+                             f"{', '.join(known)}){hint}")
+    return dict(pairs)
+
+
+def _seconds(flag: str, query: dict[str, str], name: str, default: float, low: float) -> float:
+    try:
+        value = float(query.get(name, default))
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and low <= value <= 3600):
+        raise DiscoveryError(f"{flag}: {name}={query[name]}: expected seconds from {low:g} to 3600")
+    return value
+
+
 def _k8s_target(raw: str, flag: str) -> Target:
     parts = urlsplit(raw)
     shown = raw.split("?", 1)[0]
@@ -139,26 +164,12 @@ def _k8s_target(raw: str, flag: str) -> Target:
     if not _NAMESPACE.fullmatch(ns) or parts.path.strip("/"):
         raise DiscoveryError(f"{flag}: {shown!r} is not k8s://NAMESPACE (a namespace name: lowercase letters, "
                              "digits and '-', at most 63)")
-    try:
-        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise DiscoveryError(f"{flag}: the query of {shown!r} is not NAME=VALUE&...") from None
-    query = dict(pairs)
-    bad = sorted({k for k, _ in pairs} - set(K8S_QUERY_KEYS)) + sorted(
-        {k for k, _ in pairs if sum(1 for kk, _ in pairs if kk == k) > 1})
-    if bad:
-        raise DiscoveryError(f"{flag}: ?{bad[0]}= in {shown!r} is unknown or repeated (known: "
-                             f"{', '.join(K8S_QUERY_KEYS)})")
+    query = _query(flag, shown, parts.query, K8S_QUERY_KEYS)
     selector = query.get("selector", DEFAULT_SELECTOR).strip()
     if not selector or len(selector) > 4096:
         raise DiscoveryError(f"{flag}: selector= must name the instances' labels, e.g. "
                              f"selector={DEFAULT_SELECTOR} (URL-encode '=' as %3D where your shell needs it)")
-    try:
-        resync = float(query.get("resync", DEFAULT_RESYNC_S))
-    except ValueError:
-        resync = -1.0
-    if not (math.isfinite(resync) and 1 <= resync <= 3600):
-        raise DiscoveryError(f"{flag}: resync={query['resync']}: expected seconds from 1 to 3600")
+    resync = _seconds(flag, query, "resync", DEFAULT_RESYNC_S, 1)
     kubeconfig = _file_query(flag, query, "kubeconfig")
     if query.get("context") and not kubeconfig:
         raise DiscoveryError(f"{flag}: context= picks a context of a kubeconfig: name it with kubeconfig=FILE")
@@ -190,28 +201,13 @@ def parse_target(raw: str, flag: str = "--discovery") -> Target:
         port = None
     if not parts.hostname or port is None:
         raise DiscoveryError(f"{flag}: {shown!r} is not etcd://HOST:PORT/PREFIX (etcd's client port, usually 2379)")
-    try:
-        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise DiscoveryError(f"{flag}: the query of {shown!r} is not NAME=VALUE&...") from None
-    query = dict(pairs)
-    unknown = sorted({k for k, _ in pairs} - set(QUERY_KEYS)) + sorted({k for k, _ in pairs if
-                                                                        sum(1 for kk, _ in pairs if kk == k) > 1})
-    if unknown:
-        hint = ": the password goes in a file named by ?password_file=, never the URL" if "password" in unknown else ""
-        raise DiscoveryError(f"{flag}: ?{unknown[0]}= in {shown!r} is unknown or repeated (known: "
-                             f"{', '.join(QUERY_KEYS)}){hint}")
+    query = _query(flag, shown, parts.query, QUERY_KEYS)
     tls = {k: _file_query(flag, query, k) for k in ("cacert", "cert", "key")}
     if parts.scheme == "etcd" and any(tls.values()):
         raise DiscoveryError(f"{flag}: cacert=, cert= and key= need TLS: write etcds://{shown.split('://', 1)[1]}")
     if bool(tls["cert"]) != bool(tls["key"]):
         raise DiscoveryError(f"{flag}: cert= and key= go together (a client certificate and its private key)")
-    try:
-        skew = float(query.get("clock_skew", DEFAULT_CLOCK_SKEW_S))
-    except ValueError:
-        skew = -1.0
-    if not (math.isfinite(skew) and 0 <= skew <= 3600):
-        raise DiscoveryError(f"{flag}: clock_skew={query['clock_skew']}: expected seconds from 0 to 3600")
+    skew = _seconds(flag, query, "clock_skew", DEFAULT_CLOCK_SKEW_S, 0)
     user, password = _credentials(flag, query)
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvferry.common import secret
+from tests.logged_proc import Proc
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +17,12 @@ def cluster_secret(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, secr
     path = tmp_path_factory.mktemp("secret") / "cluster.secret"
     secret.write_file(str(path), secret.generate())
     return path, secret.from_file(str(path), "test")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Processes a test starts (tests.logged_proc.Proc), stopped after it, newest first."""
+    started: list[Proc] = []
+    yield started
+    for p in reversed(started):
+        p.stop()

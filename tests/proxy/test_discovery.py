@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -227,14 +226,6 @@ def test_discovery_file_reload(tmp_path: Path) -> None:
 
 
 # ---- proxies in their own processes, stub engines, `kvferry join --attach` registrars ----
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
-
 
 def _http_ok(url: str) -> bool:
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -260,14 +259,6 @@ def test_k8s_1000_pods_churned_leave_no_stale_instance_and_bounded_state(tmp_pat
 
 
 # ---- real proxies ----
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in reversed(started):
-        p.stop()
-
 
 def _start(procs: list[Proc], tmp: Path, name: str, args: list[str], probe: str) -> Proc:
     p = Proc(args, tmp / f"{name}.log")
