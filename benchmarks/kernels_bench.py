@@ -82,9 +82,15 @@ def row(chunk_bytes: int, device: str, layout: str, fmt: str, reps: int, cache_m
     t_copy, t_gather, t_copy_out, t_scatter = t["copy"], t["gather"], t["copy_out"], t["scatter"]
     gb = total / 1e9
     return {"chunk_bytes": chunk_bytes, "batch": batch, "tokens": tokens, "block_size": bs,
-            "gather_gbps": round(gb / t_gather, 2), "scatter_gbps": round(gb / t_scatter, 2),
-            "memcpy_gbps": round(gb / t_copy, 2), "memcpy_to_cold_gbps": round(gb / t_copy_out, 2),
+            "gather_gbps": sig3(gb / t_gather), "scatter_gbps": sig3(gb / t_scatter),
+            "memcpy_gbps": sig3(gb / t_copy), "memcpy_to_cold_gbps": sig3(gb / t_copy_out),
             "gather_ratio": round(t_copy / t_gather, 3), "scatter_ratio": round(t_copy_out / t_scatter, 3)}
+
+
+def sig3(x: float) -> float:
+    """Three significant figures: a rate rounded to fixed decimals reads 0.0 when one slow rep on
+    a loaded machine drags it under 0.005 GB/s."""
+    return float(f"{x:.3g}")
 
 
 def main() -> int:

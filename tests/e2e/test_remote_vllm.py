@@ -138,7 +138,8 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
         procs.append(master := start_redis(work, password=PW))
         procs.append(replica := start_redis(work, replicaof=master.port, password=PW))
         for _ in range(3):  # one at a time: a failed start still stops the ones before it
-            procs.append(start_sentinel(work, master.port, password=SENTINEL_PW, master_password=PW))
+            procs.append(start_sentinel(work, master.port, down_after_ms=3000, password=SENTINEL_PW,
+                                         master_password=PW))
         sentinels = procs[3:]
         procs.append(lm := start_lm_server(work))
         hosts = ",".join(s.url_hostport for s in sentinels)
@@ -238,16 +239,20 @@ def wait_counted(server: OffloadServer, name: str, above: float) -> None:
     until(lambda: counted(server, name) > above, 10, f"{name} to count the rejected chunk", every=0.2)
 
 
-def redis_master(s: Setup) -> redis.Redis:
-    """The Sentinel set's master now (the kill test may have promoted the replica)."""
-    for p in (s.master, s.replica):
+def primary_and_standby(s: Setup) -> tuple[Proc, Proc]:
+    """The Sentinel set's master and replica now: Sentinel may have failed over already (a master
+    that missed its pings under load, or the kill test), so no test assumes the first roles."""
+    for p, q in ((s.master, s.replica), (s.replica, s.master)):
         try:
-            r = s.client(p)
-            if r.info("replication")["role"] == "master":
-                return r
+            if s.client(p).info("replication")["role"] == "master":
+                return p, q
         except redis.ConnectionError:
             continue
-    raise AssertionError("no Redis master")
+    raise AssertionError(f"no Redis master: {s.roles()}")
+
+
+def redis_master(s: Setup) -> redis.Redis:
+    return s.client(primary_and_standby(s)[0])
 
 
 @pytest.mark.vllm
@@ -299,19 +304,20 @@ def test_killing_the_redis_master_mid_stream_fails_no_request_and_hits_resume(se
     s, c = setup, setup.servers["sentinel"]  # no local tier: every repeat is a remote hit or computed
     p = prompt(600)
     want = s.served(c, s.urls["sentinel"], p, 4)[0]
-    assert s.client(s.master).wait(1, 5000) == 1  # replicated before the kill
+    primary, standby = primary_and_standby(s)
+    assert s.client(primary).wait(1, 5000) == 1  # replicated before the kill
     hits0 = remote_hits(c)
     for _ in range(2):
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
     assert remote_hits(c) == hits0 + 2
-    s.master.kill()
+    primary.kill()
     answered, before = 0, remote_hits(c)
 
     def hit_after_failover() -> bool:  # a steady stream: every request must succeed, hit or computed
         nonlocal answered
         assert tokens_and_logprobs(completion(c, p, 4))[0] == want
         answered += 1
-        promoted = s.client(s.replica).info("replication")["role"] == "master"
+        promoted = s.client(standby).info("replication")["role"] == "master"
         return promoted and remote_hits(c) > before
     until(hit_after_failover, 90, lambda: f"a remote hit within 90 s of the kill ({answered} requests answered)",
           every=0.2)

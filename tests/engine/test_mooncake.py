@@ -118,11 +118,22 @@ def test_a_damaged_or_oversize_value_is_a_counted_miss(master: MooncakeMaster) -
     t.close()
 
 
+def round_trip(t: RemoteTier, key: bytes, value: torch.Tensor) -> bool:
+    """A put then a get that hits; False while the tier backs off (a call past its timeout)."""
+    if t.put(key, value, TOKENS) and t.flush(5):
+        got = t.get(key, TOKENS, NBYTES)
+        if got is not None:
+            assert torch.equal(got, value)
+            return True
+    return False
+
+
 def test_a_killed_master_is_bounded_misses_and_hits_resume_after_its_restart(master: MooncakeMaster) -> None:
     t = tier(master, timeout=1.0)
     a = chunk(5)
-    assert t.put(b"K" * 16, a, TOKENS) and t.flush(10)
-    assert torch.equal(t.get(b"K" * 16, TOKENS, NBYTES), a)
+    # The first call also starts the tier's client (its segment mounted): on a loaded machine that
+    # can pass the 1 s timeout, a miss and a back-off, so hits are waited for, not assumed.
+    until(lambda: round_trip(t, b"K" * 16, a), 30, "a hit from the running master", every=0.5)
     master.kill()
     t0 = time.monotonic()
     for _ in range(3):
@@ -132,13 +143,6 @@ def test_a_killed_master_is_bounded_misses_and_hits_resume_after_its_restart(mas
     assert t.stats()["remote_errors"] >= 1
     master.restart()
     b = chunk(6)
-
-    def hit() -> bool:  # the tier retries after its back-off; the client rejoins the restarted master
-        if t.put(b"R" * 16, b, TOKENS) and t.flush(5):
-            got = t.get(b"R" * 16, TOKENS, NBYTES)
-            if got is not None:
-                assert torch.equal(got, b)
-                return True
-        return False
-    until(hit, 60, "a hit within 60 s of the master's restart", every=0.5)
+    # The tier retries after its back-off; the client rejoins the restarted master.
+    until(lambda: round_trip(t, b"R" * 16, b), 60, "a hit within 60 s of the master's restart", every=0.5)
     t.close()
