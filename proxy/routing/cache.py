@@ -11,13 +11,20 @@ from dataclasses import dataclass
 from kvferry.common import zsock
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.routing.holders import Holders
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.registry import Instance, Pool
 
 # What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
 # (docs/proxy.md "Routing": cheaper than computing, not free).
 LOAD_COST = {GPU: 0.0, CPU: 0.1, DISK: 0.25}
+
+# Up to this many usable instances of a role, a route weighs every one of them. Above it, a route
+# weighs the instances holding the prompt's first block (Holders) and SAMPLE others drawn at random
+# ("power of d choices" on load): its cost grows with the holders, not with the cluster.
+SCAN_ALL_UP_TO = 32
+SAMPLE = 8
 
 
 def effective(held: dict[str, int] | None) -> int:
@@ -54,6 +61,7 @@ class CacheView:
         self.opts, self.metrics = opts, metrics
         self.streams: dict[str, KVEventSubscription] = {}  # instance id -> its stream
         self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
+        self.holders = Holders()  # first block -> the instances holding it, kept by the indexes `add` makes
 
     def add(self, inst: Instance) -> KVEventSubscription | None:
         ev = self.opts.kv_events.get(inst.url)
@@ -64,14 +72,18 @@ class CacheView:
         def count(result: str, n: int = 1, inst: Instance = inst) -> None:
             if not inst.removed:  # its series left with it
                 counter.labels(inst.id, result).inc(n)
-        stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1],
-                                     PrefixIndex(self.opts.prefix_index_max_blocks),
+        index = PrefixIndex(self.opts.prefix_index_max_blocks)
+        index.attach(self.holders, inst.id)
+        stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1], index,
                                      self.opts.kv_events_stale_after, count, self.trust)
         self.streams[inst.id] = stream
         return stream
 
     def remove(self, inst: Instance) -> KVEventSubscription | None:
-        return self.streams.pop(inst.id, None)
+        s = self.streams.pop(inst.id, None)
+        if s is not None:
+            s.index.detach()
+        return s
 
     def forget(self, inst: Instance) -> None:
         """The instance went down: whatever it held is gone."""
@@ -89,21 +101,48 @@ class CacheView:
         bs = s.index.block_size
         if bs is None:
             return {}
-        if bs not in keys:
-            # A full-prompt hit still computes one token: only blocks before the last token count.
-            keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
-        return s.index.cached(keys[bs])
+        return s.index.cached(prompt_keys(tokens, bs, keys))
+
+    def candidates(self, pool: Sequence[Instance], tokens: Sequence[int] | None,
+                   keys: dict[int, list[bytes]]) -> Sequence[Instance]:
+        """The instances of `pool` a route weighs: all of a small pool; of a large one, those
+        holding the prompt's first block and SAMPLE others."""
+        if len(pool) <= SCAN_ALL_UP_TO:
+            return pool
+        by_id = pool.by_id if isinstance(pool, Pool) else {i.id: i for i in pool}
+        out: dict[str, Instance] = {}
+        if tokens is not None:
+            for bs in self.holders.block_sizes():
+                first = prompt_keys(tokens, bs, keys)[:1]
+                for owner in self.holders.of(first[0]) if first else ():
+                    inst = by_id.get(owner)
+                    if inst is not None:
+                        out[owner] = inst
+        for inst in random.sample(pool, SAMPLE):
+            out.setdefault(inst.id, inst)
+        return list(out.values())
 
     def describe(self, inst: Instance) -> dict | None:
         s = self.streams.get(inst.id)
         return None if s is None else s.describe()
 
 
-def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefillers: list[Instance],
+def prompt_keys(tokens: Sequence[int], bs: int, keys: dict[int, list[bytes]]) -> list[bytes]:
+    """The prompt's block keys for blocks of `bs`, made once per route (`keys` keeps them)."""
+    out = keys.get(bs)
+    if out is None:
+        # A full-prompt hit still computes one token: only blocks before the last token count.
+        out = keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
+    return out
+
+
+def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], prefillers: Sequence[Instance],
            tokens: Sequence[int] | None, ntok: int) -> Route:
     """The cache-aware choice among usable instances (`decoders` non-empty; no prefillers: the
-    decoder serves the prompt alone)."""
+    decoder serves the prompt alone); above SCAN_ALL_UP_TO of a role, among its candidates."""
     keys: dict[int, list[bytes]] = {}
+    decoders = view.candidates(decoders, tokens, keys)
+    prefillers = view.candidates(prefillers, tokens, keys) if prefillers else prefillers
     held = {d.id: view.cached(d, tokens, keys) for d in decoders}
     dc = {i: None if h is None else effective(h) for i, h in held.items()}
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued

@@ -6,7 +6,8 @@ medium: the GPU prefix cache ("GPU", vLLM's own events) and kvferry's offload ti
 A (medium, vLLM block hash) is mapped to our keys so a BlockRemoved can find what it removes. An
 event block of a coarser size (a kvferry chunk: `chunk_size` tokens, a multiple of vLLM's block
 size) is split into the index's blocks. The index is bounded (least recently stored or matched
-blocks go first): a block forgotten this way only costs routing quality.
+blocks go first): a block forgotten this way only costs routing quality. An index attached to the
+cluster's Holders keeps there which first blocks it holds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Hashable, Sequence
 import xxhash
 
 from kvferry.common.hashing import token_bytes
+from kvferry.proxy.routing.holders import Holders
 
 ROOT = xxhash.xxh3_128_digest(b"kvferry-proxy-prefix")
 GPU, CPU, DISK = "GPU", "CPU", "DISK"
@@ -53,6 +55,32 @@ class PrefixIndex:
         self._blocks: OrderedDict[bytes, dict[str, Hashable]] = OrderedDict()  # our key -> medium -> vLLM hash
         self._by_vllm: dict[tuple[str, Hashable], list[bytes]] = {}  # (medium, vLLM hash) -> our keys
         self.orphans = 0  # stored blocks whose parent the index does not know (events missed)
+        self._roots: set[bytes] = set()  # keys held whose parent is ROOT (a prompt's first block)
+        self._holders: Holders | None = None
+        self._owner = ""
+
+    def attach(self, holders: Holders, owner: str) -> None:
+        """Keep `holders` told which first blocks this index (instance `owner`) holds."""
+        self.detach()
+        self._holders, self._owner = holders, owner
+        for k in self._roots:
+            holders.add(k, owner)
+        holders.sized(owner, self.block_size)
+
+    def detach(self) -> None:
+        """Out of the holders (the instance left): none of its blocks is found there again."""
+        h = self._holders
+        if h is not None:
+            for k in self._roots:
+                h.drop(k, self._owner)
+            h.sized(self._owner, None)
+            self._holders = None
+
+    def _gone(self, key: bytes) -> None:
+        if key in self._roots:
+            self._roots.discard(key)
+            if self._holders is not None:
+                self._holders.drop(key, self._owner)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -63,6 +91,8 @@ class PrefixIndex:
             if self.block_size is not None:
                 self.clear()  # keys of another block size never match: start over
             self.block_size = block_size
+            if self._holders is not None:
+                self._holders.sized(self._owner, block_size)
         if block_size % self.block_size:
             raise ValueError(f"{medium} blocks of {block_size} tokens do not split into this instance's "
                              f"blocks of {self.block_size}")
@@ -87,6 +117,7 @@ class PrefixIndex:
         if prev is None:
             self.orphans += 1
             return 0
+        root = None  # the key of a first block stored here
         for i, h in enumerate(hashes):
             keys = []
             for j in range(sub):
@@ -97,8 +128,15 @@ class PrefixIndex:
                 self._blocks[prev] = entry
                 keys.append(prev)
             self._by_vllm[(m, h)] = keys
+            if i == 0 and parent is None:
+                root = keys[0]
+        if root is not None and root not in self._roots:
+            self._roots.add(root)
+            if self._holders is not None:
+                self._holders.add(root, self._owner)
         while len(self._blocks) > self.max_blocks:
             key, entry = self._blocks.popitem(last=False)
+            self._gone(key)
             for em, eh in entry.items():
                 self._unmap(em, eh)
         if len(self._by_vllm) > 4 * self.max_blocks + 1024:  # hashes whose keys were all re-stored under others
@@ -113,6 +151,7 @@ class PrefixIndex:
                 del entry[medium]
                 if not entry:
                     del self._blocks[k]
+                    self._gone(k)
 
     def removed(self, hashes: Sequence[Hashable], medium: str | None = None) -> None:
         """Apply a BlockRemoved: only that medium's copy goes."""
@@ -123,6 +162,8 @@ class PrefixIndex:
     def clear(self, medium: str | None = None) -> None:
         """Forget everything, or one medium's copies (vLLM's AllBlocksCleared: its GPU prefix cache)."""
         if medium is None:
+            for k in list(self._roots):
+                self._gone(k)
             self._blocks.clear()
             self._by_vllm.clear()
             return

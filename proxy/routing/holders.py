@@ -1,0 +1,65 @@
+"""Which instances hold each first block (a block whose parent is the root), across every
+instance's prefix index: routing a prompt walks the indexes of the instances holding its first
+block, not every instance's (docs/proxy.md "Routing"). Kept in step by the indexes themselves
+(PrefixIndex.attach); only first blocks are kept, so it costs an entry per distinct prompt start,
+not per block."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class Holders:
+    def __init__(self) -> None:
+        # first-block key -> the one owner holding it, or the owners when several (most keys have
+        # one: a str costs less than a set per key)
+        self._of: dict[bytes, str | set[str]] = {}
+        self._size: dict[str, int] = {}  # owner -> its index's block size
+        self._sizes: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+    def add(self, key: bytes, owner: str) -> None:
+        cur = self._of.get(key)
+        if cur is None:
+            self._of[key] = owner
+        elif isinstance(cur, str):
+            if cur != owner:
+                self._of[key] = {cur, owner}
+        else:
+            cur.add(owner)
+
+    def drop(self, key: bytes, owner: str) -> None:
+        cur = self._of.get(key)
+        if cur is None:
+            return
+        if isinstance(cur, str):
+            if cur == owner:
+                del self._of[key]
+            return
+        cur.discard(owner)
+        if len(cur) == 1:
+            self._of[key] = next(iter(cur))
+
+    def of(self, key: bytes) -> tuple[str, ...]:
+        """The owners holding `key` (in any medium)."""
+        cur = self._of.get(key)
+        if cur is None:
+            return ()
+        return (cur,) if isinstance(cur, str) else tuple(cur)
+
+    def sized(self, owner: str, block_size: int | None) -> None:
+        """`owner`'s index now keys blocks of `block_size` tokens (None: it left)."""
+        old = self._size.pop(owner, None)
+        if old is not None:
+            self._sizes[old] -= 1
+            if not self._sizes[old]:
+                del self._sizes[old]
+        if block_size is not None:
+            self._size[owner] = block_size
+            self._sizes[block_size] += 1
+
+    def block_sizes(self) -> list[int]:
+        """The block sizes some index uses (one, in a cluster of one model)."""
+        return list(self._sizes)
