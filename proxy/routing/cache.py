@@ -21,10 +21,11 @@ from kvferry.proxy.routing.registry import Instance, Pool
 LOAD_COST = {GPU: 0.0, CPU: 0.1, DISK: 0.25}
 
 # Up to this many usable instances of a role, a route weighs every one of them. Above it, a route
-# weighs the instances holding the prompt's first block (Holders) and SAMPLE others drawn at random
-# ("power of d choices" on load): its cost grows with the holders, not with the cluster.
+# weighs up to HOLDERS of them holding the longest runs of the prompt's blocks (Holders) and SAMPLE
+# others drawn at random ("power of d choices" on load): its cost stays flat as the cluster grows.
 SCAN_ALL_UP_TO = 32
-SAMPLE = 8
+HOLDERS = 4
+SAMPLE = 4
 
 
 def effective(held: dict[str, int] | None) -> int:
@@ -105,18 +106,18 @@ class CacheView:
 
     def candidates(self, pool: Sequence[Instance], tokens: Sequence[int] | None,
                    keys: dict[int, list[bytes]]) -> Sequence[Instance]:
-        """The instances of `pool` a route weighs: all of a small pool; of a large one, those
-        holding the prompt's first block and SAMPLE others."""
+        """The instances of `pool` a route weighs: all of a small pool; of a large one, HOLDERS
+        holding the most of the prompt and SAMPLE others."""
         if len(pool) <= SCAN_ALL_UP_TO:
             return pool
         by_id = pool.by_id if isinstance(pool, Pool) else {i.id: i for i in pool}
         out: dict[str, Instance] = {}
         if tokens is not None:
             for bs in self.holders.block_sizes():
-                first = prompt_keys(tokens, bs, keys)[:1]
-                for owner in self.holders.of(first[0]) if first else ():
+                # Holders of both roles share the map: ask for more, keep this pool's.
+                for owner in self.holders.deepest(prompt_keys(tokens, bs, keys), 2 * HOLDERS):
                     inst = by_id.get(owner)
-                    if inst is not None:
+                    if inst is not None and len(out) < HOLDERS:
                         out[owner] = inst
         for inst in random.sample(pool, SAMPLE):
             out.setdefault(inst.id, inst)
@@ -143,12 +144,17 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], pr
     keys: dict[int, list[bytes]] = {}
     decoders = view.candidates(decoders, tokens, keys)
     prefillers = view.candidates(prefillers, tokens, keys) if prefillers else prefillers
-    held = {d.id: view.cached(d, tokens, keys) for d in decoders}
-    dc = {i: None if h is None else effective(h) for i, h in held.items()}
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
-    # tokens; among equals, the one holding more of the prompt.
-    d = decoders[0] if len(decoders) == 1 else min(
-        decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0), random.random()))
+    # tokens; among equals, the one holding more of the prompt (only those equals' indexes are walked).
+    if len(decoders) == 1:
+        tied = decoders
+    else:
+        rank = [(i.load, round(i.kv_usage or 0.0, 1), i.all_queued) for i in decoders]
+        low = min(rank)
+        tied = [i for i, r in zip(decoders, rank, strict=True) if r == low]
+    held = {i.id: view.cached(i, tokens, keys) for i in tied}
+    dc = {i: None if h is None else effective(h) for i, h in held.items()}
+    d = tied[0] if len(tied) == 1 else min(tied, key=lambda i: (-(dc[i.id] or 0), random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local or not prefillers:
         return Route(d, None, local or NO_PREFILLER, sum((held[d.id] or {}).values()))

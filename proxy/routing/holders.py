@@ -1,18 +1,18 @@
-"""Which instances hold each first block (a block whose parent is the root), across every
-instance's prefix index: routing a prompt walks the indexes of the instances holding its first
-block, not every instance's (docs/proxy.md "Routing"). Kept in step by the indexes themselves
-(PrefixIndex.attach); only first blocks are kept, so it costs an entry per distinct prompt start,
-not per block."""
+"""Which instances hold each block, across every instance's prefix index (an inverted index, kept
+in step by the indexes themselves: PrefixIndex.attach): routing a prompt weighs the instances
+holding its deepest blocks, not every instance (docs/proxy.md "Routing")."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from collections.abc import Sequence
 
 
 class Holders:
     def __init__(self) -> None:
-        # first-block key -> the one owner holding it, or the owners when several (most keys have
-        # one: a str costs less than a set per key)
+        # block key -> the one owner holding it, or the owners when several (most keys have one:
+        # a str costs less than a set per key)
         self._of: dict[bytes, str | set[str]] = {}
         self._size: dict[str, int] = {}  # owner -> its index's block size
         self._sizes: Counter[int] = Counter()
@@ -48,6 +48,28 @@ class Holders:
         if cur is None:
             return ()
         return (cur,) if isinstance(cur, str) else tuple(cur)
+
+    def deepest(self, keys: Sequence[bytes], want: int) -> list[str]:
+        """Up to `want` owners holding the longest runs of `keys`, deepest first (a level with more
+        owners than still wanted gives a random few: no instance is always the one left out)."""
+        levels: list[str | set[str]] = []
+        for k in keys:
+            cur = self._of.get(k)
+            if cur is None:
+                break
+            levels.append(cur)
+        out: dict[str, None] = {}
+        for cur in reversed(levels):
+            if isinstance(cur, str):
+                out[cur] = None
+            else:
+                fresh = [o for o in cur if o not in out]
+                room = want - len(out)
+                for o in fresh if len(fresh) <= room else random.sample(fresh, room):
+                    out[o] = None
+            if len(out) >= want:
+                break
+        return list(out)
 
     def sized(self, owner: str, block_size: int | None) -> None:
         """`owner`'s index now keys blocks of `block_size` tokens (None: it left)."""

@@ -7,7 +7,7 @@ A (medium, vLLM block hash) is mapped to our keys so a BlockRemoved can find wha
 event block of a coarser size (a kvferry chunk: `chunk_size` tokens, a multiple of vLLM's block
 size) is split into the index's blocks. The index is bounded (least recently stored or matched
 blocks go first): a block forgotten this way only costs routing quality. An index attached to the
-cluster's Holders keeps there which first blocks it holds.
+cluster's Holders keeps there which blocks it holds.
 """
 
 from __future__ import annotations
@@ -55,15 +55,14 @@ class PrefixIndex:
         self._blocks: OrderedDict[bytes, dict[str, Hashable]] = OrderedDict()  # our key -> medium -> vLLM hash
         self._by_vllm: dict[tuple[str, Hashable], list[bytes]] = {}  # (medium, vLLM hash) -> our keys
         self.orphans = 0  # stored blocks whose parent the index does not know (events missed)
-        self._roots: set[bytes] = set()  # keys held whose parent is ROOT (a prompt's first block)
         self._holders: Holders | None = None
         self._owner = ""
 
     def attach(self, holders: Holders, owner: str) -> None:
-        """Keep `holders` told which first blocks this index (instance `owner`) holds."""
+        """Keep `holders` told which blocks this index (instance `owner`) holds."""
         self.detach()
         self._holders, self._owner = holders, owner
-        for k in self._roots:
+        for k in self._blocks:
             holders.add(k, owner)
         holders.sized(owner, self.block_size)
 
@@ -71,16 +70,14 @@ class PrefixIndex:
         """Out of the holders (the instance left): none of its blocks is found there again."""
         h = self._holders
         if h is not None:
-            for k in self._roots:
+            for k in self._blocks:
                 h.drop(k, self._owner)
             h.sized(self._owner, None)
             self._holders = None
 
     def _gone(self, key: bytes) -> None:
-        if key in self._roots:
-            self._roots.discard(key)
-            if self._holders is not None:
-                self._holders.drop(key, self._owner)
+        if self._holders is not None:
+            self._holders.drop(key, self._owner)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -117,23 +114,20 @@ class PrefixIndex:
         if prev is None:
             self.orphans += 1
             return 0
-        root = None  # the key of a first block stored here
         for i, h in enumerate(hashes):
             keys = []
             for j in range(sub):
                 start = (i * sub + j) * bs
                 prev = link(prev, tokens[start:start + bs])
-                entry = self._blocks.pop(prev, None) or {}
+                entry = self._blocks.pop(prev, None)
+                if entry is None:
+                    entry = {}
+                    if self._holders is not None:
+                        self._holders.add(prev, self._owner)
                 entry[m] = h  # a removal of an older hash for this medium then leaves it (see removed)
                 self._blocks[prev] = entry
                 keys.append(prev)
             self._by_vllm[(m, h)] = keys
-            if i == 0 and parent is None:
-                root = keys[0]
-        if root is not None and root not in self._roots:
-            self._roots.add(root)
-            if self._holders is not None:
-                self._holders.add(root, self._owner)
         while len(self._blocks) > self.max_blocks:
             key, entry = self._blocks.popitem(last=False)
             self._gone(key)
@@ -162,8 +156,9 @@ class PrefixIndex:
     def clear(self, medium: str | None = None) -> None:
         """Forget everything, or one medium's copies (vLLM's AllBlocksCleared: its GPU prefix cache)."""
         if medium is None:
-            for k in list(self._roots):
-                self._gone(k)
+            if self._holders is not None:
+                for k in self._blocks:
+                    self._holders.drop(k, self._owner)
             self._blocks.clear()
             self._by_vllm.clear()
             return
