@@ -82,6 +82,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether a block keyed `key` is held, in any medium."""
+        return key in self._blocks
+
     def _split(self, block_size: int, medium: str) -> int:
         """Index blocks per event block; sets (or, for a finer GPU block, resets) the index's size."""
         if self.block_size is None or (medium == GPU and block_size != self.block_size):
