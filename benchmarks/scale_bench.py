@@ -112,7 +112,7 @@ def plot_index(plt, r: dict):
         ax.set_xscale("log")
         ax.set_yscale("log" if ax is a else "linear")
         ax.set_xlabel("blocks stored")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     b.set_ylim(bottom=0)
     fig.suptitle("Prefix index against its size (one instance)")
     return fig
