@@ -62,7 +62,7 @@ class CacheView:
         self.opts, self.metrics = opts, metrics
         self.streams: dict[str, KVEventSubscription] = {}  # instance id -> its stream
         self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
-        self.holders = Holders()  # first block -> the instances holding it, kept by the indexes `add` makes
+        self.holders = Holders()  # block -> the instances holding it, kept by the indexes `add` makes
 
     def add(self, inst: Instance) -> KVEventSubscription | None:
         ev = self.opts.kv_events.get(inst.url)
@@ -114,11 +114,8 @@ class CacheView:
         out: dict[str, Instance] = {}
         if tokens is not None:
             for bs in self.holders.block_sizes():
-                # Holders of both roles share the map: ask for more, keep this pool's.
-                for owner in self.holders.deepest(prompt_keys(tokens, bs, keys), 2 * HOLDERS):
-                    inst = by_id.get(owner)
-                    if inst is not None and len(out) < HOLDERS:
-                        out[owner] = inst
+                for owner in self.holders.deepest(prompt_keys(tokens, bs, keys), HOLDERS - len(out), by_id):
+                    out[owner] = by_id[owner]
         for inst in random.sample(pool, SAMPLE):
             out.setdefault(inst.id, inst)
         return list(out.values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 
 class Holders:
@@ -49,9 +49,11 @@ class Holders:
             return ()
         return (cur,) if isinstance(cur, str) else tuple(cur)
 
-    def deepest(self, keys: Sequence[bytes], want: int) -> list[str]:
-        """Up to `want` owners holding the longest runs of `keys`, deepest first (a level with more
-        owners than still wanted gives a random few: no instance is always the one left out)."""
+    def deepest(self, keys: Sequence[bytes], want: int, among: Container[str]) -> list[str]:
+        """Up to `want` owners of `among` (one role's) holding the longest runs of `keys`, deepest
+        first (a level with more than still wanted gives a random few: none is always left out)."""
+        if want <= 0:
+            return []
         levels: list[str | set[str]] = []
         for k in keys:
             cur = self._of.get(k)
@@ -61,9 +63,10 @@ class Holders:
         out: dict[str, None] = {}
         for cur in reversed(levels):
             if isinstance(cur, str):
-                out[cur] = None
+                if cur in among:
+                    out[cur] = None
             else:
-                fresh = [o for o in cur if o not in out]
+                fresh = [o for o in cur if o in among and o not in out]
                 room = want - len(out)
                 for o in fresh if len(fresh) <= room else random.sample(fresh, room):
                     out[o] = None

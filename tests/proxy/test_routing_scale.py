@@ -58,7 +58,8 @@ def test_holders_agree_with_every_index_on_random_event_streams() -> None:
             assert set(holders.of(k)) == owners_of(indexes, k), f"step {step}"
     keys = prefix_keys(chain(2, 8), BS)
     depth = next((j for j, k in enumerate(keys) if not owners_of(indexes, k)), len(keys))
-    assert set(holders.deepest(keys, 99)) == {o for k in keys[:depth] for o in owners_of(indexes, k)}
+    assert set(holders.deepest(keys, 99, indexes)) == {o for k in keys[:depth] for o in owners_of(indexes, k)}
+    assert set(holders.deepest(keys, 99, {"p1"})) <= {"p1"}  # one role's: the others are not counted
 
 
 def test_eviction_keeps_holders_in_step_with_the_bounded_index() -> None:
@@ -69,7 +70,7 @@ def test_eviction_keeps_holders_in_step_with_the_bounded_index() -> None:
     idx.stored(None, [1, 2, 3, 4, 5], chain(1, 5), BS)
     assert len(idx) == 3 and len(holders) == 3
     assert [bool(holders.of(k)) for k in keys] == [False, False, True, True, True]
-    assert holders.deepest(keys, 8) == []  # the prompt's first block is gone: no holder walks it
+    assert holders.deepest(keys, 8, {"p0"}) == []  # the prompt's first block is gone: no holder walks it
 
 
 def test_a_detached_index_leaves_nothing_in_the_holders() -> None:
@@ -121,11 +122,13 @@ def test_removing_an_instance_removes_its_holdings(view: CacheView) -> None:
 
 def test_a_large_pool_sends_a_prompt_to_the_one_prefiller_holding_it_and_weighs_few(view: CacheView) -> None:
     prefillers, decoders = cluster(view, 200, 200)
+    view.opts.local_prefill_fraction = 1.1  # off: the decoders holding it would serve it alone
     doc = chain(5, 10)
     for p in prefillers:  # every prefiller holds the shared first block ...
         view.streams[p.id].index.stored(None, [1], doc[:BS], BS)
-    holder = prefillers[137]  # ... one holds the whole document
-    view.streams[holder.id].index.stored(1, list(range(2, 11)), doc[BS:], BS)
+    holder = prefillers[137]  # ... one holds the whole document, as do more decoders than are weighed
+    for inst in [holder, *decoders[:3 * cache.HOLDERS]]:
+        view.streams[inst.id].index.stored(None, list(range(1, 11)), doc, BS)
     walked = []
     cached = view.cached
 
