@@ -47,11 +47,13 @@ class Instance:
     _watch: Callable[[], None] | None = field(default=None, repr=False, compare=False)  # the registry's
 
     def __setattr__(self, name: str, value: object) -> None:
-        object.__setattr__(self, name, value)
-        if name in _USABILITY:
+        if name in _USABILITY and self.__dict__.get(name) != value:
+            object.__setattr__(self, name, value)
             watch = self.__dict__.get("_watch")
             if watch is not None:
                 watch()
+        else:
+            object.__setattr__(self, name, value)
 
     def counted(self, active: int, queued: int) -> None:
         """A leg started or ended on this instance (this process's counts, shared with its peers)."""
