@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 import psutil
-from discovery_bench import instances, until  # this script's folder is first on sys.path
 
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
@@ -254,7 +253,8 @@ def point(procs: Procs, reg: Registrar, etcd_port: int, target: str, secret_path
     return {"instances": n, "proxies": n_proxies, "join_to_routed_p50_s": round(statistics.median(joins), 3),
             "join_to_routed_p99_s": round(_pct(joins, 0.99), 3), "join_to_routed_max_s": round(max(joins), 3),
             "rounds": rounds, "proxy_cpu_cores_mean": round(statistics.mean(cpu), 4),
-            "proxy_cpu_cores_max": round(max(cpu), 4), "cpu_window_s": round(t1 - t0, 2),
+            "proxy_cpu_cores_max": round(max(cpu), 4),
+            "proxy_cpu_cores": [round(c, 4) for c in cpu], "cpu_window_s": round(t1 - t0, 2),
             "etcd_puts_per_instance_per_s": round(puts, 3),
             "etcd_proposals_per_instance_per_s": round(rates.get("etcd_server_proposals_committed_total", 0.0), 3)}
 
