@@ -33,7 +33,7 @@ import psutil
 from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.common.discovery_target import connect
+from kvferry.common.etcd import EtcdError
 from kvferry.common.netutil import free_port
 from kvferry.launcher import stores
 from kvferry.launcher.vllm_proc import die_with_parent
@@ -60,14 +60,19 @@ def _fake(i: int) -> m.InstanceRecord:
 async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None:
     target = disc.parse_target(target_text)
     key = secret.from_file(secret_path, "bench")
-    shared = connect(target, 3.0)  # one client for all (the traffic is the same as N clients')
     loop = asyncio.get_running_loop()
     live: dict[str, tuple[disc.Registration, asyncio.Event, asyncio.Task]] = {}
 
     async def add(rec: m.InstanceRecord, stagger: bool) -> float:
-        reg = disc.Registration(target, rec, key, ttl)
-        reg.etcd = shared
-        await reg.register()
+        reg = disc.Registration(target, rec, key, ttl)  # its own etcd client, as a sidecar has
+        for attempt in range(5):
+            try:
+                await reg.register()
+                break
+            except EtcdError:
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
         at = time.monotonic()
         stop = asyncio.Event()
 
@@ -93,6 +98,7 @@ async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None
                 stop.set()
                 await task
                 await reg.withdraw()
+                await reg.close()
                 conn.send(True)
             else:
                 break
@@ -101,7 +107,7 @@ async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None
             stop.set()
             task.cancel()
         await asyncio.gather(*(t for _, _, t in live.values()), return_exceptions=True)
-        await shared.close()
+        await asyncio.gather(*(reg.close() for reg, _, _ in live.values()), return_exceptions=True)
 
 
 def registrar_main(conn, target_text: str, secret_path: str, ttl: int) -> None:
@@ -263,7 +269,9 @@ def measure(quick: bool) -> dict:
     """Every point, and the headline keys (the largest point stands for "1000 x 10" in quick mode)."""
     sizes, proxies = ([10, 100], [1, 2]) if quick else ([10, 100, 1000], [1, 10])
     rounds, window = (3, 2.0) if quick else (10, 10.0)
-    work = Path(tempfile.mkdtemp(prefix="kvferry-scale-discovery-"))
+    # etcd's data on tmpfs where there is one: its fsyncs on this VM's disk would be what is measured
+    shm = Path("/dev/shm")
+    work = Path(tempfile.mkdtemp(prefix="kvferry-scale-discovery-", dir=shm if shm.is_dir() else None))
     procs = Procs(work)
     etcd = stores.start_etcd(work)
     reg = None
@@ -299,7 +307,8 @@ def measure(quick: bool) -> dict:
             f"/admin/instances (polled every {POLL_S * 1000:.0f} ms), {rounds} rounds per point. Proxy CPU: user+"
             f"system seconds per second of each proxy process over {window:g}s with the N instances renewing; "
             "etcd writes: etcd's own /metrics counters (mvcc puts, raft proposals) over the same window, divided "
-            "by N. On a 2-core VM shared with other work: noisy."),
+            "by N. etcd's data is on tmpfs (/dev/shm) where there is one. On a 2-core VM shared with other work: "
+            "noisy."),
         "points": points,
         "join_to_routed_p50_s_1000": top["join_to_routed_p50_s"],
         "join_to_routed_p99_s_1000": top["join_to_routed_p99_s"],
