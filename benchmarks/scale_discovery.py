@@ -42,6 +42,7 @@ from kvferry.testing.processes import wait_http
 ADMIN_KEY = "scale-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TTL_S = disc.DEFAULT_TTL_S  # kvferry join's default --lease-ttl
+REGISTRARS = 4  # processes holding the registrations (one Python loop cannot renew 1,000 every TTL/3 here)
 POLL_S = 0.05  # /admin/instances polls while timing a join (each lists every instance)
 
 
@@ -57,14 +58,26 @@ def _fake(i: int) -> m.InstanceRecord:
     return _record(f"fake-{i}", url, "decoder" if i % 4 == 3 else "prefiller", 20000)
 
 
-async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None:
+class _Counted(disc.Registration):
+    """A Registration that counts its lost leases (registered again: the registrar fell behind)."""
+
+    lost = 0
+
+    async def register(self) -> None:
+        if self.lease:
+            _Counted.lost += 1
+        await super().register()
+
+
+async def _registrar(conn, target_text: str, secret_path: str, ttl: int, shard: int, shards: int) -> None:
     target = disc.parse_target(target_text)
     key = secret.from_file(secret_path, "bench")
     loop = asyncio.get_running_loop()
     live: dict[str, tuple[disc.Registration, asyncio.Event, asyncio.Task]] = {}
+    grown = 0
 
     async def add(rec: m.InstanceRecord, stagger: bool) -> float:
-        reg = disc.Registration(target, rec, key, ttl)  # its own etcd client, as a sidecar has
+        reg = _Counted(target, rec, key, ttl)  # its own etcd client, as a sidecar has
         for attempt in range(5):
             try:
                 await reg.register()
@@ -86,11 +99,14 @@ async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None
     try:
         while True:
             cmd = await loop.run_in_executor(None, conn.recv)
-            if cmd[0] == "grow":  # fakes up to cmd[1]
-                have = sum(1 for k in live if k.startswith("fake-"))
-                for lo in range(have, cmd[1], 50):
-                    await asyncio.gather(*(add(_fake(i), True) for i in range(lo, min(lo + 50, cmd[1]))))
+            if cmd[0] == "grow":  # this shard's fakes up to cmd[1] in all
+                mine = [i for i in range(grown, cmd[1]) if i % shards == shard]
+                for lo in range(0, len(mine), 50):
+                    await asyncio.gather(*(add(_fake(i), True) for i in mine[lo:lo + 50]))
+                grown = max(grown, cmd[1])
                 conn.send(cmd[1])
+            elif cmd[0] == "lost":
+                conn.send(_Counted.lost)
             elif cmd[0] == "join":
                 conn.send(await add(_record(cmd[1], cmd[2]), False))
             elif cmd[0] == "leave":
@@ -110,19 +126,20 @@ async def _registrar(conn, target_text: str, secret_path: str, ttl: int) -> None
         await asyncio.gather(*(reg.close() for reg, _, _ in live.values()), return_exceptions=True)
 
 
-def registrar_main(conn, target_text: str, secret_path: str, ttl: int) -> None:
-    """The registrations' process (its own core share, as sidecars have theirs)."""
+def registrar_main(conn, target_text: str, secret_path: str, ttl: int, shard: int, shards: int) -> None:
+    """One of the registrations' processes (every `shards`-th fake instance, from `shard`)."""
     die_with_parent()
-    asyncio.run(_registrar(conn, target_text, secret_path, ttl))
+    asyncio.run(_registrar(conn, target_text, secret_path, ttl, shard, shards))
 
 
 class Registrar:
     """The registrar child, driven over a pipe."""
 
-    def __init__(self, target: str, secret_path: str, ttl: int) -> None:
+    def __init__(self, target: str, secret_path: str, ttl: int, shard: int = 0, shards: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=registrar_main, args=(child, target, secret_path, ttl), daemon=True)
+        self.proc = ctx.Process(target=registrar_main, args=(child, target, secret_path, ttl, shard, shards),
+                                daemon=True)
         self.proc.start()
 
     def ask(self, *cmd: Any, timeout: float = 120) -> Any:
@@ -224,7 +241,7 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def point(procs: Procs, reg: Registrar, etcd_port: int, target: str, secret_path: Path, stub: str, n: int,
+def point(procs: Procs, regs: list[Registrar], etcd_port: int, target: str, secret_path: Path, stub: str, n: int,
           n_proxies: int, rounds: int, window: float) -> dict:
     """One (instances, proxies) point: start the proxies, measure CPU and etcd writes over `window`
     seconds, then `rounds` joins of the stub; the proxies are stopped after."""
@@ -240,6 +257,8 @@ def point(procs: Procs, reg: Registrar, etcd_port: int, target: str, secret_path
         asyncio.run(_until_all(urls, lambda seen: sum(k.startswith("fake-") for k in seen) >= n, 120))
         time.sleep(1.0)  # the initial listing and first probes done
         pids = [p.pid for p in pxs]
+        lost0 = sum(r.ask("lost") for r in regs)
+        reg = regs[0]
         c0, e0, t0 = cpu_seconds(pids), etcd_counters(etcd_port), time.monotonic()
         time.sleep(window)
         c1, e1, t1 = cpu_seconds(pids), etcd_counters(etcd_port), time.monotonic()
@@ -253,6 +272,7 @@ def point(procs: Procs, reg: Registrar, etcd_port: int, target: str, secret_path
             joins.append(t_seen - t_put)
             reg.ask("leave", iid)
             asyncio.run(_until_all(urls, lambda seen, iid=iid: iid not in seen, 30))
+        lost = sum(r.ask("lost") for r in regs) - lost0
     finally:
         procs.stop(pxs)
     puts = rates.get("etcd_mvcc_put_total", rates.get("etcd_debugging_mvcc_put_total", 0.0))
@@ -261,7 +281,7 @@ def point(procs: Procs, reg: Registrar, etcd_port: int, target: str, secret_path
             "rounds": rounds, "proxy_cpu_cores_mean": round(statistics.mean(cpu), 4),
             "proxy_cpu_cores_max": round(max(cpu), 4),
             "proxy_cpu_cores": [round(c, 4) for c in cpu], "cpu_window_s": round(t1 - t0, 2),
-            "etcd_puts_per_instance_per_s": round(puts, 3),
+            "etcd_puts_per_instance_per_s": round(puts, 3), "leases_lost": lost,
             "etcd_proposals_per_instance_per_s": round(rates.get("etcd_server_proposals_committed_total", 0.0), 3)}
 
 
@@ -274,7 +294,7 @@ def measure(quick: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvferry-scale-discovery-", dir=shm if shm.is_dir() else None))
     procs = Procs(work)
     etcd = stores.start_etcd(work)
-    reg = None
+    regs: list[Registrar] = []
     points = []
     try:
         secret_path = work / "cluster.secret"
@@ -283,15 +303,21 @@ def measure(quick: bool) -> dict:
         sport = free_port()
         stub = procs.start("stub", ["-m", "kvferry.testing.stub_engine", "--port", str(sport)])
         wait_http(f"http://127.0.0.1:{sport}/health", stub, 30, work / "stub.log")
-        reg = Registrar(target, str(secret_path), TTL_S)
+        shards = 1 if quick else REGISTRARS
+        regs = [Registrar(target, str(secret_path), TTL_S, i, shards) for i in range(shards)]
         for n in sizes:
-            reg.ask("grow", n, timeout=300)
+            for r in regs:
+                r.conn.send(("grow", n))
+            for r in regs:
+                if not r.conn.poll(300):
+                    raise TimeoutError("registrar: grow")
+                r.conn.recv()
             for p in proxies:
-                points.append(point(procs, reg, etcd.port, target, secret_path, f"http://127.0.0.1:{sport}", n, p,
+                points.append(point(procs, regs, etcd.port, target, secret_path, f"http://127.0.0.1:{sport}", n, p,
                                     rounds, window))
     finally:
-        if reg is not None:
-            reg.stop()
+        for r in regs:
+            r.stop()
         procs.stop_all()
         etcd.stop()
         import shutil
@@ -301,13 +327,15 @@ def measure(quick: bool) -> dict:
         "method": (
             f"One real etcd, 1-{max(proxies)} kvferry proxies (--workers 1, cluster secret, --health-interval 3600 "
             "and --load-interval 0 so probes and scrapes of the unreachable instances do not dominate) and N "
-            f"instances registered by Registration objects in one registrar process (lease TTL {TTL_S}s: a "
+            f"instances registered by Registration objects in {shards} registrar process(es) (lease TTL {TTL_S}s: a "
             f"keepalive and a re-signed record every {TTL_S / 3:.2f}s each, phases spread). Join-to-routed: from "
             "etcd acknowledging a stub engine's registration until every proxy lists it healthy in "
             f"/admin/instances (polled every {POLL_S * 1000:.0f} ms), {rounds} rounds per point. Proxy CPU: user+"
             f"system seconds per second of each proxy process over {window:g}s with the N instances renewing; "
             "etcd writes: etcd's own /metrics counters (mvcc puts, raft proposals) over the same window, divided "
-            "by N. etcd's data is on tmpfs (/dev/shm) where there is one. On a 2-core VM shared with other work: "
+            "by N; leases_lost: registrations whose lease ran out because their registrar fell behind (this machine's "
+            "CPU, not kvferry's protocol). etcd's data is on tmpfs (/dev/shm) where there is one. "
+            "On a 2-core VM shared with other work: "
             "noisy."),
         "points": points,
         "join_to_routed_p50_s_1000": top["join_to_routed_p50_s"],

@@ -23,7 +23,6 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import transfer_bench  # this script's folder is first on sys.path
@@ -38,28 +37,50 @@ from kvferry.sender.kv_sender import KVSender, SenderConfig
 
 
 def decoder_main(conn, init_port: int, alloc_port: int, page: int, pages: int) -> None:
-    """A decoder: claims each transfer it is told of as soon as it arrives (in a thread each), and
-    answers (transfer id, when it was committed)."""
+    """A decoder: one thread loads what arrived as engine/pd/consumer.py polls (wait_any over the
+    transfers it expects, then a claim of each that arrived, which frees its pages), and answers
+    (transfer id, when it was committed)."""
     die_with_parent()
     torch.set_num_threads(1)
     buf = PDBuffer(page * pages, "cpu", page)
-    send_lock = threading.Lock()
+    pending: set[str] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
     with KVReceiver(ReceiverConfig("127.0.0.1", init_port, alloc_port, trust=zsock.PLAIN), buf,
-                    transfer_bench.fingerprint(page)) as r, ThreadPoolExecutor(80) as pool:
-        def claim(tid: str) -> None:
-            try:
-                with r.claim(tid, 30) as got:
-                    out: tuple = (tid, got.arrived_at)
-            except Exception as e:  # told to the prefiller, which fails the point
-                out = (tid, None, repr(e))
-            with send_lock:
-                conn.send(out)
+                    transfer_bench.fingerprint(page)) as r:
+        table = r.table
+
+        def load() -> None:
+            while not stop.is_set():
+                with lock:
+                    expected = list(pending)
+                if not expected:
+                    time.sleep(0.001)
+                    continue
+                table.wait_any(expected, 0.05)
+                for tid in expected:
+                    st = table.status(tid)
+                    if st == "pending":
+                        continue
+                    with lock:
+                        pending.discard(tid)
+                    try:
+                        with r.claim(tid, 0) as got:
+                            out: tuple = (tid, got.arrived_at)
+                    except Exception as e:  # told to the prefiller, which fails the point
+                        out = (tid, None, repr(e))
+                    conn.send(out)
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
         conn.send("ready")
         while True:
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
-            pool.submit(claim, cmd[1])
+            with lock:
+                pending.add(cmd[1])
+        stop.set()
+        loader.join(5)
 
 
 class Decoder:
@@ -218,8 +239,9 @@ def measure(quick: bool) -> dict:
             f"processes over real NIXL (UCX, CPU memory, loopback); each transfer is KVSender.send of "
             f"{cfg['chunks_per_transfer']} chunks of {cfg['chunk_bytes'] >> 10} KiB (alloc round trip, one WRITE "
             "with the notification), timed from the call to the decoder's commit; K transfers are kept in flight, "
-            "spread evenly over the decoders, each decoder claiming (and freeing) a transfer as soon as it "
-            "arrives. Aggregate throughput is all bytes over the span of the point. pd_buffer ops: reserve "
+            "spread evenly over the decoders, each decoder loading (and so freeing) what arrived as the vLLM "
+            "connector's consumer does (wait_any over the expected ids, then claims). Aggregate throughput is all "
+            "bytes over the span of the point. pd_buffer ops: reserve "
             "1-32 random pages / release a random reservation on a 4096-page PDBuffer held near each occupancy, "
             "single thread, per second of that thread's CPU time. On a 2-core VM shared with other work: noisy."),
         "points": points,
