@@ -13,6 +13,11 @@ Two engines, one view:
   that proxies re-read when it changes. The file is configuration, trusted as the command line
   is (its permissions protect it); ``kvferry join`` edits it under a lock.
 
+- ``k8s://NAMESPACE?selector=LABELS``: the pods the selector picks are the instances (their
+  labels and annotations say what each is: common/discovery_pods.py); proxies list and watch them
+  through the Kubernetes API (common/discovery_kube.py), whose RBAC decides who may add one. Pods
+  are registered by Kubernetes itself: ``kvferry join`` does not take it.
+
 The --discovery value (and etcd's TLS and users) is parsed in common/discovery_target.py.
 """
 
@@ -40,20 +45,36 @@ from kvferry.common.discovery_entries import (
     verify,
     write_entry,
 )
-from kvferry.common.discovery_target import DEFAULT_PREFIX, DiscoveryError, Target, connect, parse_target
+from kvferry.common.discovery_kube import KubeWatch
+from kvferry.common.discovery_target import (
+    DEFAULT_PREFIX,
+    DiscoveryError,
+    ReadOnlyDiscovery,
+    Target,
+    connect,
+    parse_target,
+)
 from kvferry.common.discovery_watch import EtcdWatch, OnChange
 from kvferry.common.etcd import EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
 
-__all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "Registration", "Rejected",
-           "Snapshot", "Target", "check_access", "drain_key", "edit_file", "fingerprint", "parse_target", "read_file",
-           "record_key", "set_drain", "sign", "verify", "write_entry"]
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "KubeWatch",
+           "ReadOnlyDiscovery", "Registration", "Rejected", "Snapshot", "Target", "check_access",
+           "check_registrable", "drain_key", "edit_file", "fingerprint", "parse_target", "read_file", "record_key",
+           "set_drain", "sign", "verify", "write_entry"]
 
 logger = get_logger(__name__)
 
 DEFAULT_TTL_S = 5
 MAX_FILE_BYTES = 4 << 20
+K8S_REGISTERS = ("in Kubernetes the pods are the registrations: give each the labels and annotations docs/deploy.md "
+                 "\"Discovery through Kubernetes\" lists")
+
+
+def check_registrable(target: Target, what: str) -> None:
+    if target.scheme == "k8s":
+        raise ReadOnlyDiscovery(f"{what} with --discovery {target}: {K8S_REGISTERS}")
 
 
 def fingerprint(model: str, dtype: str = "auto", layout: m.LayoutFingerprint | None = None) -> str:
@@ -171,6 +192,7 @@ class Registration:
 
     def __init__(self, target: Target, record: m.InstanceRecord, secret: ClusterSecret | None,
                  ttl: int = DEFAULT_TTL_S, timeout: float = 3.0) -> None:
+        check_registrable(target, "kvferry join")
         if ttl < 2:
             raise DiscoveryError(f"lease TTL {ttl}s: at least 2 seconds")
         self.target, self.record, self.secret, self.ttl = target, record, secret, ttl
@@ -275,6 +297,10 @@ async def set_drain(target: Target, secret: ClusterSecret | None, instance_id: s
     """Drain (or undrain) an instance for every proxy watching `target`. In etcd the mark drains
     the registration that counts now (bound to its lease, and held under it: it goes with it);
     undrain deletes it."""
+    if target.scheme == "k8s":
+        raise ReadOnlyDiscovery(f"cannot {'drain' if draining else 'undrain'} {instance_id} from a proxy with "
+                                f"--discovery {target} (it only reads pods): kubectl annotate pod {instance_id} -n "
+                                f"{target.namespace} kvferry.io/drain={'true' if draining else 'false'} --overwrite")
     if target.scheme == "file":
         def change(doc: dict) -> None:
             d = set(doc["drain"]) - {instance_id}

@@ -1,8 +1,9 @@
 """A --discovery value: which engine, where, and with what credentials (docs/deploy.md "Discovery").
 
-``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS) or ``file://PATH``. The query holds
-etcd's own security and the clock allowance, so one string serves the proxy's ``--discovery``,
-``kvferry join --discovery`` and ``kvferry up --discovery`` alike:
+``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS), ``file://PATH`` or
+``k8s://NAMESPACE[?QUERY]``. The query holds etcd's own security and the clock allowance, so one
+string serves the proxy's ``--discovery``, ``kvferry join --discovery`` and ``kvferry up
+--discovery`` alike:
 
 - ``cacert=FILE``: the CA that signed etcd's server certificate (else the system's);
   ``cert=FILE&key=FILE``: a client certificate for an etcd with ``--client-cert-auth``.
@@ -10,12 +11,22 @@ etcd's own security and the clock allowance, so one string serves the proxy's ``
   never the password itself (a command line and log lines show the URL).
 - ``clock_skew=SECONDS``: how far apart the machines' clocks may be (a record counts until its
   signed expiry plus this; default 1).
+
+``k8s://NAMESPACE`` (proxies only: Kubernetes registers the pods) takes its own query
+(common/discovery_pods.py says what makes a pod an instance):
+
+- ``selector=LABELS``: the pods' label selector, URL-encoded (default ``app.kubernetes.io/part-of=kvferry``);
+- ``kubeconfig=FILE`` and ``context=NAME``: a kubeconfig (else in a pod its ServiceAccount, else
+  ``$KUBECONFIG`` or ``~/.kube/config``); ``serviceaccount=DIR``: where a pod's token and CA are
+  mounted, when not at the usual place;
+- ``resync=SECONDS``: how often the pods are listed whole again (default 30).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import ssl
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
@@ -27,17 +38,28 @@ from kvferry.common.password_file import PasswordFileError, read_password_file
 DEFAULT_PREFIX = "/kvferry"
 DEFAULT_CLOCK_SKEW_S = 1.0
 QUERY_KEYS = ("cacert", "cert", "key", "user", "password_file", "clock_skew")
+K8S_QUERY_KEYS = ("selector", "kubeconfig", "context", "serviceaccount", "resync")
+DEFAULT_SELECTOR = "app.kubernetes.io/part-of=kvferry"
+DEFAULT_RESYNC_S = 30.0
+SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# A namespace is a DNS label (RFC 1123).
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class DiscoveryError(ConfigurationError, ValueError):
     """A bad --discovery value; the message names it and the fix."""
 
 
+class ReadOnlyDiscovery(DiscoveryError):
+    """A change kvferry does not write to this discovery (Kubernetes: the pods are the records);
+    the message names the command that makes it."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A parsed --discovery value."""
 
-    scheme: str  # "etcd" | "file"
+    scheme: str  # "etcd" | "file" | "k8s"
     endpoint: str = ""  # etcd: http://host:port (https:// for etcds://)
     prefix: str = DEFAULT_PREFIX  # etcd: the cluster's key prefix, no trailing slash
     path: str = ""  # file: the watched file
@@ -47,6 +69,12 @@ class Target:
     user: str = ""
     password: str = field(default="", repr=False)
     clock_skew: float = DEFAULT_CLOCK_SKEW_S
+    namespace: str = ""  # k8s: the pods' namespace
+    selector: str = DEFAULT_SELECTOR  # k8s: their label selector
+    kubeconfig: str = ""  # k8s: "" is in-cluster, else $KUBECONFIG or ~/.kube/config
+    context: str = ""
+    serviceaccount: str = SERVICEACCOUNT_DIR
+    resync: float = DEFAULT_RESYNC_S
 
     @property
     def host(self) -> str:
@@ -55,6 +83,8 @@ class Target:
     def __str__(self) -> str:
         if self.scheme == "file":
             return f"file://{self.path}"
+        if self.scheme == "k8s":
+            return f"k8s://{self.namespace} (pods {self.selector})"
         scheme = "etcds" if self.endpoint.startswith("https") else "etcd"
         return f"{scheme}://{self.endpoint.split('://', 1)[1]}{self.prefix}" + (f" as {self.user}" if self.user else "")
 
@@ -102,16 +132,54 @@ def _file_query(flag: str, query: dict[str, str], name: str) -> str:
     return os.path.abspath(path) if path else ""
 
 
+def _k8s_target(raw: str, flag: str) -> Target:
+    parts = urlsplit(raw)
+    shown = raw.split("?", 1)[0]
+    ns = parts.netloc
+    if not _NAMESPACE.fullmatch(ns) or parts.path.strip("/"):
+        raise DiscoveryError(f"{flag}: {shown!r} is not k8s://NAMESPACE (a namespace name: lowercase letters, "
+                             "digits and '-', at most 63)")
+    try:
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise DiscoveryError(f"{flag}: the query of {shown!r} is not NAME=VALUE&...") from None
+    query = dict(pairs)
+    bad = sorted({k for k, _ in pairs} - set(K8S_QUERY_KEYS)) + sorted(
+        {k for k, _ in pairs if sum(1 for kk, _ in pairs if kk == k) > 1})
+    if bad:
+        raise DiscoveryError(f"{flag}: ?{bad[0]}= in {shown!r} is unknown or repeated (known: "
+                             f"{', '.join(K8S_QUERY_KEYS)})")
+    selector = query.get("selector", DEFAULT_SELECTOR).strip()
+    if not selector or len(selector) > 4096:
+        raise DiscoveryError(f"{flag}: selector= must name the instances' labels, e.g. "
+                             f"selector={DEFAULT_SELECTOR} (URL-encode '=' as %3D where your shell needs it)")
+    try:
+        resync = float(query.get("resync", DEFAULT_RESYNC_S))
+    except ValueError:
+        resync = -1.0
+    if not (math.isfinite(resync) and 1 <= resync <= 3600):
+        raise DiscoveryError(f"{flag}: resync={query['resync']}: expected seconds from 1 to 3600")
+    kubeconfig = _file_query(flag, query, "kubeconfig")
+    if query.get("context") and not kubeconfig:
+        raise DiscoveryError(f"{flag}: context= picks a context of a kubeconfig: name it with kubeconfig=FILE")
+    return Target("k8s", namespace=ns, selector=selector, kubeconfig=kubeconfig, context=query.get("context", ""),
+                  serviceaccount=os.path.abspath(query["serviceaccount"]) if query.get("serviceaccount")
+                  else SERVICEACCOUNT_DIR, resync=resync)
+
+
 def parse_target(raw: str, flag: str = "--discovery") -> Target:
-    """``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS) or ``file://PATH``."""
+    """``etcd://HOST:PORT[/PREFIX][?QUERY]`` (``etcds://`` for TLS), ``file://PATH`` or
+    ``k8s://NAMESPACE[?QUERY]``."""
     parts = urlsplit(raw)
     if parts.scheme == "file":
         path = (parts.netloc + parts.path) if parts.netloc else parts.path
         if not path:
             raise DiscoveryError(f"{flag}: {raw!r} names no file: file:///path/to/cluster.yaml")
         return Target("file", path=os.path.abspath(path))
+    if parts.scheme == "k8s":
+        return _k8s_target(raw, flag)
     if parts.scheme not in ("etcd", "etcds"):
-        raise DiscoveryError(f"{flag}: {raw!r}: expected etcd://HOST:PORT/PREFIX or file://PATH")
+        raise DiscoveryError(f"{flag}: {raw!r}: expected etcd://HOST:PORT/PREFIX, file://PATH or k8s://NAMESPACE")
     shown = raw.split("?", 1)[0]
     if parts.password is not None or parts.username is not None:
         raise DiscoveryError(f"{flag}: no user or password in the URL's address (a command line and log lines show "
@@ -148,6 +216,7 @@ def parse_target(raw: str, flag: str = "--discovery") -> Target:
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else DEFAULT_PREFIX
     target = Target("etcd", f"{'https' if parts.scheme == 'etcds' else 'http'}://{host}:{port}", prefix,
-                    user=user, password=password, clock_skew=skew, **tls)
+                    user=user, password=password, clock_skew=skew, cacert=tls["cacert"], cert=tls["cert"],
+                    key=tls["key"])
     target.tls()  # a CA or client certificate that cannot be loaded fails here, naming the query key
     return target

@@ -249,6 +249,7 @@ async def _serve(args: argparse.Namespace, target: disc.Target, members: Member,
 def run(args: argparse.Namespace) -> int:
     try:
         target = disc.parse_target(args.discovery)
+        disc.check_registrable(target, "kvferry join")
         if args.lease_ttl < 2:
             raise JoinError(f"--lease-ttl {args.lease_ttl}: at least 2 seconds")
         advertise = advertised(args.bind_host, args.advertise_host, "kvferry join (--bind-host)")

@@ -114,9 +114,9 @@ def plan(args: argparse.Namespace) -> dict:
                 raise UpError("--discovery etcd: etcd not found: apt-get install etcd-server (`make etcd`), or "
                               "give a running one: --discovery etcd://HOST:PORT/PREFIX")
         else:
-            from kvferry.common.discovery import DiscoveryError, parse_target
+            from kvferry.common.discovery import DiscoveryError, check_registrable, parse_target
             try:
-                parse_target(args.discovery)
+                check_registrable(parse_target(args.discovery), "kvferry up")
             except DiscoveryError as e:
                 raise UpError(str(e)) from None
         if args.lease_ttl < 2:

@@ -130,13 +130,16 @@ class Admin:
 
     async def _set_drain(self, inst: Instance, draining: bool) -> Response:
         """A discovered instance is drained through discovery (etcd or the file), so every proxy
-        drains it; a static one on this proxy only."""
+        drains it; a static one on this proxy only; a Kubernetes pod by its annotation (409 says
+        the command)."""
         disc = self.ctx.router.discovery
         if inst.discovery_id is not None and disc is not None:
-            from kvferry.common.discovery import DiscoveryError
+            from kvferry.common.discovery import DiscoveryError, ReadOnlyDiscovery
             from kvferry.common.etcd import EtcdError
             try:
                 await disc.set_drain(inst, draining)
+            except ReadOnlyDiscovery as e:  # the proxy only reads pods: the error says what to run
+                raise ProxyError(409, str(e), "managed_by_kubernetes") from None
             except (EtcdError, DiscoveryError, OSError) as e:
                 raise ProxyError(503, f"cannot {'drain' if draining else 'undrain'} {inst.id} through "
                                       f"discovery: {e}", "discovery_unavailable") from None

@@ -320,9 +320,9 @@ class ProxyMetrics:
         self.discovery_instances = Gauge("kvferry_proxy_discovery_instances", "Instances in use from discovery",
                                          ["role"], registry=r, mode="livemax")
         # --workers N: the lowest, so that one worker cut off from etcd reads 0.
-        self.discovery_healthy = Gauge("kvferry_proxy_discovery_healthy", "1 while the --discovery source (etcd "
-                                       "or file) reads, 0 from a failed read until one works again (the last view "
-                                       "stays in use meanwhile)", ["source"], registry=r, mode="livemin")
+        self.discovery_healthy = Gauge("kvferry_proxy_discovery_healthy", "1 while the --discovery source (etcd, "
+                                       "Kubernetes or file) reads, 0 from a failed read until one works again (the "
+                                       "last view stays in use meanwhile)", ["source"], registry=r, mode="livemin")
         self.discovery_errors = Counter("kvferry_proxy_discovery_errors", "Failed reads of the --discovery source "
                                         "(etcd unreachable or refusing, a bad file), about one a second while it "
                                         "lasts", ["source"], registry=r)

@@ -63,7 +63,7 @@ class ProxyOptions:
     kv_events_stale_after: float = 10.0  # an event stream silent this long (probes unanswered) is ignored
     prefix_index_max_blocks: int = 200_000  # per instance; least recently used blocks are forgotten first
     # Discovery (docs/deploy.md "Discovery"): instances from etcd or a watched file, beside the static ones.
-    discovery: str | None = None  # etcd://HOST:PORT/PREFIX | file://PATH
+    discovery: str | None = None  # etcd://HOST:PORT/PREFIX | file://PATH | k8s://NAMESPACE
     discovery_model: str | None = None  # use only instances serving this model (default: the first seen)
     discovery_fingerprint: str | None = None  # ... with this layout fingerprint (default: the first seen)
     insecure_discovery: bool = False  # discovery beyond loopback without a cluster secret (not recommended)
@@ -179,10 +179,12 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("max_connections", "size", "client connections open at once, per process; one more is answered 503 with "
                                    "Retry-After and closed (default: half of `ulimit -n` beyond 64, after raising "
                                    "it toward the hard limit)"),
-    Opt("discovery", "str", "watch instances registered in etcd (kvferry join) or listed in a YAML/JSON file; "
-                            "etcds:// for TLS, and ?cacert=&cert=&key= (a client certificate), ?user=&password_file= "
-                            "(an etcd user) for etcd's own security (docs/deploy.md)",
-        {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH"}),
+    Opt("discovery", "str", "watch instances registered in etcd (kvferry join), listed in a YAML/JSON file, or "
+                            "the pods a label selector picks in a Kubernetes namespace; etcds:// for TLS, and "
+                            "?cacert=&cert=&key= (a client certificate), ?user=&password_file= (an etcd user) for "
+                            "etcd's own security; k8s:// takes ?selector=&kubeconfig=&context=&resync= "
+                            "(docs/deploy.md)",
+        {"metavar": "etcd://HOST:PORT/PREFIX|file://PATH|k8s://NAMESPACE"}),
     Opt("discovery_model", "str", "with --discovery: use only instances serving this model name (default: the "
                                   "model of the first instance seen)"),
     Opt("discovery_fingerprint", "str", "with --discovery: use only instances with this KV layout fingerprint "

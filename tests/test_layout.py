@@ -273,8 +273,9 @@ def test_tests_wait_for_conditions_with_tests_polling() -> None:
 
 
 # tests/ mirrors the library: a folder per layer (transfer = sender, receiver, buffer, kernels and the
-# PD engine), e2e for real-vLLM clusters; at its root only what checks the whole repository.
-TEST_FOLDERS = {"common", "proxy", "transfer", "engine", "controller", "launcher", "e2e"}
+# PD engine), e2e for real-vLLM clusters, deploy for deploy/ (manifests); at its root only what checks the
+# whole repository.
+TEST_FOLDERS = {"common", "proxy", "transfer", "engine", "controller", "launcher", "e2e", "deploy"}
 REPO_WIDE_TESTS = {"test_layout.py", "test_docs.py", "test_errors.py", "test_benchmarks_run.py"}
 
 

@@ -1,4 +1,5 @@
-"""The proxy's side of discovery: what etcd (or a watched file) says, applied to the Router.
+"""The proxy's side of discovery: what etcd, the Kubernetes API or a watched file says, applied to
+the Router.
 
 A new record becomes an instance (and its KV-event subscription) at once; a record that goes
 (withdrawn, or its lease ended) takes its instance, event stream and prefix index with it; a drain
@@ -71,9 +72,11 @@ class Discovery:
         # a join's time on every proxy).
         self._parsed: dict[str, tuple[m.InstanceRecord, InstanceSpec, tuple | None]] = {}
         self.changes = 0
-        self.source: disc.EtcdWatch | disc.FileWatch
+        self.source: disc.EtcdWatch | disc.FileWatch | disc.KubeWatch
         if self.target.scheme == "etcd":
             self.source = disc.EtcdWatch(self.target, secret, self.apply, self._rejected)
+        elif self.target.scheme == "k8s":
+            self.source = disc.KubeWatch(self.target, self.apply, self._rejected)
         else:
             self.source = disc.FileWatch(self.target, self.apply)
 

@@ -423,7 +423,7 @@ def test_discovery_join_help_and_errors() -> None:
     assert r.returncode == 2 and "cluster secret" in r.stderr and "--cluster-secret-file" in r.stderr
     r = subprocess.run([*kv, "--discovery", "zk://h:1", "--role", "decoder"], capture_output=True, text=True,
                        timeout=60, env=env)
-    assert r.returncode == 2 and "etcd://HOST:PORT/PREFIX or file://PATH" in r.stderr
+    assert r.returncode == 2 and "etcd://HOST:PORT/PREFIX, file://PATH or k8s://NAMESPACE" in r.stderr
 
 
 def test_discovery_needs_the_secret_beyond_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
