@@ -12,6 +12,7 @@ whole buffer fails at once.
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import threading
 import time
@@ -123,6 +124,9 @@ class PDBuffer:
         self._lock = threading.Lock()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: O(1) pop/push
         self._records: dict[int, _Record] = {}
+        # (deadline, rid) of every lease set; stale ones (released, re-set, READING) are skipped when
+        # they surface: a reserve finds what expired without scanning every reservation.
+        self._deadlines: list[tuple[float, int]] = []
         self._waiters: deque[_Waiter] = deque()
         self._rids = itertools.count(1)
         self._generation = 0
@@ -170,14 +174,35 @@ class PDBuffer:
         self._generation += 1
         res = Reservation(next(self._rids), self._generation, pages, owner)
         now = self._clock()
-        self._records[res.rid] = _Record(res, State.RESERVED, now + lease_seconds, lease_seconds, now)
+        rec = self._records[res.rid] = _Record(res, State.RESERVED, now + lease_seconds, lease_seconds, now)
+        self._push_deadline_locked(rec)
         self._stats.reservations += 1
         self._changed_locked()
         return res
 
+    def _push_deadline_locked(self, rec: _Record) -> None:
+        """Heap `rec`'s (new) deadline; rebuilt from the live records when stale entries outnumber them."""
+        if len(self._deadlines) > 2 * len(self._records) + 64:
+            self._deadlines = [(r.deadline, r.res.rid) for r in self._records.values() if r.state is not State.READING]
+            heapq.heapify(self._deadlines)
+        else:
+            heapq.heappush(self._deadlines, (rec.deadline, rec.res.rid))
+
+    def _earliest_locked(self) -> _Record | None:
+        """The expirable record with the earliest deadline (stale heap entries dropped on the way)."""
+        heap = self._deadlines
+        while heap:
+            deadline, rid = heap[0]
+            rec = self._records.get(rid)
+            if rec is not None and rec.deadline == deadline and rec.state is not State.READING:
+                return rec
+            heapq.heappop(heap)
+        return None
+
     def _reap_locked(self) -> None:
         now = self._clock()
-        for rec in [r for r in self._records.values() if r.state is not State.READING and r.deadline <= now]:
+        while (rec := self._earliest_locked()) is not None and rec.deadline <= now:
+            heapq.heappop(self._deadlines)
             logger.warning("lease of %s expired in state %s: %d pages returned",
                            rec.res.owner, rec.state.value, len(rec.res.pages))
             self._stats.leases_expired += 1
@@ -206,8 +231,8 @@ class PDBuffer:
             w.cond.notify()
 
     def _next_deadline_locked(self) -> float | None:
-        live = [r.deadline for r in self._records.values() if r.state is not State.READING]
-        return min(live) if live else None
+        rec = self._earliest_locked()
+        return None if rec is None else rec.deadline
 
     def reserve(self, n: int, owner: str, lease_seconds: float, timeout: float = 0.0) -> Reservation:
         """All `n` pages or none; waits FIFO up to `timeout` seconds (0: do not wait)."""
@@ -286,6 +311,7 @@ class PDBuffer:
             rec = self._live(res, State.RESERVED)
             rec.state = State.COMMITTED
             rec.deadline = self._clock() + (rec.lease_seconds if read_within is None else read_within)
+            self._push_deadline_locked(rec)
             self._stats.bytes_committed += len(res.pages) * self.page_bytes if nbytes is None else nbytes
 
     def extend(self, res: Reservation, read_within: float) -> bool:
@@ -298,6 +324,7 @@ class PDBuffer:
             except PDBufferError:
                 return False
             rec.deadline = max(rec.deadline, self._clock() + read_within)
+            self._push_deadline_locked(rec)
             return True
 
     def renew(self, res: Reservation, lease_seconds: float, max_hold: float) -> float | None:
@@ -311,6 +338,7 @@ class PDBuffer:
                 return None
             now = self._clock()
             rec.deadline = max(rec.deadline, min(now + lease_seconds, rec.created + max_hold))
+            self._push_deadline_locked(rec)
             return rec.deadline - now
 
     def begin_read(self, res: Reservation) -> list:

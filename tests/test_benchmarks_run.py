@@ -77,6 +77,18 @@ def test_proxy_bench_runs() -> None:
                for t in ("kvferry", "kvferry_decoder_first") for c in ("1", "4"))
 
 
+
+def test_scale_bench_quick_runs() -> None:
+    """The routing and index curves' shape checks (ratios, not times) pass on today's code."""
+    out = run_bench("benchmarks/scale_bench.py", "--quick", "--json", "--only", "routing,index")
+    assert out["ok"] and {c["name"] for c in out["checks"]} == {
+        "routing.routing_p99_ratio_1024_vs_16", "routing.proxy_cpu_ratio_1024_vs_2",
+        "index.index_bytes_per_block_spread", "index.bounded_rss_ratio_last_vs_first"}
+    assert [p["instances"] for p in out["curves"]["routing"]["points"]] == [2, 16, 128, 1024]
+    assert all(p["held_blocks"] == out["curves"]["index"]["bound_blocks"]
+               for p in out["curves"]["index"]["bounded_points"])
+    assert out["routing_p99_ratio_1024_vs_16"] > 0 and out["index_bytes_per_block_spread"] >= 1
+
 def test_trace_picture_draws_a_dumped_trace(tmp_path: Path) -> None:
     """benchmarks/trace_picture.py draws what kvferry.testing.otlp_receiver.dump writes (docs/trace.svg)."""
     from kvferry.testing.otlp_receiver import Span, dump

@@ -11,13 +11,21 @@ from dataclasses import dataclass
 from kvferry.common import zsock
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.routing.holders import Holders
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.registry import Instance, Pool
 
 # What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
 # (docs/proxy.md "Routing": cheaper than computing, not free).
 LOAD_COST = {GPU: 0.0, CPU: 0.1, DISK: 0.25}
+
+# Up to this many usable instances of a role, a route weighs every one of them. Above it, a route
+# weighs up to HOLDERS of them holding the longest runs of the prompt's blocks (Holders) and SAMPLE
+# others drawn at random ("power of d choices" on load): its cost stays flat as the cluster grows.
+SCAN_ALL_UP_TO = 32
+HOLDERS = 4
+SAMPLE = 4
 
 
 def effective(held: dict[str, int] | None) -> int:
@@ -54,6 +62,7 @@ class CacheView:
         self.opts, self.metrics = opts, metrics
         self.streams: dict[str, KVEventSubscription] = {}  # instance id -> its stream
         self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
+        self.holders = Holders()  # block -> the instances holding it, kept by the indexes `add` makes
 
     def add(self, inst: Instance) -> KVEventSubscription | None:
         ev = self.opts.kv_events.get(inst.url)
@@ -64,14 +73,18 @@ class CacheView:
         def count(result: str, n: int = 1, inst: Instance = inst) -> None:
             if not inst.removed:  # its series left with it
                 counter.labels(inst.id, result).inc(n)
-        stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1],
-                                     PrefixIndex(self.opts.prefix_index_max_blocks),
+        index = PrefixIndex(self.opts.prefix_index_max_blocks)
+        index.attach(self.holders, inst.id)
+        stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1], index,
                                      self.opts.kv_events_stale_after, count, self.trust)
         self.streams[inst.id] = stream
         return stream
 
     def remove(self, inst: Instance) -> KVEventSubscription | None:
-        return self.streams.pop(inst.id, None)
+        s = self.streams.pop(inst.id, None)
+        if s is not None:
+            s.index.detach()
+        return s
 
     def forget(self, inst: Instance) -> None:
         """The instance went down: whatever it held is gone."""
@@ -89,27 +102,56 @@ class CacheView:
         bs = s.index.block_size
         if bs is None:
             return {}
-        if bs not in keys:
-            # A full-prompt hit still computes one token: only blocks before the last token count.
-            keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
-        return s.index.cached(keys[bs])
+        return s.index.cached(prompt_keys(tokens, bs, keys))
+
+    def candidates(self, pool: Sequence[Instance], tokens: Sequence[int] | None,
+                   keys: dict[int, list[bytes]]) -> Sequence[Instance]:
+        """The instances of `pool` a route weighs: all of a small pool; of a large one, HOLDERS
+        holding the most of the prompt and SAMPLE others."""
+        if len(pool) <= SCAN_ALL_UP_TO:
+            return pool
+        by_id = pool.by_id if isinstance(pool, Pool) else {i.id: i for i in pool}
+        out: dict[str, Instance] = {}
+        if tokens is not None:
+            for bs in self.holders.block_sizes():
+                for owner in self.holders.deepest(prompt_keys(tokens, bs, keys), HOLDERS - len(out), by_id):
+                    out[owner] = by_id[owner]
+        for inst in random.sample(pool, SAMPLE):
+            out.setdefault(inst.id, inst)
+        return list(out.values())
 
     def describe(self, inst: Instance) -> dict | None:
         s = self.streams.get(inst.id)
         return None if s is None else s.describe()
 
 
-def choose(view: CacheView, opts: ProxyOptions, decoders: list[Instance], prefillers: list[Instance],
+def prompt_keys(tokens: Sequence[int], bs: int, keys: dict[int, list[bytes]]) -> list[bytes]:
+    """The prompt's block keys for blocks of `bs`, made once per route (`keys` keeps them)."""
+    out = keys.get(bs)
+    if out is None:
+        # A full-prompt hit still computes one token: only blocks before the last token count.
+        out = keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
+    return out
+
+
+def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], prefillers: Sequence[Instance],
            tokens: Sequence[int] | None, ntok: int) -> Route:
     """The cache-aware choice among usable instances (`decoders` non-empty; no prefillers: the
-    decoder serves the prompt alone)."""
+    decoder serves the prompt alone); above SCAN_ALL_UP_TO of a role, among its candidates."""
     keys: dict[int, list[bytes]] = {}
-    held = {d.id: view.cached(d, tokens, keys) for d in decoders}
-    dc = {i: None if h is None else effective(h) for i, h in held.items()}
+    decoders = view.candidates(decoders, tokens, keys)
+    prefillers = view.candidates(prefillers, tokens, keys) if prefillers else prefillers
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
-    # tokens; among equals, the one holding more of the prompt.
-    d = decoders[0] if len(decoders) == 1 else min(
-        decoders, key=lambda i: (i.load, round(i.kv_usage or 0.0, 1), i.all_queued, -(dc[i.id] or 0), random.random()))
+    # tokens; among equals, the one holding more of the prompt (only those equals' indexes are walked).
+    if len(decoders) == 1:
+        tied = decoders
+    else:
+        rank = [(i.load, round(i.kv_usage or 0.0, 1), i.all_queued) for i in decoders]
+        low = min(rank)
+        tied = [i for i, r in zip(decoders, rank, strict=True) if r == low]
+    held = {i.id: view.cached(i, tokens, keys) for i in tied}
+    dc = {i: None if h is None else effective(h) for i, h in held.items()}
+    d = tied[0] if len(tied) == 1 else min(tied, key=lambda i: (-(dc[i.id] or 0), random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
     if local or not prefillers:
         return Route(d, None, local or NO_PREFILLER, sum((held[d.id] or {}).values()))

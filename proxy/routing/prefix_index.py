@@ -6,7 +6,8 @@ medium: the GPU prefix cache ("GPU", vLLM's own events) and kvferry's offload ti
 A (medium, vLLM block hash) is mapped to our keys so a BlockRemoved can find what it removes. An
 event block of a coarser size (a kvferry chunk: `chunk_size` tokens, a multiple of vLLM's block
 size) is split into the index's blocks. The index is bounded (least recently stored or matched
-blocks go first): a block forgotten this way only costs routing quality.
+blocks go first): a block forgotten this way only costs routing quality. An index attached to the
+cluster's Holders keeps there which blocks it holds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Hashable, Sequence
 import xxhash
 
 from kvferry.common.hashing import token_bytes
+from kvferry.proxy.routing.holders import Holders
 
 ROOT = xxhash.xxh3_128_digest(b"kvferry-proxy-prefix")
 GPU, CPU, DISK = "GPU", "CPU", "DISK"
@@ -53,9 +55,36 @@ class PrefixIndex:
         self._blocks: OrderedDict[bytes, dict[str, Hashable]] = OrderedDict()  # our key -> medium -> vLLM hash
         self._by_vllm: dict[tuple[str, Hashable], list[bytes]] = {}  # (medium, vLLM hash) -> our keys
         self.orphans = 0  # stored blocks whose parent the index does not know (events missed)
+        self._holders: Holders | None = None
+        self._owner = ""
+
+    def attach(self, holders: Holders, owner: str) -> None:
+        """Keep `holders` told which blocks this index (instance `owner`) holds."""
+        self.detach()
+        self._holders, self._owner = holders, owner
+        for k in self._blocks:
+            holders.add(k, owner)
+        holders.sized(owner, self.block_size)
+
+    def detach(self) -> None:
+        """Out of the holders (the instance left): none of its blocks is found there again."""
+        h = self._holders
+        if h is not None:
+            for k in self._blocks:
+                h.drop(k, self._owner)
+            h.sized(self._owner, None)
+            self._holders = None
+
+    def _gone(self, key: bytes) -> None:
+        if self._holders is not None:
+            self._holders.drop(key, self._owner)
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether a block keyed `key` is held, in any medium."""
+        return key in self._blocks
 
     def _split(self, block_size: int, medium: str) -> int:
         """Index blocks per event block; sets (or, for a finer GPU block, resets) the index's size."""
@@ -63,6 +92,8 @@ class PrefixIndex:
             if self.block_size is not None:
                 self.clear()  # keys of another block size never match: start over
             self.block_size = block_size
+            if self._holders is not None:
+                self._holders.sized(self._owner, block_size)
         if block_size % self.block_size:
             raise ValueError(f"{medium} blocks of {block_size} tokens do not split into this instance's "
                              f"blocks of {self.block_size}")
@@ -92,13 +123,18 @@ class PrefixIndex:
             for j in range(sub):
                 start = (i * sub + j) * bs
                 prev = link(prev, tokens[start:start + bs])
-                entry = self._blocks.pop(prev, None) or {}
+                entry = self._blocks.pop(prev, None)
+                if entry is None:
+                    entry = {}
+                    if self._holders is not None:
+                        self._holders.add(prev, self._owner)
                 entry[m] = h  # a removal of an older hash for this medium then leaves it (see removed)
                 self._blocks[prev] = entry
                 keys.append(prev)
             self._by_vllm[(m, h)] = keys
         while len(self._blocks) > self.max_blocks:
             key, entry = self._blocks.popitem(last=False)
+            self._gone(key)
             for em, eh in entry.items():
                 self._unmap(em, eh)
         if len(self._by_vllm) > 4 * self.max_blocks + 1024:  # hashes whose keys were all re-stored under others
@@ -113,6 +149,7 @@ class PrefixIndex:
                 del entry[medium]
                 if not entry:
                     del self._blocks[k]
+                    self._gone(k)
 
     def removed(self, hashes: Sequence[Hashable], medium: str | None = None) -> None:
         """Apply a BlockRemoved: only that medium's copy goes."""
@@ -123,6 +160,9 @@ class PrefixIndex:
     def clear(self, medium: str | None = None) -> None:
         """Forget everything, or one medium's copies (vLLM's AllBlocksCleared: its GPU prefix cache)."""
         if medium is None:
+            if self._holders is not None:
+                for k in self._blocks:
+                    self._holders.drop(k, self._owner)
             self._blocks.clear()
             self._by_vllm.clear()
             return

@@ -17,6 +17,7 @@ from kvferry.proxy.metrics import Value
 from kvferry.proxy.multiproc.board import BoardFull, LoadBoard
 
 FAILS_TO_EJECT = 2  # consecutive failed health checks or connection errors
+_USABILITY = frozenset({"healthy", "draining"})  # the fields `usable` reads: a change rebuilds the pools
 
 
 @dataclass
@@ -43,6 +44,16 @@ class Instance:
     removed: bool = False
     in_flight_gauge: Value | None = field(default=None, repr=False, compare=False)  # its labelled gauge (the router's)
     _on_removed: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+    _watch: Callable[[], None] | None = field(default=None, repr=False, compare=False)  # the registry's
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _USABILITY and self.__dict__.get(name) != value:
+            object.__setattr__(self, name, value)
+            watch = self.__dict__.get("_watch")
+            if watch is not None:
+                watch()
+        else:
+            object.__setattr__(self, name, value)
 
     def counted(self, active: int, queued: int) -> None:
         """A leg started or ended on this instance (this process's counts, shared with its peers)."""
@@ -168,6 +179,15 @@ class Instance:
         return d
 
 
+class Pool(list[Instance]):
+    """The usable instances of one role, and the same by id: built when an instance comes, goes,
+    or changes health or drain, not per request (a route reads it; nobody changes it)."""
+
+    def __init__(self, members: list[Instance]) -> None:
+        super().__init__(members)
+        self.by_id = {i.id: i for i in members}
+
+
 class NoInstance(UnavailableError, RuntimeError):
     """No healthy instance of a role."""
 
@@ -179,7 +199,7 @@ class Registry:
     _rr: dict[str, itertools.count] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count())
     board: LoadBoard | None = None  # --workers N: load shared with the other workers
-
+    _pools: dict[str, Pool] = field(default_factory=dict)  # role -> its usable instances, while valid
 
     def add(self, spec: InstanceSpec) -> Instance:
         """A new instance; with a board, its row and id are the ones every worker uses for its URL.
@@ -199,19 +219,30 @@ class Registry:
                 inst = Instance(spec, f"{spec.role[0]}{n}", board=self.board, row=row)
                 inst.own_served, inst.own_errors = self.board.own_done(row)
         self.instances[inst.id] = inst
+        inst._watch = self._pools.clear
+        self._pools.clear()
         return inst
 
     def remove(self, iid: str) -> Instance:
         """Out of rotation and freed (`Instance.retire`)."""
         inst = self.instances.pop(iid)
+        inst._watch = None
+        self._pools.clear()
         inst.retire()
         return inst
 
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
+    def usable(self, role: str) -> Pool:
+        """The usable instances of `role` (healthy, not draining), kept between changes."""
+        pool = self._pools.get(role)
+        if pool is None:
+            pool = self._pools[role] = Pool([i for i in self.instances.values() if i.role == role and i.usable])
+        return pool
+
     def pick(self, role: str, affinity: str | None = None) -> Instance:
-        pool = [i for i in self.of(role) if i.usable]
+        pool = self.usable(role)
         if not pool:
             raise NoInstance(f"no healthy {role} available")
         if affinity is not None:
@@ -228,4 +259,4 @@ class Registry:
                    else (lambda i: (i.load, i.all_queued)))
 
     def ready(self) -> bool:
-        return any(i.usable for i in self.of("prefiller")) and any(i.usable for i in self.of("decoder"))
+        return bool(self.usable("prefiller")) and bool(self.usable("decoder"))

@@ -94,8 +94,8 @@ class Router:
         t0 = time.time_ns() if tracer is not None else 0
         affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
         if self.opts.policy == "cache" and not affinity:
-            decoders = [i for i in self.registry.of("decoder") if i.usable]
-            prefillers = [i for i in self.registry.of("prefiller") if i.usable]
+            decoders = self.registry.usable("decoder")
+            prefillers = self.registry.usable("prefiller")
             if not decoders:
                 raise ProxyError(503, "no healthy decoder available", "no_instance")
             r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
@@ -103,7 +103,7 @@ class Router:
             d = self.pick(request, "decoder")
             held = self.cache.cached(d, tokens, {})
             why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
-            if not why and not any(i.usable for i in self.registry.of("prefiller")):
+            if not why and not self.registry.usable("prefiller"):
                 why = NO_PREFILLER
             r = Route(d, None, why) if why else Route(d, self.pick(request, "prefiller"),
                                                       "affinity" if affinity else self.opts.policy)
@@ -129,8 +129,7 @@ class Router:
 
     def degraded(self) -> bool:
         """No prefiller is usable while a decoder is: decoders serve whole requests."""
-        return (not any(i.usable for i in self.registry.of("prefiller"))
-                and any(i.usable for i in self.registry.of("decoder")))
+        return not self.registry.usable("prefiller") and bool(self.registry.usable("decoder"))
 
     def refresh_degraded(self) -> None:
         self.metrics.degraded.set(1 if self.degraded() else 0)
@@ -168,7 +167,7 @@ class Router:
         try:
             inst = self.registry.pick(role, key)
             if exclude is not None and inst is exclude:
-                others = [i for i in self.registry.of(role) if i.usable and i is not exclude]
+                others = [i for i in self.registry.usable(role) if i is not exclude]
                 if not others:
                     raise NoInstance(f"no other healthy {role} to retry on")
                 inst = random.choice(others)
