@@ -89,6 +89,20 @@ def test_scale_bench_quick_runs() -> None:
                for p in out["curves"]["index"]["bounded_points"])
     assert out["routing_p99_ratio_1024_vs_16"] > 0 and out["index_bytes_per_block_spread"] >= 1
 
+
+def test_scale_bench_quick_discovery_and_transfer_run() -> None:
+    """The discovery curve (real etcd, proxies, registrations) and the transfer curve (real NIXL)
+    measure every point and pass their shape checks; the 1,000 x 10 key belongs to full runs only."""
+    pytest.importorskip("nixl", reason="the transfer curve needs NIXL")
+    out = run_bench("benchmarks/scale_bench.py", "--quick", "--json", "--only", "discovery,transfer")
+    assert out["ok"], [c for c in out["checks"] if not c["ok"]]
+    assert {c["name"] for c in out["checks"]} == {
+        "discovery.every_point_measured", "discovery.no_lease_lost", "transfer.transfer_ratio_64_vs_8"}
+    d = out["curves"]["discovery"]
+    assert "join_to_routed_p50_s_1000" not in d and d["join_to_routed_largest"]["instances"] == 100
+    assert all(p["join_to_routed_p50_s"] > 0 for p in d["points"])
+    assert out["transfer_ratio_64_vs_8"] > 0
+
 def test_trace_picture_draws_a_dumped_trace(tmp_path: Path) -> None:
     """benchmarks/trace_picture.py draws what kvferry.testing.otlp_receiver.dump writes (docs/trace.svg)."""
     from kvferry.testing.otlp_receiver import Span, dump
