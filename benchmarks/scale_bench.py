@@ -6,8 +6,9 @@ per curve (docs/benchmarks.md "Scale").
     python benchmarks/scale_bench.py --quick --json               # CI: shapes only, no plots
 
 Curves: routing (scale_routing.py), index (scale_index.py), discovery (scale_discovery.py),
-transfer (scale_transfer.py); `--only` picks some. `--quick` measures fewer and smaller points and checks each curve's
-SHAPE (ratios within bounds with slack, never absolute times); a failed check exits 1 naming it.
+transfer (scale_transfer.py); `--only` picks some. `--quick` measures fewer and smaller points
+and checks each curve's SHAPE (ratios within bounds with slack, never absolute times); a failed
+check exits 1 naming it.
 A module may add its own checks: "checks": [{"name": ..., "ok": bool, "detail": ...}].
 `--plots DIR` writes DIR/scale_<curve>.png (default docs/; none with --quick unless given).
 """
@@ -68,11 +69,7 @@ def plot_routing(plt, r: dict):
         b.plot([p["instances"] for p in e2e], [p["proxy_cpu_us_per_request"] for p in e2e], marker="s",
                label="end to end (stub engines)")
     b.set_ylabel("proxy CPU per request (us)")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("instances")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+    _axes((a, b), "instances", base=2)
     fig.suptitle("Routing cost against cluster size")
     return fig
 
@@ -101,43 +98,44 @@ def plot_index(plt, r: dict):
     return fig
 
 
-def plot_discovery(plt, r: dict):
-    pts = [p for p in r["points"] if "error" not in p]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for n_proxies in sorted({p["proxies"] for p in pts}):
-        mine = sorted((p for p in pts if p["proxies"] == n_proxies), key=lambda p: p["instances"])
-        xs = [p["instances"] for p in mine]
-        a.plot(xs, [p["join_to_routed_p50_s"] for p in mine], marker="o", label=f"p50, {n_proxies} proxies")
-        a.plot(xs, [p["join_to_routed_p99_s"] for p in mine], marker="o", linestyle="--",
-               label=f"p99, {n_proxies} proxies")
-        b.plot(xs, [p["proxy_cpu_cores_mean"] * 100 for p in mine], marker="o", label=f"{n_proxies} proxies")
-    a.set_ylabel("join to routed by every proxy (s)")
-    b.set_ylabel("CPU of each proxy, idle cluster (% of a core)")
-    for ax in (a, b):
-        ax.set_xscale("log")
-        ax.set_xlabel("registered instances")
+def _series(pts: list[dict], by: str, x: str):
+    """(series value, its points sorted by `x`) for each value of `by`, in order."""
+    for v in sorted({p[by] for p in pts}):
+        yield v, sorted((p for p in pts if p[by] == v), key=lambda p: p[x])
+
+
+def _axes(axes, xlabel: str, base: int = 10) -> None:
+    for ax in axes:
+        ax.set_xscale("log", base=base)
+        ax.set_xlabel(xlabel)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
+
+
+def plot_discovery(plt, r: dict):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for n, mine in _series([p for p in r["points"] if "error" not in p], "proxies", "instances"):
+        xs = [p["instances"] for p in mine]
+        a.plot(xs, [p["join_to_routed_p50_s"] for p in mine], marker="o", label=f"p50, {n} proxies")
+        a.plot(xs, [p["join_to_routed_p99_s"] for p in mine], marker="o", linestyle="--", label=f"p99, {n} proxies")
+        b.plot(xs, [p["proxy_cpu_cores_mean"] * 100 for p in mine], marker="o", label=f"{n} proxies")
+    a.set_ylabel("join to routed by every proxy (s)")
+    b.set_ylabel("CPU of each proxy, idle cluster (% of a core)")
+    _axes((a, b), "registered instances")
     fig.suptitle("Discovery through etcd against registered instances")
     return fig
 
 
 def plot_transfer(plt, r: dict):
-    pts = r["points"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for fan in sorted({p["decoders"] for p in pts}):
-        mine = sorted((p for p in pts if p["decoders"] == fan), key=lambda p: p["in_flight"])
+    for fan, mine in _series(r["points"], "decoders", "in_flight"):
         xs = [p["in_flight"] for p in mine]
         label = f"{fan} decoder{'s' if fan > 1 else ''}"
         a.plot(xs, [p["aggregate_gbps"] for p in mine], marker="o", label=label)
         b.plot(xs, [p["p99_ms"] for p in mine], marker="o", label=label)
     a.set_ylabel("aggregate throughput (GB/s)")
     b.set_ylabel("per-transfer p99 (ms)")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("transfers in flight (one prefiller)")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+    _axes((a, b), "transfers in flight (one prefiller)", base=2)
     fig.suptitle(f"Transfers in flight, {r['chunks_per_transfer']} x {r['chunk_bytes'] >> 10} KiB each (real NIXL)")
     return fig
 

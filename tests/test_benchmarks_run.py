@@ -103,6 +103,7 @@ def test_scale_bench_quick_discovery_and_transfer_run() -> None:
     assert all(p["join_to_routed_p50_s"] > 0 for p in d["points"])
     assert out["transfer_ratio_64_vs_8"] > 0
 
+
 def test_trace_picture_draws_a_dumped_trace(tmp_path: Path) -> None:
     """benchmarks/trace_picture.py draws what kvferry.testing.otlp_receiver.dump writes (docs/trace.svg)."""
     from kvferry.testing.otlp_receiver import Span, dump
