@@ -184,8 +184,7 @@ _PREFIXES = ("lmcache.", "kvferry.")
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
 REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES, "mooncakestore")
 LMCACHE_ONLY_SCHEMES = ("infinistore",)
-SERDES = ("naive", "zstd")
-LMCACHE_ONLY_SERDES = ("cachegen",)
+SERDES = ("naive", "zstd", "cachegen")
 # Keys LMCache knows that kvferry accepts for drop-in use but does not act on, and why; each one a
 # config sets is logged once per process (load_config).
 IGNORED_KEYS: dict[str, str] = {
@@ -366,8 +365,8 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         if scheme not in REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES:
             raise err("remote_url", f"scheme {scheme!r} is not one of "
                       f"{', '.join(REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES)}")
-    if c.remote_serde not in SERDES + LMCACHE_ONLY_SERDES:
-        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES + LMCACHE_ONLY_SERDES)}")
+    if c.remote_serde not in SERDES:
+        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES)}")
     for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
                 "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time",
                 "lmcache_worker_heartbeat_timeout"):

@@ -62,7 +62,7 @@ class OffloadCopier:
         if cfg.remote_url:
             lay = kv.layout
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
-                                                       layout_digest))
+                                                       layout_digest, lay.name, lay.block_size))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
                                      secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg),
                                      mooncake=mooncake_settings.from_config(cfg))

@@ -1,0 +1,137 @@
+"""The cachegen codec (engine/remote/cachegen.py) and its serde format: a round trip within the
+quantization's bound for every layer, anchors and deltas where the KV is smooth, LMCache's
+per-layer bins, and a damaged, truncated or foreign payload refused before anything is written."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvferry.engine.remote import cachegen as cg
+from kvferry.engine.remote.serde import ChunkShape, Serde, SerdeError
+from kvferry.kernels.layout import KVLayout
+
+LAYERS, HEADS, HEAD, BS = 4, 2, 16, 16
+
+
+def shape(layout: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> ChunkShape:
+    heads = 1 if layout == "mla" else HEADS
+    return ChunkShape(dtype, LAYERS, heads, HEAD, b"L" * 16, layout, BS)
+
+
+def chunk(s: ChunkShape, tokens: int, seed: int = 0, smooth: bool = False) -> torch.Tensor:
+    """A flat "block" chunk whose K/V (or latent) views hold random (or slowly drifting) values."""
+    nblk = -(-tokens // BS)
+    lay = KVLayout(s.layout, nblk, BS, s.num_kv_heads, HEAD, s.dtype)
+    out = torch.zeros(LAYERS * lay.chunk_nbytes("block", 1, tokens), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    for v in s.kv_groups(out, tokens):
+        n = v.shape[0] * v.shape[1]
+        if smooth:
+            x = torch.randn(1, v.shape[2], HEAD, generator=g) * 4 + torch.cumsum(
+                torch.randn(n, v.shape[2], HEAD, generator=g) * 0.02, 0)
+        else:
+            x = torch.randn(n, v.shape[2], HEAD, generator=g) * (1 + torch.rand(1, v.shape[2], HEAD, generator=g))
+        v.copy_(x.view(v.shape))
+    return out
+
+
+def groups(s: ChunkShape, c: torch.Tensor, tokens: int) -> list[torch.Tensor]:
+    return [v.reshape(-1, v.shape[2] * v.shape[3])[:tokens].float() for v in s.kv_groups(c, tokens)]
+
+
+def roundtrip(serde: Serde, c: torch.Tensor, tokens: int) -> torch.Tensor:
+    head, payload = serde.encode(c, tokens)
+    return serde.decode(head, bytes(payload), tokens, c.numel())
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_nhd", "flash_hnd", "mla"])
+def test_cachegen_round_trip_is_within_each_layers_quantization_bound(layout: str) -> None:
+    s = shape(layout)
+    serde = Serde("cachegen", s)
+    tokens = 3 * BS - 5  # a partly filled last block
+    c = chunk(s, tokens)
+    back = roundtrip(serde, c, tokens)
+    assert serde.bins is not None
+    for want, got, bins in zip(groups(s, c, tokens), groups(s, back, tokens), serde.bins.per_group, strict=True):
+        # Half a step of the channel's scale, plus the bf16 rounding of the result.
+        step = want.abs().amax(0) / (bins // 2 - 1)
+        assert bool(((got - want).abs() <= step / 2 + want.abs() / 128 + 1e-6).all())
+        assert float((got - want).norm() / want.norm()) < (0.15 if bins == 16 else 0.08)
+    for v in s.kv_groups(back, tokens):  # the padding of the last block is not stored: zeros
+        assert not v.reshape(-1, v.shape[2], v.shape[3])[tokens:].any()
+
+
+def test_a_full_cachegen_chunk_is_over_3_5x_smaller_than_naive() -> None:
+    """Normal values (a random-weight model's KV is close to that); real KV is in the benchmark."""
+    s = shape()
+    tokens = 256
+    c = chunk(s, tokens)
+    head, payload = Serde("cachegen", s).encode(c, tokens)
+    naive_head, naive = Serde("naive", s).encode(c, tokens)
+    assert (len(naive_head) + len(naive)) / (len(head) + len(payload)) > 3.5
+
+
+def test_cachegen_codes_smooth_kv_as_anchors_and_deltas_and_random_kv_directly() -> None:
+    s = shape()
+    tokens = 4 * BS
+    smooth, rough = chunk(s, tokens, smooth=True), chunk(s, tokens)
+    serde = Serde("cachegen", s)
+    _, ps = serde.encode(smooth, tokens)
+    _, pr = serde.encode(rough, tokens)
+    modes = lambda p: [bytes(p)[4 + 2 * i + 1] for i in range(2 * LAYERS)]  # noqa: E731
+    assert modes(ps) == [1] * (2 * LAYERS) and modes(pr) == [0] * (2 * LAYERS)
+    back = roundtrip(serde, smooth, tokens)
+    for want, got in zip(groups(s, smooth, tokens), groups(s, back, tokens), strict=True):
+        # The deltas span far less than the values: the error is a small part of the spread.
+        assert float((got - want).abs().max() / want.abs().max()) < 0.01
+
+
+def test_cachegen_bins_follow_lmcache_for_32_layers_and_scale_with_depth() -> None:
+    b = cg.Bins.for_model(32, 2).per_group
+    assert b[0::2] == (32,) * 10 + (16,) * 22 and b[1::2] == (32,) * 2 + (16,) * 30
+    assert cg.Bins.for_model(4, 2).per_group == (32, 32, 16, 16, 16, 16, 16, 16)
+    assert cg.Bins.for_model(4, 1).per_group == (32, 16, 16, 16)  # MLA's latent follows K's schedule
+    with pytest.raises(ValueError, match="from 4 to 64"):
+        cg.Bins.for_model(4, 2, key=(128, 16))
+
+
+def test_a_damaged_or_truncated_cachegen_chunk_is_refused() -> None:
+    s = shape()
+    tokens = 2 * BS
+    serde = Serde("cachegen", s)
+    c = chunk(s, tokens)
+    head, payload = serde.encode(c, tokens)
+    p = bytearray(payload)
+    p[len(p) // 2] ^= 0x10
+    with pytest.raises(SerdeError, match="checksum"):
+        serde.decode(head, bytes(p), tokens, c.numel())
+    with pytest.raises(SerdeError):
+        serde.decode(head, bytes(payload)[:-7], tokens, c.numel())
+    # Past the checksum (a store that rewrote the header too): the codec's own checks refuse it.
+    for cut in (2, 4 + 2 * 2 * LAYERS + 8, len(payload) - 9):
+        with pytest.raises(cg.CodecError):
+            cg.decode(bytes(payload)[:cut], tokens, HEADS * HEAD, 2 * LAYERS, 2, lambda i, y: None)
+    bad_scale = bytearray(payload)
+    bad_scale[4 + 4 * LAYERS:4 + 4 * LAYERS + 4] = struct.pack("<f", float("nan"))
+    with pytest.raises(cg.CodecError, match="not finite"):
+        cg.decode(bytes(bad_scale), tokens, HEADS * HEAD, 2 * LAYERS, 2, lambda i, y: None)
+
+
+def test_a_newer_cachegen_codec_version_is_refused_naming_the_upgrade() -> None:
+    s = shape()
+    tokens = BS
+    c = chunk(s, tokens)
+    _, payload = Serde("cachegen", s).encode(c, tokens)
+    newer = bytes([cg.CODEC_VERSION + 1]) + bytes(payload)[1:]
+    with pytest.raises(cg.CodecError, match="upgrade kvferry"):
+        cg.decode(newer, tokens, HEADS * HEAD, 2 * LAYERS, 2, lambda i, y: None)
+
+
+def test_cachegen_refuses_a_cache_it_cannot_quantize() -> None:
+    from kvferry.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use naive or zstd"):
+        Serde("cachegen", shape(dtype=torch.float8_e4m3fn))
