@@ -98,6 +98,19 @@ class KVLayout:
             return t[0], t[1]
         return t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)
 
+    def chunk_kv(self, chunk: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """A flat uint8 "block" chunk of `num_blocks` blocks as one view of every layer's K and V
+        (or latent): [layers, kv_planes, num_blocks, block_size, kv_heads, head_size]."""
+        nb, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        t = chunk.view(self.dtype)
+        if self.name == "mla":
+            return t.view(num_layers, 1, nb, bs, 1, d)
+        if self.name == "cpu":
+            return t.view(num_layers, nb, h, 2, bs, d).permute(0, 3, 1, 4, 2, 5)
+        if self.name == "flash_nhd":
+            return t.view(num_layers, 2, nb, bs, h, d)
+        return t.view(num_layers, 2, nb, h, bs, d).permute(0, 1, 2, 4, 3, 5)
+
     def block_planes(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The layer as `planes` tensors whose dim 0 is the block index."""
         return [t] if self.planes == 1 else [t[0], t[1]]

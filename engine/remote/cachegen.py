@@ -30,7 +30,6 @@ on the GPU (zstd itself runs on the CPU).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ from kvferry.common.errors import BadDataError
 CODEC_VERSION = 1
 ANCHOR_RUN = 16  # tokens per anchor in a delta-coded group
 ANCHOR_BINS = 255  # the anchors' own quantization (8 bits)
+SAMPLE_RUNS = 4  # runs of ANCHOR_RUN tokens the choice between anchors and direct coding looks at
 MIN_BINS, MAX_BINS = 4, 64
 # LMCache's CacheGen setting for 32-layer models (K: 10 layers at 32 bins, the rest at 16;
 # V: 2 layers at 32 bins, the rest at 16), scaled to other depths by fraction of the layers.
@@ -90,107 +90,128 @@ def _levels(bins: int) -> int:
     return bins // 2 - 1
 
 
-def _packed(bins: int) -> bool:
-    return 2 * _levels(bins) + 1 <= 16
+def packs(bins: int, head_size: int) -> bool:
+    """Two symbols a byte: the low nibble codes a channel of the first half of a head, the high
+    one the same channel of the second half (so each half dequantizes in one pass, no interleave)."""
+    return 2 * _levels(bins) + 1 <= 16 and head_size % 2 == 0
 
 
-def _sym_bytes(bins: int, n: int) -> int:
-    return (n + 1) // 2 if _packed(bins) else n
+def _ranges(bins: list[int], head_size: int) -> list[tuple[int, int, bool]]:
+    """Runs of layers [a, b) of one kind whose groups share a packing: each is coded in one pass."""
+    out: list[tuple[int, int, bool]] = []
+    for layer, b in enumerate(bins):
+        p = packs(b, head_size)
+        if out and out[-1][2] == p:
+            out[-1] = (out[-1][0], layer + 1, p)
+        else:
+            out.append((layer, layer + 1, p))
+    return out
 
 
-def _quantize(y: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(symbols in [0, 2L] as uint8, per-channel scale float32) of a [T, C] float32 matrix."""
-    amax = y.abs().amax(0)
-    scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
-    q = torch.round(y / scale).clamp_(-levels, levels).add_(levels).to(torch.uint8)
-    return q, scale
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude over dim 2 (the tokens) of a [layers, kinds, tokens, heads, dim] tensor
+    (faster than torch.aminmax on CPU, measured)."""
+    return x.abs().amax(2)
 
 
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    flat = q.reshape(-1)
-    if flat.numel() % 2:
-        flat = torch.cat([flat, flat.new_zeros(1)])
-    return flat[0::2] | (flat[1::2] << 4)
-
-
-def _unpack(b: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.stack((b & 15, b >> 4), dim=-1).reshape(-1)[:n]
-
-
-def encode(groups: list[torch.Tensor], bins: Bins, kinds: int) -> bytes:
-    """The payload for `groups`: each a [tokens, channels] matrix of one layer's K or V (or latent)."""
+def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
+    """The payload for `kv`, every layer's K and V (or MLA latent) as one [layers, kinds, blocks,
+    block_size, kv_heads, head_size] view, of which the first `tokens` token slots hold KV. The
+    rest of the last block (padding vLLM never reads) is coded as zeros (or its run's anchor)."""
     import zstandard
 
-    if len(groups) != len(bins.per_group):
-        raise ValueError(f"{len(groups)} groups, {len(bins.per_group)} bin settings")
-    modes, scales, anchor_parts, syms = bytearray(), [], [], []
-    for g, b in zip(groups, bins.per_group, strict=True):
-        x = g.float()
-        t = x.shape[0]
-        anchors = x[::ANCHOR_RUN]
-        delta = x - anchors.repeat_interleave(ANCHOR_RUN, dim=0)[:t]
-        use_delta = t > 1 and bool(delta.abs().amax(0).sum() < x.abs().amax(0).sum())
-        if use_delta:
-            aq, ascale = _quantize(anchors, _levels(ANCHOR_BINS))
-            # The deltas are taken from the anchors as the decoder will see them.
-            back = (aq.float() - _levels(ANCHOR_BINS)) * ascale
-            delta = x - back.repeat_interleave(ANCHOR_RUN, dim=0)[:t]
-            anchor_parts += [ascale.cpu().numpy().tobytes(), aq.cpu().numpy().tobytes()]
-        q, scale = _quantize(delta if use_delta else x, _levels(b))
-        modes += bytes((b, _MODE_DELTA if use_delta else _MODE_DIRECT))
-        scales.append(scale)
-        syms.append(_pack(q) if _packed(b) else q.reshape(-1))
-    stream = torch.cat(syms).cpu().numpy()
-    frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(stream.data)
-    head = _HEAD.pack(CODEC_VERSION, kinds, len(groups)) + bytes(modes)
-    return b"".join([head, torch.cat(scales).cpu().numpy().tobytes(), *anchor_parts, frame])
+    layers, kinds, nb, bs, h, d = kv.shape
+    if layers * kinds != len(bins.per_group):
+        raise ValueError(f"{layers * kinds} groups, {len(bins.per_group)} bin settings")
+    slots = nb * bs
+    x = kv.reshape(layers, kinds, slots, h, d).float()  # a copy: the padding is overwritten
+    x[:, :, tokens:] = 0
+    amax = _amax(x[:, :, :tokens])
+    levels = torch.tensor([_levels(b) for b in bins.per_group], dtype=torch.float32).view(layers, kinds, 1, 1)
+    delta_groups = torch.zeros(layers, kinds, dtype=torch.bool)
+    anchor_parts: list[bytes] = []
+    if tokens > ANCHOR_RUN:
+        # Which groups deltas pay for, judged on the first runs (the choice needs no exact maxima).
+        sample = x[:, :, :min(tokens, SAMPLE_RUNS * ANCHOR_RUN)]
+        runs = sample.unflatten(2, (-1, ANCHOR_RUN)) if sample.shape[2] % ANCHOR_RUN == 0 else None
+        if runs is not None:
+            spread = _amax((runs - runs[:, :, :, :1]).flatten(2, 3))
+            delta_groups = spread.sum((-1, -2)) < _amax(sample).sum((-1, -2))
+    if bool(delta_groups.any()):
+        al = _levels(ANCHOR_BINS)
+        anchors = x[:, :, ::ANCHOR_RUN]
+        ascale = _amax(anchors)
+        ascale = torch.where(ascale > 0, ascale / al, torch.ones_like(ascale))
+        aq = torch.round(anchors / ascale.unsqueeze(2)).add_(al).to(torch.uint8)
+        # The deltas are taken from the anchors as the decoder will see them.
+        back = ((aq.float() - al) * ascale.unsqueeze(2)).repeat_interleave(ANCHOR_RUN, dim=2)[:, :, :slots]
+        for layer, kind in delta_groups.nonzero().tolist():
+            x[layer, kind] -= back[layer, kind]
+            x[layer, kind, tokens:] = 0
+            amax[layer, kind] = _amax(x[layer, kind, :tokens].unsqueeze(0).unsqueeze(0))[0, 0]
+            anchor_parts += [ascale[layer, kind].numpy().tobytes(), aq[layer, kind].numpy().tobytes()]
+    scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+    # |x| <= amax = L * scale: rounding cannot leave [-L, L], so no clamp.
+    q = torch.round(x.mul_((1 / scale).unsqueeze(2))).add_(levels.unsqueeze(2)).to(torch.uint8)
+    syms = []
+    for kind in range(kinds):
+        for lo, hi, packed in _ranges(list(bins.per_group[kind::kinds]), d):
+            part = q[lo:hi, kind]
+            syms.append((part[..., :d // 2] | (part[..., d // 2:] << 4)).reshape(-1) if packed else part.reshape(-1))
+    frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(torch.cat(syms).numpy().data)
+    modes = bytes(v for b, m in zip(bins.per_group, delta_groups.reshape(-1).tolist(), strict=True)
+                  for v in (b, _MODE_DELTA if m else _MODE_DIRECT))
+    head = _HEAD.pack(CODEC_VERSION, kinds, layers * kinds) + modes
+    return b"".join([head, scale.numpy().tobytes(), *anchor_parts, frame])
 
 
-def decode(payload: bytes | memoryview, tokens: int, channels: int, ngroups: int, kinds: int,
-           sink: Callable[[int, torch.Tensor], None], device: torch.device | str = "cpu") -> None:
-    """Decode each group to a [tokens, channels] float32 tensor on `device`, handed to
-    `sink(group, values)` (which stores it); CodecError for a payload that cannot be this chunk's,
-    raised before `sink` is first called."""
+def decode(payload: bytes | memoryview, tokens: int, out: torch.Tensor) -> None:
+    """Decode into `out`, a writable [layers, kinds, blocks, block_size, kv_heads, head_size] view.
+    CodecError for a payload that cannot be this chunk's, raised before anything is written."""
     import zstandard
 
     mv = memoryview(payload).cast("B")
+    layers, kinds, nb, bs, h, d = out.shape
+    n, slots, channels = layers * kinds, nb * bs, h * d
     if len(mv) < _HEAD.size:
         raise CodecError("truncated cachegen header")
-    version, their_kinds, n = _HEAD.unpack_from(mv)
+    version, their_kinds, their_n = _HEAD.unpack_from(mv)
     if version != CODEC_VERSION:
         raise CodecError(f"cachegen codec v{version}; this reader decodes v{CODEC_VERSION}: "
                          f"{'upgrade kvferry' if version > CODEC_VERSION else 'written by an older kvferry'}")
-    if their_kinds != kinds or n != ngroups:
-        raise CodecError(f"{n} groups of {their_kinds} planes per layer, expected {ngroups} of {kinds}")
+    if their_kinds != kinds or their_n != n:
+        raise CodecError(f"{their_n} groups of {their_kinds} planes per layer, expected {n} of {kinds}")
     pos = _HEAD.size
     if len(mv) < pos + 2 * n:
         raise CodecError("truncated cachegen group table")
     table = bytes(mv[pos:pos + 2 * n])
     pos += 2 * n
-    settings = [(table[2 * i], table[2 * i + 1]) for i in range(n)]
-    for b, mode in settings:
+    bins, modes = list(table[0::2]), list(table[1::2])
+    for b, mode in zip(bins, modes, strict=True):
         if not MIN_BINS <= b <= MAX_BINS or mode not in (_MODE_DIRECT, _MODE_DELTA):
             raise CodecError(f"cachegen group with {b} bins, mode {mode}")
-    runs = (tokens + ANCHOR_RUN - 1) // ANCHOR_RUN
-    delta_groups = sum(mode == _MODE_DELTA for _, mode in settings)
-    fixed = 4 * n * channels + delta_groups * (4 * channels + runs * channels)
+    runs = (slots + ANCHOR_RUN - 1) // ANCHOR_RUN
+    fixed = 4 * n * channels + modes.count(_MODE_DELTA) * (4 * channels + runs * channels)
     if len(mv) < pos + fixed:
         raise CodecError(f"cachegen payload of {len(mv)} bytes, its scales alone need {pos + fixed}")
-    scales = torch.frombuffer(bytearray(mv[pos:pos + 4 * n * channels]), dtype=torch.float32).view(n, channels)
+    scale = torch.frombuffer(bytearray(mv[pos:pos + 4 * n * channels]), dtype=torch.float32)
+    scale = scale.view(layers, kinds, 1, 1, h, d)
     pos += 4 * n * channels
-    if not bool(torch.isfinite(scales).all()):
-        raise CodecError("cachegen scales that are not finite")
-    anchors: dict[int, torch.Tensor] = {}
-    for i, (_, mode) in enumerate(settings):
+    anchors: list[tuple[int, int, torch.Tensor]] = []
+    for g, mode in enumerate(modes):
         if mode == _MODE_DELTA:
-            ascale = torch.frombuffer(bytearray(mv[pos:pos + 4 * channels]), dtype=torch.float32)
+            ascale = torch.frombuffer(bytearray(mv[pos:pos + 4 * channels]), dtype=torch.float32).view(h, d)
             pos += 4 * channels
-            aq = torch.frombuffer(bytearray(mv[pos:pos + runs * channels]), dtype=torch.uint8).view(runs, channels)
+            aq = torch.frombuffer(bytearray(mv[pos:pos + runs * channels]), dtype=torch.uint8).view(runs, h, d)
             pos += runs * channels
             if not bool(torch.isfinite(ascale).all()):
                 raise CodecError("cachegen anchor scales that are not finite")
-            anchors[i] = (aq.float() - _levels(ANCHOR_BINS)) * ascale
-    want = sum(_sym_bytes(b, tokens * channels) for b, _ in settings)
+            anchors.append((g // kinds, g % kinds, (aq.float() - _levels(ANCHOR_BINS)) * ascale))
+    if not bool(torch.isfinite(scale).all()):
+        raise CodecError("cachegen scales that are not finite")
+    parts = [(kind, lo, hi, packed) for kind in range(kinds) for lo, hi, packed in _ranges(bins[kind::kinds], d)]
+    sizes = [(hi - lo) * slots * channels // (2 if packed else 1) for _, lo, hi, packed in parts]
+    want = sum(sizes)
     frame = mv[pos:]
     try:
         size = zstandard.frame_content_size(frame)
@@ -201,15 +222,21 @@ def decode(payload: bytes | memoryview, tokens: int, channels: int, ngroups: int
         raise CodecError(f"cachegen symbols: zstd: {e}") from None
     if len(raw) != want:
         raise CodecError(f"cachegen symbols decompressed to {len(raw)} bytes, expected {want}")
-    stream = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dev = out.device
+    stream = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
+    scale = scale.to(dev)
+    bias = scale * -torch.tensor([_levels(b) for b in bins], dtype=torch.float32,
+                                 device=dev).view(layers, kinds, 1, 1, 1, 1)
     at = 0
-    for i, (b, _) in enumerate(settings):
-        nb = _sym_bytes(b, tokens * channels)
-        part = stream[at:at + nb]
-        at += nb
-        q = (_unpack(part, tokens * channels) if _packed(b) else part).to(device).view(tokens, channels)
-        scale = scales[i].to(device)
-        y = torch.addcmul(scale * -_levels(b), q.float(), scale)
-        if i in anchors:
-            y += anchors[i].to(device).repeat_interleave(ANCHOR_RUN, dim=0)[:tokens]
-        sink(i, y)
+    for (kind, lo, hi, packed), nbytes in zip(parts, sizes, strict=True):
+        q, at = stream[at:at + nbytes], at + nbytes
+        o, s_, b_ = out[lo:hi, kind], scale[lo:hi, kind], bias[lo:hi, kind]
+        if packed:
+            half = d // 2
+            q = q.view(hi - lo, nb, bs, h, half)
+            torch.addcmul(b_[..., :half], q & 15, s_[..., :half], out=o[..., :half])
+            torch.addcmul(b_[..., half:], q >> 4, s_[..., half:], out=o[..., half:])
+        else:
+            torch.addcmul(b_, q.view(hi - lo, nb, bs, h, d), s_, out=o)
+    for layer, kind, a in anchors:
+        out[layer, kind] += a.to(dev).repeat_interleave(ANCHOR_RUN, dim=0)[:slots].view(nb, bs, h, d)

@@ -14,8 +14,8 @@ reads wrong KV.
   of CPU time on both ends.
 - ``cachegen``: lossy (engine/remote/cachegen.py): the chunk's real tokens' K and V quantized per
   channel with per-layer bit widths, entropy coded; about 4x smaller than ``naive``. The padding
-  of a partly filled last block is not stored (it reads back as zeros); the checksum covers the
-  stored payload, as the decoded bytes differ from the written ones by design.
+  of a partly filled last block (slots vLLM never reads) is coded as zeros; the checksum covers
+  the stored payload, as the decoded bytes differ from the written ones by design.
 
 A reader decodes either format whatever its own ``remote_serde`` (which only picks how it writes),
 so a cluster with mixed settings shares its chunks. Every length is checked against the chunk
@@ -76,15 +76,14 @@ class ChunkShape:
     layout: str = ""  # the KV layout's name and block size: cachegen reads K and V out of the chunk's blocks
     block_size: int = 0
 
-    def kv_groups(self, chunk: torch.Tensor, tokens: int) -> list[torch.Tensor]:
-        """Views of a flat uint8 "block" chunk as each layer's K and V (or MLA latent):
-        [blocks, block_size, kv_heads, head_size] each, layer-major."""
+    def chunk_kv(self, chunk: torch.Tensor, tokens: int) -> torch.Tensor:
+        """A flat uint8 "block" chunk of `tokens` tokens as one view of every layer's K and V (or MLA
+        latent): [layers, kinds, blocks, block_size, kv_heads, head_size]."""
         if not self.layout or self.block_size <= 0:
             raise ValueError("this chunk shape has no layout: cachegen needs the layout and block size")
         nblk = -(-tokens // self.block_size)
         lay = KVLayout(self.layout, nblk, self.block_size, self.num_kv_heads, self.head_size, self.dtype)
-        per_layer = chunk.view(self.num_layers, -1)
-        return [v for layer in per_layer for v in lay.kv_views(layer.view(self.dtype).view(lay.expected_shape()))]
+        return lay.chunk_kv(chunk, self.num_layers)
 
 
 def check_name(name: str) -> None:
@@ -128,8 +127,7 @@ class Serde:
         raw = data.numpy().data.cast("B")
         if self.fmt == FORMATS["cachegen"]:
             assert self.bins is not None
-            groups = [g.reshape(-1, g.shape[2] * g.shape[3])[:tokens] for g in self.shape.kv_groups(data, tokens)]
-            payload: memoryview | bytes = cachegen.encode(groups, self.bins, self._kinds)
+            payload: memoryview | bytes = cachegen.encode(self.shape.chunk_kv(data, tokens), tokens, self.bins)
             checked: memoryview | bytes = payload
         else:
             payload = raw if self.fmt == 0 else self._cctx.compress(raw)
@@ -187,21 +185,13 @@ class Serde:
             return torch.frombuffer(payload, dtype=torch.uint8)
 
     def _decode_cachegen(self, payload: bytes | memoryview, tokens: int, nbytes: int) -> torch.Tensor:
-        """The chunk rebuilt from a cachegen payload; a block's padding past `tokens` is zeros."""
+        """The chunk rebuilt from a cachegen payload (a block's padding past `tokens` as coded)."""
         s = self.shape
         if not s.layout:
             raise SerdeError("a cachegen value, and this reader has no KV layout to decode it into")
-        out = torch.zeros(nbytes, dtype=torch.uint8)
-        views = s.kv_groups(out, tokens)
-        nblk, bs = views[0].shape[0], views[0].shape[1]
-
-        def store(i: int, y: torch.Tensor) -> None:
-            if tokens < nblk * bs:
-                y = torch.cat([y, y.new_zeros(nblk * bs - tokens, y.shape[1])])
-            views[i].copy_(y.view(views[i].shape))
-
+        out = torch.empty(nbytes, dtype=torch.uint8)  # every byte is written, or the chunk is refused
         try:
-            cachegen.decode(payload, tokens, s.num_kv_heads * s.head_size, len(views), self._kinds, store)
+            cachegen.decode(payload, tokens, s.chunk_kv(out, tokens))
         except cachegen.CodecError as e:
             raise SerdeError(str(e)) from None
         return out
