@@ -143,3 +143,35 @@ def test_cachegen_refuses_a_cache_it_cannot_quantize() -> None:
 
     with pytest.raises(ConfigError, match="use naive or zstd"):
         Serde("cachegen", shape(dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_hnd", "mla"])
+def test_cachegen_compiled_dequantizer_matches_the_torch_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU decode's compiled nibble kernel and the torch ops give the same KV, to float32
+    rounding (torch fuses the multiply-add; the portable C build does not)."""
+    from kvferry.kernels import native
+    if native.dequantizer() is None:
+        pytest.skip("no C compiler")
+    s = shape(layout)
+    serde = Serde("cachegen", s, cg.Bins(tuple([16, 32] * LAYERS)[:LAYERS * (1 if layout == "mla" else 2)]))
+    tokens = 4 * BS - 3
+    c = chunk(s, tokens, seed=5)
+    head, payload = serde.encode(c, tokens)
+    fast = serde.decode(head, bytes(payload), tokens, c.numel())
+    monkeypatch.setattr(native, "_loaded", (True, None))
+    slow = serde.decode(head, bytes(payload), tokens, c.numel())
+    for f, w in zip(groups(s, fast, tokens), groups(s, slow, tokens), strict=True):
+        # one bf16 rounding step at most, where float32 rounding tipped the value
+        assert bool(((f - w).abs() <= w.abs() / 128 + 1e-6).all())
+    assert float((groups(s, fast, tokens)[0] - groups(s, c, tokens)[0]).abs().max()) > 0  # it is lossy: not a copy
+
+
+def test_cachegen_bins_are_configurable_and_bad_ones_are_refused_naming_the_range() -> None:
+    from kvferry.common.config import ConfigError, load_config
+    cfg = load_config(env={"LMCACHE_REMOTE_SERDE": "cachegen", "KVFERRY_CACHEGEN_KEY_BINS": "[64, 32]"})
+    assert cfg.remote_serde == "cachegen" and cfg.cachegen_key_bins == [64, 32] and cfg.cachegen_value_bins == [32, 16]
+    for bad in ("[64]", "[2, 16]", "[16, 65]"):
+        with pytest.raises(ConfigError, match="cachegen_key_bins.*from 4 to 64"):
+            load_config(env={"KVFERRY_CACHEGEN_KEY_BINS": bad})
+    b = cg.Bins.for_model(32, 2, key=(64, 32), value=(32, 8))
+    assert b.per_group[:2] == (64, 32) and b.per_group[2 * 10:2 * 10 + 2] == (32, 8) and b.per_group[-1] == 8
