@@ -99,6 +99,18 @@ def max_stored(nbytes: int) -> int:
     return nbytes + (nbytes >> 7) + 1024
 
 
+def peek(head: bytes | memoryview) -> tuple[str, torch.dtype, tuple[int, int, int, int]]:
+    """The format, dtype and shape (layers, tokens, KV heads, head size) a stored value's header
+    claims, unchecked: for tools that look at a store (the benchmarks), never for loading KV."""
+    if len(head) != HEADER_BYTES:
+        raise SerdeError(f"header of {len(head)} bytes, expected {HEADER_BYTES}")
+    magic, _version, fmt, dtype, _flags, *rest = _HEADER.unpack(bytes(head))
+    names = {v: k for k, v in FORMATS.items()}
+    if magic != MAGIC or fmt not in names or dtype >= len(_DTYPES):
+        raise SerdeError("not a kvferry chunk header")
+    return names[fmt], _DTYPES[dtype], (rest[0], rest[1], rest[2], rest[3])
+
+
 class Serde:
     """Encodes this worker's chunks in its `remote_serde`; decodes chunks of any format."""
 

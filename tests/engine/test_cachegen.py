@@ -5,6 +5,7 @@ per-layer bins, and a damaged, truncated or foreign payload refused before anyth
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from kvferry.engine.remote import cachegen as cg
 from kvferry.engine.remote.serde import ChunkShape, Serde, SerdeError
 from kvferry.kernels.layout import KVLayout
+from tests.polling import until
 
 LAYERS, HEADS, HEAD, BS = 4, 2, 16, 16
 
@@ -175,3 +177,78 @@ def test_cachegen_bins_are_configurable_and_bad_ones_are_refused_naming_the_rang
             load_config(env={"KVFERRY_CACHEGEN_KEY_BINS": bad})
     b = cg.Bins.for_model(32, 2, key=(64, 32), value=(32, 8))
     assert b.per_group[:2] == (64, 32) and b.per_group[2 * 10:2 * 10 + 2] == (32, 8) and b.per_group[-1] == 8
+
+
+@pytest.fixture(params=["redis", "sentinel", "lm", "mooncake"])
+def backend(request: pytest.FixtureRequest, tmp_path, redis_available) -> Iterator[tuple[str, dict]]:
+    """A real store of each remote backend; yields its remote_url and RemoteTier keywords."""
+    from kvferry.common.config import load_config
+    from kvferry.engine.remote import mooncake_backend, mooncake_settings
+    from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
+    from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
+
+    procs: list = []
+    try:
+        if request.param == "mooncake":
+            if mooncake_master_binary() is None:
+                pytest.skip("mooncake_master not installed")
+            m = MooncakeMaster(tmp_path)
+            procs.append(m)
+            cfg = load_config({"remote_url": m.url, "extra_config": {**m.extra_config(64 << 20),
+                                                                     "local_hostname": "127.0.0.1"}}, env={})
+            yield m.url, {"mooncake": mooncake_settings.from_config(cfg)}
+            mooncake_backend.close_all()  # while the master answers
+        elif request.param == "sentinel":
+            procs.append(master := start_redis(tmp_path))
+            procs.append(start_redis(tmp_path, replicaof=master.port))
+            procs.append(s := start_sentinel(tmp_path, master.port))
+            yield f"redis-sentinel://{s.url_hostport}", {}
+        else:
+            procs.append(p := start_redis(tmp_path) if request.param == "redis" else start_lm_server(tmp_path))
+            yield f"{request.param}://{p.url_hostport}", {}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_cachegen_chunks_round_trip_through_every_remote_backend_and_damage_is_a_counted_miss(
+        backend: tuple[str, dict]) -> None:
+    from kvferry.engine.remote.serde import HEADER_BYTES
+    from kvferry.engine.tiers.remote import RemoteTier
+
+    url, kw = backend
+    s = shape()
+    tokens = 3 * BS - 2
+    c = chunk(s, tokens, seed=9)
+    serde = Serde("cachegen", s)
+    want = roundtrip(serde, c, tokens)  # what decoding this chunk gives, offline
+    t = RemoteTier(url, 2.0, serde, **kw)
+    try:
+        def stored() -> bool:  # a Mooncake client joins its store inside its first call: retried
+            return t.put(b"C" * 16, c, tokens) and t.flush(5) and t.exists([b"C" * 16]) == [True]
+        until(stored, 30, f"{url} to hold the chunk")
+        got = t.get(b"C" * 16, tokens, c.numel())
+        assert got is not None and torch.equal(got, want)
+        _, payload = serde.encode(c, tokens)
+        # it travelled small: the payload (and, depending on the backend's count, its header)
+        assert len(payload) <= t.stats()["remote_get_bytes"] <= HEADER_BYTES + len(payload) < c.numel() / 3
+        # A cachegen value damaged on its way into the store: a miss, counted, never wrong KV.
+        writer = RemoteTier(url, 2.0, Damaging("cachegen", s), **kw)
+        try:
+            until(lambda: writer.put(b"D" * 16, c, tokens) and writer.flush(5) and t.exists([b"D" * 16]) == [True],
+                  30, f"{url} to hold the damaged chunk")
+        finally:
+            writer.close()
+        assert t.get(b"D" * 16, tokens, c.numel()) is None and t.stats()["remote_corrupt"] == 1
+    finally:
+        t.close()
+
+
+class Damaging(Serde):
+    """Writes a cachegen value with one payload bit flipped after its checksum was taken."""
+
+    def encode(self, data: torch.Tensor, tokens: int, mac=None, key: bytes = b""):  # type: ignore[no-untyped-def]
+        head, payload = super().encode(data, tokens, mac, key)
+        bad = bytearray(payload)
+        bad[len(bad) // 2] ^= 0x10
+        return head, bytes(bad)
