@@ -129,11 +129,13 @@ def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
     if layers * kinds != len(bins.per_group):
         raise ValueError(f"{layers * kinds} groups, {len(bins.per_group)} bin settings")
     slots = nb * bs
-    x = kv.reshape(layers, kinds, slots, h, d).float()  # a copy: the padding is overwritten
+    # A copy, whatever the cache's dtype: the padding and the deltas are written into it.
+    x = kv.reshape(layers, kinds, slots, h, d).to(torch.float32, copy=True)
     x[:, :, tokens:] = 0
     amax = _amax(x[:, :, :tokens])
-    levels = torch.tensor([_levels(b) for b in bins.per_group], dtype=torch.float32).view(layers, kinds, 1, 1)
-    delta_groups = torch.zeros(layers, kinds, dtype=torch.bool)
+    levels = torch.tensor([_levels(b) for b in bins.per_group], dtype=torch.float32,
+                          device=x.device).view(layers, kinds, 1, 1)
+    delta_groups = torch.zeros(layers, kinds, dtype=torch.bool, device=x.device)
     anchor_parts: list[bytes] = []
     if tokens > ANCHOR_RUN:
         # Which groups deltas pay for, judged on the first runs (the choice needs no exact maxima).
@@ -154,7 +156,7 @@ def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
             x[layer, kind] -= back[layer, kind]
             x[layer, kind, tokens:] = 0
             amax[layer, kind] = _amax(x[layer, kind, :tokens].unsqueeze(0).unsqueeze(0))[0, 0]
-            anchor_parts += [ascale[layer, kind].numpy().tobytes(), aq[layer, kind].numpy().tobytes()]
+            anchor_parts += [ascale[layer, kind].cpu().numpy().tobytes(), aq[layer, kind].cpu().numpy().tobytes()]
     scale = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
     # |x| <= amax = L * scale: rounding cannot leave [-L, L], so no clamp.
     q = torch.round(x.mul_((1 / scale).unsqueeze(2))).add_(levels.unsqueeze(2)).to(torch.uint8)
@@ -163,11 +165,11 @@ def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
         for lo, hi, packed in _ranges(list(bins.per_group[kind::kinds]), d):
             part = q[lo:hi, kind]
             syms.append((part[..., :d // 2] | (part[..., d // 2:] << 4)).reshape(-1) if packed else part.reshape(-1))
-    frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(torch.cat(syms).numpy().data)
+    frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(torch.cat(syms).cpu().numpy().data)
     modes = bytes(v for b, m in zip(bins.per_group, delta_groups.reshape(-1).tolist(), strict=True)
                   for v in (b, _MODE_DELTA if m else _MODE_DIRECT))
     head = _HEAD.pack(CODEC_VERSION, kinds, layers * kinds) + modes
-    return b"".join([head, scale.numpy().tobytes(), *anchor_parts, frame])
+    return b"".join([head, scale.cpu().numpy().tobytes(), *anchor_parts, frame])
 
 
 def decode(payload: bytes | memoryview, tokens: int, out: torch.Tensor) -> None:

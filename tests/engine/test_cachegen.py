@@ -252,3 +252,34 @@ class Damaging(Serde):
         bad = bytearray(payload)
         bad[len(bad) // 2] ^= 0x10
         return head, bytes(bad)
+
+
+@pytest.mark.parametrize("layout", ["flash_nhd", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cachegen_encoding_leaves_the_chunk_it_reads_untouched(layout: str, dtype: torch.dtype) -> None:
+    """The chunk is the one being stored (and, for a P2P or CPU tier, kept): coding works on a copy."""
+    s = shape(layout, dtype)
+    tokens = 2 * BS + 3
+    c = chunk(s, tokens, seed=11, smooth=True)
+    before = c.clone()
+    Serde("cachegen", s).encode(c, tokens)
+    assert torch.equal(c, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["flash_nhd", "mla"])
+def test_cachegen_on_a_gpu_writes_the_cpus_bytes_and_decodes_to_its_values(layout: str) -> None:
+    s = shape(layout)
+    tokens = 4 * BS - 1
+    for smooth in (False, True):
+        c = chunk(s, tokens, seed=13, smooth=smooth)
+        bins = Serde("cachegen", s).bins
+        assert bins is not None
+        on_cpu = cg.encode(s.chunk_kv(c, tokens), tokens, bins)
+        on_gpu = cg.encode(s.chunk_kv(c.cuda(), tokens), tokens, bins)
+        assert on_gpu == on_cpu
+        a, b = torch.zeros_like(c), torch.zeros_like(c).cuda()
+        cg.decode(on_cpu, tokens, s.chunk_kv(a, tokens))
+        cg.decode(on_cpu, tokens, s.chunk_kv(b, tokens))
+        for f, w in zip(groups(s, b.cpu(), tokens), groups(s, a, tokens), strict=True):
+            assert bool(((f - w).abs() <= w.abs() / 128 + 1e-6).all())
