@@ -52,7 +52,8 @@ class CopierCounters(Counters):
 class OffloadCopier:
     """Worker side for one TP rank: the tiers' data and the copies in and out of vLLM's blocks."""
 
-    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes, isa: str = "") -> None:
+        """`isa`: vLLM CPU's attention kernel family, which orders K within a block (cachegen reads it)."""
         self.kv, self.chunk_size = kv, cfg.chunk_size
         posix = nixl_storage.posix(cfg)
         cfg = nixl_storage.effective(cfg, kv.chunk_nbytes("block", cfg.chunk_size))
@@ -62,7 +63,7 @@ class OffloadCopier:
         if cfg.remote_url:
             lay = kv.layout
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
-                                                       layout_digest, lay.name, lay.block_size),
+                                                       layout_digest, lay.name, lay.block_size, isa),
                           cachegen.Bins.for_model(kv.num_layers, 1 if lay.name == "mla" else 2,
                                                   key=(cfg.cachegen_key_bins[0], cfg.cachegen_key_bins[1]),
                                                   value=(cfg.cachegen_value_bins[0], cfg.cachegen_value_bins[1])))

@@ -119,18 +119,20 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(2)
 
 
-def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
-    """The payload for `kv`, every layer's K and V (or MLA latent) as one [layers, kinds, blocks,
-    block_size, kv_heads, head_size] view, of which the first `tokens` token slots hold KV. The
-    rest of the last block (padding vLLM never reads) is coded as zeros (or its run's anchor)."""
+def encode(planes: list[torch.Tensor], tokens: int, bins: Bins) -> bytes:
+    """The payload for `planes`, every layer's K and V (or MLA latent): one [layers, blocks,
+    block_size, kv_heads, head_size] view per plane, of which the first `tokens` token slots hold
+    KV. The rest of the last block (padding vLLM never reads) is coded as zeros (or its run's
+    anchor)."""
     import zstandard
 
-    layers, kinds, nb, bs, h, d = kv.shape
+    kinds = len(planes)
+    layers, nb, bs, h, d = planes[0].shape
     if layers * kinds != len(bins.per_group):
         raise ValueError(f"{layers * kinds} groups, {len(bins.per_group)} bin settings")
     slots = nb * bs
-    # A copy, whatever the cache's dtype: the padding and the deltas are written into it.
-    x = kv.reshape(layers, kinds, slots, h, d).to(torch.float32, copy=True)
+    # A copy (stack), whatever the cache's dtype: the padding and the deltas are written into it.
+    x = torch.stack([p.reshape(layers, slots, h, d) for p in planes], 1).float()
     x[:, :, tokens:] = 0
     amax = _amax(x[:, :, :tokens])
     levels = torch.tensor([_levels(b) for b in bins.per_group], dtype=torch.float32,
@@ -172,13 +174,15 @@ def encode(kv: torch.Tensor, tokens: int, bins: Bins) -> bytes:
     return b"".join([head, scale.cpu().numpy().tobytes(), *anchor_parts, frame])
 
 
-def decode(payload: bytes | memoryview, tokens: int, out: torch.Tensor) -> None:
-    """Decode into `out`, a writable [layers, kinds, blocks, block_size, kv_heads, head_size] view.
-    CodecError for a payload that cannot be this chunk's, raised before anything is written."""
+def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) -> None:
+    """Decode into `out`, one writable [layers, blocks, block_size, kv_heads, head_size] view per
+    plane (K and V, or MLA's latent). CodecError for a payload that cannot be this chunk's,
+    raised before anything is written."""
     import zstandard
 
     mv = memoryview(payload).cast("B")
-    layers, kinds, nb, bs, h, d = out.shape
+    kinds = len(out)
+    layers, nb, bs, h, d = out[0].shape
     n, slots, channels = layers * kinds, nb * bs, h * d
     if len(mv) < _HEAD.size:
         raise CodecError("truncated cachegen header")
@@ -229,17 +233,20 @@ def decode(payload: bytes | memoryview, tokens: int, out: torch.Tensor) -> None:
         raise CodecError(f"cachegen symbols: zstd: {e}") from None
     if len(raw) != want:
         raise CodecError(f"cachegen symbols decompressed to {len(raw)} bytes, expected {want}")
-    dev = out.device
-    fast = native.dequantizer() if dev.type == "cpu" and out.dtype == torch.bfloat16 and out.stride(-1) == 1 else None
-    stream = None if fast is not None and all(p[3] for p in parts) else \
+    dev = out[0].device
+    fast = native.dequantizer() if dev.type == "cpu" and out[0].dtype == torch.bfloat16 else None
+    # The compiled kernel writes channel-contiguous planes (all but vLLM CPU's transposed K).
+    native_kinds = {k for k in range(kinds) if fast is not None and out[k].stride(-1) == 1}
+    stream = None if all(p[3] and p[0] in native_kinds for p in parts) else \
         torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
     scale = scale.to(dev)
     bias = scale * -torch.tensor([_levels(b) for b in bins], dtype=torch.float32,
                                  device=dev).view(layers, kinds, 1, 1, 1, 1)
     at = 0
     for (kind, lo, hi, packed), nbytes in zip(parts, sizes, strict=True):
-        o, s_, b_ = out[lo:hi, kind], scale[lo:hi, kind], bias[lo:hi, kind]
-        if packed and fast is not None:
+        o, s_, b_ = out[kind][lo:hi], scale[lo:hi, kind], bias[lo:hi, kind]
+        if packed and kind in native_kinds:
+            assert fast is not None
             fast.nibbles(raw, at, s_, b_, o)
             at += nbytes
             continue
@@ -253,4 +260,4 @@ def decode(payload: bytes | memoryview, tokens: int, out: torch.Tensor) -> None:
         else:
             torch.addcmul(b_, q.view(hi - lo, nb, bs, h, d), s_, out=o)
     for layer, kind, a in anchors:
-        out[layer, kind] += a.to(dev).repeat_interleave(ANCHOR_RUN, dim=0)[:slots].view(nb, bs, h, d)
+        out[kind][layer] += a.to(dev).repeat_interleave(ANCHOR_RUN, dim=0)[:slots].view(nb, bs, h, d)

@@ -75,16 +75,16 @@ class ChunkShape:
     layout_digest: bytes
     layout: str = ""  # the KV layout's name and block size: cachegen reads K and V out of the chunk's blocks
     block_size: int = 0
+    isa: str = ""  # vLLM CPU's attention kernel family ("cpu" layout): it orders K within a block
 
-    def chunk_kv(self, chunk: torch.Tensor, tokens: int) -> torch.Tensor:
-        """A flat uint8 "block" chunk of `tokens` tokens as one view of every layer's K and V (or MLA
-        latent): [layers, kinds, blocks, block_size, kv_heads, head_size]."""
+    def chunk_kv(self, chunk: torch.Tensor, tokens: int) -> list[torch.Tensor]:
+        """A flat uint8 "block" chunk of `tokens` tokens as views of every layer's K and V (or MLA
+        latent), one per plane: [layers, blocks, block_size, kv_heads, head_size]."""
         if not self.layout or self.block_size <= 0:
             raise ValueError("this chunk shape has no layout: cachegen needs the layout and block size")
         nblk = -(-tokens // self.block_size)
         lay = KVLayout(self.layout, nblk, self.block_size, self.num_kv_heads, self.head_size, self.dtype)
-        return lay.chunk_kv(chunk, self.num_layers)
-
+        return lay.chunk_kv(chunk, self.num_layers, self.isa)
 
 def check_name(name: str) -> None:
     """Refuse a `remote_serde` kvferry cannot write, naming the ones it can."""
@@ -130,6 +130,9 @@ class Serde:
             if shape.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise ConfigError(f"remote_serde cachegen codes 16- and 32-bit float KV; this cache is {shape.dtype}: "
                                   "use naive or zstd")
+            if shape.layout == "cpu" and shape.isa == "amx":
+                raise ConfigError("remote_serde cachegen cannot read vLLM CPU's AMX-packed KV blocks (16-token tiles): "
+                                  "use naive or zstd on this machine")
             self.bins = bins or cachegen.Bins.for_model(shape.num_layers, self._kinds)
 
     def encode(self, data: torch.Tensor, tokens: int, mac: ChunkMAC | None = None,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvferry.common.config import ConfigError
 from kvferry.engine.remote import cachegen as cg
 from kvferry.engine.remote.serde import ChunkShape, Serde, SerdeError
 from kvferry.kernels.layout import KVLayout
@@ -42,8 +43,8 @@ def chunk(s: ChunkShape, tokens: int, seed: int = 0, smooth: bool = False) -> to
 
 def views(s: ChunkShape, c: torch.Tensor, tokens: int) -> list[torch.Tensor]:
     """Each layer's K and V (or latent) in `c`: [blocks, block_size, kv_heads, head_size] views."""
-    kv = s.chunk_kv(c, tokens)
-    return [kv[layer, kind] for layer in range(kv.shape[0]) for kind in range(kv.shape[1])]
+    planes = s.chunk_kv(c, tokens)
+    return [planes[kind][layer] for layer in range(planes[0].shape[0]) for kind in range(len(planes))]
 
 
 def groups(s: ChunkShape, c: torch.Tensor, tokens: int) -> list[torch.Tensor]:
@@ -283,3 +284,23 @@ def test_cachegen_on_a_gpu_writes_the_cpus_bytes_and_decodes_to_its_values(layou
         cg.decode(on_cpu, tokens, s.chunk_kv(b, tokens))
         for f, w in zip(groups(s, b.cpu(), tokens), groups(s, a, tokens), strict=True):
             assert bool(((f - w).abs() <= w.abs() / 128 + 1e-6).all())
+
+
+@pytest.mark.parametrize("isa,bs", [("vec", 128), ("vec", 32), ("vec16", 16)])
+def test_cachegen_reads_vllm_cpu_blocks_token_by_token(isa: str, bs: int) -> None:
+    """vLLM CPU's own cache write (its vec kernels keep K transposed in a block) read back through
+    the chunk's K and V views: every token's K and V where the codec expects them."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    h, d, nb = 2, 64, 2
+    tokens = nb * bs - 3
+    g = torch.Generator().manual_seed(21)
+    key, value = (torch.randn(tokens, h, d, generator=g).bfloat16() for _ in range(2))
+    cache = torch.zeros(nb, h, bs, 2 * d, dtype=torch.bfloat16)  # one layer, "cpu" layout
+    kc, vc = cache.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(tokens), isa)
+    s = ChunkShape(torch.bfloat16, 1, h, d, b"L" * 16, "cpu", bs, isa)
+    k, v = s.chunk_kv(cache.view(-1).view(torch.uint8), tokens)
+    assert torch.equal(k[0].reshape(-1, h, d)[:tokens], key)
+    assert torch.equal(v[0].reshape(-1, h, d)[:tokens], value)
+    with pytest.raises(ConfigError, match="AMX-packed"):
+        Serde("cachegen", ChunkShape(torch.bfloat16, 1, h, d, b"L" * 16, "cpu", bs, "amx"))
