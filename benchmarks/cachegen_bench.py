@@ -89,9 +89,10 @@ def wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-de
 
 
 def settled(stores: list[redis.Redis], at_least: int) -> bool:
-    """Both stores hold the same number of chunks, at least `at_least` (puts are asynchronous)."""
+    """Both stores hold the same number of chunks, at least `at_least` (puts are asynchronous; a
+    chunk is two Redis keys, its header and its payload)."""
     n = [s.dbsize() for s in stores]
-    return n[0] == n[1] >= at_least
+    return n[0] == n[1] >= 2 * at_least
 
 
 def serve(model: str, work: Path, prompts: list[list[int]], progress: bool) -> dict:
@@ -151,8 +152,9 @@ def offline(arch: str, values: dict[bytes, bytes], reps: int) -> dict:
     layout, bs = LAYOUTS[arch]
     enc, dec, sizes, errors = [], [], [0, 0], []
     bins: tuple[int, ...] = ()
-    for value in values.values():
-        _, dtype, (layers, tokens, heads, head) = peek(value[:HEADER_BYTES])
+    for key in (k for k in values if k.endswith(b":h")):
+        _, dtype, (layers, tokens, heads, head) = peek(values[key])
+        value = values[key] + values[key[:-2] + b":d"]
         isa = attention_isa(KVLayout(layout, 1, bs, heads, head, dtype), "auto")  # as the vLLM that wrote it
         shape = ChunkShape(dtype, layers, heads, head, b"\0" * 16, layout, bs, isa)
         raw = torch.frombuffer(bytearray(value[HEADER_BYTES:]), dtype=torch.uint8)
@@ -172,7 +174,7 @@ def offline(arch: str, values: dict[bytes, bytes], reps: int) -> dict:
                 w = want[kind][layer].reshape(-1, heads * head)[:tokens].float()
                 g = got[kind][layer].reshape(-1, heads * head)[:tokens].float()
                 errors.append(float((g - w).norm() / w.norm()))
-    return {"chunks": len(values), "bins": list(bins), "offline_ratio": round(sizes[0] / sizes[1], 3),
+    return {"chunks": len(values) // 2, "bins": list(bins), "offline_ratio": round(sizes[0] / sizes[1], 3),
             "encode_gbps_per_core": round(statistics.median(enc) / 1e9, 3),
             "decode_gbps_per_core": round(statistics.median(dec) / 1e9, 3),
             "max_group_rel_rms": round(max(errors), 4)}
