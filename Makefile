@@ -29,8 +29,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The random-weight Llama (tests, demo) and the copy model the cachegen quality test reads (trained
+# here: about two minutes on one core, once; the others are built by the tests that use them).
 model: setup
 	$(VENV)/bin/kvferry make-tiny-model
+	$(VENV)/bin/kvferry make-tiny-model --arch llama-copy
 
 demo: setup model
 	$(VENV)/bin/kvferry up

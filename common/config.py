@@ -47,6 +47,9 @@ class KVFerryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_local_disk_size: float = 0.0  # GB
     remote_url: str | None = None
     remote_serde: str = "naive"
+    # remote_serde cachegen: quantization bins [first layers, the rest] for K and for V (docs/offload.md)
+    cachegen_key_bins: list[int] = msgspec.field(default_factory=lambda: [32, 16])
+    cachegen_value_bins: list[int] = msgspec.field(default_factory=lambda: [32, 16])
     # Redis credentials and TLS (docs/redis.md); each also from extra_config. Passwords are never logged.
     remote_username: str | None = None  # an ACL user; or user:password@ in remote_url
     remote_password: str | None = None  # or remote_password_file, or env KVFERRY_REMOTE_PASSWORD
@@ -184,8 +187,8 @@ _PREFIXES = ("lmcache.", "kvferry.")
 REDIS_SCHEMES = ("redis", "rediss", "redis-sentinel")
 REMOTE_SCHEMES = ("lm", *REDIS_SCHEMES, "mooncakestore")
 LMCACHE_ONLY_SCHEMES = ("infinistore",)
-SERDES = ("naive", "zstd")
-LMCACHE_ONLY_SERDES = ("cachegen",)
+SERDES = ("naive", "zstd", "cachegen")
+CACHEGEN_BINS = (4, 64)  # the fewest and most quantization bins a cachegen group may use
 # Keys LMCache knows that kvferry accepts for drop-in use but does not act on, and why; each one a
 # config sets is logged once per process (load_config).
 IGNORED_KEYS: dict[str, str] = {
@@ -366,8 +369,14 @@ def validate(c: KVFerryConfig, sources: Mapping[str, str] | None = None) -> None
         if scheme not in REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES:
             raise err("remote_url", f"scheme {scheme!r} is not one of "
                       f"{', '.join(REMOTE_SCHEMES + LMCACHE_ONLY_SCHEMES)}")
-    if c.remote_serde not in SERDES + LMCACHE_ONLY_SERDES:
-        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES + LMCACHE_ONLY_SERDES)}")
+    if c.remote_serde not in SERDES:
+        raise err("remote_serde", f"{c.remote_serde!r} is not one of {', '.join(SERDES)}")
+    lo, hi = CACHEGEN_BINS
+    for key in ("cachegen_key_bins", "cachegen_value_bins"):
+        bins = getattr(c, key)
+        if len(bins) != 2 or not all(lo <= b <= hi for b in bins):
+            raise err(key, f"{bins} is not two bin counts from {lo} to {hi} ([first layers, the rest]; 16 is "
+                           "4 bits a value, 32 is 5)")
     for key in ("pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds", "pd_kv_ready_timeout",
                 "pd_queue_seconds", "blocking_timeout_secs", "lmcache_worker_heartbeat_time",
                 "lmcache_worker_heartbeat_timeout"):

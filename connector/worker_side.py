@@ -105,7 +105,7 @@ class WorkerSide:
         if roles.offload:
             ofp = fp if fmt == "block" else fingerprint(kv, model, cfg.chunk_size, "block", self.tp_size, isa=isa)
             digest = layout_digest(msgspec.msgpack.encode(ofp))
-            self.offload = OffloadCopier(cfg, kv, self.tp_rank, digest)
+            self.offload = OffloadCopier(cfg, kv, self.tp_rank, digest, isa)
             if cfg.enable_p2p and self.offload.cpu is not None:
                 self.offload.p2p = P2PService(cfg, self.offload.cpu, self.tp_rank, self.tp_size,
                                              salt(self.vc, cfg, kv.num_layers), ofp,

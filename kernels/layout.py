@@ -98,6 +98,28 @@ class KVLayout:
             return t[0], t[1]
         return t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)
 
+    def chunk_kv(self, chunk: torch.Tensor, num_layers: int, isa: str = "") -> list[torch.Tensor]:
+        """Each KV plane (K and V, or MLA's latent) of a flat uint8 "block" chunk of `num_blocks`
+        blocks as a [layers, num_blocks, block_size, kv_heads, head_size] view. vLLM CPU's `vec`
+        kernels (`isa` vec/vec16) keep K transposed in each block ([head_size, block_size] per head)
+        and V as rows; its `amx` kernels pack both in 16-token tiles, which no view reads as tokens."""
+        nb, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        t = chunk.view(self.dtype)
+        if self.name == "mla":
+            return [t.view(num_layers, nb, bs, 1, d)]
+        if self.name == "cpu":
+            if isa == "amx":
+                raise LayoutError("vLLM CPU's amx attention packs K and V in 16-token tiles: its blocks cannot be "
+                                  "read token by token")
+            rows = t.view(num_layers, nb, h, 2, bs * d)
+            return [rows[:, :, :, 0].unflatten(-1, (d, bs)).permute(0, 1, 4, 2, 3),
+                    rows[:, :, :, 1].unflatten(-1, (bs, d)).permute(0, 1, 3, 2, 4)]
+        if self.name == "flash_nhd":
+            kv = t.view(num_layers, 2, nb, bs, h, d)
+        else:
+            kv = t.view(num_layers, 2, nb, h, bs, d).permute(0, 1, 2, 4, 3, 5)
+        return [kv[:, 0], kv[:, 1]]
+
     def block_planes(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The layer as `planes` tensors whose dim 0 is the block index."""
         return [t] if self.planes == 1 else [t[0], t[1]]

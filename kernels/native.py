@@ -1,8 +1,9 @@
-"""Compiled row copy for the CPU path: one memcpy per row, rows split over torch's threads.
+"""Compiled CPU kernels: the row copy (one memcpy per row, rows split over torch's threads) and the
+cachegen codec's nibble dequantizer.
 
 torch has no op that copies rows at arbitrary addresses at memcpy speed: index_select over
 paged_copy's overlapping span view moves 16-byte elements one by one (about 0.5x memcpy here).
-``rowcopy.c`` is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+``rowcopy.c`` (with ``dequant.c``) is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
 the user's cache, as Triton does for its kernels; without a compiler, or with
 ``KVFERRY_NATIVE_COPY=0``, callers fall back to the torch path (one log line says so).
 
@@ -23,6 +24,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -32,13 +34,13 @@ from kvferry.common.paths import cache_root
 
 log = get_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("rowcopy.c")
-_FLAGS = ["-O2", "-shared", "-fPIC", "-fopenmp"]
+_SOURCES = [Path(__file__).with_name(n) for n in ("rowcopy.c", "dequant.c")]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 # Below this many bytes per call a second thread costs more than it saves.
 _PARALLEL_MIN_BYTES = 256 << 10
 
 _lock = threading.Lock()
-_loaded: tuple[bool, RowCopier | None] = (False, None)
+_loaded: tuple[bool, Kernels | None] = (False, None)
 
 
 def cache_dir() -> Path:
@@ -67,8 +69,8 @@ def _compiler_version(cc: list[str]) -> bytes:
 
 def _build() -> Path:
     cc = shlex.split(os.environ.get("CC", "cc"))
-    key = b"\0".join([_SOURCE.read_bytes(), " ".join(cc + _FLAGS).encode(), _compiler_version(cc)])
-    out = cache_dir() / f"rowcopy-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    key = b"\0".join([*(s.read_bytes() for s in _SOURCES), " ".join(cc + _FLAGS).encode(), _compiler_version(cc)])
+    out = cache_dir() / f"native-{hashlib.sha256(key).hexdigest()[:16]}.so"
     out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.stat(out.parent)
     if st.st_uid == os.getuid() and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -81,7 +83,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([*cc, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True,
+        subprocess.run([*cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True,
                        text=True, timeout=120)
         os.chmod(tmp, 0o755)  # whatever the umask: writable by this user only
         os.replace(tmp, out)
@@ -95,7 +97,7 @@ def _load(path: Path) -> ctypes.CDLL:
     """dlopen the file whose owner and mode were checked: through its open descriptor."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        _check_owner(os.fstat(fd), f"the compiled row copy {path}")
+        _check_owner(os.fstat(fd), f"the compiled kernels {path}")
         return ctypes.CDLL(f"/proc/self/fd/{fd}")
     finally:
         os.close(fd)
@@ -122,27 +124,72 @@ class RowCopier:
             raise IndexError(f"row numbers must lie in [0, {row_limit})")
 
 
-def row_copier() -> RowCopier | None:
-    """The compiled row copy, built on first use; None where it cannot be built or is disabled."""
+class Dequantizer:
+    """The cachegen codec's nibble dequantizer into a bfloat16 cache view (see dequant.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._c = lib.kvf_dequant_nibbles
+        self._c.restype = None
+        self._c.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int]
+
+    def nibbles(self, q: bytes | torch.Tensor, offset: int, scale: torch.Tensor, bias: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """`out`: a bfloat16 [layers, blocks, slots, heads, dim] view, dim contiguous; `q` from
+        byte `offset` on: layers x blocks x slots x heads x dim/2 packed symbols (checked to be
+        there); `scale`, `bias`: [layers, heads * dim] float32."""
+        layers, blocks, slots, heads, dim = out.shape
+        need = layers * blocks * slots * heads * dim // 2
+        size = len(q) if isinstance(q, bytes) else q.numel()
+        if out.dtype != torch.bfloat16 or out.stride(4) != 1 or dim % 2 or offset < 0 or offset + need > size:
+            raise ValueError("dequantize: a bfloat16 view with contiguous channels and enough symbols")
+        scale, bias = (t.float().contiguous().view(layers, heads * dim) for t in (scale, bias))
+        base = ctypes.cast(ctypes.c_char_p(q), ctypes.c_void_p).value if isinstance(q, bytes) else q.data_ptr()
+        assert base is not None
+        threads = torch.get_num_threads() if need >= _PARALLEL_MIN_BYTES else 1
+        # ctypes releases the GIL for the call; `q`, `scale` and `bias` stay referenced until it returns.
+        self._c(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
+                out.data_ptr(), *out.stride()[:4], threads)
+
+
+class Kernels(NamedTuple):
+    row_copier: RowCopier
+    dequantizer: Dequantizer
+
+
+def _library() -> Kernels | None:
+    """The compiled kernels, built on first use; None where they cannot be built or are disabled."""
     global _loaded
-    done, rc = _loaded
+    done, lib = _loaded
     if done:
-        return rc
+        return lib
     with _lock:
         if _loaded[0]:
             return _loaded[1]
-        rc = None
+        lib = None
         if os.environ.get("KVFERRY_NATIVE_COPY", "1") == "0":
-            log.info("KVFERRY_NATIVE_COPY=0: CPU gather/scatter use torch index_select")
+            log.info("KVFERRY_NATIVE_COPY=0: CPU gather/scatter use torch index_select, cachegen torch ops")
         else:
             try:
-                rc = RowCopier(_load(_build()))
+                so = _load(_build())
+                lib = Kernels(RowCopier(so), Dequantizer(so))
             except UntrustedLibrary as e:
-                log.warning("refusing the compiled row copy: %s; CPU gather/scatter use torch index_select", e)
+                log.warning("refusing the compiled kernels: %s; CPU gather/scatter use torch index_select", e)
             except (OSError, subprocess.SubprocessError) as e:
                 detail = getattr(e, "stderr", "") or e
-                log.warning("no compiled row copy (%s); CPU gather/scatter use torch index_select, "
+                log.warning("no compiled kernels (%s); CPU gather/scatter use torch index_select, "
                             "about half as fast: install a C compiler (gcc) or set CC", str(detail).strip()[:300])
-        _loaded = (True, rc)
-        return rc
+        _loaded = (True, lib)
+        return lib
 
+
+def row_copier() -> RowCopier | None:
+    """The compiled row copy; None where the kernels cannot be built or are disabled."""
+    lib = _library()
+    return lib.row_copier if lib is not None else None
+
+
+def dequantizer() -> Dequantizer | None:
+    """The compiled cachegen dequantizer; None where the kernels cannot be built or are disabled."""
+    lib = _library()
+    return lib.dequantizer if lib is not None else None

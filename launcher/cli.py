@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-tiny-model", help="build the random-weight test model (no network)")
-    p.add_argument("--arch", choices=("llama", "deepseek"), default="llama",
-                   help="llama: dense GQA (default); deepseek: DeepSeek-V2 MLA (docs/pd.md)")
+    p.add_argument("--arch", choices=("llama", "deepseek", "llama-copy"), default="llama",
+                   help="llama: dense GQA (default); deepseek: DeepSeek-V2 MLA (docs/pd.md); llama-copy: a "
+                        "small Llama trained here to continue a repeated pattern (docs/offload.md, cachegen)")
     p.add_argument("--kv-heads", type=int, default=None,
                    help="llama only: KV heads, dividing its 8 attention heads (default 8; fewer than a TP size "
                         "replicates them, docs/pd.md); another value builds into tiny-llama-kv<N>")

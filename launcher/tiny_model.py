@@ -9,6 +9,12 @@ No network: the tokenizer is trained on seeded synthetic text and the weights ar
 seeded torch generator, so every machine builds the same files. Sized so vLLM's CPU build loads
 it in seconds while its KV cache is 16 KiB per token (8 layers x 8 KV heads x 64 x 2 x bf16).
 
+``llama-copy`` is a smaller Llama (2 layers, GQA 2:1) *trained* here, in about a minute on one
+core, to continue a repeated 16-token pattern (``copy_prompt``): its answers read the cached KV of
+the pattern's last period with the large margins of a trained model, where the random models'
+margins are tiny. It judges lossy KV (``remote_serde: cachegen``): a greedy answer that survives
+there says the codec kept what attention reads; on the random models any lossy KV flips answers.
+
 ``kv_heads`` builds the Llama with fewer KV heads than its 8 (e.g. 1: at TP=2 every rank holds a
 copy of the one head, vLLM's replicated heads), into a directory of its own (``tiny-llama-kv1``);
 the default 8 is the model above, byte for byte, in ``tiny-llama``. The tokenizer is the same.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -88,7 +95,27 @@ DEEPSEEK_ARCH: dict[str, Any] = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
 }
-ARCHES = ("llama", "deepseek")
+# The copy model: a small Llama trained here (seconds to a few minutes on one core) to continue a
+# pattern of COPY_PERIOD tokens, so its answers come from attention to the cached KV of the
+# pattern's previous period with large margins, as a trained model's do; the random-weight models'
+# margins are tiny, so any lossy KV (remote_serde cachegen) flips their greedy answers.
+COPY_ARCH: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+COPY_PERIOD = 16
+COPY_TOKENS = (10, 522)  # the ids [lo, hi) a pattern draws from (its logits are the ones trained)
+# (steps, batch, tokens): short sequences first (the copy is learnt there in a few hundred steps),
+# then long ones, so that prompts of up to a thousand tokens keep the margins.
+COPY_SCHEDULE, COPY_LR = ((400, 16, 128), (600, 4, 512)), 3e-3
+ARCHES = ("llama", "deepseek", "llama-copy")
 KV_HEADS = ARCH["num_key_value_heads"]  # the Llama's default; fewer must divide its attention heads
 
 
@@ -103,7 +130,7 @@ def _check_arch(arch: str, kv_heads: int = KV_HEADS) -> None:
     if kv_heads == KV_HEADS:
         return
     if arch != "llama":
-        raise ValueError(f"kv_heads applies to the llama tiny model only (the {arch} model is MLA)")
+        raise ValueError(f"kv_heads applies to the llama tiny model only (the {arch} model has its own)")
     nh = ARCH["num_attention_heads"]
     if not 1 <= kv_heads <= nh or nh % kv_heads:
         raise ValueError(f"kv_heads {kv_heads} must divide the tiny Llama's {nh} attention heads")
@@ -235,11 +262,63 @@ def _config(arch: str, vocab: int, ids: dict[str, int], kv_heads: int = KV_HEADS
     if arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **ARCH,
                 "num_key_value_heads": kv_heads}
+    if arch == "llama-copy":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **COPY_ARCH}
     return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
             **DEEPSEEK_ARCH, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
             "moe_intermediate_size": 256, "moe_layer_freq": 1, "topk_method": "greedy",
             # Every layer dense (MLP, no experts): the MoE fields above are never instantiated.
             "first_k_dense_replace": DEEPSEEK_ARCH["num_hidden_layers"]}
+
+
+def copy_prompt(rng: random.Random, tokens: int) -> list[int]:
+    """A prompt of the copy model's task: a random pattern of COPY_PERIOD ids, repeated."""
+    pattern = [rng.randrange(*COPY_TOKENS) for _ in range(COPY_PERIOD)]
+    return (pattern * (tokens // COPY_PERIOD + 1))[:tokens]
+
+
+def _write_copy_weights(out: Path, vocab: int, eos_id: int) -> None:
+    """Train the copy model (float32, one thread, seeded) and write it in bfloat16."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one machine's runs give the same weights
+    try:
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **COPY_ARCH))
+        opt = torch.optim.AdamW(model.parameters(), lr=COPY_LR, weight_decay=0.0)
+        total = sum(steps for steps, _, _ in COPY_SCHEDULE)
+        # cosine decay to zero: the last steps sharpen the margins
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / total)))
+        rng = random.Random(SEED)
+        loss = float("nan")
+        for steps, batch, tokens in COPY_SCHEDULE:
+            for _ in range(steps):
+                x = torch.tensor([copy_prompt(rng, tokens) for _ in range(batch)])
+                loss = _copy_step(model, opt, x)
+                sched.step()
+        w = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+    w["lm_head.weight"][eos_id] = 0  # EOS never wins a greedy step
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt", "copy_task_loss": f"{loss:.4f}"})
+
+
+def _copy_step(model: Any, opt: Any, x: Any) -> float:
+    import torch
+
+    lo, hi = COPY_TOKENS
+    hidden = model.model(x).last_hidden_state[:, COPY_PERIOD - 1:-1]
+    # Only the pattern's ids compete (a fraction of the vocabulary's cost); the first period
+    # cannot be predicted and is not trained on.
+    logits = hidden @ model.lm_head.weight[lo:hi].T
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), (x[:, COPY_PERIOD:] - lo).flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
@@ -260,6 +339,8 @@ def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
             {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
         if arch == "llama":
             _write_weights(tmp, vocab, ids["</s>"], kv_heads)
+        elif arch == "llama-copy":
+            _write_copy_weights(tmp, vocab, ids["</s>"])
         else:
             _write_deepseek_weights(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()

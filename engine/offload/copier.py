@@ -22,7 +22,7 @@ from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.p2p.service import P2PService
-from kvferry.engine.remote import mooncake_settings, redis_settings
+from kvferry.engine.remote import cachegen, mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.base import LoadRequest, Tier
@@ -52,7 +52,8 @@ class CopierCounters(Counters):
 class OffloadCopier:
     """Worker side for one TP rank: the tiers' data and the copies in and out of vLLM's blocks."""
 
-    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes) -> None:
+    def __init__(self, cfg: KVFerryConfig, kv: PagedKV, tp_rank: int, layout_digest: bytes, isa: str = "") -> None:
+        """`isa`: vLLM CPU's attention kernel family, which orders K within a block (cachegen reads it)."""
         self.kv, self.chunk_size = kv, cfg.chunk_size
         posix = nixl_storage.posix(cfg)
         cfg = nixl_storage.effective(cfg, kv.chunk_nbytes("block", cfg.chunk_size))
@@ -62,7 +63,10 @@ class OffloadCopier:
         if cfg.remote_url:
             lay = kv.layout
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
-                                                       layout_digest))
+                                                       layout_digest, lay.name, lay.block_size, isa),
+                          cachegen.Bins.for_model(kv.num_layers, 1 if lay.name == "mla" else 2,
+                                                  key=(cfg.cachegen_key_bins[0], cfg.cachegen_key_bins[1]),
+                                                  value=(cfg.cachegen_value_bins[0], cfg.cachegen_value_bins[1])))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,
                                      secret=zsock.trust_of(cfg).secret, redis=redis_settings.from_config(cfg),
                                      mooncake=mooncake_settings.from_config(cfg))

@@ -231,11 +231,8 @@ def test_one_list_of_schemes_and_serdes() -> None:
     assert set(remote_serde.FORMATS) == set(config.SERDES)
     for scheme in config.REMOTE_SCHEMES + config.LMCACHE_ONLY_SCHEMES:
         load_config({"remote_url": f"{scheme}://h:1"}, env={})
-    for serde in config.SERDES + config.LMCACHE_ONLY_SERDES:
+    for serde in config.SERDES:
         load_config({"remote_serde": serde}, env={})
     for scheme in config.LMCACHE_ONLY_SCHEMES:
         with pytest.raises(remote_store.RemoteError, match="kvferry has no .* client: use"):
             remote_store.parse_url(f"{scheme}://h:1")
-    for serde in config.LMCACHE_ONLY_SERDES:
-        with pytest.raises(config.ConfigError, match="use naive"):
-            remote_serde.check_name(serde)

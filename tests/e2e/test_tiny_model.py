@@ -121,3 +121,27 @@ def test_tiny_deepseek_mla_is_what_vllm_cpu_mla_needs() -> None:
     assert sha(path / "tokenizer.json") == sha(tiny_model.ensure() / "tokenizer.json")
     with pytest.raises(ValueError, match="not one of"):
         tiny_model.default_dir("gpt2")
+
+
+def test_tiny_llama_copy_continues_its_pattern_with_a_trained_models_margin() -> None:
+    """`make-tiny-model --arch llama-copy`: trained here, it continues a repeated 16-token pattern
+    at every prompt length the tests use, its answer ahead of the runner-up by several nats (what
+    lets it judge lossy KV: a random-weight model's margins are a fraction of one)."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model.ensure(arch="llama-copy")
+    assert path.name == "tiny-llama-copy"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    rng = random.Random(1)
+    for tokens in (128, 300, 600, 1000):
+        p = tiny_model.copy_prompt(rng, tokens)
+        with torch.no_grad():
+            logprobs = model(torch.tensor([p])).logits[0, -1].log_softmax(-1)
+        top = logprobs.topk(2)
+        assert int(top.indices[0]) == p[tokens - tiny_model.COPY_PERIOD], tokens
+        assert float(top.values[0] - top.values[1]) > 3.0, tokens
+    # Same tokenizer as the other tiny models.
+    assert sha(path / "tokenizer.json") == sha(tiny_model.ensure() / "tokenizer.json")

@@ -301,7 +301,6 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
 
 @pytest.mark.parametrize("keys,fix", [
     ({"remote_url": "infinistore://h:12345/?device=mlx5_1"}, "RDMA only"),
-    ({"remote_url": "redis://h:6379", "remote_serde": "cachegen"}, "use naive"),
 ])
 def test_unsupported_remote_settings_stop_the_planner_with_the_fix(keys: dict, fix: str) -> None:
     """The connector turns these into vLLM's one-line start-up ConfigError."""

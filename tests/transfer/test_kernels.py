@@ -217,7 +217,7 @@ def test_the_compiled_copy_is_built_once_into_the_cache(monkeypatch: pytest.Monk
     monkeypatch.setattr(native, "_loaded", (False, None))
     if native.row_copier() is None:
         pytest.skip("no C compiler")
-    libs = list(tmp_path.rglob("rowcopy-*.so"))
+    libs = list(tmp_path.rglob("native-*.so"))
     assert len(libs) == 1
     mtime = libs[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_loaded", (False, None))
@@ -275,7 +275,7 @@ def test_a_cached_library_others_can_write_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(native, "_loaded", (False, None))
     if native.row_copier() is None:
         pytest.skip("no C compiler")
-    lib = next(tmp_path.rglob("rowcopy-*.so"))
+    lib = next(tmp_path.rglob("native-*.so"))
     assert lib.stat().st_mode & 0o022 == 0 and lib.parent.stat().st_mode & 0o077 == 0
     lib.chmod(0o777)
     monkeypatch.setattr(native, "_loaded", (False, None))
@@ -289,14 +289,14 @@ def test_the_library_name_follows_the_compiler(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(native, "_loaded", (False, None))
     if native.row_copier() is None:
         pytest.skip("no C compiler")
-    first = {p.name for p in tmp_path.rglob("rowcopy-*.so")}
+    first = {p.name for p in tmp_path.rglob("native-*.so")}
     wrapper = tmp_path / "cc-wrapper"
     wrapper.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "other-cc 9.9"; exit 0; }\nexec cc "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setattr(native, "_loaded", (False, None))
     assert native.row_copier() is not None
-    assert len({p.name for p in tmp_path.rglob("rowcopy-*.so")} - first) == 1
+    assert len({p.name for p in tmp_path.rglob("native-*.so")} - first) == 1
 
 
 def test_mla_cpu_shape_with_a_head_dim_of_one_is_the_mla_layout() -> None:
