@@ -4,7 +4,9 @@
  * symbol * scale[c] + bias[c] (per layer and channel), written as bfloat16 (round to nearest
  * even) into the cache view: row r = (layer, block, slot) at out + layer * s_layer + block *
  * s_block + slot * s_slot, head j at + j * s_head, channels contiguous. Rows are split over
- * `nthreads` OpenMP threads. Plain C, no intrinsics: the compiler vectorises it for the machine's
+ * `nthreads` OpenMP threads. kvf_dequant_nibbles_t writes the same values into a view whose slots are
+ * contiguous and channels strided (vLLM CPU keeps K transposed in a block, [head_size, block_size]
+ * per head): one channel at a time, so the stores stay contiguous. Plain C, no intrinsics: the compiler vectorises it for the machine's
  * baseline ISA, so it runs on any x86-64 or ARM CPU. */
 #include <stdint.h>
 #include <string.h>
@@ -33,6 +35,28 @@ void kvf_dequant_nibbles(const uint8_t *q, int64_t layers, int64_t blocks, int64
             for (int64_t i = 0; i < half; i++) {
                 o[i] = to_bf16((float)(qq[i] & 15) * sj[i] + bj[i]);
                 o[i + half] = to_bf16((float)(qq[i] >> 4) * sj[i + half] + bj[i + half]);
+            }
+        }
+    }
+}
+
+void kvf_dequant_nibbles_t(const uint8_t *q, int64_t layers, int64_t blocks, int64_t slots, int64_t heads,
+                           int64_t half, const float *scale, const float *bias, uint16_t *out, int64_t s_layer,
+                           int64_t s_block, int64_t s_head, int64_t s_chan, int nthreads) {
+    int64_t width = heads * 2 * half, qrow = heads * half, planes = layers * blocks * heads;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t p = 0; p < planes; p++) {
+        int64_t layer = p / (blocks * heads), block = (p / heads) % blocks, j = p % heads;
+        const uint8_t *qb = q + (layer * blocks + block) * slots * qrow + j * half;
+        const float *s = scale + layer * width + j * 2 * half, *b = bias + layer * width + j * 2 * half;
+        uint16_t *o = out + layer * s_layer + block * s_block + j * s_head;
+        for (int64_t i = 0; i < half; i++) {
+            float s0 = s[i], b0 = b[i], s1 = s[i + half], b1 = b[i + half];
+            uint16_t *o0 = o + i * s_chan, *o1 = o + (i + half) * s_chan;
+            for (int64_t t = 0; t < slots; t++) {
+                uint8_t v = qb[t * qrow + i];
+                o0[t] = to_bf16((float)(v & 15) * s0 + b0);
+                o1[t] = to_bf16((float)(v >> 4) * s1 + b1);
             }
         }
     }

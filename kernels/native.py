@@ -128,10 +128,17 @@ class Dequantizer:
     """The cachegen codec's nibble dequantizer into a bfloat16 cache view (see dequant.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._c = lib.kvf_dequant_nibbles
-        self._c.restype = None
-        self._c.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
-                            ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int]
+        self._c, self._t = lib.kvf_dequant_nibbles, lib.kvf_dequant_nibbles_t
+        for f in (self._c, self._t):
+            f.restype = None
+            f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int]
+
+    @staticmethod
+    def writes(out: torch.Tensor) -> bool:
+        """Whether a [layers, blocks, slots, heads, dim] view is one the kernels write: bfloat16 on
+        the CPU with contiguous channels, or contiguous slots (a transposed K)."""
+        return out.device.type == "cpu" and out.dtype == torch.bfloat16 and 1 in (out.stride(4), out.stride(2))
 
     def nibbles(self, q: bytes | torch.Tensor, offset: int, scale: torch.Tensor, bias: torch.Tensor,
                 out: torch.Tensor) -> None:
@@ -141,15 +148,20 @@ class Dequantizer:
         layers, blocks, slots, heads, dim = out.shape
         need = layers * blocks * slots * heads * dim // 2
         size = len(q) if isinstance(q, bytes) else q.numel()
-        if out.dtype != torch.bfloat16 or out.stride(4) != 1 or dim % 2 or offset < 0 or offset + need > size:
-            raise ValueError("dequantize: a bfloat16 view with contiguous channels and enough symbols")
+        if not self.writes(out) or dim % 2 or offset < 0 or offset + need > size:
+            raise ValueError("dequantize: a bfloat16 view with contiguous channels or slots, and enough symbols")
         scale, bias = (t.float().contiguous().view(layers, heads * dim) for t in (scale, bias))
         base = ctypes.cast(ctypes.c_char_p(q), ctypes.c_void_p).value if isinstance(q, bytes) else q.data_ptr()
         assert base is not None
         threads = torch.get_num_threads() if need >= _PARALLEL_MIN_BYTES else 1
         # ctypes releases the GIL for the call; `q`, `scale` and `bias` stay referenced until it returns.
-        self._c(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
-                out.data_ptr(), *out.stride()[:4], threads)
+        st = out.stride()
+        if st[4] == 1:
+            self._c(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
+                    out.data_ptr(), st[0], st[1], st[2], st[3], threads)
+        else:
+            self._t(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
+                    out.data_ptr(), st[0], st[1], st[3], st[4], threads)
 
 
 class Kernels(NamedTuple):

@@ -235,8 +235,7 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
         raise CodecError(f"cachegen symbols decompressed to {len(raw)} bytes, expected {want}")
     dev = out[0].device
     fast = native.dequantizer() if dev.type == "cpu" and out[0].dtype == torch.bfloat16 else None
-    # The compiled kernel writes channel-contiguous planes (all but vLLM CPU's transposed K).
-    native_kinds = {k for k in range(kinds) if fast is not None and out[k].stride(-1) == 1}
+    native_kinds = {k for k in range(kinds) if fast is not None and fast.writes(out[k])}
     stream = None if all(p[3] and p[0] in native_kinds for p in parts) else \
         torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
     scale = scale.to(dev)
