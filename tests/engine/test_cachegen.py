@@ -198,7 +198,6 @@ def backend(request: pytest.FixtureRequest, tmp_path, redis_available) -> Iterat
             cfg = load_config({"remote_url": m.url, "extra_config": {**m.extra_config(64 << 20),
                                                                      "local_hostname": "127.0.0.1"}}, env={})
             yield m.url, {"mooncake": mooncake_settings.from_config(cfg)}
-            mooncake_backend.close_all()  # while the master answers
         elif request.param == "sentinel":
             procs.append(master := start_redis(tmp_path))
             procs.append(start_redis(tmp_path, replicaof=master.port))
@@ -208,6 +207,8 @@ def backend(request: pytest.FixtureRequest, tmp_path, redis_available) -> Iterat
             procs.append(p := start_redis(tmp_path) if request.param == "redis" else start_lm_server(tmp_path))
             yield f"{request.param}://{p.url_hostport}", {}
     finally:
+        if request.param == "mooncake":
+            mooncake_backend.close_all()  # while the master answers: a client of a dead one blocks exit
         for p in procs:
             p.stop()
 
