@@ -2,12 +2,14 @@
  * q holds, per row (one token slot of one layer), `heads` x `half` bytes: the low nibble is
  * channel i of a head's first half, the high nibble channel i of its second half. Value =
  * symbol * scale[c] + bias[c] (per layer and channel), written as bfloat16 (round to nearest
- * even) into the cache view: row r = (layer, block, slot) at out + layer * s_layer + block *
- * s_block + slot * s_slot, head j at + j * s_head, channels contiguous. Rows are split over
- * `nthreads` OpenMP threads. kvf_dequant_nibbles_t writes the same values into a view whose slots are
- * contiguous and channels strided (vLLM CPU keeps K transposed in a block, [head_size, block_size]
- * per head): one channel at a time, so the stores stay contiguous. Plain C, no intrinsics: the compiler vectorises it for the machine's
- * baseline ISA, so it runs on any x86-64 or ARM CPU. */
+ * even) into the cache view.
+ * kvf_dequant_nibbles: row r = (layer, block, slot) at out + layer * s_layer + block * s_block +
+ *   slot * s_slot, head j at + j * s_head, channels contiguous; rows split over OpenMP threads.
+ * kvf_dequant_nibbles_t: slots contiguous and channels s_chan apart (vLLM CPU keeps K transposed
+ *   in a block, [head_size, block_size] per head); one channel at a time, so the stores stay
+ *   contiguous; (layer, block, head) planes split over OpenMP threads.
+ * Plain C, no intrinsics: the compiler vectorises it for the machine's baseline ISA, so it runs on
+ * any x86-64 or ARM CPU. */
 #include <stdint.h>
 #include <string.h>
 

@@ -142,9 +142,9 @@ class Dequantizer:
 
     def nibbles(self, q: bytes | torch.Tensor, offset: int, scale: torch.Tensor, bias: torch.Tensor,
                 out: torch.Tensor) -> None:
-        """`out`: a bfloat16 [layers, blocks, slots, heads, dim] view, dim contiguous; `q` from
-        byte `offset` on: layers x blocks x slots x heads x dim/2 packed symbols (checked to be
-        there); `scale`, `bias`: [layers, heads * dim] float32."""
+        """`out`: a bfloat16 [layers, blocks, slots, heads, dim] view with contiguous channels or
+        contiguous slots (`writes`); `q` from byte `offset` on: layers x blocks x slots x heads x
+        dim/2 packed symbols (checked to be there); `scale`, `bias`: [layers, heads * dim] float32."""
         layers, blocks, slots, heads, dim = out.shape
         need = layers * blocks * slots * heads * dim // 2
         size = len(q) if isinstance(q, bytes) else q.numel()

@@ -9,7 +9,7 @@ No network: the tokenizer is trained on seeded synthetic text and the weights ar
 seeded torch generator, so every machine builds the same files. Sized so vLLM's CPU build loads
 it in seconds while its KV cache is 16 KiB per token (8 layers x 8 KV heads x 64 x 2 x bf16).
 
-``llama-copy`` is a smaller Llama (2 layers, GQA 2:1) *trained* here, in about a minute on one
+``llama-copy`` is a smaller Llama (2 layers, GQA 2:1) *trained* here, in about 2.5 minutes on one
 core, to continue a repeated 16-token pattern (``copy_prompt``): its answers read the cached KV of
 the pattern's last period with the large margins of a trained model, where the random models'
 margins are tiny. It judges lossy KV (``remote_serde: cachegen``): a greedy answer that survives
@@ -95,10 +95,7 @@ DEEPSEEK_ARCH: dict[str, Any] = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
 }
-# The copy model: a small Llama trained here (seconds to a few minutes on one core) to continue a
-# pattern of COPY_PERIOD tokens, so its answers come from attention to the cached KV of the
-# pattern's previous period with large margins, as a trained model's do; the random-weight models'
-# margins are tiny, so any lossy KV (remote_serde cachegen) flips their greedy answers.
+# The copy model (llama-copy, see above): trained to continue a pattern of COPY_PERIOD tokens.
 COPY_ARCH: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,

@@ -64,7 +64,7 @@ class OffloadCopier:
             lay = kv.layout
             serde = Serde(cfg.remote_serde, ChunkShape(lay.dtype, kv.num_layers, lay.num_kv_heads, lay.head_size,
                                                        layout_digest, lay.name, lay.block_size, isa),
-                          cachegen.Bins.for_model(kv.num_layers, 1 if lay.name == "mla" else 2,
+                          cachegen.Bins.for_model(kv.num_layers, lay.kv_planes,
                                                   key=(cfg.cachegen_key_bins[0], cfg.cachegen_key_bins[1]),
                                                   value=(cfg.cachegen_value_bins[0], cfg.cachegen_value_bins[1])))
             self.remote = RemoteTier(cfg.remote_url, cfg.blocking_timeout_secs, serde, tp_rank,

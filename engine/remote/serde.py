@@ -86,6 +86,7 @@ class ChunkShape:
         lay = KVLayout(self.layout, nblk, self.block_size, self.num_kv_heads, self.head_size, self.dtype)
         return lay.chunk_kv(chunk, self.num_layers, self.isa)
 
+
 def check_name(name: str) -> None:
     """Refuse a `remote_serde` kvferry cannot write, naming the ones it can."""
     if name not in SERDES:

@@ -272,8 +272,9 @@ def test_sentinel_failover_is_followed(tmp_path: Path, redis_available) -> None:
         url = "redis-sentinel://" + ",".join(s.url_hostport for s in sentinels)
         # The replica's first sync (a full copy) ends at its own pace on a loaded machine: only then
         # can WAIT see it acknowledge a write.
-        until(lambda: redis.Redis(port=master.port).info("replication").get("slave0", {}).get("state") == "online",
-              60, "the replica to finish its first sync")
+        primary = redis.Redis(port=master.port)
+        until(lambda: primary.info("replication").get("slave0", {}).get("state") == "online", 60,
+              "the replica to finish its first sync")
         t = RemoteTier(url, 1.0, Serde("naive", SHAPE))
         a = chunk(7)
         assert t.put(b"S" * 16, a, TOKENS) and t.flush(10)
