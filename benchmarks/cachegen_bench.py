@@ -1,12 +1,14 @@
 """remote_serde cachegen on the tiny models' real KV: size, encode/decode speed, and answers.
 
-    python benchmarks/cachegen_bench.py --json [--models llama,deepseek,llama-copy] [--prompts 8] [--reps 5]
+    python benchmarks/cachegen_bench.py --json [--models llama,deepseek,llama-copy,deepseek-copy] [--prompts 8]
+                                        [--reps 5]
 
 The models: the random-weight tiny Llama and DeepSeek (MLA) of the tests, whose KV is what vLLM
-computes but whose logits' margins are tiny (any KV error flips greedy answers), and llama-copy, a
-small Llama trained here to continue a repeated 16-token pattern (launcher/tiny_model.py), whose
-answers read the cached KV with a trained model's margins: it is the one that judges answers.
-The random models' prompts are random token ids; llama-copy's are its task's (a pattern repeated).
+computes but whose logits' margins are tiny (any KV error flips greedy answers), and llama-copy and
+deepseek-copy, small GQA and MLA models trained here to continue a repeated 16-token pattern
+(launcher/tiny_model.py), whose answers read the cached KV with a trained model's margins: they
+are the ones that judge answers. The random models' prompts are random token ids; the copy
+models' are their task's (a pattern repeated).
 
 Per model, two kv_both vLLM servers (vLLM's prefix cache off, no CPU tier, one core each), each
 with a Redis of its own: N writes ``remote_serde: naive``, C ``cachegen``. Each prompt (random
@@ -34,8 +36,8 @@ its Redis, is encoded with cachegen and decoded again ``--reps`` times:
 
 Reports ``{"models": {...}, "ratio_vs_naive", "encode_gbps_per_core", "decode_gbps_per_core",
 "greedy_match", "max_logprob_diff", ...}``: the top-level sizes and rates are the worst over the
-models; greedy_match and max_logprob_diff are llama-copy's (when it ran), the model whose answers
-can tell a good codec from a bad one.
+models; greedy_match and max_logprob_diff are the copy models' (those that ran), the models whose
+answers can tell a good codec from a bad one.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from kvferry.testing.vllm_servers import OffloadServer
 
 MAX_TOKENS = 16
 # vLLM CPU's KV layout for each tiny model: its attention backend's layout and block size
-LAYOUTS = {"llama": ("cpu", 128), "deepseek": ("mla", 16), "llama-copy": ("cpu", 128)}
+LAYOUTS = {"llama": ("cpu", 128), "deepseek": ("mla", 16), "llama-copy": ("cpu", 128), "deepseek-copy": ("mla", 16)}
 
 
 def complete(client: httpx.Client, server: OffloadServer, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -196,7 +198,7 @@ def store_get_gbps(work: Path, values: dict[bytes, bytes], reps: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--models", default="llama,deepseek,llama-copy")
+    ap.add_argument("--models", default=",".join(LAYOUTS))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
@@ -208,7 +210,7 @@ def main() -> int:
         model = tiny_model.ensure(arch=arch)
         rng = random.Random(7)
         lengths = [rng.choice([300, 600, 1000]) for _ in range(args.prompts)]
-        prompts = [tiny_model.copy_prompt(rng, n) if arch == "llama-copy" else
+        prompts = [tiny_model.copy_prompt(rng, n) if arch.endswith("-copy") else
                    [rng.randrange(10, 4000) for _ in range(n)] for n in lengths]
         if not args.json:
             print(f"{arch}: serving {len(prompts)} prompts ...", flush=True)
@@ -232,7 +234,7 @@ def main() -> int:
         if not args.json:
             print(f"{arch}: {json.dumps(res)}", flush=True)
     ms = list(per_model.values())
-    judges = [per_model["llama-copy"]] if "llama-copy" in per_model else ms
+    judges = [m for arch, m in per_model.items() if arch.endswith("-copy")] or ms
     out = {"models": per_model, "prompts": args.prompts, "max_tokens": MAX_TOKENS,
            "ratio_vs_naive": min(m["ratio_vs_naive"] for m in ms),
            "encode_gbps_per_core": min(m["encode_gbps_per_core"] for m in ms),

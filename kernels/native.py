@@ -1,5 +1,5 @@
 """Compiled CPU kernels: the row copy (one memcpy per row, rows split over torch's threads) and the
-cachegen codec's nibble dequantizer.
+cachegen codec's dequantizer.
 
 torch has no op that copies rows at arbitrary addresses at memcpy speed: index_select over
 paged_copy's overlapping span view moves 16-byte elements one by one (about 0.5x memcpy here).
@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvferry.common.errors import ConfigurationError
@@ -39,6 +40,7 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp"]
 # Below this many bytes per call a second thread costs more than it saves.
 _PARALLEL_MIN_BYTES = 256 << 10
 
+_DEQUANT_MAX_DIM = 1024  # dequant.c's MAX_DIM
 _lock = threading.Lock()
 _loaded: tuple[bool, Kernels | None] = (False, None)
 
@@ -125,43 +127,48 @@ class RowCopier:
 
 
 class Dequantizer:
-    """The cachegen codec's nibble dequantizer into a bfloat16 cache view (see dequant.c)."""
+    """The cachegen codec's dequantizer into a bfloat16 cache view (see dequant.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._c, self._t = lib.kvf_dequant_nibbles, lib.kvf_dequant_nibbles_t
-        for f in (self._c, self._t):
-            f.restype = None
-            f.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int]
+        self._c = lib.kvf_dequant
+        self._c.restype = ctypes.c_int
+        self._c.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                            *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                            ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_int]
 
     @staticmethod
     def writes(out: torch.Tensor) -> bool:
-        """Whether a [layers, blocks, slots, heads, dim] view is one the kernels write: bfloat16 on
-        the CPU with contiguous channels, or contiguous slots (a transposed K)."""
-        return out.device.type == "cpu" and out.dtype == torch.bfloat16 and 1 in (out.stride(4), out.stride(2))
+        """Whether a [layers, blocks, slots, heads, dim] view is one the kernel writes: bfloat16 on
+        the CPU with contiguous channels, or contiguous slots (a transposed K), heads of at most
+        1,024 channels."""
+        return out.device.type == "cpu" and out.dtype == torch.bfloat16 and 1 in (out.stride(4), out.stride(2)) \
+            and out.shape[4] <= _DEQUANT_MAX_DIM
 
-    def nibbles(self, q: bytes | torch.Tensor, offset: int, scale: torch.Tensor, bias: torch.Tensor,
-                out: torch.Tensor) -> None:
-        """`out`: a bfloat16 [layers, blocks, slots, heads, dim] view with contiguous channels or
-        contiguous slots (`writes`); `q` from byte `offset` on: layers x blocks x slots x heads x
-        dim/2 packed symbols (checked to be there); `scale`, `bias`: [layers, heads * dim] float32."""
+    def dequantize(self, q: bytes, out: torch.Tensor, offsets: list[int], bins: bytes, bits: bytes,
+                   scale: np.ndarray, anchors: list[np.ndarray | None], run: int) -> None:
+        """Write `out`, a bfloat16 [layers, blocks, slots, heads, dim] view (`writes`), from the
+        symbols in `q`: layer l's from byte offsets[l] on, bits[l] (8, or 4: two a byte) each,
+        quantized with bins[l] bins; `scale`: float32 [layers, heads * dim] with contiguous rows;
+        `anchors`, per layer, None or a float32 [runs, heads * dim] array added to each `run` token
+        slots. ValueError, with nothing written, where any of these cannot be that view's."""
         layers, blocks, slots, heads, dim = out.shape
-        need = layers * blocks * slots * heads * dim // 2
-        size = len(q) if isinstance(q, bytes) else q.numel()
-        if not self.writes(out) or dim % 2 or offset < 0 or offset + need > size:
-            raise ValueError("dequantize: a bfloat16 view with contiguous channels or slots, and enough symbols")
-        scale, bias = (t.float().contiguous().view(layers, heads * dim) for t in (scale, bias))
-        base = ctypes.cast(ctypes.c_char_p(q), ctypes.c_void_p).value if isinstance(q, bytes) else q.data_ptr()
-        assert base is not None
-        threads = torch.get_num_threads() if need >= _PARALLEL_MIN_BYTES else 1
-        # ctypes releases the GIL for the call; `q`, `scale` and `bias` stay referenced until it returns.
+        width, runs = heads * dim, -(-blocks * slots // max(run, 1))
+        if not self.writes(out) or not len(offsets) == len(bins) == len(bits) == len(anchors) == layers or \
+                scale.dtype != np.float32 or scale.shape != (layers, width) or scale.strides[1] != 4 or any(
+                    a is not None and (a.dtype != np.float32 or a.shape != (runs, width) or not a.flags.c_contiguous)
+                    for a in anchors):
+            raise ValueError("dequantize: a bfloat16 view with contiguous channels or slots, and per layer an "
+                             "offset, bins, bits, scales and anchors of its shape")
+        table = None
+        if any(a is not None for a in anchors):
+            table = (ctypes.c_void_p * layers)(*(None if a is None else a.ctypes.data for a in anchors))
+        base = ctypes.cast(ctypes.c_char_p(q), ctypes.c_void_p).value
+        threads = torch.get_num_threads() if out.numel() * out.element_size() >= _PARALLEL_MIN_BYTES else 1
         st = out.stride()
-        if st[4] == 1:
-            self._c(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
-                    out.data_ptr(), st[0], st[1], st[2], st[3], threads)
-        else:
-            self._t(base + offset, layers, blocks, slots, heads, dim // 2, scale.data_ptr(), bias.data_ptr(),
-                    out.data_ptr(), st[0], st[1], st[3], st[4], threads)
+        # ctypes releases the GIL for the call; `q`, `scale` and `anchors` stay referenced until it returns.
+        if self._c(base, len(q), (ctypes.c_int64 * layers)(*offsets), bins, bits, layers, blocks, slots, heads, dim,
+                   scale.ctypes.data, scale.strides[0] // 4, table, run, out.data_ptr(), *st, threads):
+            raise ValueError("dequantize: symbols past the end of q, or bits or bins no encoding has")
 
 
 class Kernels(NamedTuple):

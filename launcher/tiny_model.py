@@ -14,6 +14,8 @@ core, to continue a repeated 16-token pattern (``copy_prompt``): its answers rea
 the pattern's last period with the large margins of a trained model, where the random models'
 margins are tiny. It judges lossy KV (``remote_serde: cachegen``): a greedy answer that survives
 there says the codec kept what attention reads; on the random models any lossy KV flips answers.
+``deepseek-copy`` is the same task on the MLA architecture (2 layers, the 576-wide latent vLLM's
+CPU MLA kernel needs), also about 2.5 minutes: it judges a lossy codec on MLA's latent KV.
 
 ``kv_heads`` builds the Llama with fewer KV heads than its 8 (e.g. 1: at TP=2 every rank holds a
 copy of the one head, vLLM's replicated heads), into a directory of its own (``tiny-llama-kv1``);
@@ -112,7 +114,26 @@ COPY_TOKENS = (10, 522)  # the ids [lo, hi) a pattern draws from (its logits are
 # (steps, batch, tokens): short sequences first (the copy is learnt there in a few hundred steps),
 # then long ones, so that prompts of up to a thousand tokens keep the margins.
 COPY_SCHEDULE, COPY_LR = ((400, 16, 128), (600, 4, 512)), 3e-3
-ARCHES = ("llama", "deepseek", "llama-copy")
+# deepseek-copy: the copy task on the DeepSeek-V2 MLA architecture (kv_lora_rank 512 + rope 64, as
+# vLLM's CPU MLA kernel needs), all layers dense. Its 512-wide latent makes a step about twice a
+# llama-copy step; at llama-copy's learning rate the copy is not learnt in the first 400 steps.
+COPY_MLA_ARCH: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+}
+COPY_MLA_SCHEDULE, COPY_MLA_LR = ((300, 16, 128), (300, 4, 512)), 1e-3
+ARCHES = ("llama", "deepseek", "llama-copy", "deepseek-copy")
 KV_HEADS = ARCH["num_key_value_heads"]  # the Llama's default; fewer must divide its attention heads
 
 
@@ -261,11 +282,12 @@ def _config(arch: str, vocab: int, ids: dict[str, int], kv_heads: int = KV_HEADS
                 "num_key_value_heads": kv_heads}
     if arch == "llama-copy":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **COPY_ARCH}
+    mla = COPY_MLA_ARCH if arch == "deepseek-copy" else DEEPSEEK_ARCH
     return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **common,
-            **DEEPSEEK_ARCH, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
+            **mla, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 1,
             "moe_intermediate_size": 256, "moe_layer_freq": 1, "topk_method": "greedy",
             # Every layer dense (MLP, no experts): the MoE fields above are never instantiated.
-            "first_k_dense_replace": DEEPSEEK_ARCH["num_hidden_layers"]}
+            "first_k_dense_replace": mla["num_hidden_layers"]}
 
 
 def copy_prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -274,24 +296,28 @@ def copy_prompt(rng: random.Random, tokens: int) -> list[int]:
     return (pattern * (tokens // COPY_PERIOD + 1))[:tokens]
 
 
-def _write_copy_weights(out: Path, vocab: int, eos_id: int) -> None:
-    """Train the copy model (float32, one thread, seeded) and write it in bfloat16."""
+def _write_copy_weights(out: Path, config: dict[str, Any], eos_id: int) -> None:
+    """Train a copy model (float32, one thread, seeded) of `config` and write it in bfloat16."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    mla = config["model_type"] == "deepseek_v2"
+    schedule, lr = (COPY_MLA_SCHEDULE, COPY_MLA_LR) if mla else (COPY_SCHEDULE, COPY_LR)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one machine's runs give the same weights
     try:
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **COPY_ARCH))
-        opt = torch.optim.AdamW(model.parameters(), lr=COPY_LR, weight_decay=0.0)
-        total = sum(steps for steps, _, _ in COPY_SCHEDULE)
+        fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields),
+                                                 dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        total = sum(steps for steps, _, _ in schedule)
         # cosine decay to zero: the last steps sharpen the margins
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / total)))
         rng = random.Random(SEED)
         loss = float("nan")
-        for steps, batch, tokens in COPY_SCHEDULE:
+        for steps, batch, tokens in schedule:
             for _ in range(steps):
                 x = torch.tensor([copy_prompt(rng, tokens) for _ in range(batch)])
                 loss = _copy_step(model, opt, x)
@@ -336,8 +362,8 @@ def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
             {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
         if arch == "llama":
             _write_weights(tmp, vocab, ids["</s>"], kv_heads)
-        elif arch == "llama-copy":
-            _write_copy_weights(tmp, vocab, ids["</s>"])
+        elif arch in ("llama-copy", "deepseek-copy"):
+            _write_copy_weights(tmp, config, ids["</s>"])
         else:
             _write_deepseek_weights(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()

@@ -25,10 +25,13 @@ before it allocates or decompresses; the outer chunk header (serde.py) checksums
 
 Torch, no Python loop per value: the same operations run on CPU tensors or, for a CUDA cache, on
 the GPU (zstd itself runs on the CPU). On the CPU a compiled kernel (kernels/dequant.c, built and
-trusted like the row copy) dequantizes the 4-bit groups straight into a bfloat16 cache, 2-4x
-torch's mixed-dtype addcmul into the same strided view; its values are the torch path's to float32
-rounding (both compute ``symbol * scale + bias`` in float32 and round to nearest even; torch fuses
-the multiply-add, the portable C build does not).
+trusted like the row copy) decodes each plane (K, V or latent) in one call straight into a
+bfloat16 cache, 4- and 8-bit symbols and anchors alike: several times torch's mixed-dtype ops into
+the same strided view, and few enough Python steps that a small chunk's decode is not mostly
+overhead (the small per-chunk arrays, scales and anchors, are numpy's for the same reason). Its
+values are the torch path's to float32 rounding: both compute ``symbol * scale + bias (+ anchor)``
+in float32 and round once to nearest even; torch fuses the multiply-add, the portable C build does
+not.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvferry.common.config import CACHEGEN_BINS
@@ -206,20 +210,19 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
     fixed = 4 * n * channels + modes.count(_MODE_DELTA) * (4 * channels + runs * channels)
     if len(mv) < pos + fixed:
         raise CodecError(f"cachegen payload of {len(mv)} bytes, its scales alone need {pos + fixed}")
-    scale = torch.frombuffer(bytearray(mv[pos:pos + 4 * n * channels]), dtype=torch.float32)
-    scale = scale.view(layers, kinds, 1, 1, h, d)
+    # numpy for the small per-chunk arrays (a fraction of torch's cost per op); copies, so aligned
+    scale = np.frombuffer(mv, np.float32, n * channels, pos).reshape(layers, kinds, channels).copy()
     pos += 4 * n * channels
-    anchors: list[tuple[int, int, torch.Tensor]] = []
+    anchors: dict[tuple[int, int], np.ndarray] = {}  # (layer, kind): float32 [runs, kv_heads * head_size]
     for g, mode in enumerate(modes):
         if mode == _MODE_DELTA:
-            ascale = torch.frombuffer(bytearray(mv[pos:pos + 4 * channels]), dtype=torch.float32).view(h, d)
-            pos += 4 * channels
-            aq = torch.frombuffer(bytearray(mv[pos:pos + runs * channels]), dtype=torch.uint8).view(runs, h, d)
-            pos += runs * channels
-            if not bool(torch.isfinite(ascale).all()):
+            ascale = np.frombuffer(mv, np.float32, channels, pos)
+            aq = np.frombuffer(mv, np.uint8, runs * channels, pos + 4 * channels).reshape(runs, channels)
+            pos += 4 * channels + runs * channels
+            if not np.isfinite(ascale).all():
                 raise CodecError("cachegen anchor scales that are not finite")
-            anchors.append((g // kinds, g % kinds, (aq.float() - _levels(ANCHOR_BINS)) * ascale))
-    if not bool(torch.isfinite(scale).all()):
+            anchors[g // kinds, g % kinds] = (aq.astype(np.float32) - np.float32(_levels(ANCHOR_BINS))) * ascale
+    if not np.isfinite(scale).all():
         raise CodecError("cachegen scales that are not finite")
     parts = [(kind, lo, hi, packed) for kind in range(kinds) for lo, hi, packed in _ranges(bins[kind::kinds], d)]
     sizes = [(hi - lo) * slots * channels // (2 if packed else 1) for _, lo, hi, packed in parts]
@@ -234,30 +237,49 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
         raise CodecError(f"cachegen symbols: zstd: {e}") from None
     if len(raw) != want:
         raise CodecError(f"cachegen symbols decompressed to {len(raw)} bytes, expected {want}")
-    dev = out[0].device
-    fast = native.dequantizer() if dev.type == "cpu" else None
-    native_kinds = {k for k in range(kinds) if fast is not None and fast.writes(out[k])}
-    stream = None if all(p[3] and p[0] in native_kinds for p in parts) else \
-        torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
-    scale = scale.to(dev)
-    bias = scale * -torch.tensor([_levels(b) for b in bins], dtype=torch.float32,
-                                 device=dev).view(layers, kinds, 1, 1, 1, 1)
+    fast = native.dequantizer() if out[0].device.type == "cpu" else None
     at = 0
-    for (kind, lo, hi, packed), nbytes in zip(parts, sizes, strict=True):
-        o, s_, b_ = out[kind][lo:hi], scale[lo:hi, kind], bias[lo:hi, kind]
-        if packed and kind in native_kinds:
-            assert fast is not None
-            fast.nibbles(raw, at, s_, b_, o)
-            at += nbytes
+    for kind in range(kinds):
+        kparts = [(lo, hi, packed, nbytes) for (k, lo, hi, packed), nbytes in zip(parts, sizes, strict=True)
+                  if k == kind]
+        if fast is not None and fast.writes(out[kind]):
+            offsets, bits = [], []
+            for lo, hi, packed, nbytes in kparts:
+                offsets += [at + (layer - lo) * nbytes // (hi - lo) for layer in range(lo, hi)]
+                bits += [4 if packed else 8] * (hi - lo)
+                at += nbytes
+            fast.dequantize(raw, out[kind], offsets, bytes(bins[kind::kinds]), bytes(bits), scale[:, kind],
+                            [anchors.get((layer, kind)) for layer in range(layers)], ANCHOR_RUN)
             continue
-        assert stream is not None
-        q, at = stream[at:at + nbytes], at + nbytes
+        at = _decode_with_torch(raw, at, kparts, out[kind], bins[kind::kinds], scale[:, kind],
+                                {layer: a for (layer, k), a in anchors.items() if k == kind})
+
+
+def _decode_with_torch(raw: bytes, at: int, parts: list[tuple[int, int, bool, int]], out: torch.Tensor,
+                       bins: list[int], scale: np.ndarray, anchors: dict[int, np.ndarray]) -> int:
+    """One plane's layers from `raw`'s symbols at `at` on, with torch ops on `out`'s device (a GPU, a
+    cache of another dtype); the offset past them. Each value is computed in float32, anchor
+    included, and rounded once into `out`, as the compiled kernel does."""
+    layers, nb, bs, h, d = out.shape
+    dev, slots = out.device, nb * bs
+    s_all = torch.from_numpy(scale).to(dev).view(layers, 1, 1, h, d)
+    b_all = s_all * -torch.tensor([_levels(b) for b in bins], dtype=torch.float32, device=dev).view(layers, 1, 1, 1, 1)
+    stream = torch.frombuffer(bytearray(raw[at:at + sum(p[3] for p in parts)]), dtype=torch.uint8).to(dev)
+    pos = 0
+    for lo, hi, packed, nbytes in parts:
+        s_, b_ = s_all[lo:hi], b_all[lo:hi]
+        q, pos = stream[pos:pos + nbytes], pos + nbytes
+        v = torch.empty(hi - lo, nb, bs, h, d, dtype=torch.float32, device=dev)
         if packed:
             half = d // 2
             q = q.view(hi - lo, nb, bs, h, half)
-            torch.addcmul(b_[..., :half], q & 15, s_[..., :half], out=o[..., :half])
-            torch.addcmul(b_[..., half:], q >> 4, s_[..., half:], out=o[..., half:])
+            torch.addcmul(b_[..., :half], q & 15, s_[..., :half], out=v[..., :half])
+            torch.addcmul(b_[..., half:], q >> 4, s_[..., half:], out=v[..., half:])
         else:
-            torch.addcmul(b_, q.view(hi - lo, nb, bs, h, d), s_, out=o)
-    for layer, kind, a in anchors:
-        out[kind][layer] += a.to(dev).repeat_interleave(ANCHOR_RUN, dim=0)[:slots].view(nb, bs, h, d)
+            torch.addcmul(b_, q.view(hi - lo, nb, bs, h, d), s_, out=v)
+        for layer in range(lo, hi):
+            if layer in anchors:
+                a = torch.from_numpy(anchors[layer]).to(dev).view(-1, h, d)
+                v[layer - lo] += a.repeat_interleave(ANCHOR_RUN, dim=0)[:slots].view(nb, bs, h, d)
+        out[lo:hi].copy_(v)
+    return at + pos

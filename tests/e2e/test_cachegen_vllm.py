@@ -1,12 +1,13 @@
 """remote_serde cachegen on real vLLM: KV stored as cachegen chunks in a real Redis, loaded back as a
 remote hit, gives the greedy answer the computed KV gave.
 
-The model is ``llama-copy`` (launcher/tiny_model.py): a small Llama trained here to continue a
-repeated 16-token pattern, so its answers read the cached KV of the pattern's last period with a
-trained model's margins. The random-weight test models cannot judge a lossy codec: their logits'
-margins are so small that any KV error flips their greedy answers (benchmarks/cachegen_bench.py
-reports how far). One server, vLLM's prefix cache off and no CPU tier: a prompt's first request
-computes it and stores its chunks; its second loads all but the last token from Redis."""
+The models are ``llama-copy`` (GQA) and ``deepseek-copy`` (MLA's latent KV), from
+launcher/tiny_model.py: small models trained here to continue a repeated 16-token pattern, so their
+answers read the cached KV of the pattern's last period with a trained model's margins. The
+random-weight test models cannot judge a lossy codec: their logits' margins are so small that any
+KV error flips their greedy answers (benchmarks/cachegen_bench.py reports how far). One server per
+model, vLLM's prefix cache off and no CPU tier: a prompt's first request computes it and stores its
+chunks; its second loads all but the last token from Redis."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from tests.pd_helpers import completion, tier_value, tokens_and_logprobs
 from tests.polling import until
 
 CHUNK = 256
-BLOCK = 128  # vLLM CPU's block size for this model
 MAX_TOKENS = 16
 # The largest |logprob| difference of a chosen token between the remote hit and the computed answer
 # that the test holds (measured: 0.0013 with the default bins; a flipped answer moves it by nats).
@@ -32,16 +32,21 @@ MAX_LOGPROB_DIFF = 0.1
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize(("arch", "kind", "block", "head_size"),
+                         [("llama-copy", "cpu", 128, 64), ("deepseek-copy", "mla", 16, 576)])
 def test_cachegen_remote_hits_give_the_computed_greedy_answers_on_a_trained_model(
-        log_dir: Path, tmp_path: Path, redis_available: None) -> None:
+        arch: str, kind: str, block: int, head_size: int, log_dir: Path, tmp_path: Path,
+        redis_available: None) -> None:
+    """`block`: vLLM CPU's block size for the model (16 for MLA, which it forces)."""
     import torch
 
     from kvferry.connector.cpu_isa import attention_isa
     from kvferry.kernels.layout import KVLayout
-    if attention_isa(KVLayout("cpu", 1, BLOCK, 1, 64, torch.bfloat16), "auto") == "amx":
+    layout = KVLayout(kind, 1, block, 1, head_size, torch.bfloat16)
+    if attention_isa(layout, "auto") == "amx":
         pytest.skip("vLLM CPU packs KV in AMX tiles on this machine, which cachegen refuses at start "
                     "(tests/engine/test_cachegen.py checks the refusal)")
-    model = tiny_model.ensure(arch="llama-copy")
+    model = tiny_model.ensure(arch=arch)
     store = start_redis(tmp_path)
     server = OffloadServer(str(model), log_dir, "0", tmp_path, local_cpu=False, remote_serde="cachegen",
                            remote_url=f"redis://127.0.0.1:{store.port}",
@@ -69,9 +74,9 @@ def test_cachegen_remote_hits_give_the_computed_greedy_answers_on_a_trained_mode
         # What Redis holds is cachegen, and small: the naive chunk would be whole blocks of raw KV.
         naive = stored = 0
         for k in (k for k in client.keys("*") if k.endswith(b":h")):
-            fmt, dtype, (layers, n, kv_heads, head_size) = peek(client.get(k))
-            assert fmt == "cachegen"
-            naive += layers * 2 * -(-n // BLOCK) * BLOCK * kv_heads * head_size * dtype.itemsize
+            fmt, dtype, (layers, n, kv_heads, size) = peek(client.get(k))
+            assert (fmt, size) == ("cachegen", head_size)
+            naive += layers * layout.kv_planes * -(-n // block) * block * kv_heads * size * dtype.itemsize
             stored += HEADER_BYTES + client.strlen(k[:-2] + b":d")
         assert stored < naive / 3.5, (stored, naive)
     finally:

@@ -123,18 +123,22 @@ def test_tiny_deepseek_mla_is_what_vllm_cpu_mla_needs() -> None:
         tiny_model.default_dir("gpt2")
 
 
-def test_tiny_llama_copy_continues_its_pattern_with_a_trained_models_margin() -> None:
-    """`make-tiny-model --arch llama-copy`: trained here, it continues a repeated 16-token pattern
-    at every prompt length the tests use, its answer ahead of the runner-up by several nats (what
-    lets it judge lossy KV: a random-weight model's margins are a fraction of one)."""
+@pytest.mark.parametrize(("arch", "model_type"), [("llama-copy", "llama"), ("deepseek-copy", "deepseek_v2")])
+def test_tiny_copy_models_continue_their_pattern_with_a_trained_models_margin(arch: str, model_type: str) -> None:
+    """`make-tiny-model --arch llama-copy|deepseek-copy`: trained here, each continues a repeated
+    16-token pattern at every prompt length the tests use, its answer ahead of the runner-up by
+    several nats (what lets it judge lossy KV: a random-weight model's margins are a fraction of one)."""
     import random
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model.ensure(arch="llama-copy")
-    assert path.name == "tiny-llama-copy"
+    path = tiny_model.ensure(arch=arch)
+    assert path.name == f"tiny-{arch}"
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    assert model.config.model_type == model_type
+    if arch == "deepseek-copy":  # the latent vLLM's CPU MLA kernel takes
+        assert model.config.kv_lora_rank + model.config.qk_rope_head_dim == 576
     rng = random.Random(1)
     for tokens in (128, 300, 600, 1000):
         p = tiny_model.copy_prompt(rng, tokens)

@@ -148,18 +148,23 @@ def test_cachegen_refuses_a_cache_it_cannot_quantize() -> None:
         Serde("cachegen", shape(dtype=torch.float8_e4m3fn))
 
 
+@pytest.mark.parametrize("smooth", [False, True], ids=["direct", "anchors"])
 @pytest.mark.parametrize("layout", ["cpu", "flash_hnd", "mla"])
-def test_cachegen_compiled_dequantizer_matches_the_torch_path(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU decode's compiled nibble kernel and the torch ops give the same KV, to float32
-    rounding (torch fuses the multiply-add; the portable C build does not)."""
+def test_cachegen_compiled_dequantizer_matches_the_torch_path(layout: str, smooth: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU decode's compiled kernel and the torch ops give the same KV, to one bfloat16
+    rounding step: 4- and 8-bit symbols, rows and vLLM CPU's transposed K, coded directly or as
+    deltas from anchors (which the kernel adds before it rounds, torch after)."""
     from kvferry.kernels import native
     if native.dequantizer() is None:
         pytest.skip("no C compiler")
     s = shape(layout)
     serde = Serde("cachegen", s, cg.Bins(tuple([16, 32] * LAYERS)[:LAYERS * (1 if layout == "mla" else 2)]))
-    tokens = 4 * BS - 3
-    c = chunk(s, tokens, seed=5)
+    tokens = 4 * BS + 5  # a partial last block and anchor run
+    c = chunk(s, tokens, seed=5, smooth=smooth)
     head, payload = serde.encode(c, tokens)
+    groups_n = LAYERS * (1 if layout == "mla" else 2)
+    assert set(bytes(payload)[5:4 + 2 * groups_n:2]) == {1 if smooth else 0}  # each group's mode byte
     fast = serde.decode(head, bytes(payload), tokens, c.numel())
     monkeypatch.setattr(native, "_loaded", (True, None))
     slow = serde.decode(head, bytes(payload), tokens, c.numel())
@@ -167,6 +172,31 @@ def test_cachegen_compiled_dequantizer_matches_the_torch_path(layout: str, monke
         # one bf16 rounding step at most, where float32 rounding tipped the value
         assert bool(((f - w).abs() <= w.abs() / 128 + 1e-6).all())
     assert float((groups(s, fast, tokens)[0] - groups(s, c, tokens)[0]).abs().max()) > 0  # it is lossy: not a copy
+
+
+def test_cachegen_compiled_dequantizer_refuses_what_no_encoding_has_writing_nothing() -> None:
+    """The kernel's own checks (the decoder checks the payload first; this is the last line):
+    symbols past the end, bits or bins no encoding has, anchors of another shape."""
+    import numpy as np
+
+    from kvferry.kernels import native
+    fast = native.dequantizer()
+    if fast is None:
+        pytest.skip("no C compiler")
+    out = torch.full((2, 2, BS, HEADS, HEAD), 7.0, dtype=torch.bfloat16)
+    n = 2 * BS * HEADS * HEAD  # symbols per layer
+    scale = np.ones((2, HEADS * HEAD), np.float32)
+    ok = dict(offsets=[0, n], bins=bytes([32, 32]), bits=bytes([8, 8]), scale=scale, anchors=[None, None], run=16)
+    fast.dequantize(bytes(2 * n), out, **ok)  # type: ignore[arg-type]
+    assert bool((out == -15).all())  # symbol 0 of 32 bins: -(32 // 2 - 1) steps
+    out.fill_(7.0)
+    bad = [dict(offsets=[0, n + 1]), dict(offsets=[-1, n]), dict(bits=bytes([8, 5])), dict(bins=bytes([32, 2])),
+           dict(bits=bytes([8, 4])),  # 4 bits a symbol cannot hold 32 bins' levels
+           dict(anchors=[None, np.zeros((1, HEADS * HEAD), np.float32)]), dict(scale=scale[:1])]
+    for change in bad:
+        with pytest.raises(ValueError, match="dequantize"):
+            fast.dequantize(bytes(2 * n), out, **{**ok, **change})  # type: ignore[arg-type]
+        assert bool((out == 7.0).all()), change
 
 
 def test_cachegen_bins_are_configurable_and_bad_ones_are_refused_naming_the_range() -> None:
