@@ -5,6 +5,7 @@ message with an old signature fails here instead of on the next measuring day.""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,9 @@ def test_c1_segments_bench_runs() -> None:
     s = out["summary"]
     assert set(s) == {"direct", "kvferry"}
     assert s["kvferry"]["n"] == 5 and s["direct"]["n"] == 5
-    assert s["kvferry"]["3 middle (P written -> D in)"] > 0 and s["kvferry"]["added total"] > 0
+    # The middle segment is causal (the prefill's answer is written before the decoder is entered);
+    # the added total is a difference of two 5-request medians, which a loaded machine can invert.
+    assert s["kvferry"]["3 middle (P written -> D in)"] > 0 and math.isfinite(s["kvferry"]["added total"])
 
 
 def test_proxy_bench_runs() -> None:
