@@ -296,8 +296,9 @@ def copy_prompt(rng: random.Random, tokens: int) -> list[int]:
     return (pattern * (tokens // COPY_PERIOD + 1))[:tokens]
 
 
-def _write_copy_weights(out: Path, config: dict[str, Any], eos_id: int) -> None:
-    """Train a copy model (float32, one thread, seeded) of `config` and write it in bfloat16."""
+def _write_copy_weights(out: Path, config: dict[str, Any], eos_id: int) -> float:
+    """Train a copy model (float32, one thread, seeded) of `config`, write it in bfloat16 and
+    return its last training loss."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -326,7 +327,8 @@ def _write_copy_weights(out: Path, config: dict[str, Any], eos_id: int) -> None:
     finally:
         torch.set_num_threads(threads)
     w["lm_head.weight"][eos_id] = 0  # EOS never wins a greedy step
-    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt", "copy_task_loss": f"{loss:.4f}"})
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return loss
 
 
 def _copy_step(model: Any, opt: Any, x: Any) -> float:
@@ -360,14 +362,16 @@ def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"], "do_sample": False}, indent=2))
+        trained: dict[str, Any] = {}
         if arch == "llama":
             _write_weights(tmp, vocab, ids["</s>"], kv_heads)
         elif arch in ("llama-copy", "deepseek-copy"):
-            _write_copy_weights(tmp, config, ids["</s>"])
+            trained["copy_task_loss"] = round(_write_copy_weights(tmp, config, ids["</s>"]), 4)
         else:
             _write_deepseek_weights(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
-        stamp: dict[str, Any] = {"version": TINY_MODEL_VERSION, "arch": arch, "seed": SEED, "weights_sha256": digest}
+        stamp: dict[str, Any] = {"version": TINY_MODEL_VERSION, "arch": arch, "seed": SEED, "weights_sha256": digest,
+                                 **trained}
         if kv_heads != KV_HEADS:  # the default model's stamp stays as it was
             stamp["kv_heads"] = kv_heads
         (tmp / STAMP).write_text(json.dumps(stamp, indent=2))
