@@ -51,11 +51,13 @@ static inline void head_row(const uint8_t *qq, int bits, int64_t dim, const floa
 }
 
 /* AVX2 where the CPU has it (about 1.3-2x on this loop), chosen when the library loads (glibc's
- * ifunc); the baseline build elsewhere. Same arithmetic in both (no FMA contraction). */
+ * ifunc); the baseline build elsewhere. Same arithmetic in both (-mavx2 brings no FMA). */
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-/* Returns 0, or -1 (nothing written) for a layer's bits or bins no encoding has, or symbols past q_len. */
+/* Returns 0, or -1 with nothing written: a layer's bits or bins no encoding has, symbols past
+ * q_len, run < 1, an odd head size or one outside [2, MAX_DIM], or a view with neither its channels
+ * nor its slots contiguous. */
 int kvf_dequant(const uint8_t *q, int64_t q_len, const int64_t *q_off, const uint8_t *bins, const uint8_t *bits,
                 int64_t layers, int64_t blocks, int64_t slots, int64_t heads, int64_t dim, const float *scale,
                 int64_t s_scale, const float *const *anchors, int64_t run, uint16_t *out, int64_t s_layer,

@@ -139,10 +139,11 @@ class Dequantizer:
     @staticmethod
     def writes(out: torch.Tensor) -> bool:
         """Whether a [layers, blocks, slots, heads, dim] view is one the kernel writes: bfloat16 on
-        the CPU with contiguous channels, or contiguous slots (a transposed K), heads of at most
-        1,024 channels."""
+        the CPU with contiguous channels, or contiguous slots (a transposed K), an even head size up
+        to 1,024, no element written twice (no zero stride)."""
+        dim = out.shape[4]
         return out.device.type == "cpu" and out.dtype == torch.bfloat16 and 1 in (out.stride(4), out.stride(2)) \
-            and out.shape[4] <= _DEQUANT_MAX_DIM
+            and 2 <= dim <= _DEQUANT_MAX_DIM and dim % 2 == 0 and all(st > 0 for st in out.stride())
 
     def dequantize(self, q: bytes, out: torch.Tensor, offsets: list[int], bins: bytes, bits: bytes,
                    scale: np.ndarray, anchors: list[np.ndarray | None], run: int) -> None:
@@ -154,9 +155,11 @@ class Dequantizer:
         layers, blocks, slots, heads, dim = out.shape
         width, runs = heads * dim, -(-blocks * slots // max(run, 1))
         if not self.writes(out) or not len(offsets) == len(bins) == len(bits) == len(anchors) == layers or \
-                scale.dtype != np.float32 or scale.shape != (layers, width) or scale.strides[1] != 4 or any(
-                    a is not None and (a.dtype != np.float32 or a.shape != (runs, width) or not a.flags.c_contiguous)
-                    for a in anchors):
+                run < 1 or any(not 0 <= o <= len(q) for o in offsets) or scale.dtype != np.float32 or \
+                scale.shape != (layers, width) or scale.strides[1] != 4 or scale.strides[0] <= 0 or \
+                scale.strides[0] % 4 or not scale.flags.aligned or any(
+                    a is not None and (a.dtype != np.float32 or a.shape != (runs, width) or not a.flags.c_contiguous
+                                       or not a.flags.aligned) for a in anchors):
             raise ValueError("dequantize: a bfloat16 view with contiguous channels or slots, and per layer an "
                              "offset, bins, bits, scales and anchors of its shape")
         table = None

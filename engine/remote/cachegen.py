@@ -30,8 +30,8 @@ bfloat16 cache, 4- and 8-bit symbols and anchors alike: several times torch's mi
 the same strided view, and few enough Python steps that a small chunk's decode is not mostly
 overhead (the small per-chunk arrays, scales and anchors, are numpy's for the same reason). Its
 values are the torch path's to float32 rounding: both compute ``symbol * scale + bias (+ anchor)``
-in float32 and round once to nearest even; torch fuses the multiply-add, the portable C build does
-not.
+in float32 and round once to nearest even (torch fuses the multiply-add; whether the C build does
+is the compiler's choice for the CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ ANCHOR_RUN = 16  # tokens per anchor in a delta-coded group
 ANCHOR_BINS = 255  # the anchors' own quantization (8 bits)
 SAMPLE_RUNS = 4  # runs of ANCHOR_RUN tokens the choice between anchors and direct coding looks at
 MIN_BINS, MAX_BINS = CACHEGEN_BINS
+# The largest scale a reader accepts: far above any KV value, and low enough that no symbol times
+# its scale plus an anchor leaves float32's range (a value that would decode to inf is refused).
+MAX_SCALE = 2.0**100
 # LMCache's CacheGen setting for 32-layer models (K: 10 layers at 32 bins, the rest at 16;
 # V: 2 layers at 32 bins, the rest at 16), scaled to other depths by fraction of the layers.
 DEFAULT_KEY_BINS, DEFAULT_VALUE_BINS = (32, 16), (32, 16)
@@ -219,11 +222,11 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
             ascale = np.frombuffer(mv, np.float32, channels, pos)
             aq = np.frombuffer(mv, np.uint8, runs * channels, pos + 4 * channels).reshape(runs, channels)
             pos += 4 * channels + runs * channels
-            if not np.isfinite(ascale).all():
-                raise CodecError("cachegen anchor scales that are not finite")
+            if not (np.abs(ascale) <= MAX_SCALE).all():  # also false for NaN
+                raise CodecError("cachegen anchor scales that are not finite numbers up to 2^100")
             anchors[g // kinds, g % kinds] = (aq.astype(np.float32) - np.float32(_levels(ANCHOR_BINS))) * ascale
-    if not np.isfinite(scale).all():
-        raise CodecError("cachegen scales that are not finite")
+    if not (np.abs(scale) <= MAX_SCALE).all():
+        raise CodecError("cachegen scales that are not finite numbers up to 2^100")
     parts = [(kind, lo, hi, packed) for kind in range(kinds) for lo, hi, packed in _ranges(bins[kind::kinds], d)]
     sizes = [(hi - lo) * slots * channels // (2 if packed else 1) for _, lo, hi, packed in parts]
     want = sum(sizes)
@@ -248,8 +251,11 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
                 offsets += [at + (layer - lo) * nbytes // (hi - lo) for layer in range(lo, hi)]
                 bits += [4 if packed else 8] * (hi - lo)
                 at += nbytes
-            fast.dequantize(raw, out[kind], offsets, bytes(bins[kind::kinds]), bytes(bits), scale[:, kind],
-                            [anchors.get((layer, kind)) for layer in range(layers)], ANCHOR_RUN)
+            try:
+                fast.dequantize(raw, out[kind], offsets, bytes(bins[kind::kinds]), bytes(bits), scale[:, kind],
+                                [anchors.get((layer, kind)) for layer in range(layers)], ANCHOR_RUN)
+            except ValueError as e:  # checked above; the kernel checks again before it writes anything
+                raise CodecError(f"cachegen symbols: {e}") from None
             continue
         at = _decode_with_torch(raw, at, kparts, out[kind], bins[kind::kinds], scale[:, kind],
                                 {layer: a for (layer, k), a in anchors.items() if k == kind})

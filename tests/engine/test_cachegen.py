@@ -73,6 +73,27 @@ def test_cachegen_round_trip_is_within_each_layers_quantization_bound(layout: st
         assert float(v.reshape(-1, v.shape[2], v.shape[3])[tokens:].abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("head_size", [1, 15])
+def test_cachegen_decodes_odd_head_sizes_through_torch(head_size: int) -> None:
+    """An odd head size cannot pack two symbols a byte per half head, and the compiled kernel
+    takes even ones only: the decode goes through torch, within the same bound."""
+    s = ChunkShape(torch.bfloat16, 2, 2, head_size, b"L" * 16, "flash_nhd", BS)
+    tokens = 2 * BS - 3
+    c = torch.zeros(2 * 2 * 2 * BS * 2 * head_size * 2, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(3)
+    for v in s.chunk_kv(c, tokens):
+        v.copy_(torch.randn(v.shape, generator=g))
+    serde = Serde("cachegen", s)
+    back = roundtrip(serde, c, tokens)
+    assert serde.bins is not None
+    for kind, (want, got) in enumerate(zip(s.chunk_kv(c, tokens), s.chunk_kv(back, tokens), strict=True)):
+        for layer in range(2):
+            w = want[layer].reshape(-1, 2 * head_size)[:tokens].float()
+            d = (got[layer].reshape(-1, 2 * head_size)[:tokens].float() - w).abs()
+            step = w.abs().amax(0) / (serde.bins.per_group[2 * layer + kind] // 2 - 1)
+            assert bool((d <= step / 2 + w.abs() / 128 + 1e-6).all())
+
+
 def test_a_full_cachegen_chunk_is_over_3_5x_smaller_than_naive() -> None:
     """Normal values (a random-weight model's KV is close to that); real KV is in the benchmark."""
     s = shape()
@@ -128,6 +149,10 @@ def test_a_damaged_or_truncated_cachegen_chunk_is_refused() -> None:
     bad_scale[4 + 4 * LAYERS:4 + 4 * LAYERS + 4] = struct.pack("<f", float("nan"))
     with pytest.raises(cg.CodecError, match="not finite"):
         cg.decode(bytes(bad_scale), tokens, s.chunk_kv(scratch, tokens))
+    # finite, but a symbol times it would leave float32's range (inf in the cache)
+    bad_scale[4 + 4 * LAYERS:4 + 4 * LAYERS + 4] = struct.pack("<f", 1e38)
+    with pytest.raises(cg.CodecError, match="up to 2"):
+        cg.decode(bytes(bad_scale), tokens, s.chunk_kv(scratch, tokens))
     assert bool((scratch == 0x5A).all())  # refused before anything was written
 
 
@@ -154,7 +179,7 @@ def test_cachegen_compiled_dequantizer_matches_the_torch_path(layout: str, smoot
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode's compiled kernel and the torch ops give the same KV, to one bfloat16
     rounding step: 4- and 8-bit symbols, rows and vLLM CPU's transposed K, coded directly or as
-    deltas from anchors (which the kernel adds before it rounds, torch after)."""
+    deltas from anchors (both add them in float32 before the one rounding)."""
     from kvferry.kernels import native
     if native.dequantizer() is None:
         pytest.skip("no C compiler")
