@@ -171,7 +171,8 @@ class Dequantizer:
         # ctypes releases the GIL for the call; `q`, `scale` and `anchors` stay referenced until it returns.
         if self._c(base, len(q), (ctypes.c_int64 * layers)(*offsets), bins, bits, layers, blocks, slots, heads, dim,
                    scale.ctypes.data, scale.strides[0] // 4, table, run, out.data_ptr(), *st, threads):
-            raise ValueError("dequantize: symbols past the end of q, or bits or bins no encoding has")
+            raise ValueError("dequantize: symbols past the end of q, bits or bins no encoding has, or a view "
+                             "it cannot write")
 
 
 class Kernels(NamedTuple):
