@@ -210,7 +210,7 @@ def main() -> int:
         model = tiny_model.ensure(arch=arch)
         rng = random.Random(7)
         lengths = [rng.choice([300, 600, 1000]) for _ in range(args.prompts)]
-        prompts = [tiny_model.copy_prompt(rng, n) if arch.endswith("-copy") else
+        prompts = [tiny_model.copy_prompt(rng, n) if arch in tiny_model.COPY_RECIPES else
                    [rng.randrange(10, 4000) for _ in range(n)] for n in lengths]
         if not args.json:
             print(f"{arch}: serving {len(prompts)} prompts ...", flush=True)
@@ -234,7 +234,7 @@ def main() -> int:
         if not args.json:
             print(f"{arch}: {json.dumps(res)}", flush=True)
     ms = list(per_model.values())
-    judges = [m for arch, m in per_model.items() if arch.endswith("-copy")] or ms
+    judges = [m for arch, m in per_model.items() if arch in tiny_model.COPY_RECIPES] or ms
     out = {"models": per_model, "prompts": args.prompts, "max_tokens": MAX_TOKENS,
            "ratio_vs_naive": min(m["ratio_vs_naive"] for m in ms),
            "encode_gbps_per_core": min(m["encode_gbps_per_core"] for m in ms),

@@ -21,7 +21,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     if tiny_model.is_current(out, kv_heads if args.arch == "llama" else None) and not args.force:
         print(f"tiny model already built: {out}")
         return 0
-    trained = " (trained here: about 2.5 minutes on one core)" if args.arch.endswith("-copy") else ""
+    trained = " (trained here: about 2.5 minutes on one core)" if args.arch in tiny_model.COPY_RECIPES else ""
     print(f"building tiny model into {out}{trained} ...", flush=True)
     tiny_model.build(out, args.arch, kv_heads)
     print(f"tiny model ready: {out}")
@@ -82,10 +82,12 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvferry.launcher import tiny_model  # stdlib only: cheap for every command
+
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-tiny-model", help="build the random-weight test model (no network)")
-    p.add_argument("--arch", choices=("llama", "deepseek", "llama-copy", "deepseek-copy"), default="llama",
+    p.add_argument("--arch", choices=tiny_model.ARCHES, default="llama",
                    help="llama: dense GQA (default); deepseek: DeepSeek-V2 MLA (docs/pd.md); llama-copy, "
                         "deepseek-copy: small GQA and MLA models trained here to continue a repeated pattern "
                         "(docs/testing.md; they judge cachegen's lossy KV)")

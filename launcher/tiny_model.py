@@ -133,7 +133,10 @@ COPY_MLA_ARCH: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 COPY_MLA_SCHEDULE, COPY_MLA_LR = ((300, 16, 128), (300, 4, 512)), 1e-3
-ARCHES = ("llama", "deepseek", "llama-copy", "deepseek-copy")
+# The trained models: (steps, batch, tokens) schedule and peak learning rate of each.
+COPY_RECIPES: dict[str, tuple[tuple[tuple[int, int, int], ...], float]] = {
+    "llama-copy": (COPY_SCHEDULE, COPY_LR), "deepseek-copy": (COPY_MLA_SCHEDULE, COPY_MLA_LR)}
+ARCHES = ("llama", "deepseek", *COPY_RECIPES)
 KV_HEADS = ARCH["num_key_value_heads"]  # the Llama's default; fewer must divide its attention heads
 
 
@@ -296,15 +299,14 @@ def copy_prompt(rng: random.Random, tokens: int) -> list[int]:
     return (pattern * (tokens // COPY_PERIOD + 1))[:tokens]
 
 
-def _write_copy_weights(out: Path, config: dict[str, Any], eos_id: int) -> float:
-    """Train a copy model (float32, one thread, seeded) of `config`, write it in bfloat16 and
+def _write_copy_weights(out: Path, arch: str, config: dict[str, Any], eos_id: int) -> float:
+    """Train copy model `arch` (float32, one thread, seeded) of `config`, write it in bfloat16 and
     return its last training loss."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    mla = config["model_type"] == "deepseek_v2"
-    schedule, lr = (COPY_MLA_SCHEDULE, COPY_MLA_LR) if mla else (COPY_SCHEDULE, COPY_LR)
+    schedule, lr = COPY_RECIPES[arch]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one machine's runs give the same weights
     try:
@@ -365,8 +367,8 @@ def build(out: Path, arch: str = "llama", kv_heads: int = KV_HEADS) -> Path:
         trained: dict[str, Any] = {}
         if arch == "llama":
             _write_weights(tmp, vocab, ids["</s>"], kv_heads)
-        elif arch in ("llama-copy", "deepseek-copy"):
-            trained["copy_task_loss"] = round(_write_copy_weights(tmp, config, ids["</s>"]), 4)
+        elif arch in COPY_RECIPES:
+            trained["copy_task_loss"] = round(_write_copy_weights(tmp, arch, config, ids["</s>"]), 4)
         else:
             _write_deepseek_weights(tmp, vocab, ids["</s>"])
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()

@@ -227,9 +227,10 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
             anchors[g // kinds, g % kinds] = (aq.astype(np.float32) - np.float32(_levels(ANCHOR_BINS))) * ascale
     if not (np.abs(scale) <= MAX_SCALE).all():
         raise CodecError("cachegen scales that are not finite numbers up to 2^100")
-    parts = [(kind, lo, hi, packed) for kind in range(kinds) for lo, hi, packed in _ranges(bins[kind::kinds], d)]
-    sizes = [(hi - lo) * slots * channels // (2 if packed else 1) for _, lo, hi, packed in parts]
-    want = sum(sizes)
+    # per plane, its runs of layers [lo, hi) that share a packing, with their symbols' bytes
+    parts = [[(lo, hi, packed, (hi - lo) * slots * channels // (2 if packed else 1))
+              for lo, hi, packed in _ranges(bins[kind::kinds], d)] for kind in range(kinds)]
+    want = sum(p[3] for kparts in parts for p in kparts)
     frame = mv[pos:]
     try:
         size = zstandard.frame_content_size(frame)
@@ -242,9 +243,7 @@ def decode(payload: bytes | memoryview, tokens: int, out: list[torch.Tensor]) ->
         raise CodecError(f"cachegen symbols decompressed to {len(raw)} bytes, expected {want}")
     fast = native.dequantizer() if out[0].device.type == "cpu" else None
     at = 0
-    for kind in range(kinds):
-        kparts = [(lo, hi, packed, nbytes) for (k, lo, hi, packed), nbytes in zip(parts, sizes, strict=True)
-                  if k == kind]
+    for kind, kparts in enumerate(parts):
         if fast is not None and fast.writes(out[kind]):
             offsets, bits = [], []
             for lo, hi, packed, nbytes in kparts:
@@ -270,7 +269,7 @@ def _decode_with_torch(raw: bytes, at: int, parts: list[tuple[int, int, bool, in
     dev, slots = out.device, nb * bs
     s_all = torch.from_numpy(scale).to(dev).view(layers, 1, 1, h, d)
     b_all = s_all * -torch.tensor([_levels(b) for b in bins], dtype=torch.float32, device=dev).view(layers, 1, 1, 1, 1)
-    stream = torch.frombuffer(bytearray(raw[at:at + sum(p[3] for p in parts)]), dtype=torch.uint8).to(dev)
+    stream = torch.frombuffer(bytearray(memoryview(raw)[at:at + sum(p[3] for p in parts)]), dtype=torch.uint8).to(dev)
     pos = 0
     for lo, hi, packed, nbytes in parts:
         s_, b_ = s_all[lo:hi], b_all[lo:hi]
