@@ -49,12 +49,28 @@ from kvferry.receiver.transfer_table import ReceivedTransfer, TransferTable
 
 logger = get_logger(__name__)
 
-ACTIVE_POLL_S = 0.00005
-IDLE_POLL_S = 0.02
+ACTIVE_POLL_S = 0.00005  # for FAST_S after pages were reserved or a notification came
+FAST_S = 0.05
+AWAIT_POLL_S = 0.0005  # the longest pause while a transfer is still awaited after that
+IDLE_POLL_S = 0.02  # nothing awaited
 SWEEP_S = 0.5
 # After a sender's alloc connection closed, how long a write it posted before it saw the close
 # may still be landing (its process is gone, or it refuses new writes on that connection).
 WRITER_GONE_GRACE_S = 1.0
+
+
+def poll_pause(last: float, awaited: bool, fast: bool) -> float:
+    """The NIXL thread's next pause after `last`: ACTIVE_POLL_S while `fast` (within FAST_S of
+    pages reserved or a notification: a short prefill's KV comes then, and UCX's rendezvous needs
+    this side's progress to move it), then doubling to AWAIT_POLL_S while a transfer is still
+    awaited; IDLE_POLL_S when none is. Each poll holds the GIL (NIXL's binding keeps it): a poll
+    every 50 us through a whole prefill step (seconds on a CPU) would starve the receiver's ports
+    thread of it on a busy machine, and an abort or alloc would be read seconds late."""
+    if not awaited:
+        return IDLE_POLL_S
+    if fast or last >= IDLE_POLL_S:
+        return ACTIVE_POLL_S
+    return min(2 * last, AWAIT_POLL_S)
 
 
 @dataclass(frozen=True)
@@ -327,17 +343,24 @@ class KVReceiver(ReceiverSleep):
             proxy = zsock.connect(ctx, zmq.PUSH, self.cfg.trust, zsock.tcp(self.cfg.proxy_host, self.cfg.proxy_port))
             proxy.setsockopt(zmq.SNDHWM, 1000)
         next_sweep = time.monotonic() + SWEEP_S
+        wait, fast_until = IDLE_POLL_S, 0.0
         try:
             while not self._stop.is_set():
                 self._run_calls()
+                notified = False
                 for _agent, msgs in self._agent.get_new_notifs().items():
                     for raw in msgs:
+                        notified = True
                         self._on_notif(raw, proxy)
                 now = time.monotonic()
                 if now >= next_sweep:
                     self.table.sweep()
                     next_sweep = now + SWEEP_S
-                self._kick.wait(ACTIVE_POLL_S if self.table.expecting() else IDLE_POLL_S)
+                if notified:
+                    fast_until = now + FAST_S
+                wait = poll_pause(wait, self.table.expecting() > 0, now < fast_until)
+                if self._kick.wait(wait):  # pages reserved (or the receiver woke from sleep)
+                    fast_until = time.monotonic() + FAST_S
                 self._kick.clear()
                 self.nixl_health.recovered()
         finally:

@@ -112,7 +112,7 @@ class TransferTable:
             self._states.track(inc)
 
     def expecting(self) -> int:
-        """Transfers reserved whose data has not arrived yet (the NIXL thread polls fast then)."""
+        """Transfers reserved whose data has not arrived yet (the NIXL thread polls often then)."""
         return self._states.expecting  # an int read: no lock needed
 
     def _expecting_changed(self, n: int) -> None:

@@ -802,3 +802,21 @@ def test_a_closed_connection_is_told_from_a_live_one_on_a_reused_descriptor() ->
     assert gone == [ia]
     reply = m.decode(probe, expect=m.ErrorReply)
     assert reply.code == "probe" and reply.transfer_id is None
+
+
+def test_receiver_polls_fast_after_a_reservation_then_backs_off_while_the_transfer_is_awaited() -> None:
+    """The NIXL thread's pause: 50 us within FAST_S of pages reserved or a notification, then
+    doubling to AWAIT_POLL_S while a transfer is still awaited (a prefill step may take seconds,
+    and each poll holds the GIL the receiver's ports thread needs), IDLE_POLL_S when none is."""
+    from kvferry.receiver.kv_receiver import ACTIVE_POLL_S, AWAIT_POLL_S, IDLE_POLL_S, poll_pause
+
+    assert poll_pause(IDLE_POLL_S, awaited=False, fast=False) == IDLE_POLL_S
+    pauses, last = [], IDLE_POLL_S
+    for fast in (True,) * 3 + (False,) * 8:  # pages reserved, then nothing arrives for a while
+        last = poll_pause(last, awaited=True, fast=fast)
+        pauses.append(last)
+    assert pauses[:3] == [ACTIVE_POLL_S] * 3 and pauses[-1] == AWAIT_POLL_S
+    assert all(b == min(2 * a, AWAIT_POLL_S) for a, b in zip(pauses[2:], pauses[3:], strict=False))
+    assert poll_pause(AWAIT_POLL_S, awaited=True, fast=True) == ACTIVE_POLL_S  # a notification: fast again
+    assert poll_pause(IDLE_POLL_S, awaited=True, fast=False) == ACTIVE_POLL_S  # awaited since the last pause
+    assert poll_pause(AWAIT_POLL_S, awaited=False, fast=True) == IDLE_POLL_S  # the last one arrived
