@@ -242,6 +242,17 @@ class _Leaver:
         return time.monotonic()
 
 
+def _log_lines(logs: list[Path], marks: list[int], words: tuple[str, ...], most: int = 40) -> str:
+    """The last `most` lines of each log past its mark that name one of `words`."""
+    out = []
+    for p, mark in zip(logs, marks, strict=True):
+        with open(p, "rb") as f:
+            f.seek(mark)
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if any(w in ln for w in words)]
+        out.append(f"--- {p.name}:\n" + "\n".join(lines[-most:]))
+    return "\n".join(out)
+
+
 def _metric(url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
                if line.startswith(prefix))
@@ -283,10 +294,17 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     plog = Path(prefiller["log"])
     start = plog.stat().st_size
 
+    logs = [Path(cluster["log"]), plog] + [Path(d["log"]) for d in cluster["decoders"]]
+    marks = [p.stat().st_size for p in logs]
+
     def pages_back(closed: float, point: str, others: tuple[float, float] = (0, 0)) -> None:
         """Within 2 s of the close the decoders hold only `others` (pages, transfers in flight)."""
-        until(lambda: _decoders_held(cluster) == others, PAGES_BACK_S - (time.monotonic() - closed),
-              f"{point}: every decoder's pages back within {PAGES_BACK_S} s of the client's close")
+        def saw() -> str:
+            return (f"{point}: every decoder's pages back within {PAGES_BACK_S} s of the client's close; they hold "
+                    f"{_decoders_held(cluster)} (pages, transfers in flight), not {others}, "
+                    f"{time.monotonic() - closed:.2f} s after it; the logs since the test began:\n"
+                    + _log_lines(logs, marks, ("transfer", "abort", "disconnect", "dropped", "ended after")))
+        until(lambda: _decoders_held(cluster) == others, PAGES_BACK_S - (time.monotonic() - closed), saw)
 
     def prefiller_idle() -> None:  # the step the prompt was in ends: then vLLM drops the request
         until(lambda: _engine_idle(prefiller["url"]) and _pages(prefiller["url"])[0] == _pages(prefiller["url"])[1],
