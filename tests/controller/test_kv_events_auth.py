@@ -18,7 +18,7 @@ from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
 from kvferry.proxy.routing.kv_events import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
-from tests.polling import until_async
+from tests.polling import until, until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -79,6 +79,15 @@ def test_kv_events_auth_only_a_subscriber_with_the_secret_hears_the_relay(tmp_pa
         pub.shutdown()
 
 
+def publish_until_heard(pub: kv.ZmqEventPublisher, sock: zmq.Socket) -> None:
+    """Publish until `sock` (subscribed through the relay) has an event: vLLM's publisher and the
+    relay drop what they publish before a subscription reaches them, and neither says when one has."""
+    def heard() -> bool:
+        pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:BS])]))
+        return bool(sock.poll(100))
+    until(heard, 15, "an event through the relay (the subscriber with the secret got nothing)", every=0)
+
+
 def test_kv_events_auth_raw_zmq_stranger_gets_no_frame(tmp_path: Path) -> None:
     """Below the proxy's code: a plain ZMQ SUB and DEALER on the relay's ports receive nothing."""
     pub = kv.ZmqEventPublisher(0, endpoint=f"ipc://{tmp_path}/ev.sock", replay_endpoint=f"ipc://{tmp_path}/replay.sock")
@@ -93,12 +102,11 @@ def test_kv_events_auth_raw_zmq_stranger_gets_no_frame(tmp_path: Path) -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(rep)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
-        time.sleep(0.5)  # a sleep: the subscriptions reach the relay's PUB, which gives no sign of them
+        publish_until_heard(pub, friend)
+        assert len(friend.recv_multipart()) == 3
         for i in range(5):
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:BS], 10 + i)]))
             time.sleep(0.05)  # a sleep: events spread out over time, each a chance for a stranger
-        assert friend.poll(5000), "the subscriber with the secret got nothing"
-        assert len(friend.recv_multipart()) == 3
         assert not sub.poll(500) and not dealer.poll(100), "a stranger received KV events"
     finally:
         ctx.destroy(linger=0)
@@ -145,9 +153,7 @@ def test_kv_events_auth_connector_starts_the_relay_from_its_config(tmp_path: Pat
     try:
         sub = zsock.connect(ctx, zmq.SUB, SECRET, zsock.tcp("127.0.0.1", port))
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        time.sleep(0.5)  # a sleep: the subscription reaches the relay's PUB, which gives no sign of it
-        pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-        assert sub.poll(5000), "nothing relayed"
+        publish_until_heard(pub, sub)
         assert len(sub.recv_multipart()) == 3
     finally:
         ctx.destroy(linger=0)

@@ -157,13 +157,14 @@ def test_a_stalled_stream_is_routed_by_load(tmp_path: Path, stream) -> None:
 def test_hostile_frames_are_counted_and_skipped(tmp_path: Path, stream) -> None:
     s, counts = stream
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # a PUB that says when a subscription arrives: what it sends before is lost
     pub.bind(f"ipc://{tmp_path}/ev.sock")
 
     async def go() -> None:
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
-            await asyncio.sleep(0.5)  # a sleep: the subscription reaches the PUB socket, which gives no sign of it
+            await until_async(lambda: pub.poll(0), what="the subscription to reach the publisher")
+            assert pub.recv() == b"\x01"  # subscribe to everything
             pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1garbage"])
             pub.send_multipart([b"one frame"])
             batch = [time.time(), [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
