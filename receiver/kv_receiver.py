@@ -68,9 +68,7 @@ def poll_pause(last: float, awaited: bool, fast: bool) -> float:
     thread of it on a busy machine, and an abort or alloc would be read seconds late."""
     if not awaited:
         return IDLE_POLL_S
-    if fast or last >= IDLE_POLL_S:
-        return ACTIVE_POLL_S
-    return min(2 * last, AWAIT_POLL_S)
+    return ACTIVE_POLL_S if fast else min(2 * last, AWAIT_POLL_S)
 
 
 @dataclass(frozen=True)

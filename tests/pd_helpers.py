@@ -157,7 +157,6 @@ class RawPeer:
         assert isinstance(reply, m.Welcome), reply
         self.epoch, self.num_pages = reply.epoch, reply.region.num_pages
         self.alloc_sock = self._sock(d.alloc_port)
-        self.dropped: list[m.AbortTransfer] = []  # transfers of this peer the receiver said it dropped
 
     def _sock(self, port: int) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -166,16 +165,15 @@ class RawPeer:
         return s
 
     def alloc(self, tid: str, chunks: int, timeout: float = 30) -> m.Msg:
-        """The receiver's answer. An AbortTransfer that comes first (the receiver telling the writer
-        that someone else dropped one of its transfers: a decoder request that ended) is kept in
-        `dropped` and not answered, as by a prefiller that died: its pages wait for the lease."""
+        """The receiver's answer. An AbortTransfer of another transfer that comes first (the receiver
+        telling the writer that someone else dropped it: a decoder request that ended) is read past
+        and not answered, as by a prefiller that died: its pages wait for the lease."""
         keys = [uuid.uuid4().bytes for _ in range(chunks)]
         self.alloc_sock.send(m.encode(m.AllocRequest(transfer_id=tid, sender_id=self.name, epoch=self.epoch,
                                                      chunk_keys=keys, num_tokens=chunks * 256)))
         deadline = time.monotonic() + timeout
         reply = next_answer(self.alloc_sock, int(timeout * 1000))
         while isinstance(reply, m.AbortTransfer) and reply.transfer_id != tid:
-            self.dropped.append(reply)
             reply = next_answer(self.alloc_sock, max(1, int((deadline - time.monotonic()) * 1000)))
         assert isinstance(reply, (m.AllocResponse, m.ErrorReply)), f"no alloc reply: {reply!r}"
         return reply

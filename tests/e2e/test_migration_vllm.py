@@ -292,10 +292,8 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     url = cluster["url"]
     prefiller = next(i for i in cluster["state"]["instances"] if i["role"] == "prefiller")
     plog = Path(prefiller["log"])
-    start = plog.stat().st_size
-
     logs = [Path(cluster["log"]), plog] + [Path(d["log"]) for d in cluster["decoders"]]
-    marks = [p.stat().st_size for p in logs]
+    marks = [p.stat().st_size for p in logs]  # where each log stood when the test began
 
     def pages_back(closed: float, point: str, others: tuple[float, float] = (0, 0)) -> None:
         """Within 2 s of the close the decoders hold only `others` (pages, transfers in flight)."""
@@ -335,7 +333,7 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     pages_back(d.leave(), "D in its only step")
     prefiller_idle()
     with open(plog, "rb") as f:
-        f.seek(start)
+        f.seek(marks[1])
         log = f.read().decode(errors="replace")
     ended = {int(m): int(n) for n, m in re.findall(r"ended after (\d+) of its (\d+) prompt tokens", log)}
     assert ended.get(a.n) == PREFILL_STEP, (ended, log[-3000:])  # stopped when the step it was in ended

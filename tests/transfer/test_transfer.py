@@ -818,5 +818,5 @@ def test_receiver_polls_fast_after_a_reservation_then_backs_off_while_the_transf
     assert pauses[:3] == [ACTIVE_POLL_S] * 3 and pauses[-1] == AWAIT_POLL_S
     assert all(b == min(2 * a, AWAIT_POLL_S) for a, b in zip(pauses[2:], pauses[3:], strict=False))
     assert poll_pause(AWAIT_POLL_S, awaited=True, fast=True) == ACTIVE_POLL_S  # a notification: fast again
-    assert poll_pause(IDLE_POLL_S, awaited=True, fast=False) == ACTIVE_POLL_S  # awaited since the last pause
+    assert poll_pause(IDLE_POLL_S, awaited=True, fast=False) == AWAIT_POLL_S  # awaited, no kick: never idle-slow
     assert poll_pause(AWAIT_POLL_S, awaited=False, fast=True) == IDLE_POLL_S  # the last one arrived
