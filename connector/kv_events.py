@@ -6,6 +6,8 @@ or any consumer of vLLM's events) then counts a prefix held in the CPU or disk t
 One event block is one kvferry chunk: ``chunk_size`` tokens (a multiple of vLLM's block size),
 its hash the chunk's key (a hash chain, so the parent is the previous chunk's key). Only the
 events' token ids are meant to be matched on: the keys are kvferry's, not vLLM's block hashes.
+The chunk's LoRA adapter and extra keys are published as vLLM publishes its own blocks' (the
+adapter's name, the untagged keys), so a router keys both alike.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def to_vllm(events: list[TierEvent], chunk_size: int) -> list[KVCacheEvent]:
             if len(ev.tokens) != chunk_size:
                 continue
             out.append(BlockStored(block_hashes=[ev.key], parent_block_hash=ev.parent, token_ids=list(ev.tokens),
-                                   block_size=chunk_size, lora_id=None, medium=medium, lora_name=None,
+                                   block_size=chunk_size, lora_id=None, medium=medium, lora_name=ev.lora_name,
+                                   extra_keys=None if ev.extra_keys is None else [ev.extra_keys],
                                    locality="LOCAL"))
         else:
             out.append(BlockRemoved(block_hashes=[ev.key], medium=medium, locality="LOCAL"))

@@ -24,8 +24,9 @@ from kvferry.common.transfer_params import (
 from kvferry.connector.block_table import BlockTable
 from kvferry.connector.kv_events import start_relay, to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
+from kvferry.connector.request_identity import IdentityReader, Unkeyable
 from kvferry.connector.roles import Roles, engine_id, salt
-from kvferry.engine.api import OffloadPlanner, notice_addr
+from kvferry.engine.api import OffloadPlanner, PromptIdentity, notice_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +50,8 @@ class SchedulerSide:
         # Block ids are followed only where a step's metadata needs them: prompts stored or sent.
         self._blocks = BlockTable() if self.offload is not None or (roles.pd and roles.producer_side) else None
         self._computing: dict[str, Request] = {}  # offload: admitted, prompt not complete yet
+        self._identities = IdentityReader(roles.cfg.chunk_size)
+        self._identity: dict[str, PromptIdentity | None] = {}  # offload: None for a request that cannot be keyed
         self._prefills: dict[str, tuple[Request, PrefillParams]] = {}  # producer: waiting for their last prompt token
         self._opened: set[str] = set()  # producer: prompts whose pages were asked for
         self._cancels: list[str] = []  # producer: opened transfers whose requests ended unfinished
@@ -80,7 +83,11 @@ class SchedulerSide:
         if self.roles.producer_side:
             if self.offload is None:
                 return 0, False
-            return self.offload.match(request.request_id, _prompt(request), num_computed), False
+            identity = self._keyed(request)
+            if identity is None:
+                return 0, False
+            return self.offload.match(request.request_id, _offload_tokens(request), num_computed,
+                                      identity=identity), False
         if request.request_id in self._tried:
             return 0, False
         try:
@@ -99,8 +106,8 @@ class SchedulerSide:
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         rid = request.request_id
-        if self.offload is not None:
-            self.offload.after_alloc(rid, _prompt(request), blocks.get_block_ids()[0], num_external)
+        if self.offload is not None and self._keyed(request) is not None:
+            self.offload.after_alloc(rid, _offload_tokens(request), blocks.get_block_ids()[0], num_external)
             self._computing[rid] = request
         if self.roles.producer_side:
             if not self.roles.pd or rid in self._prefills or rid in self._errors:
@@ -140,7 +147,9 @@ class SchedulerSide:
                     continue  # not admitted through us, or chunked prefill not at its last piece
                 del self._computing[rid]
                 assert self._blocks is not None  # kept whenever offload is on
-                self.offload.store(rid, _prompt(req), self._blocks.get(rid))
+                identity = self._identity.get(rid)
+                if identity is not None:
+                    self.offload.store(rid, _offload_tokens(req), self._blocks.get(rid), identity)
             meta.cache_loads, meta.cache_saves = self.offload.take()
         for rid, n in so.num_scheduled_tokens.items():
             entry = self._prefills.get(rid)
@@ -159,6 +168,22 @@ class SchedulerSide:
             meta.saves.append(SaveOp(rid, spec.tid, spec.host, spec.init_ports, spec.alloc_ports,
                                      _prompt(req), self._blocks.get(rid), req.num_prompt_tokens, spec.traceparent))
         return meta
+
+    def _keyed(self, request: Request) -> PromptIdentity | None:
+        """The request's KV identity for the offload tiers, read once; None when it cannot be keyed
+        (counted and logged: it is neither looked up nor stored)."""
+        rid = request.request_id
+        if rid in self._identity:
+            return self._identity[rid]
+        assert self.offload is not None  # asked only where offload is on
+        try:
+            identity: PromptIdentity | None = self._identities.read(request)
+        except Unkeyable as e:
+            identity = None
+            self.offload.unkeyable()
+            self._identities.tell_once(rid, str(e))
+        self._identity[rid] = identity
+        return identity
 
     def hit_sources(self, req_id: str) -> dict[CacheHitSource, int]:
         if self.offload is None:
@@ -190,6 +215,7 @@ class SchedulerSide:
         if tid is not None:
             self._unpins.append(tid)
         self._computing.pop(rid, None)
+        self._identity.pop(rid, None)
         if self.offload is not None:
             self.offload.finished(rid)
         if not (self.roles.producer_side and self.roles.pd):
@@ -247,5 +273,12 @@ def kv_events_enabled(vc: VllmConfig) -> bool:
 
 
 def _prompt(req: Request) -> list[int]:
-    """The prompt's token ids (none for a prompt given as embeddings: nothing to key, nothing matched)."""
+    """The prompt's token ids (none for a prompt given as embeddings alone)."""
     return list(req.prompt_token_ids or ())
+
+
+def _offload_tokens(req: Request) -> list[int]:
+    """The token ids the offload keys chain: a prompt given as embeddings alone has none, and
+    stands as placeholders (zeros, as vLLM's own token list has them) beside its embeddings'
+    digests, which its identity carries."""
+    return list(req.prompt_token_ids) if req.prompt_token_ids is not None else [0] * req.num_prompt_tokens

@@ -33,6 +33,8 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
     "lookup_tokens": ("kvferry:cache_lookup_tokens", "Prompt tokens looked up in the offload tiers", None),
     "hit_tokens": ("kvferry:cache_hit_tokens", "Prompt tokens loaded from a tier instead of computed", TIER),
     "miss_tokens": ("kvferry:cache_miss_tokens", "Looked-up prompt tokens no tier held", None),
+    "unkeyable_requests": ("kvferry:cache_unkeyable_requests", "Prompts with an input kvferry cannot key (a form "
+                           "it does not know, or a LoRA adapter it cannot read): neither stored nor looked up", None),
     "hit_chunks": ("kvferry:cache_hit_chunks", "Chunks loaded from a tier", TIER),
     "stored_chunks": ("kvferry:cache_stored_chunks", "Chunks admitted to a tier", TIER),
     "stored_bytes": ("kvferry:cache_stored_bytes", "Bytes admitted to a tier", TIER),

@@ -6,9 +6,11 @@ The engine's internal modules may move; this list is the contract the connector 
 from kvferry.engine.chunking import loaded_blocks
 from kvferry.engine.offload.copier import OffloadCopier
 from kvferry.engine.offload.ops import (
+    PLAIN,
     CacheEvict,
     CacheLoad,
     CacheStore,
+    PromptIdentity,
     layout_digest,
     offload_salt,
 )
@@ -26,8 +28,9 @@ from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr
 
 __all__ = [
-    "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadCopier",
+    "PLAIN", "CacheEvict", "CacheLoad", "CacheStore", "ChunkStored", "TierEvent", "OffloadPlanner", "OffloadCopier",
     "P2PService",
     "KVLayout", "PDConsumer", "PDProducer", "PagedKV", "ReceiverAddr", "RemoteError", "Slice", "detect_layout",
     "feeds", "fingerprint", "layout_digest", "loaded_blocks", "notice_addr", "offload_salt",
+    "PromptIdentity",
 ]

@@ -37,6 +37,7 @@ class LookupCounters(Counters):
     lookup_tokens: int = 0
     lookup_hit_tokens: int = 0
     miss_tokens: int = 0
+    unkeyable_requests: int = 0  # prompts with an input the connector cannot key: neither stored nor looked up
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -16,6 +17,23 @@ def offload_salt(model: str, dtype: str, num_layers: int, num_kv_heads: int, hea
                  chunk_size: int, tp_size: int) -> bytes:
     """Keys of different models, shapes or shardings never match."""
     return salt_for("offload-v1", model, dtype, num_layers, num_kv_heads, head_size, block_size, chunk_size, tp_size)
+
+
+@dataclass(frozen=True)
+class PromptIdentity:
+    """What keys a prompt's chunks besides its tokens and the salt: one extra per chunk
+    (common/hashing.py; None where the chunk has none) and, for routers, the same facts as vLLM's
+    KV events publish them (the LoRA adapter's name, each chunk's untagged extra keys)."""
+
+    extras: tuple[bytes | None, ...] = ()
+    lora_name: str | None = None
+    event_keys: tuple[tuple[Any, ...] | None, ...] = ()
+
+    def event_keys_of(self, i: int) -> tuple[Any, ...] | None:
+        return self.event_keys[i] if i < len(self.event_keys) else None
+
+
+PLAIN = PromptIdentity()  # tokens alone: no adapter, no cache_salt, no multimodal or embedding input
 
 
 @dataclass

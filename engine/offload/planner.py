@@ -19,7 +19,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_tokens
 from kvferry.engine.offload.index import ChunkIndex, TierIndex
-from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
+from kvferry.engine.offload.ops import GB, PLAIN, CacheEvict, CacheLoad, CacheStore, PromptIdentity
 from kvferry.engine.offload.shared_tiers import Lookup, PeerLookup, RemoteLookup, SharedTier
 from kvferry.engine.offload.tier_events import TierEvent, TierEventLog
 from kvferry.engine.p2p.lookup import ControllerLookup
@@ -113,14 +113,16 @@ class OffloadPlanner:
         data = -(-tokens // self.block_size) * self.block_bytes
         return data + disk_tier.HEADER_BYTES if tier == "disk" else data
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return chunk_keys(tokens, self.chunk_size, self.salt, include_partial=self.cfg.save_unfull_chunk)
+    def keys(self, tokens: Sequence[int], identity: PromptIdentity = PLAIN) -> list[bytes]:
+        return chunk_keys(tokens, self.chunk_size, self.salt, include_partial=self.cfg.save_unfull_chunk,
+                          extras=identity.extras)
 
-    def match(self, req_id: str, tokens: Sequence[int], num_computed: int, leave_one: bool = True) -> int:
+    def match(self, req_id: str, tokens: Sequence[int], num_computed: int, leave_one: bool = True,
+              identity: PromptIdentity = PLAIN) -> int:
         """Tokens past `num_computed` that a tier holds (vLLM computes at least the last one)."""
         look = self._lookups.get(req_id)
         if look is None:
-            look = self._lookups[req_id] = Lookup(self.keys(tokens))
+            look = self._lookups[req_id] = Lookup(self.keys(tokens, identity), identity)
         self._apply_notices()
         look.where = self.index.prefix(look.keys)
         look.local = num_computed
@@ -129,6 +131,10 @@ class OffloadPlanner:
                 t.extend(look)
         hit = min(len(look.where) * self.chunk_size, len(tokens))
         return max(0, min(hit, len(tokens) - leave_one) - num_computed)
+
+    def unkeyable(self) -> None:
+        """Count a prompt the connector could not key (it is neither looked up nor stored)."""
+        self.index.counters.unkeyable_requests += 1
 
     def after_alloc(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int], num_external: int) -> None:
         """vLLM admitted the request with `num_external` tokens from us (after its own prefix
@@ -166,18 +172,20 @@ class OffloadPlanner:
             if tier != "cpu" and cpu is not None:
                 promote, victims = cpu.admit(key, self.nbytes("cpu", op.tokens[i]))
                 if promote:
-                    self._stored("cpu", look.keys, c0 + i, tokens)
+                    self._stored("cpu", look.keys, c0 + i, tokens, look.identity)
                 self._save_ops += [CacheEvict("cpu", v) for v in victims]
             op.promote.append(promote)
         self._loads.append(op)
 
-    def _stored(self, tier: str, keys: Sequence[bytes], i: int, tokens: Sequence[int]) -> None:
+    def _stored(self, tier: str, keys: Sequence[bytes], i: int, tokens: Sequence[int],
+                identity: PromptIdentity) -> None:
         """Log chunk i of a prompt as stored in `tier`; a partial last chunk is not announced
         (a router matches whole chunks)."""
         if self.events is None or (i + 1) * self.chunk_size > len(tokens):
             return
         self.events.stored(tier, keys[i], keys[i - 1] if i else None,
-                           tokens[i * self.chunk_size:(i + 1) * self.chunk_size])
+                           tokens[i * self.chunk_size:(i + 1) * self.chunk_size], identity.lora_name,
+                           identity.event_keys_of(i))
 
     def take_events(self) -> list[TierEvent]:
         """The tier events since the last call (empty when not asked for)."""
@@ -188,10 +196,14 @@ class OffloadPlanner:
         look = self._lookups.get(req_id)
         return dict(look.sources) if look is not None else {}
 
-    def store(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int]) -> None:
+    def store(self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int],
+              identity: PromptIdentity = PLAIN) -> None:
         """The prompt's KV is complete in `block_ids` after this step: store what no tier has."""
         look = self._lookups.get(req_id)
-        keys = look.keys if look is not None else self.keys(tokens)
+        if look is not None:
+            keys, identity = look.keys, look.identity
+        else:
+            keys = self.keys(tokens, identity)
         sizes = chunk_tokens(len(tokens), self.chunk_size)
         op = CacheStore(req_id, [], [], [], [], list(block_ids), len(tokens))
         pos: dict[bytes, int] = {}
@@ -206,7 +218,7 @@ class OffloadPlanner:
                     continue
                 ok, victims = t.admit(key, self.nbytes(t.name, sizes[i]))
                 if ok:
-                    self._stored(t.name, keys, i, tokens)
+                    self._stored(t.name, keys, i, tokens, identity)
                 for v in victims:
                     j = pos.get(v)
                     if j is not None and t.name in op.tiers[j]:

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from kvferry.common import messages as m
 from kvferry.common.counters import Counters
-from kvferry.engine.offload.ops import CacheLoad
+from kvferry.engine.offload.ops import PLAIN, CacheLoad, PromptIdentity
 from kvferry.engine.p2p.lookup import ControllerLookup
 from kvferry.engine.tiers.remote import RemoteTier
 
@@ -20,6 +20,7 @@ class Lookup:
     """One request's chunk keys and what the tiers said about them."""
 
     keys: list[bytes]
+    identity: PromptIdentity = PLAIN  # what the keys cover besides the tokens
     where: list[str] = field(default_factory=list)  # tier of each chunk of the cached prefix
     local: int = 0  # tokens vLLM's own prefix cache had at the last match
     asked: dict[str, Any] = field(default_factory=dict)  # a shared tier's answers, by its name

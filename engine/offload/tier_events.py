@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvferry.common.log import RateLimitedLog, get_logger
 
@@ -21,6 +22,8 @@ class ChunkStored:
     key: bytes
     parent: bytes | None  # the previous chunk's key (None for a prompt's first chunk)
     tokens: tuple[int, ...]
+    lora_name: str | None = None  # the prompt's LoRA adapter, as vLLM's events name it
+    extra_keys: tuple[Any, ...] | None = None  # what else keyed the chunk, in vLLM's untagged event form
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,9 @@ class TierEventLog:
                                "(the router's view of this instance's tiers is less exact)", self._events.maxlen)
         self._events.append(ev)
 
-    def stored(self, tier: str, key: bytes, parent: bytes | None, tokens: Sequence[int]) -> None:
-        self._add(ChunkStored(tier, key, parent, tuple(tokens)))
+    def stored(self, tier: str, key: bytes, parent: bytes | None, tokens: Sequence[int],
+               lora_name: str | None = None, extra_keys: tuple[Any, ...] | None = None) -> None:
+        self._add(ChunkStored(tier, key, parent, tuple(tokens), lora_name, extra_keys))
 
     def removed(self, tier: str, key: bytes) -> None:
         self._add(ChunkRemoved(tier, key))

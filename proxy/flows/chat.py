@@ -131,7 +131,7 @@ class Chat:
     async def _route(self, request: Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
         ntok = len(tokens) if tokens is not None else bodies.chat_tokens(body["messages"])
-        return self.ctx.router.route(request, tokens, ntok, single), ntok
+        return self.ctx.router.route(request, tokens, ntok, single, body), ntok
 
     async def _prefill(self, request: Request, body: dict, max_key: str, route: Route, ntok: int
                        ) -> tuple[dict, str] | None:

@@ -81,7 +81,7 @@ class Completions:
         prompt = body["prompt"]
         tokens = await ctx.tokens.completion_async(prompt)
         ntok = len(tokens) if tokens is not None else len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
-        route = ctx.router.route(request, tokens, ntok, single=max_tokens <= 1)
+        route = ctx.router.route(request, tokens, ntok, single=max_tokens <= 1, body=body)
         d = route.decoder
         if route.local and max_tokens > 1:
             return Prefilled({"choices": [{}], "model": body.get("model")}, "", d, d, "regen")

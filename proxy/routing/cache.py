@@ -13,7 +13,7 @@ from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.holders import Holders
 from kvferry.proxy.routing.kv_events import KVEventSubscription
-from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
+from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, ROOT, PrefixIndex, prefix_keys
 from kvferry.proxy.routing.registry import Instance, Pool
 
 # What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
@@ -63,6 +63,7 @@ class CacheView:
         self.streams: dict[str, KVEventSubscription] = {}  # instance id -> its stream
         self.trust = zsock.PLAIN  # the proxy's cluster secret: tcp:// event endpoints are kvferry relays
         self.holders = Holders()  # block -> the instances holding it, kept by the indexes `add` makes
+        self.adapters: set[str] = set()  # LoRA adapter names the indexes saw in events
 
     def add(self, inst: Instance) -> KVEventSubscription | None:
         ev = self.opts.kv_events.get(inst.url)
@@ -73,7 +74,7 @@ class CacheView:
         def count(result: str, n: int = 1, inst: Instance = inst) -> None:
             if not inst.removed:  # its series left with it
                 counter.labels(inst.id, result).inc(n)
-        index = PrefixIndex(self.opts.prefix_index_max_blocks)
+        index = PrefixIndex(self.opts.prefix_index_max_blocks, self.adapters)
         index.attach(self.holders, inst.id)
         stream = KVEventSubscription(f"{inst.role} {inst.url}", ev[0], ev[1], index,
                                      self.opts.kv_events_stale_after, count, self.trust)
@@ -92,29 +93,27 @@ class CacheView:
         if s is not None:
             s.index.clear()
 
-    def cached(self, inst: Instance, tokens: Sequence[int] | None,
-               keys: dict[int, list[bytes]]) -> dict[str, int] | None:
+    def cached(self, inst: Instance, keys: PromptKeys) -> dict[str, int] | None:
         """Predicted cached prompt tokens on `inst` by medium; None when it cannot be known (no
         stream, or a stale one: then the instance is routed by load)."""
         s = self.streams.get(inst.id)
-        if s is None or tokens is None or not s.check_fresh():
+        if s is None or keys.tokens is None or not s.check_fresh():
             return None
         bs = s.index.block_size
         if bs is None:
             return {}
-        return s.index.cached(prompt_keys(tokens, bs, keys))
+        return s.index.cached(keys.of(bs))
 
-    def candidates(self, pool: Sequence[Instance], tokens: Sequence[int] | None,
-                   keys: dict[int, list[bytes]]) -> Sequence[Instance]:
+    def candidates(self, pool: Sequence[Instance], keys: PromptKeys) -> Sequence[Instance]:
         """The instances of `pool` a route weighs: all of a small pool; of a large one, HOLDERS
         holding the most of the prompt and SAMPLE others."""
         if len(pool) <= SCAN_ALL_UP_TO:
             return pool
         by_id = pool.by_id if isinstance(pool, Pool) else {i.id: i for i in pool}
         out: dict[str, Instance] = {}
-        if tokens is not None:
+        if keys.tokens is not None:
             for bs in self.holders.block_sizes():
-                for owner in self.holders.deepest(prompt_keys(tokens, bs, keys), HOLDERS - len(out), by_id):
+                for owner in self.holders.deepest(keys.of(bs), HOLDERS - len(out), by_id):
                     out[owner] = by_id[owner]
         for inst in random.sample(pool, SAMPLE):
             out.setdefault(inst.id, inst)
@@ -125,22 +124,30 @@ class CacheView:
         return None if s is None else s.describe()
 
 
-def prompt_keys(tokens: Sequence[int], bs: int, keys: dict[int, list[bytes]]) -> list[bytes]:
-    """The prompt's block keys for blocks of `bs`, made once per route (`keys` keeps them)."""
-    out = keys.get(bs)
-    if out is None:
-        # A full-prompt hit still computes one token: only blocks before the last token count.
-        out = keys[bs] = prefix_keys(tokens, bs, limit=max(0, len(tokens) - 1) // bs)
-    return out
+class PromptKeys:
+    """One prompt's block keys for each block size, chained from its identity's root
+    (routing/prefix_index.py) and made once per route. `tokens` None: not predictable."""
+
+    def __init__(self, tokens: Sequence[int] | None, root: bytes = ROOT) -> None:
+        self.tokens, self.root = tokens, root
+        self._by_size: dict[int, list[bytes]] = {}
+
+    def of(self, bs: int) -> list[bytes]:
+        assert self.tokens is not None  # asked only for a predictable prompt
+        out = self._by_size.get(bs)
+        if out is None:
+            # A full-prompt hit still computes one token: only blocks before the last token count.
+            out = self._by_size[bs] = prefix_keys(self.tokens, bs, max(0, len(self.tokens) - 1) // bs, self.root)
+        return out
 
 
 def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], prefillers: Sequence[Instance],
-           tokens: Sequence[int] | None, ntok: int) -> Route:
+           tokens: Sequence[int] | None, ntok: int, root: bytes = ROOT) -> Route:
     """The cache-aware choice among usable instances (`decoders` non-empty; no prefillers: the
     decoder serves the prompt alone); above SCAN_ALL_UP_TO of a role, among its candidates."""
-    keys: dict[int, list[bytes]] = {}
-    decoders = view.candidates(decoders, tokens, keys)
-    prefillers = view.candidates(prefillers, tokens, keys) if prefillers else prefillers
+    keys = PromptKeys(tokens, root)
+    decoders = view.candidates(decoders, keys)
+    prefillers = view.candidates(prefillers, keys) if prefillers else prefillers
     # Decoders by active sequences, then free KV (vLLM's cache usage, in tenths), then queued
     # tokens; among equals, the one holding more of the prompt (only those equals' indexes are walked).
     if len(decoders) == 1:
@@ -149,7 +156,7 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], pr
         rank = [(i.load, round(i.kv_usage or 0.0, 1), i.all_queued) for i in decoders]
         low = min(rank)
         tied = [i for i, r in zip(decoders, rank, strict=True) if r == low]
-    held = {i.id: view.cached(i, tokens, keys) for i in tied}
+    held = {i.id: view.cached(i, keys) for i in tied}
     dc = {i: None if h is None else effective(h) for i, h in held.items()}
     d = tied[0] if len(tied) == 1 else min(tied, key=lambda i: (-(dc[i.id] or 0), random.random()))
     local = local_reason(opts, d, dc[d.id], tokens, ntok)
@@ -157,7 +164,7 @@ def choose(view: CacheView, opts: ProxyOptions, decoders: Sequence[Instance], pr
         return Route(d, None, local or NO_PREFILLER, sum((held[d.id] or {}).values()))
     best, best_cost, best_cached, reasons = None, 0.0, 0, set()
     for p in prefillers:
-        h = view.cached(p, tokens, keys)
+        h = view.cached(p, keys)
         reasons.add("no_tokens" if tokens is None else "stale_events" if h is None and p.id in view.streams
                     else "no_events" if h is None else "")
         cost = max(0, ntok - effective(h)) + p.all_queued + opts.load_tokens_per_request * p.load

@@ -47,6 +47,11 @@ RECENT = 256  # batches remembered (by digest) to tell a repeat from a restarted
 Hash = Annotated[bytes, msgspec.Meta(max_length=64)] | int
 Hashes = Annotated[list[Hash], msgspec.Meta(max_length=MAX_EVENTS)]
 Medium = Annotated[str, msgspec.Meta(max_length=32)]
+# One block's extra keys, untagged as vLLM publishes them: a LoRA name or cache_salt (str), an
+# (mm identifier, offset) pair, a prompt-embeds digest (bytes). Kept raw (one msgpack type may not
+# be str or bytes in one union) and read by extra_keys_of: only whether each is a str matters.
+BlockExtraKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=1024)]
+MAX_SALT_CHARS = 1 << 16
 
 
 class BlockStored(msgspec.Struct, tag=True):
@@ -55,6 +60,8 @@ class BlockStored(msgspec.Struct, tag=True):
     token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS)]
     block_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 16)]
     medium: Medium | None = None
+    lora_name: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    extra_keys: Annotated[list[BlockExtraKeys | None], msgspec.Meta(max_length=MAX_EVENTS)] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -73,6 +80,27 @@ class EventBatch(msgspec.Struct, array_like=True):
 
 
 _decoder = msgspec.msgpack.Decoder(EventBatch)
+_str = msgspec.msgpack.Decoder(Annotated[str, msgspec.Meta(max_length=MAX_SALT_CHARS)])
+
+
+def extra_keys_of(raw: list[BlockExtraKeys | None] | None) -> list[list[object] | None] | None:
+    """Each block's extra keys with the strings decoded; any other key stays its raw bytes (the
+    index reads it as an input it cannot predict)."""
+    if raw is None:
+        return None
+    out: list[list[object] | None] = []
+    for block in raw:
+        if block is None:
+            out.append(None)
+            continue
+        keys: list[object] = []
+        for k in block:
+            try:
+                keys.append(_str.decode(k))
+            except msgspec.MsgspecError:
+                keys.append(bytes(k))
+        out.append(keys)
+    return out
 
 
 class BadFrame(BadDataError, ValueError):
@@ -144,7 +172,7 @@ class KVEventSubscription:
             self.count("reset")
         try:
             batch = _decoder.decode(payload)
-        except msgspec.MsgspecError as e:
+        except (msgspec.MsgspecError, RecursionError) as e:  # RecursionError: nesting in a raw extra key
             self.count("bad")
             self._bad.warning("bad KV event batch from %s (%s): %s", self.name, self.endpoint, e)
             batch = None
@@ -158,7 +186,8 @@ class KVEventSubscription:
         for ev in batch.events:
             try:
                 if isinstance(ev, BlockStored):
-                    self.index.stored(ev.parent_block_hash, ev.block_hashes, ev.token_ids, ev.block_size, ev.medium)
+                    self.index.stored(ev.parent_block_hash, ev.block_hashes, ev.token_ids, ev.block_size, ev.medium,
+                                      ev.lora_name, extra_keys_of(ev.extra_keys))
                 elif isinstance(ev, BlockRemoved):
                     self.index.removed(ev.block_hashes, ev.medium)
                 else:

@@ -8,6 +8,14 @@ event block of a coarser size (a kvferry chunk: `chunk_size` tokens, a multiple 
 size) is split into the index's blocks. The index is bounded (least recently stored or matched
 blocks go first): a block forgotten this way only costs routing quality. An index attached to the
 cluster's Holders keeps there which blocks it holds.
+
+A chain starts from a root that names the prompt's identity as the engines key it: the LoRA
+adapter (an event's ``lora_name``; a request's ``model`` when it names an adapter seen in the
+events) and ``cache_salt`` (the first block's extra key; the request's field), so a prediction
+never counts another adapter's or another salt's blocks. A block whose extra keys hold a
+multimodal input or prompt embeddings is indexed under a link no request's prediction makes: the
+proxy cannot hash those inputs, so it predicts no hit for them (a routing miss, never a wrong
+answer: the engines key them themselves).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+import msgspec
 import xxhash
 
 from kvferry.common.hashing import token_bytes
@@ -30,15 +39,47 @@ def medium_of(name: str | None) -> str:
     return _MEDIA.get(name.upper() if name else None, DISK)
 
 
+MAX_ADAPTERS = 4096  # adapter names remembered from events (a request naming one is keyed by it)
+
+
+def identity_root(lora_name: str | None = None, cache_salt: str | None = None) -> bytes:
+    """The root of the chains of prompts of one LoRA adapter and cache_salt (ROOT for neither)."""
+    if not lora_name and not cache_salt:
+        return ROOT
+    return xxhash.xxh3_128_digest(ROOT + msgspec.msgpack.encode([lora_name or None, cache_salt or None]))
+
+
 def link(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a block of `tokens` after the block keyed `prev` (ROOT for the first block)."""
+    """The key of a block of `tokens` after the block keyed `prev` (a root for the first block)."""
     return xxhash.xxh3_128_digest(prev + token_bytes(tokens))
 
 
-def prefix_keys(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
-    """One key per full block of `tokens` (at most `limit` blocks)."""
+def opaque_link(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """A block that depends on inputs the proxy cannot hash: a key no prediction makes."""
+    return xxhash.xxh3_128_digest(b"opaque" + prev + token_bytes(tokens))
+
+
+def event_identity(lora_name: str | None, keys: Sequence[object] | None) -> tuple[str | None, bool]:
+    """(cache_salt, opaque) from one event block's untagged extra keys (vLLM's order: the LoRA
+    name if lora_name is set, (mm identifier, offset) pairs, the cache_salt, prompt-embeds digests)."""
+    if not keys:
+        return None, False
+    rest = list(keys)
+    if lora_name is not None and rest and rest[0] == lora_name:
+        rest = rest[1:]
+    salt, opaque = None, False
+    for k in rest:
+        if isinstance(k, str) and salt is None:
+            salt = k
+        else:
+            opaque = True  # a multimodal pair, prompt-embeds bytes, or a form this proxy does not know
+    return salt, opaque
+
+
+def prefix_keys(tokens: Sequence[int], block_size: int, limit: int | None = None, root: bytes = ROOT) -> list[bytes]:
+    """One key per full block of `tokens` (at most `limit` blocks), chained from `root`."""
     keys: list[bytes] = []
-    prev = ROOT
+    prev = root
     n = len(tokens) // block_size
     if limit is not None:
         n = min(n, limit)
@@ -49,8 +90,10 @@ def prefix_keys(tokens: Sequence[int], block_size: int, limit: int | None = None
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, adapters: set[str] | None = None) -> None:
         self.max_blocks = max_blocks
+        # LoRA adapter names seen in events (shared by a cluster's indexes: CacheView)
+        self.adapters: set[str] = adapters if adapters is not None else set()
         self.block_size: int | None = None
         self._blocks: OrderedDict[bytes, dict[str, Hashable]] = OrderedDict()  # our key -> medium -> vLLM hash
         self._by_vllm: dict[tuple[str, Hashable], list[bytes]] = {}  # (medium, vLLM hash) -> our keys
@@ -106,23 +149,35 @@ class PrefixIndex:
         return keys[-1] if keys else None
 
     def stored(self, parent: Hashable | None, hashes: Sequence[Hashable], tokens: Sequence[int],
-               block_size: int, medium: str | None = None) -> int:
-        """Apply a BlockStored; returns the index blocks added."""
+               block_size: int, medium: str | None = None, lora_name: str | None = None,
+               extra_keys: Sequence[Sequence[object] | None] | None = None) -> int:
+        """Apply a BlockStored (`extra_keys`: one entry per block, vLLM's untagged form); returns
+        the index blocks added."""
         m = medium_of(medium)
         if block_size <= 0 or len(tokens) < len(hashes) * block_size:
             raise ValueError(f"BlockStored with {len(hashes)} blocks of {block_size} but {len(tokens)} tokens")
+        if extra_keys is not None and len(extra_keys) > len(hashes):
+            raise ValueError(f"BlockStored with {len(hashes)} blocks but {len(extra_keys)} extra keys")
         sub = self._split(block_size, m)
         bs = self.block_size
         assert bs is not None  # _split set it
-        prev = ROOT if parent is None else self._parent(m, parent)
+        if lora_name and lora_name not in self.adapters and len(self.adapters) < MAX_ADAPTERS:
+            self.adapters.add(lora_name)
+        extras = list(extra_keys or ())
+        extras += [None] * (len(hashes) - len(extras))
+        if parent is None:
+            prev: bytes | None = identity_root(lora_name, event_identity(lora_name, extras[0] if extras else None)[0])
+        else:
+            prev = self._parent(m, parent)
         if prev is None:
             self.orphans += 1
             return 0
         for i, h in enumerate(hashes):
             keys = []
+            opaque = event_identity(lora_name, extras[i])[1]
             for j in range(sub):
                 start = (i * sub + j) * bs
-                prev = link(prev, tokens[start:start + bs])
+                prev = (opaque_link if opaque else link)(prev, tokens[start:start + bs])
                 entry = self._blocks.pop(prev, None)
                 if entry is None:
                     entry = {}

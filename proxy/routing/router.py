@@ -26,7 +26,18 @@ from kvferry.proxy.multiproc.board import ROLES, ROWS, LoadBoard
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing import health
-from kvferry.proxy.routing.cache import NO_PREFILLER, CacheView, Route, choose, effective, local_reason, served_mode
+from kvferry.proxy.routing.cache import (
+    NO_PREFILLER,
+    CacheView,
+    PromptKeys,
+    Route,
+    choose,
+    effective,
+    local_reason,
+    served_mode,
+)
+from kvferry.proxy.routing.identity import prompt_root
+from kvferry.proxy.routing.prefix_index import ROOT
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 
 logger = get_logger(__name__)
@@ -87,9 +98,14 @@ class Router:
             live.update(f"{role[0]}{n}" for n in self.registry.board.live_ids() for role in ROLES)
         return live
 
-    def route(self, request: Request, tokens: list[int] | None, ntok: int, single: bool = False) -> Route:
+    def route(self, request: Request, tokens: list[int] | None, ntok: int, single: bool = False,
+              body: dict | None = None) -> Route:
         """Where a prompt goes: a decoder, and a prefiller or none (the decoder prefills it).
-        `single`: the answer is one token, one instance serves it whole either way."""
+        `single`: the answer is one token, one instance serves it whole either way. `body`: the
+        request's, for the identity its cached KV is predicted under (routing/identity.py)."""
+        root = ROOT if body is None else prompt_root(body, self.cache.adapters)
+        if root is None:  # inputs the proxy cannot hash: no prediction
+            tokens, root = None, ROOT
         tracer = self.client.tracer
         t0 = time.time_ns() if tracer is not None else 0
         affinity = bool(self.opts.affinity_header and request.headers.get(self.opts.affinity_header))
@@ -98,10 +114,10 @@ class Router:
             prefillers = self.registry.usable("prefiller")
             if not decoders:
                 raise ProxyError(503, "no healthy decoder available", "no_instance")
-            r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok)
+            r = choose(self.cache, self.opts, decoders, prefillers, tokens, ntok, root)
         else:
             d = self.pick(request, "decoder")
-            held = self.cache.cached(d, tokens, {})
+            held = self.cache.cached(d, PromptKeys(tokens, root))
             why = local_reason(self.opts, d, None if held is None else effective(held), tokens, ntok)
             if not why and not self.registry.usable("prefiller"):
                 why = NO_PREFILLER
