@@ -17,12 +17,13 @@ request that *changes* something, and a page that renames the server's address a
   the answers. So, where no key guards the API, a request whose `Host` is not a name the server
   answers to (`Hosts`: loopback's, the address it listens on, and `--allowed-host NAME`) is
   refused. Where a key guards it, a rebound page cannot send the key (the browser keeps
-  credentials per origin), and any name may be used.
+  credentials per origin), and any name may be used. The Host read is the request's one Host
+  line (`one_host`): a request with two has no name this server answers to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvferry.common import netutil as net
 
@@ -73,6 +74,13 @@ class Hosts:
             return False
         name = host_name(header)
         return name in self.names or net.is_loopback(name)
+
+
+def one_host(values: Sequence[str]) -> str | None:
+    """The request's Host from its Host field lines: the one value, or None for none or several.
+    Two lines are no name at all: a server and a proxy in front of it could each read another
+    (RFC 9112 §3.2 answers such a request 400; a server that does not is still not fooled here)."""
+    return values[0] if len(values) == 1 else None
 
 
 def cross_site(origin: str | None, fetch_site: str | None, host: str | None) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping
 from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
 
 from kvferry.common import http_guard, trace_context, zsock
 from kvferry.common import secret as cluster_secret
@@ -215,12 +216,12 @@ class Proxy:
     async def _notifications(self) -> None:
         await self.transfers.notifications(self.loops["notifications"])
 
-    def refusal(self, method: str, path: str, headers: Mapping[str, str]) -> Response | None:
+    def refusal(self, method: str, path: str, headers: CIMultiDict[str]) -> Response | None:
         """The answer to a request its head alone refuses, or None. /v1/*: the API key. /admin/*:
         the admin key, and only it (a client's --api-key never opens it: with --api-key and no
         --admin-key the admin API is closed); without keys (loopback only: _check_exposure) a
-        Host that is not one of this proxy's names; with or without, a state change a browser
-        marks as cross-site (common/http_guard.py).
+        Host that is not one of this proxy's names (a request with two Host lines names none); with
+        or without, a state change a browser marks as cross-site (common/http_guard.py).
 
         An admin POST body is read as JSON whatever its Content-Type says, as the controller's is
         (`curl -d` sends a form type): a Content-Type rule would not stop a cross-site drain, whose
@@ -239,8 +240,9 @@ class Proxy:
                     403, "the admin API is closed: this proxy has a client --api-key and no admin key, and a client "
                          "key never opens it. Start it with --admin-key KEY (or env KVFERRY_ADMIN_KEY) and send "
                          "'Authorization: Bearer KEY'", "admin_closed"), 403)
-            why = http_guard.refusal(method, headers.get("Host"), headers.get("Origin"),
-                                     headers.get("Sec-Fetch-Site"), None if o.admin_key else self.hosts)
+            host = http_guard.one_host(headers.getall("Host", ()))  # the front door answered two with 400
+            why = http_guard.refusal(method, host, headers.get("Origin"), headers.get("Sec-Fetch-Site"),
+                                     None if o.admin_key else self.hosts)
             if why is not None:
                 return json_response(error_body(403, why, "forbidden"), 403)
             return None
@@ -249,13 +251,26 @@ class Proxy:
                                             "unauthorized"), 401)
         return None
 
-    def refuse_head(self, method: str, path: str, headers: Mapping[str, str]) -> Response | None:
-        """refusal()'s answer to a request whose body is still to come, counted (the server then
-        closes the connection, the body unread; an `Expect: 100-continue` client never sends it)."""
+    def refuse_head(self, method: str, path: str, headers: CIMultiDict[str]) -> Response | None:
+        """The answer to a request whose body is still to come that its head refuses, counted:
+        refusal()'s, then no route or no such method on it (404, 405). The server then closes the
+        connection, the body unread; an `Expect: 100-continue` client never sends it."""
         refused = self.refusal(method, path, headers)
+        if refused is None:
+            refused = self._unrouted(method, path)
         if refused is not None:
             self.metrics.requests.labels(path if path.startswith("/v1/") else "other", str(refused.status)).inc()
         return refused
+
+    def _unrouted(self, method: str, path: str) -> Response | None:
+        """404 for a path no route serves, 405 (with Allow) for a method it does not take, else None."""
+        handler, _, allowed = self.routes.match(method, path)
+        if handler is not None:
+            return None
+        if allowed:
+            return json_response(error_body(405, f"{method} is not allowed on {path}", "bad_method"), 405,
+                                 {"Allow": ", ".join(allowed)})
+        return json_response(error_body(404, f"no route {path}", "not_found"), 404)
 
     async def handle(self, request: Request) -> Answer:
         """Every request: its X-Request-Id (the client's, checked, or a fresh one: on its log lines,
@@ -282,14 +297,12 @@ class Proxy:
         if refused is not None:
             self.metrics.requests.labels(endpoint, str(refused.status)).inc()
             return refused
-        handler, request.match_info, allowed = self.routes.match(request.method, path)
+        handler, request.match_info, _ = self.routes.match(request.method, path)
         if handler is None:
-            status = 405 if allowed else 404
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            if allowed:
-                return json_response(error_body(405, f"{request.method} is not allowed on {path}", "bad_method"), 405,
-                                     {"Allow": ", ".join(allowed)})
-            return json_response(error_body(404, f"no route {path}", "not_found"), 404)
+            unrouted = self._unrouted(request.method, path)
+            assert unrouted is not None
+            self.metrics.requests.labels(endpoint, str(unrouted.status)).inc()
+            return unrouted
         gated = endpoint != "other"
         if gated and not self.gate.enter():
             self.metrics.requests.labels(endpoint, "503").inc()

@@ -10,9 +10,11 @@ What it holds for every request:
 - a request is read whole before its handler runs: a body over --max-body-bytes is refused 413
   from its Content-Length, or as soon as its chunks pass the limit, never buffered whole; a head
   over MAX_HEAD bytes is refused 431;
-- a request whose body is still to come is judged from its head first (`Bounds.refuse`): one
-  refused (no or a wrong API key) is answered and its connection closed, its body never read;
-  `Expect: 100-continue` gets "100 Continue" only when its head passes;
+- every request's head is judged before anything of it is answered (`_judge`), as RFC 9112 says
+  where it speaks (http/head_rules.py): its Host (400); when a body is to come, its keys, route
+  and method (`Bounds.refuse`); its Transfer-Encoding, every line of it (400, or 501 for a coding
+  other than chunked); then its size. One refused is answered and its connection closed, its
+  body never read; `Expect: 100-continue` gets "100 Continue" only when its head passes;
 - requests on one connection are answered in order, one at a time; a pipelined request's head is
   judged when its turn comes, and reading pauses while MAX_PENDING bytes of requests wait;
 - a client that disconnects (or half-closes) cancels its request's handler;
@@ -44,6 +46,7 @@ from kvferry.common import trace_context
 from kvferry.common.errors import BadDataError
 from kvferry.common.http_conns import Conns
 from kvferry.common.log import get_logger
+from kvferry.proxy.http import head_rules
 from kvferry.proxy.http.messages import Request, Response
 from kvferry.proxy.openai.errors import error_body, json_response
 
@@ -87,14 +90,15 @@ class _Stop(BadDataError):
 class _Head:
     """A request whose head was read, while its body arrives and until its turn."""
 
-    __slots__ = ("method", "path", "query", "headers", "to_come", "keep_alive", "http10", "judged", "checked",
-                 "parts", "size", "request")
+    __slots__ = ("method", "path", "query", "headers", "to_come", "keep_alive", "http10", "framing", "judged",
+                 "checked", "parts", "size", "request")
 
     def __init__(self, method: str, path: str, query: dict[str, str], headers: CIMultiDict[str], to_come: int,
-                 keep_alive: bool, http10: bool) -> None:
+                 keep_alive: bool, http10: bool, framing: tuple[int, str] | None) -> None:
         self.method, self.path, self.query, self.headers = method, path, query, headers
-        self.to_come = to_come  # the Content-Length, -1 for a chunked body
+        self.to_come = to_come  # the Content-Length, -1 for a chunked body (or one whose framing is refused)
         self.keep_alive, self.http10 = keep_alive, http10
+        self.framing = framing  # the status and message its Transfer-Encoding is refused with (head_rules)
         self.judged = False  # its head passed the checks made before its body is read
         self.checked = False  # ... Bounds.refuse among them
         self.parts: list[bytes] = []
@@ -211,11 +215,14 @@ class FrontDoor(asyncio.Protocol):
         path = unquote(raw_path) if "%" in raw_path else raw_path
         query = dict(parse_qsl(u.query.decode("latin-1"))) if u.query else {}
         headers = self.fields
-        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
-        to_come = -1 if chunked else int(headers.get("Content-Length") or 0)  # llhttp checked it is a number
         http10 = self.parser.get_http_version() != "1.1"
+        codings = headers.getall("Transfer-Encoding", None)  # every line: llhttp frames by the last coding
+        if codings is None:
+            to_come, framing = int(headers.get("Content-Length") or 0), None  # llhttp checked it is a number
+        else:
+            to_come, framing = -1, head_rules.coding_refusal(codings, http10)
         h = self.head = _Head(self.parser.get_method().decode(), path, query, headers, to_come,
-                              self.parser.should_keep_alive() and not http10, http10)
+                              self.parser.should_keep_alive() and not http10, http10, framing)
         if self.task is None and not self.queue:
             self._judge(h)
         elif self.reading and self.transport is not None:  # its turn will come: its body waits meanwhile
@@ -245,12 +252,20 @@ class FrontDoor(asyncio.Protocol):
     def _judge(self, h: _Head) -> None:
         """The checks of a request's head before its body is read; raises _Stop once answered."""
         h.judged = True
-        if h.to_come:  # who asks first, then how much: a stranger learns nothing of the limits
+        bad_host = head_rules.host_refusal(h.headers.getall("Host", ()), h.http10)
+        if bad_host is not None:
+            self._stop(_named(json_response(error_body(400, bad_host, "bad_host"), 400), h))
+            raise _Stop
+        if h.to_come:  # who asks first, then how: a stranger learns nothing of the codings and limits
             refused = self.bounds.refuse(h.method, h.path, h.headers)
             if refused is not None:
                 self._stop(_named(refused, h))
                 raise _Stop
             h.checked = True
+        if h.framing is not None:
+            status, why = h.framing
+            self._stop(_named(json_response(error_body(status, why, "bad_transfer_encoding"), status), h))
+            raise _Stop
         if h.to_come > self.max_body:
             self._stop(_named(self._too_large(), h))
             raise _Stop
