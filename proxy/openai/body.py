@@ -1,5 +1,7 @@
 """The client's request body: checked field by field as vLLM checks it, and stripped of
-`kv_transfer_params` (only the proxy chooses where KV goes)."""
+`kv_transfer_params` (only the proxy chooses where KV goes). Every JSON route reads its body here
+(completions, chat, the admin API), so each answers a body that is not JSON, or nests deeper than
+json_codec.MAX_DEPTH, with the same 400 (code `bad_json`), never a 500."""
 
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ class BodyReader:
 
     async def read(self, request: Request) -> dict:
         """The body (read within --max-body-bytes by the server) as a JSON object, or a 400 naming
-        the field."""
+        the field (or the nesting past json_codec.MAX_DEPTH)."""
         try:
-            body = json_codec.loads(request.body)
+            body = json_codec.loads_request(request.body)
+        except json_codec.TooDeep as e:
+            raise ProxyError(400, f"request body is {e}, which the proxy refuses: nest it less deeply",
+                             "bad_json") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", "bad_json") from None
         if not isinstance(body, dict):

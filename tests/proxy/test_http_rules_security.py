@@ -1,7 +1,8 @@
 """The proxy's front door holds HTTP/1.1's rules against hostile clients (real proxy processes in
 front of stub engines, raw sockets): every Transfer-Encoding line is read, and a body is judged
-from its head (keys, route, method, framing) before "100 Continue" or any of it is read; and Host
-is checked as RFC 9112 says."""
+from its head (keys, route, method, framing) before "100 Continue" or any of it is read; Host is
+checked as RFC 9112 says; and JSON nested past the proxy's bound is a 400 on every JSON route,
+never a 500 or a logged traceback."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import socket
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvferry.proxy.openai.json_codec import MAX_DEPTH, deeper_than
 from tests.raw_http import answer, closed_within, connect
 from tests.stub_procs import Proc, proxy, stubs
 
@@ -132,3 +137,68 @@ def test_host_is_checked_as_rfc_9112_says_security(keyless: Proc) -> None:
     with connect(port) as s:  # HTTP/1.0 needs none
         s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
         assert answer(s)[0] == 200
+
+
+def _nested(levels: int, inner: bytes = b"1") -> bytes:
+    return b"[" * levels + inner + b"]" * levels
+
+
+def test_deep_json_is_a_400_on_every_json_route_and_logs_no_traceback_security(engines: list[Proc]) -> None:
+    px = proxy(engines[:1], engines[1:], "--workers", "1")
+    deep = _nested(100_000)
+    objects = b'{"a":' * 2000 + b"1" + b"}" * 2000
+    bodies = {
+        "/v1/completions": [deep, objects, b"[" * 100_000, b'{"max_tokens":2,"prompt":' + deep + b"}",
+                            b'{"prompt":"x","max_tokens":2,"logit_bias":' + objects + b"}"],
+        "/v1/chat/completions": [deep, objects, b'{"max_tokens":2,"messages":' + deep + b"}",
+                                 b'{"messages":[{"role":"user","content":' + objects + b"}]}"],
+        "/admin/instances": [deep, objects, b'{"role":"prefiller","url":' + deep + b"}"],
+    }
+    with httpx.Client(base_url=px.url, timeout=30) as c:
+        for path, raws in bodies.items():
+            for raw in raws:
+                r = c.post(path, content=raw, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, raw[:60], r.text[:300])
+                err = r.json()["error"]
+                assert err["code"] == "bad_json" and f"nested deeper than {MAX_DEPTH} levels" in err["message"], err
+        # Within the bound, and brackets inside strings, are no nesting: read as ever.
+        within = b'{"max_tokens":2,"prompt":"' + b"[" * 100_000 + b'","logit_bias":{},"user":"a"}'
+        assert c.post("/v1/completions", content=within).status_code == 200
+        assert c.post("/v1/completions", content=b'{"max_tokens":2,"prompt":"x","extra":'
+                      + _nested(MAX_DEPTH - 1, b"") + b"}").status_code == 200
+    px.stop()
+    log = px.proc.stderr.read() if px.proc.stderr is not None else ""
+    for sign in ("Traceback", "RecursionError", "proxy error"):
+        assert sign not in log, log[-3000:]
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+_TRICKY = st.text(alphabet='[]{}"\\/a\u00e9', max_size=8)  # brackets, quotes and escapes inside strings
+_JSON = st.recursive(st.none() | st.integers() | _TRICKY,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
+                     max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.booleans())
+def test_the_depth_scan_counts_only_brackets_outside_strings_security(value: object, ascii_only: bool) -> None:
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    depth = _depth(value)
+    for limit in range(depth + 2):
+        assert deeper_than(raw, limit) == (depth > limit), (raw, depth, limit)
+
+
+def test_the_depth_scan_holds_across_long_bodies_security() -> None:
+    wide = b",".join([b"[]"] * 1000)
+    for depth, raw in ((MAX_DEPTH + 2, b"[" + wide + b"," + _nested(MAX_DEPTH + 1, b"") + b"]"),
+                       (MAX_DEPTH, b"[" + wide + b"," + _nested(MAX_DEPTH - 1, b'"]]]]"') + b"," + wide + b"]"),
+                       (MAX_DEPTH + 1, _nested(MAX_DEPTH - 10, b"1," + wide + b"," + _nested(11, b"") + b"," + wide)),
+                       (MAX_DEPTH - 9, _nested(MAX_DEPTH - 10, b"1," + wide))):
+        assert json.loads(raw) is not None and deeper_than(raw, MAX_DEPTH) == (depth > MAX_DEPTH), depth
