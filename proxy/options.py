@@ -79,7 +79,8 @@ class ProxyOptions:
     # Traces (docs/observability.md "Traces"): off without an endpoint.
     otlp_traces_endpoint: str | None = None  # OTLP collector; grpc: http://HOST:4317, http/protobuf: .../v1/traces
     otlp_traces_protocol: str | None = None  # "grpc" | "http/protobuf" (None: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc)
-    trace_sample_ratio: float = 1.0  # of the traces this proxy starts (a client's traceparent decides its own)
+    trace_sample_ratio: float = 1.0  # of the requests traced (with a client's traceparent too, unless trusted)
+    trust_client_trace_sampling: bool = False  # a client's sampled flag decides (docs/security.md "HTTP/1.1's rules")
     service_name: str = "kvferry-proxy"
 
     @property
@@ -209,8 +210,12 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("otlp_traces_protocol", "str", "grpc (default, as vLLM's --otlp-traces-endpoint) or http/protobuf; "
                                        "default: env OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc",
         {"choices": PROTOCOLS}),
-    Opt("trace_sample_ratio", "raw", "fraction of the traces this proxy starts that are recorded (default 1); "
-                                     "a client's traceparent keeps its own sampled flag", {"type": float}),
+    Opt("trace_sample_ratio", "raw", "fraction of the requests whose traces are recorded (default 1); a client's "
+                                     "traceparent keeps its trace id, and its sampled flag only with "
+                                     "--trust-client-trace-sampling", {"type": float}),
+    Opt("trust_client_trace_sampling", "flag", "follow a client traceparent's sampled flag instead of "
+                                               "--trace-sample-ratio (default: off, so no client can make the "
+                                               "proxy and both engines trace its requests)"),
     Opt("service_name", "str", "the proxy's service.name in its traces (default kvferry-proxy)"),
     Opt("workers", "size", "processes serving --port, routing as one proxy (default: the cores available; 1 "
                            "with --proxy-port, whose notification socket is one process's, or --discovery)"),

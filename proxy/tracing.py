@@ -1,8 +1,14 @@
 """The proxy's spans (OpenTelemetry, W3C trace context), made only with --otlp-traces-endpoint:
 imported then, and the proxy holds None otherwise (each hook is one `is None` check).
 
-One trace per client request, continuing the client's `traceparent` (else a new trace, sampled
-at --trace-sample-ratio):
+One trace per client request, continuing the client's `traceparent` (else a new trace).
+Whether it is recorded is the proxy's choice, at --trace-sample-ratio, whatever the client's
+sampled flag says: a client's trace id and tracestate still go on to the engines, with the
+proxy's decision as their flag (an unsampled context: vLLM and the connector record nothing).
+Otherwise any client could make the proxy and both engines record and export the spans of every
+request it sends, a cost the operator's ratio is there to bound. With
+--trust-client-trace-sampling (the callers are the operator's own, sampling upstream) the
+client's flag decides, as W3C trace context's parent-based sampling does.
 
 - the request (SERVER): the route, the X-Request-Id, the answer's status;
 - `route`: the decoder and prefiller picked, and why (cache, load, local, no_prefiller, ...);
@@ -16,13 +22,14 @@ at --trace-sample-ratio):
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvferry.common import transfer_params
 from kvferry.common.otel import Tracing
@@ -42,11 +49,25 @@ class ProxyTracer:
                                opts.trace_sample_ratio)
         self.tracer = self.tracing.tracer
         self.propagator = self.tracing.propagator
+        self.ratio, self.trust_sampling = opts.trace_sample_ratio, opts.trust_client_trace_sampling
+
+    def parent(self, request: Request) -> otel_context.Context | None:
+        """The client's trace context (None: none or unusable), its sampled flag replaced by the
+        proxy's own draw at --trace-sample-ratio unless --trust-client-trace-sampling."""
+        carrier = {k: v for k in _CARRIED if (v := request.headers.get(k)) is not None}
+        if not carrier:
+            return None
+        parent = self.propagator.extract(carrier)
+        remote = trace.get_current_span(parent).get_span_context()
+        if self.trust_sampling or not remote.is_valid:
+            return parent
+        flags = TraceFlags(TraceFlags.SAMPLED if random.random() < self.ratio else TraceFlags.DEFAULT)
+        return trace.set_span_in_context(NonRecordingSpan(SpanContext(
+            remote.trace_id, remote.span_id, is_remote=True, trace_flags=flags, trace_state=remote.trace_state)))
 
     async def request(self, request: Request, rid: str, handle: Callable[[Request], Awaitable[Answer]]) -> Answer:
         """`handle(request)` inside the request's span, the current span of its task meanwhile."""
-        carrier = {k: v for k in _CARRIED if (v := request.headers.get(k)) is not None}
-        parent = self.propagator.extract(carrier) if carrier else None
+        parent = self.parent(request)
         span = self.tracer.start_span(f"{request.method} {request.path}", parent, SpanKind.SERVER, attributes={
             "http.request.method": request.method, "url.path": request.path, "kvferry.request_id": rid})
         token = otel_context.attach(trace.set_span_in_context(span))

@@ -1,8 +1,9 @@
 """The proxy's traces against stub engines (separate processes, real HTTP) and a real OTLP receiver
 (gRPC): a client's traceparent is continued; the request, route and legs are spans of one trace;
 each leg's context reaches its engine in its headers and in its kv_transfer_params; a retried
-prefill leg and a migrated stream show as spans; the sample ratio; X-Request-Id checked, made,
-returned, forwarded and on the proxy's log lines, traced or not."""
+prefill leg and a migrated stream show as spans; the sample ratio decides, a client's sampled
+flag only when trusted; X-Request-Id checked, made, returned, forwarded and on the proxy's log
+lines, traced or not."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from kvferry.testing.otlp_receiver import OTLPReceiver, Span
 from tests.polling import until
-from tests.stub_procs import log, post, proxy, stubs
+from tests.stub_procs import Proc, log, post, proxy, stubs
 
 CLIENT_SPAN = "00f067aa0ba902b7"
 
@@ -169,20 +170,45 @@ def _stream(url: str, body: dict, traceparent: str) -> list:
     return out
 
 
-def test_trace_sample_ratio_zero_records_only_what_the_client_sampled() -> None:
+def _leg_traceparents(*stubs_: Proc) -> list[str]:
+    """The traceparent each stub got on its last request."""
+    return [log(s)["headers"][-1]["traceparent"] for s in stubs_]
+
+
+def test_trace_sampling_follows_a_client_only_when_trusted() -> None:
+    """--trace-sample-ratio decides whatever a client's sampled flag says, and the client's trace id
+    goes on to the engines with the proxy's decision; --trust-client-trace-sampling follows the flag."""
     with OTLPReceiver() as rx:
         p, d = stubs(0, 0)
-        px = proxy([p], [d], "--workers", "1", "--otlp-traces-endpoint", rx.grpc_endpoint,
-                   "--trace-sample-ratio", "0", "--service-name", "edge-proxy")
-        assert post(px.url, "/v1/completions", {"prompt": "not sampled", "max_tokens": 2}).status_code == 200
-        unsampled = log(p)["headers"][-1]["traceparent"]
-        assert not int(unsampled[-2:], 16) & 1  # the engines see the trace, unsampled: they record nothing either
-        sampled_id = "12" * 16
-        assert post(px.url, "/v1/completions", {"prompt": "sampled", "max_tokens": 2},
-                    headers={"traceparent": _tp(sampled_id)}).status_code == 200
-        spans = _trace(rx, sampled_id, {"POST /v1/completions", "prefill", "decode"})
+        traced = ["--workers", "1", "--otlp-traces-endpoint", rx.grpc_endpoint]
+        never = proxy([p], [d], *traced, "--trace-sample-ratio", "0")
+        always = proxy([p], [d], *traced)  # ratio 1
+        trusting = proxy([p], [d], *traced, "--trace-sample-ratio", "0", "--trust-client-trace-sampling",
+                         "--service-name", "edge-proxy")
+        forced, refused, trusted = "12" * 16, "34" * 16, "56" * 16
+        # Not trusted: a client's sampled flag samples nothing at ratio 0 ...
+        assert post(never.url, "/v1/completions", {"prompt": "sampled?", "max_tokens": 2},
+                    headers={"traceparent": _tp(forced)}).status_code == 200
+        for tp in _leg_traceparents(p, d):  # ... while its trace id reaches both engines, unsampled
+            assert tp.startswith(f"00-{forced}-") and tp.endswith("-00") and CLIENT_SPAN not in tp, tp
+        assert post(never.url, "/v1/completions", {"prompt": "no traceparent", "max_tokens": 2}).status_code == 200
+        assert all(tp.endswith("-00") for tp in _leg_traceparents(p, d))
+        # ... and its unsampled flag does not stop the proxy's ratio 1.
+        assert post(always.url, "/v1/completions", {"prompt": "not sampled?", "max_tokens": 2},
+                    headers={"traceparent": _tp(refused, "00")}).status_code == 200
+        assert all(tp.startswith(f"00-{refused}-") and tp.endswith("-01") for tp in _leg_traceparents(p, d))
+        _trace(rx, refused, {"POST /v1/completions", "prefill", "decode"})
+        # Trusted: the client's flag decides, at ratio 0 too.
+        assert post(trusting.url, "/v1/completions", {"prompt": "sampled", "max_tokens": 2},
+                    headers={"traceparent": _tp(trusted)}).status_code == 200
+        assert all(tp.endswith("-01") for tp in _leg_traceparents(p, d))
+        spans = _trace(rx, trusted, {"POST /v1/completions", "prefill", "decode"})
         assert spans["prefill"][0].service == "edge-proxy"
-        assert {s.trace_id for s in rx.spans()} == {sampled_id}, "the unsampled request left spans"
+        assert post(trusting.url, "/v1/completions", {"prompt": "unsampled", "max_tokens": 2},
+                    headers={"traceparent": _tp("78" * 16, "00")}).status_code == 200
+        for px in (never, always, trusting):
+            px.stop()  # each sends what it batched before it exits
+        assert {s.trace_id for s in rx.spans()} == {refused, trusted}, "an unsampled request left spans"
 
 
 def test_request_id_is_checked_made_returned_forwarded_and_logged_without_tracing() -> None:
