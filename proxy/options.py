@@ -53,6 +53,7 @@ class ProxyOptions:
     max_n: int = 16  # samples per request (n): each is its own pair of legs
     upstream_connections: int = 512  # open connections per instance (http_client.Pool; 0 was unbounded)
     request_timeout: float = 30.0  # a request's head and body must arrive within this of its first byte
+    keep_alive_timeout: float = 75.0  # an idle keep-alive connection closes after this (front_door.IDLE_S)
     max_connections: int | None = None  # client connections per process (None: from `ulimit -n`, http_conns)
     # Cache-aware routing (docs/proxy.md "Routing").
     kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # url -> (endpoint, replay)
@@ -177,6 +178,8 @@ OPTIONS: tuple[Opt, ...] = (
                                         "requests wait for one"),
     Opt("request_timeout", "positive", "seconds a request's head and body may take to arrive from its first byte; "
                                        "then its connection is closed (default 30)"),
+    Opt("keep_alive_timeout", "raw", "seconds an idle keep-alive client connection waits for its next request "
+                                     "before it is closed (default 75)"),
     Opt("max_connections", "size", "client connections open at once, per process; one more is answered 503 with "
                                    "Retry-After and closed (default: half of `ulimit -n` beyond 64, after raising "
                                    "it toward the hard limit)"),
@@ -345,12 +348,25 @@ def _settings(vals: dict) -> ProxyOptions:
     elif o.workers > 1 and o.proxy_port:
         raise OptionError(f"--workers {o.workers} with --proxy-port: the receivers' notifications arrive on one "
                           "socket, one process's; use --workers 1 with --proxy-port (or drop --proxy-port)")
+    o.keep_alive_timeout = _keep_alive(vals.get("keep_alive_timeout", o.keep_alive_timeout))
     if o.policy not in POLICIES:
         raise OptionError(f"--policy: {o.policy!r} is not one of {', '.join(POLICIES)}")
     _tracing(o, vals)
     if o.first_token not in FIRST_TOKEN:
         raise OptionError(f"--first-token: {o.first_token!r} is not one of {', '.join(FIRST_TOKEN)}")
     return o
+
+
+def _keep_alive(raw: object) -> float:
+    """--keep-alive-timeout, checked: seconds, at least 0.1 (the connection sweep runs every quarter of it)."""
+    try:
+        v = float(str(raw))
+    except ValueError:
+        v = float("nan")
+    if not v >= 0.1:  # NaN too
+        raise OptionError(f"--keep-alive-timeout must be a number of seconds, 0.1 or more (how long an idle "
+                          f"keep-alive connection is kept; default 75), got {raw!r}")
+    return v
 
 
 def _tracing(o: ProxyOptions, vals: dict) -> None:

@@ -67,7 +67,7 @@ async def serve(opts: ProxyOptions, board: LoadBoard | None = None, peers: Peers
         raise OptionError(f"--host/--port: cannot listen on {net.hostport(opts.host, opts.port)}: "
                           f"{zsock.bind_cause(e.errno, opts.host, opts.port)}") from None
     _calm_gc()
-    sweep = loop.create_task(close_idle(doors, opts.stall_timeout, conns))
+    sweep = loop.create_task(close_idle(doors, opts.stall_timeout, conns, opts.keep_alive_timeout))
     if ready is not None:
         ready()
     if worker is None or worker == 0:

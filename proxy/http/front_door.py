@@ -20,8 +20,9 @@ What it holds for every request:
 - a client that disconnects (or half-closes) cancels its request's handler;
 - a slow client pauses the writer; one that reads nothing of its answer for --stall-timeout is
   cut off, so its decoder and connection come back;
-- an idle keep-alive connection closes after IDLE_S; a request whose head and body have not
-  arrived --request-timeout after its first byte has its connection closed;
+- an idle keep-alive connection closes after --keep-alive-timeout (IDLE_S unless given); a
+  request whose head and body have not arrived --request-timeout after its first byte has its
+  connection closed;
 - past --max-connections open connections, a new one is answered 503 with Retry-After and closed;
 - bytes llhttp does not read as HTTP/1.x are answered 400 and the connection closed; an HTTP/1.0
   request, and one asking to Upgrade, are answered and their connection closed.
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 MAX_HEAD = 65536  # bytes of a request's line and headers
-IDLE_S = 75.0  # a keep-alive connection waits this long for its next request (aiohttp's keepalive_timeout)
+IDLE_S = 75.0  # --keep-alive-timeout's default: an idle keep-alive connection's wait (aiohttp's keepalive_timeout)
 REQUEST_S = 30.0  # --request-timeout's default
 MAX_PENDING = 1 << 20  # bytes of requests waiting for their turn before reading pauses
 
@@ -392,21 +393,24 @@ class FrontDoor(asyncio.Protocol):
             self.transport.close()
 
 
-async def close_idle(doors: set[FrontDoor], stall_s: float, conns: Conns | None = None) -> None:
-    """Closes the connections that waited IDLE_S for a request, drops those whose request did not
-    arrive within `conns.request_s` (--request-timeout), and cuts
-    those whose client read nothing of its answer for `stall_s` (--stall-timeout; its handler is
-    cancelled as if the client had left): one sweep for all of them, checked every quarter of the
-    shortest bound (at most 5 s), rather than a timer set and cancelled per request or per write."""
+async def close_idle(doors: set[FrontDoor], stall_s: float, conns: Conns | None = None,
+                     idle_s: float | None = None) -> None:
+    """Closes the connections that waited `idle_s` (--keep-alive-timeout, default IDLE_S) for a
+    request, drops those whose request did not arrive within `conns.request_s` (--request-timeout),
+    and cuts those whose client read nothing of its answer for `stall_s` (--stall-timeout; its
+    handler is cancelled as if the client had left): one sweep for all of them, checked every
+    quarter of the shortest bound (at most 5 s), rather than a timer set and cancelled per request
+    or per write."""
     loop = asyncio.get_running_loop()
     request_s = conns.request_s if conns is not None else REQUEST_S
+    idle = IDLE_S if idle_s is None else idle_s
     while True:
-        await asyncio.sleep(min(5.0, IDLE_S / 4, stall_s / 4, request_s / 4))
+        await asyncio.sleep(min(5.0, idle / 4, stall_s / 4, request_s / 4))
         now = loop.time()
         if conns is not None:
             conns.sweep(now)
         for d in list(doors):
-            if d.task is None and d.idle_since is not None and now - d.idle_since >= IDLE_S:
+            if d.task is None and d.idle_since is not None and now - d.idle_since >= idle:
                 d.close()
             elif d.task is None and conns is not None and conns.overdue(d.request_since, now):
                 conns.expire(d.transport)

@@ -1,13 +1,14 @@
 """The proxy's front door holds HTTP/1.1's rules against hostile clients (real proxy processes in
 front of stub engines, raw sockets): every Transfer-Encoding line is read, and a body is judged
 from its head (keys, route, method, framing) before "100 Continue" or any of it is read; Host is
-checked as RFC 9112 says; and JSON nested past the proxy's bound is a 400 on every JSON route,
-never a 500 or a logged traceback."""
+checked as RFC 9112 says; JSON nested past the proxy's bound is a 400 on every JSON route, never
+a 500 or a logged traceback; and an idle keep-alive connection closes after --keep-alive-timeout."""
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.proxy.openai.json_codec import MAX_DEPTH, deeper_than
+from kvferry.proxy.server import main
 from tests.raw_http import answer, closed_within, connect
 from tests.stub_procs import Proc, proxy, stubs
 
@@ -202,3 +204,25 @@ def test_the_depth_scan_holds_across_long_bodies_security() -> None:
                        (MAX_DEPTH + 1, _nested(MAX_DEPTH - 10, b"1," + wide + b"," + _nested(11, b"") + b"," + wide)),
                        (MAX_DEPTH - 9, _nested(MAX_DEPTH - 10, b"1," + wide))):
         assert json.loads(raw) is not None and deeper_than(raw, MAX_DEPTH) == (depth > MAX_DEPTH), depth
+
+
+def test_an_idle_keep_alive_connection_closes_after_the_keep_alive_timeout_security(engines: list[Proc]) -> None:
+    idle_s = 0.5
+    px = proxy(engines[:1], engines[1:], "--workers", "1", "--keep-alive-timeout", str(idle_s))
+    with connect(_port(px)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(3):  # kept alive between requests that come within the bound
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert answer(s)[0] == 200
+        answered = time.monotonic()
+        closed_within(s, 60)  # generous: the sweep runs every quarter of the bound on a loaded machine
+        assert time.monotonic() - answered >= idle_s * 0.8  # by the timer, not at once
+    px.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "0.01", "soon", "nan"])
+def test_the_keep_alive_timeout_flag_is_checked_security(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,3,4", "--keep-alive-timeout", value]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--keep-alive-timeout" in lines[0] and "0.1 or more" in lines[0], lines
