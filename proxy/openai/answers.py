@@ -9,12 +9,12 @@ from typing import Any
 import msgspec
 
 from kvferry.common.errors import BadDataError
+from kvferry.proxy.openai import json_codec
 
 # A prompt's token ids kept as the engine's JSON (msgspec.Raw) rather than a list: a long prompt's
 # ids were a prefill answer's whole decoding cost, and again its decode leg's encoding, per request.
 RAW_IDS_MIN = 64  # bytes: a shorter list is parsed as it is
 _DIGITS_AND_SPACE = b"0123456789, \t\r\n"
-_generic = msgspec.json.Decoder()
 
 
 class BadAnswer(BadDataError, ValueError):
@@ -36,21 +36,21 @@ def loads_answer(buf: bytes) -> Any:
     unless the marker is then exactly at one of those two places, the answer is parsed whole."""
     k = buf.find(_KEY)
     if k < 0:
-        return _generic.decode(buf)
+        return json_codec.loads(buf)
     start = k + len(_KEY)
     while buf[start:start + 1] in (b" ", b"\t", b"\r", b"\n"):
         start += 1
     end = buf.find(b"]", start) + 1
     if (buf[start:start + 1] != b"[" or end - start < RAW_IDS_MIN or _CUT in buf
             or buf[start:end].translate(None, _DIGITS_AND_SPACE) != b"[]"):
-        return _generic.decode(buf)  # short, absent, not a flat list of numbers: parsed as it is
+        return json_codec.loads(buf)  # short, absent, not a flat list of numbers: parsed as it is
     try:
-        out = _generic.decode(buf[:start] + _CUT + buf[end:])
+        out = json_codec.loads(buf[:start] + _CUT + buf[end:])
         holder = out["choices"][0] if out.get("prompt_token_ids") != _CUT_STR else out
         if holder["prompt_token_ids"] != _CUT_STR:
             raise TypeError
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return _generic.decode(buf)  # the key was another field's: parsed whole
+        return json_codec.loads(buf)  # the key was another field's: parsed whole
     holder["prompt_token_ids"] = msgspec.Raw(buf[start:end])
     return out
 

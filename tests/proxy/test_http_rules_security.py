@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.proxy.openai import answers, json_codec
 from kvferry.proxy.openai.json_codec import MAX_DEPTH, deeper_than
 from kvferry.proxy.server import main
 from tests.raw_http import answer, closed_within, connect
@@ -172,6 +173,15 @@ def test_deep_json_is_a_400_on_every_json_route_and_logs_no_traceback_security(e
     log = px.proc.stderr.read() if px.proc.stderr is not None else ""
     for sign in ("Traceback", "RecursionError", "proxy error"):
         assert sign not in log, log[-3000:]
+
+
+def test_an_engine_answer_nested_too_deep_is_unreadable_not_an_internal_error_security() -> None:
+    """The legs read an engine's answer with these; their ValueError is the leg's 502 (flows/upstream.py)."""
+    ids = b'"prompt_token_ids":[' + b"1," * 64 + b"2]"
+    for raw in (_nested(100_000), b'{"choices":[{' + ids + b',"x":' + _nested(100_000) + b"}]}"):
+        for read in (json_codec.loads, answers.loads_answer):
+            with pytest.raises(ValueError, match="nested deeper"):
+                read(raw)
 
 
 def _depth(value: object) -> int:
