@@ -107,6 +107,8 @@ FIELDS: list[Field] = [
     Field("vllm.v1.request", "Request", "num_prompt_tokens", None, "scheduler_side"),
     Field("vllm.v1.request", "Request", "num_computed_tokens", None, "scheduler_side"),
     Field("vllm.v1.request", "Request", "output_token_ids", None, "scheduler_side"),
+    Field("vllm.v1.request", "Request", "lora_request", None, "request_identity"),
+    Field("vllm.lora.request", "LoRARequest", "lora_name", "str", "request_identity"),
     Field("vllm.v1.core.kv_cache_manager", "KVCacheBlocks", "get_block_ids", None, "scheduler_side"),
     # KVCacheConfig: the offload planner's sizes.
     Field("vllm.v1.kv_cache_interface", "KVCacheConfig", "kv_cache_groups", "list[KVCacheGroupSpec]",

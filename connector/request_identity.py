@@ -60,16 +60,16 @@ def _adapter_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
     """(name, size, mtime_ns) of each regular file in the adapter's folder, sorted."""
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as e:
-        raise Unkeyable(f"LoRA adapter folder {folder} cannot be read ({e.strerror or e})") from None
+    except OSError as err:
+        raise Unkeyable(f"LoRA adapter folder {folder} cannot be read ({err.strerror or err})") from None
     out = []
-    for e in entries:
+    for entry in entries:
         try:
-            st = e.stat(follow_symlinks=True)
+            st = entry.stat(follow_symlinks=True)
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
-            out.append((e.name, st.st_size, st.st_mtime_ns))
+            out.append((entry.name, st.st_size, st.st_mtime_ns))
     if not out:
         raise Unkeyable(f"LoRA adapter folder {folder} holds no files")
     if len(out) > MAX_ADAPTER_FILES:
