@@ -11,31 +11,42 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),-p no:xdist,-n $(PYTEST_WORKERS) --dist loadgroup)
 
-.PHONY: setup model redis etcd chromium prometheus demo test test-slow lint clean vllm-compat
+.PHONY: setup model copy-models redis etcd chromium prometheus demo test test-loaded test-slow lint clean vllm-compat
+
+# $(call progress,WHAT,COMMAND): runs COMMAND, saying every 15 s what it waits for and for how long
+# (a comma in COMMAND is written $(comma)).
+comma := ,
+progress = @t0=$$(date +%s); ( while sleep 15; do echo "  ... $(1): $$(( $$(date +%s) - t0 ))s"; done ) & \
+	tick=$$!; ( $(2) ); rc=$$?; kill $$tick 2>/dev/null; \
+	[ $$rc = 0 ] && echo "  $(1): done in $$(( $$(date +%s) - t0 ))s"; exit $$rc
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "kvferry needs Python >= 3.11"'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing kvferry[$(EXTRA),test] into $(VENV) (about 3 minutes the first time)"
+	@echo "installing kvferry[$(EXTRA),test] into $(VENV) (about 2 minutes the first time; pip's log: $(VENV)/install.log)"
 	@# The CPU build needs torch 2.13.0 (a local wheel here); installing it first stops pip
 	@# from pulling a CUDA torch from the index.
 	@# pip's output goes to a log (it is long and noisy); its tail is shown if it fails.
-	if [ "$(EXTRA)" = cpu ]; then $(PIP) install torch==2.13.0 > $(VENV)/install.log 2>&1 \
-		|| { tail -40 $(VENV)/install.log; exit 1; }; fi
-	$(PIP) install -e ".[$(EXTRA),test]" >> $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; }
+	$(call progress,installing torch and kvferry's dependencies,\
+		if [ "$(EXTRA)" = cpu ]; then $(PIP) install torch==2.13.0 > $(VENV)/install.log 2>&1 \
+		|| { tail -40 $(VENV)/install.log; exit 1; }; fi; \
+	$(PIP) install -e ".[$(EXTRA)$(comma)test]" >> $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; })
 	@# vLLM pulls these in; their CUDA builds break the CPU torch.
 	if [ "$(EXTRA)" = cpu ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $@
 
 setup: $(VENV)/.installed
 
-# The random-weight Llama (tests, demo) and the copy models the cachegen quality test reads (trained
-# here, once: about 2.5 minutes each on one core, the two side by side; the other tiny models are
-# built by the tests that use them).
+# The random-weight Llama: what the demo serves and most tests read (about 20 s).
 model: setup
-	$(VENV)/bin/kvferry make-tiny-model
-	$(VENV)/bin/kvferry make-tiny-model --arch deepseek-copy & pid=$$!; \
-		$(VENV)/bin/kvferry make-tiny-model --arch llama-copy; rc=$$?; wait $$pid && exit $$rc
+	$(call progress,building the tiny model,$(VENV)/bin/kvferry make-tiny-model)
+
+# The copy models only the cachegen quality tests read, trained here once (about 2.5 minutes each
+# on one core, the two side by side); `make test` builds them, `make demo` does not.
+copy-models: setup
+	$(call progress,training the copy models (cachegen's quality tests),\
+		$(VENV)/bin/kvferry make-tiny-model --arch deepseek-copy & pid=$$!; \
+		$(VENV)/bin/kvferry make-tiny-model --arch llama-copy; rc=$$?; wait $$pid && exit $$rc)
 
 demo: setup model
 	$(VENV)/bin/kvferry up
@@ -98,11 +109,19 @@ prometheus:
 			"(install prometheus yourself)"; fi; \
 	fi
 
-test: setup model redis etcd chromium prometheus
+test: setup model copy-models redis etcd chromium prometheus
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow" $(PYTEST_ARGS)
+
+# `make test` beside busy loops, one per core, at normal priority: how a timing assumption that a
+# loaded machine breaks is found before CI finds it (docs/testing.md says when to run it).
+test-loaded: setup model copy-models redis etcd chromium prometheus
+	@n=$$(nproc); echo "make test beside $$n busy loops"; pids=; \
+	for i in $$(seq $$n); do $(PYTHON) -c 'while True: pass' & pids="$$pids $$!"; done; \
+	trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow" $(PYTEST_ARGS)
 
 # The tests `make test` leaves out for CI's time budget (marked `slow`: TP=2 vLLM servers).
-test-slow: setup model redis etcd chromium prometheus
+test-slow: setup model copy-models redis etcd chromium prometheus
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m slow $(PYTEST_ARGS)
 
 # The connector's API check against every vLLM release in the cuda extra's range (docs/compatibility.md):
