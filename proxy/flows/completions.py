@@ -25,6 +25,7 @@ from kvferry.proxy.openai.legs import (
     completion_decode_leg,
     completion_prefill_leg,
     fan_out,
+    penalizes_outputs,
     prompt_ids,
     sample,
 )
@@ -109,7 +110,10 @@ class Completions:
         if choice.get("finish_reason") == "stop":
             ctx.transfers.abort(d, tid, "the first token ended the request")
             return Prefilled(first, tid, d, p, "done")
-        if not ids:  # --first-token decoder: the decoder computes the answer from the client's prompt
+        if not ids or penalizes_outputs(body):
+            # --first-token decoder, or penalties that count output tokens only: the decoder
+            # computes the answer from the client's prompt (with the first token in its prompt, it
+            # would not count that token as an output)
             return Prefilled(first, tid, d, p, "regen")
         if answers.is_ids(choice.get("token_ids")) and answers.is_ids(prompt_ids(first)):
             return Prefilled(first, tid, d, p, "ids")

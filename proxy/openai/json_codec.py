@@ -24,6 +24,8 @@ from typing import Any
 
 import msgspec
 
+from kvferry.common.errors import BadDataError
+
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 _ID_LIST = msgspec.json.Decoder(list[int])
@@ -37,7 +39,7 @@ _STEP = [1 if c == ord("[") else -1 for c in range(256)]  # over brackets only
 _BLOCK = 64  # brackets summed by one count() where the depth cannot pass the bound within them
 
 
-class TooDeep(ValueError):
+class TooDeep(BadDataError, ValueError):
     """JSON nested deeper than its decoder takes (msgspec's RecursionError) or than MAX_DEPTH."""
 
     def __init__(self, limit: int | None = None) -> None:

@@ -77,6 +77,14 @@ def completion_decode_leg(body: dict, first: dict | None, tid: str, max_tokens: 
     return leg
 
 
+def penalizes_outputs(body: dict) -> bool:
+    """Does the answer depend on which tokens are outputs? vLLM's presence and frequency penalties
+    count generated tokens only, so a decode leg that continues from prompt + first token would not
+    penalize the first token; repetition_penalty counts the prompt too, and min_tokens is shifted."""
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0
+               for v in (body.get("presence_penalty"), body.get("frequency_penalty")))
+
+
 def chat_prefill_leg(body: dict, max_key: str) -> dict:
     """A chat prefill request: one token (under the client's own max-tokens key), not streamed."""
     leg = dict(body, stream=False, **{max_key: 1})

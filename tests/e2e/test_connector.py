@@ -314,17 +314,20 @@ def test_decoder_computes_only_the_last_prompt_token(pd, peer) -> None:
 @pytest.mark.vllm
 def test_decode_leg_may_repeat_the_whole_prompt(pd, peer) -> None:
     """A chat decode leg cannot append the first token; it sends the same prompt, loads all but
-    its last token (aligned to a block boundary or not) and recomputes that one."""
+    its last token (aligned to a block boundary or not) and recomputes that one. The answer is
+    plain vLLM's up to batch noise, not to the bit: on a CPU with AMX tiles vLLM's bf16 attention
+    over cached KV rounds differently from one pass over the prompt (plain vLLM's own prefix cache
+    moves a logprob of this prompt by 0.015 there), as any partial recompute does."""
     p, d, plain_vllm = pd
     for n in (129, 600):
         pr = prompt(n, seed=300 + n)
-        want = plain(plain_vllm, pr, 5)
+        want = plain_with_margins(plain_vllm, pr, 5)
         tid = uuid.uuid4().hex
         completion(p, pr, 1, kv_transfer_params={"transfer_id": tid, "disagg_spec": d.disagg_spec()})
         before = source_tokens(d)
         got = tokens_and_logprobs(completion(d, pr, 5, kv_transfer_params={"transfer_id": tid}))
         after = source_tokens(d)
-        assert got == want
+        same_greedy_answer(got, want, f"{n} tokens")
         assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n - 1
         assert after.get("local_compute", 0) - before.get("local_compute", 0) == 1
     assert peer.fully_free()

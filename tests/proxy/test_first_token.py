@@ -132,3 +132,22 @@ def test_prefiller_first_is_the_default_and_asks_for_token_ids() -> None:
     assert post(px.url, "/v1/completions", body).status_code == 200
     (pq,), (dq,) = log(p0)["requests"], log(d0)["requests"]
     assert pq["return_token_ids"] is True and dq["max_tokens"] == 8 and isinstance(dq["prompt"], list)
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_a_penalty_on_output_tokens_makes_the_decoder_compute_the_first_token(penalty: str) -> None:
+    """vLLM counts generated tokens only for these penalties: a decoder continuing from prompt +
+    first token would not penalize the first one, so the decoder gets the client's own prompt
+    and max_tokens and computes every token (as --first-token decoder does); the answer is the
+    decoder's, once."""
+    p0, d0 = stubs(0, 0)
+    px = proxy([p0], [d0])
+    body = {"model": "stub", "prompt": PROMPT, "max_tokens": 9, "temperature": 0, penalty: 0.5}
+    r = post(px.url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    (dq,) = log(d0)["requests"]
+    assert dq["prompt"] == PROMPT and dq["max_tokens"] == 9 and dq[penalty] == 0.5, dq
+    assert r.json()["usage"]["completion_tokens"] == 9
+    events_ = events(px.url, "/v1/completions", dict(body, stream=True))
+    assert len(_text(events_)) > 0
+    assert log(d0)["requests"][-1]["prompt"] == PROMPT

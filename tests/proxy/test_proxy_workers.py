@@ -93,7 +93,10 @@ def test_two_workers_balance_prefillers_and_count_every_request() -> None:
         statuses = _blast(px.url, 400, 48)
         assert statuses.count(200) == 400, statuses
         counts = [len(log(p)["requests"]) for p in (p0, p1)]
-        assert sum(counts) == 400 and max(counts) / max(1, min(counts)) <= 1.3, counts
+        # Both are used, neither starved: not an even split, which holds only while both stubs run
+        # at one speed (on a loaded machine one answers slower, and load-aware routing then sends
+        # it less, as it should).
+        assert sum(counts) == 400 and min(counts) >= 400 // 4, counts
         text = httpx.get(px.url + "/metrics").text
         assert _metric(text, 'kvferry_proxy_requests_total{endpoint="/v1/completions",status="200"}') == 400
         assert _metric(text, "kvferry_proxy_request_seconds_count") == 400
