@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,6 +98,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for http)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="an instance that dies is started again, with back-off, at most this many times (0: never)")
+    p.add_argument("--vllm-args", default="", metavar="'FLAGS'",
+                   help="more vLLM flags for every instance, as one shell-quoted string (e.g. "
+                        "'--max-num-batched-tokens 8192 --dtype float32'); not the ones kvferry up sets itself")
+
+
+# vLLM flags kvferry up sets for every instance: --vllm-args may not change them.
+OWN_VLLM_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--kv-transfer-config", "--kv-events-config",
+                  "--tensor-parallel-size", "-tp", "--otlp-traces-endpoint")
+
+
+def vllm_args(text: str) -> list[str]:
+    """--vllm-args, split as a shell would; UpError for a flag kvferry up sets itself."""
+    try:
+        out = shlex.split(text)
+    except ValueError as e:
+        raise UpError(f"--vllm-args {text!r}: {e}: quote it as one shell string") from None
+    for a in out:
+        name = a.split("=", 1)[0]
+        if name in OWN_VLLM_FLAGS:
+            fix = {"--model": "--model", "--port": "--port", "--host": "--host", "--tensor-parallel-size": "--tp",
+                   "-tp": "--tp", "--otlp-traces-endpoint": "--otlp-traces-endpoint"}.get(name)
+            raise UpError(f"--vllm-args: {name} is set by kvferry up itself" +
+                          (f": use kvferry up's {fix}" if fix else ""))
+    return out
 
 
 def plan(args: argparse.Namespace) -> dict:
@@ -121,6 +146,7 @@ def plan(args: argparse.Namespace) -> dict:
                 raise UpError(str(e)) from None
         if args.lease_ttl < 2:
             raise UpError(f"--lease-ttl {args.lease_ttl}: at least 2 seconds")
+    vllm_args(getattr(args, "vllm_args", "") or "")
     if args.local_prefill_tokens < 0:
         raise UpError(f"--local-prefill-tokens must be 0 or more, got {args.local_prefill_tokens}")
     keys: dict = {}
@@ -233,7 +259,7 @@ class Cluster:
             role = "prefiller" if i < self.args.num_prefillers else "decoder"
             n = i if i < self.args.num_prefillers else i - self.args.num_prefillers
             kw["env"] = {**kw.get("env", {}), "OTEL_SERVICE_NAME": f"vllm-{role}-{n}"}
-        kw["extra_args"] = extra
+        kw["extra_args"] = extra + vllm_args(self.args.vllm_args)
         return kw
 
     def start(self) -> None:

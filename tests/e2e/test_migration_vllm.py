@@ -35,7 +35,8 @@ STALL_S = 3.0
 @pytest.fixture(scope="module")
 def cluster(kvferry_up) -> Iterator[dict]:
     """kvferry up 1P2D, and a second proxy in front of it with --stall-timeout 3 s."""
-    up = kvferry_up("migrate", "--num-prefillers", "1", "--num-decoders", "2")
+    up = kvferry_up("migrate", "--num-prefillers", "1", "--num-decoders", "2",
+                    f"--vllm-args=--max-num-batched-tokens {PREFILL_STEP}")
     tmp, state = up.tmp, up.state
     with second_proxy(tmp, state, "--stall-timeout", str(STALL_S)) as url:
         yield {"url": url, "state": state, "log": tmp / "proxy.log", "state_file": tmp / "logs" / "cluster.json",
@@ -217,7 +218,11 @@ def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster
         assert "cannot be loaded" not in new and "recomputing" not in new, new[-2000:]
 
 
-PREFILL_STEP = 2048  # vLLM CPU's default --max-num-batched-tokens: a longer prompt is prefilled over several steps
+# The cluster's --max-num-batched-tokens: a longer prompt is prefilled over several steps. Not vLLM
+# CPU's default 2,048: a step of that many takes half a second on a fast CPU, too short for a
+# client to leave while it computes; one of 6,144 takes seconds (and leaves room for a second
+# step under the 8,192-token model length).
+PREFILL_STEP = 6144
 PAGES_BACK_S = 2.0
 
 
@@ -286,7 +291,7 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     (the prefiller about to answer). Each time every decoder's pd_buffer is free with nothing in
     flight within 2 s of the close: the lease is 30 s, so only the prefiller's own final abort
     frees them that soon, while its step still computes. The two-step prompt stops at the end of
-    the step it was in: it is neither computed to its end nor sent. (A 2,048-token step takes
+    the step it was in: it is neither computed to its end nor sent. (A 6,144-token step takes
     seconds on a CPU: this costs one such step and a short one. A prompt left between steps, with
     a piece already written, is tests/transfer/test_prefill_abort_trust.py's.)"""
     url = cluster["url"]
@@ -325,10 +330,10 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     pages_back(a.leave(), "A in its first step")
     prefiller_idle()
     # D leaves during its one step: its pages are granted, nothing is written, the answer is next.
-    # 1,500 tokens (one step, under PREFILL_STEP): a step of seconds, so the polls of both
+    # 4,000 tokens (one step, under PREFILL_STEP): a step of seconds, so the polls of both
     # decoders' /metrics see its pages reserved on a loaded machine too (400 took 3.5 s, and a
     # loaded run's polls missed it).
-    d = _Leaver(url, 1500, 4)
+    d = _Leaver(url, 4000, 4)
     until(lambda: _reserved(cluster), 120, "D's pages reserved (its step computes)", every=0.02)
     pages_back(d.leave(), "D in its only step")
     prefiller_idle()

@@ -100,7 +100,10 @@ def test_up_errors_are_one_line(tmp_path: Path) -> None:
                            [["--model", str(tmp_path / "nope")], "no such path"],
                            [["--tp", "2"], "--tp > 1 needs GPUs"],
                            [["--num-decoders", "0"], "at least 1"],
-                           [["--config", str(tmp_path / "missing.yaml")], "no such file"]):
+                           [["--config", str(tmp_path / "missing.yaml")], "no such file"],
+                           [["--vllm-args=--port 1234"], "--port is set by kvferry up itself: use kvferry up's --port"],
+                           [["--vllm-args=--kv-transfer-config={}"], "--kv-transfer-config is set by kvferry up"],
+                           [["--vllm-args=--dtype 'float32"], "quote it as one shell string"]):
             r = subprocess.run([KVFERRY, "up", *args], capture_output=True, text=True, timeout=120)
             assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
     bad = tmp_path / "bad.yaml"

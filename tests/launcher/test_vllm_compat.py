@@ -107,19 +107,28 @@ def test_cpu_mla_rotary_warning_names_the_flag(kvf_logs: pytest.LogCaptureFixtur
     assert warn_cpu_mla_rotary(config(False, [])) is False
 
 
-def test_vllm_server_turns_the_rotary_op_off_for_an_mla_model_on_vllm_cpu(tmp_path: Path) -> None:
+def test_vllm_server_turns_the_rotary_op_off_and_picks_the_reference_backend_for_an_mla_model_on_vllm_cpu(
+        tmp_path: Path) -> None:
+    """Both for MLA only, and each only where the caller did not choose: the reference MLA backend
+    is the one that runs float32 and the same blocks on every CPU (vLLM picks its AMX one, bf16
+    only, on a CPU with AMX tiles)."""
     from kvferry.launcher.vllm_proc import VLLMServer
 
     mla, gqa = tmp_path / "mla", tmp_path / "gqa"
     for d, cfg in ((mla, '{"kv_lora_rank": 512}'), (gqa, '{"num_key_value_heads": 8}')):
         d.mkdir()
         (d / "config.json").write_text(cfg)
-    flag = ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}']
-    assert VLLMServer(str(mla), 1, tmp_path / "a.log").args[-2:] == flag
-    assert "--compilation-config" not in VLLMServer(str(gqa), 1, tmp_path / "b.log").args
+    flags = ["--compilation-config", '{"custom_ops": ["-rotary_embedding"]}', "--attention-backend", "CPU_MLA"]
+    assert VLLMServer(str(mla), 1, tmp_path / "a.log").args[-4:] == flags
+    plain = VLLMServer(str(gqa), 1, tmp_path / "b.log").args
+    assert "--compilation-config" not in plain and "--attention-backend" not in plain
     own = VLLMServer(str(mla), 1, tmp_path / "c.log", extra_args=["-O", '{"level": 0}']).args
-    assert own[-2:] == ["-O", '{"level": 0}'] and "--compilation-config" not in own  # the caller's own wins
-    assert "--compilation-config" not in VLLMServer("deepseek-ai/DeepSeek-V2-Lite", 1, tmp_path / "d.log").args
+    assert own[-4:] == ["-O", '{"level": 0}', "--attention-backend", "CPU_MLA"]  # the caller's own config wins
+    assert "--compilation-config" not in own
+    chosen = VLLMServer(str(mla), 1, tmp_path / "e.log", extra_args=["--attention-backend", "AMX_MLA"]).args
+    assert chosen.count("--attention-backend") == 1 and chosen[-2:] == flags[:2]
+    hub = VLLMServer("deepseek-ai/DeepSeek-V2-Lite", 1, tmp_path / "d.log").args
+    assert "--compilation-config" not in hub and "--attention-backend" not in hub
 
 
 # ---- the API check ----
