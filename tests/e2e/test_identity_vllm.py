@@ -23,15 +23,22 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
 
+from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
+from kvferry.connector.request_identity import IdentityReader
+from kvferry.engine.offload.ops import offload_salt
+from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.stores import Proc
 from kvferry.launcher.vllm_proc import VLLMServer
 from kvferry.testing import tiny_lora
 from kvferry.testing.stores import start_redis
 from kvferry.testing.vllm_servers import OffloadServer
-from tests.pd_helpers import running_proxy, source_tokens, tier_value
+from tests.pd_helpers import running_proxy, source_tokens
 from tests.polling import until
 
 ADAPTER = "adapter-a"
@@ -113,14 +120,25 @@ def same(got: dict, want: dict) -> None:
     assert max(abs(a - b) for a, b in zip(gl, wl, strict=True)) < 1e-3
 
 
-def stored_remotely(c: Cluster, server: OffloadServer, before: float) -> None:
-    """Until `server`'s write-behind puts to Redis are done (its remote stored-chunk counter moved)."""
-    until(lambda: tier_value(server, "kvferry:cache_stored_chunks_total", "remote") > before, 30,
-          "the chunks to reach the Redis store", every=0.2)
+def stored_remotely(c: Cluster, tokens: list[int] | None, n: int, **identity: object) -> None:
+    """Until Redis holds every chunk of a prompt of `n` tokens (its `tokens`, or embeddings alone)
+    under the request identity (vLLM Request fields: cache_salt, lora_request, prompt_embeds),
+    keyed as the servers key it: asked of the store itself, since a server's counters reach
+    /metrics only with an engine step, and none may follow a write-behind put."""
+    req = Request("probe", tokens, SamplingParams(max_tokens=1), None, **identity)  # type: ignore[arg-type]
+    ident = IdentityReader(CHUNK).read(req)
+    salt = offload_salt(c.model.name, "float32", 8, 8, 64, 128, CHUNK, 1)
+    keys = chunk_keys(tokens if tokens is not None else [0] * n, CHUNK, salt, extras=ident.extras)
+    tier = RemoteTier(f"redis://127.0.0.1:{c.redis.port}", 1.0)
+    try:
+        until(lambda: all(tier.exists(keys)), 60, f"the prompt's {len(keys)} chunks to reach the Redis store",
+              every=0.2)
+    finally:
+        tier.close()
 
 
-def remote_stored(server: OffloadServer) -> float:
-    return tier_value(server, "kvferry:cache_stored_chunks_total", "remote")
+def lora(c: Cluster, model: str) -> LoRARequest | None:
+    return LoRARequest(ADAPTER, 1, str(c.lora)) if model == ADAPTER else None
 
 
 @pytest.mark.vllm
@@ -131,11 +149,10 @@ def test_isolation_cache_salt_nothing_crosses_salts_everything_hits_within_one(c
     for server in (c.on, c.off):
         p = prompt(600)
         want_a, want_b = complete(c.plain, p, cache_salt="tenant-a"), complete(c.plain, p, cache_salt="tenant-b")
-        r0 = remote_stored(c.on)
         first = complete(c.on, p, cache_salt="tenant-a")
         same(first, want_a)
         assert cached(first) == 0
-        stored_remotely(c, c.on, r0)
+        stored_remotely(c, p, len(p), cache_salt="tenant-a")
         other = complete(server, p, cache_salt="tenant-b")  # not from the CPU tier, vLLM's cache or the store
         same(other, want_b)
         assert cached(other) == 0, server.log_path
@@ -156,10 +173,9 @@ def test_identity_a_lora_adapter_and_the_base_model_never_share_kv_and_answer_as
             p = prompt(600)
             want = {m: complete(c.plain, p, m) for m in order}
             assert answer(want["tiny"])[0] != answer(want[ADAPTER])[0], "the adapter changes the answer"
-            r0 = remote_stored(c.on)
             first = complete(c.on, p, order[0])
             same(first, want[order[0]])
-            stored_remotely(c, c.on, r0)
+            stored_remotely(c, p, len(p), lora_request=lora(c, order[0]))
             second = complete(server, p, order[1])
             same(second, want[order[1]])
             assert cached(second) == 0, f"{order[1]} after {order[0]} on {server.log_path}"
@@ -168,10 +184,14 @@ def test_identity_a_lora_adapter_and_the_base_model_never_share_kv_and_answer_as
             assert cached(again) == len(p) - 1, server.log_path
 
 
-def embeds(n: int, seed: int) -> str:
+def tensor(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 512, generator=g) * 0.5
+
+
+def embeds(n: int, seed: int) -> str:
     buf = io.BytesIO()
-    torch.save(torch.randn(n, 512, generator=g) * 0.5, buf)
+    torch.save(tensor(n, seed), buf)
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -193,9 +213,8 @@ def test_identity_two_prompt_embedding_inputs_of_one_length_answer_as_plain_vllm
     # A completion of embeddings alone is keyed by them: the same input hits, another does not.
     want_c = [post(c.plain, "/v1/completions", {"model": "tiny", "prompt_embeds": d, "max_tokens": 6})
               for d in (one, two)]
-    r0 = remote_stored(c.on)
     same(post(c.on, "/v1/completions", {"model": "tiny", "prompt_embeds": one, "max_tokens": 6}), want_c[0])
-    stored_remotely(c, c.on, r0)
+    stored_remotely(c, None, 400, prompt_embeds=tensor(400, 1))
     again = post(c.off, "/v1/completions", {"model": "tiny", "prompt_embeds": one, "max_tokens": 6})
     same(again, want_c[0])
     assert cached(again) == 399
