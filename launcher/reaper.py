@@ -6,11 +6,18 @@ started or restarted left that vLLM and its engine core behind. The reaper, a sm
 session of its own, reads process-group ids on its stdin, the launcher's pipe: ``+PGID`` when a
 group starts, ``-PGID`` once it is stopped. When the pipe closes (the launcher exited, however
 that happened) every group still listed gets SIGTERM, and SIGKILL after GRACE_S.
+
+A launcher killed between starting a process and telling the reaper (a restart's `Popen`
+returned, the `+PGID` line not yet written) would leave that process unlisted. So every process
+the launcher starts also carries its tag in the environment (TAG_ENV, inherited from the
+launcher's): when the pipe closes the reaper also finds, in /proc, every live process with the
+tag, and reaps it too (its group where it leads one, else the process alone).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +25,7 @@ import time
 
 GRACE_S = 10.0
 MAX_GROUPS = 4096
+TAG_ENV = "KVFERRY_LAUNCHER_TAG"
 
 
 def _alive(pgid: int) -> bool:
@@ -35,21 +43,65 @@ def _signal(pgid: int, sig: int) -> None:
         pass
 
 
-def reap(groups: set[int], grace: float = GRACE_S) -> None:
-    """SIGTERM every group still there, SIGKILL what is left after `grace` seconds."""
+def tagged(tag: str) -> tuple[set[int], set[int]]:
+    """(process groups, lone processes) of the live processes whose environment carries `tag`
+    (TAG_ENV): a process that leads its group stands for the group, any other for itself."""
+    want = f"{TAG_ENV}={tag}".encode()
+    groups: set[int] = set()
+    lone: set[int] = set()
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read(1 << 20)
+            pgid = os.getpgid(pid)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if want in env.split(b"\0"):
+            (groups if pgid == pid else lone).add(pid)
+    return groups, lone
+
+
+def reap(groups: set[int], grace: float = GRACE_S, lone: set[int] | None = None) -> None:
+    """SIGTERM every group (and lone process) still there, SIGKILL what is left after `grace` seconds."""
     live = [g for g in groups if _alive(g)]
+    alone = [p for p in lone or () if _pid_alive(p)]
     for g in live:
         _signal(g, signal.SIGTERM)
+    for p in alone:
+        _kill(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while live and time.monotonic() < deadline:
+    while (live or alone) and time.monotonic() < deadline:
         time.sleep(0.2)
         live = [g for g in live if _alive(g)]
+        alone = [p for p in alone if _pid_alive(p)]
     for g in live:
         _signal(g, signal.SIGKILL)
+    for p in alone:
+        _kill(p, signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main() -> int:
     grace = float(sys.argv[1]) if len(sys.argv) > 1 else GRACE_S
+    tag = sys.argv[2] if len(sys.argv) > 2 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's to handle
     groups: set[int] = set()
     for line in sys.stdin:
@@ -63,7 +115,11 @@ def main() -> int:
             groups.add(pgid)
         elif line[0] == "-":
             groups.discard(pgid)
-    reap(groups, grace)
+    lone: set[int] = set()
+    if tag:
+        found, lone = tagged(tag)
+        groups |= found
+    reap(groups, grace, lone)
     return 0
 
 
@@ -71,9 +127,13 @@ class Reaper:
     """The launcher's end: `track` each process-group leader it starts, `forget` it once stopped."""
 
     def __init__(self, grace: float = GRACE_S) -> None:
+        """Also gives this process TAG_ENV: every process it starts from now on inherits the tag
+        (the reaper itself, started first, does not)."""
         self.grace = grace
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry.launcher.reaper", str(grace)],
+        self.tag = secrets.token_hex(16)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvferry.launcher.reaper", str(grace), self.tag],
                                      stdin=subprocess.PIPE, start_new_session=True, text=True)
+        os.environ[TAG_ENV] = self.tag
 
     def _say(self, line: str) -> None:
         try:

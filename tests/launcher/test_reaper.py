@@ -16,15 +16,20 @@ STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);
             "time.sleep(120)")
 
 
-def _group() -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True, text=True)
+def _group(env: dict[str, str] | None = None) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True, text=True,
+                         env=env)
     assert p.stdout is not None and p.stdout.readline() == "up\n"  # its SIGTERM handler is set
     return p
 
 
 def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_sigterm() -> None:
+    from kvferry.launcher.reaper import TAG_ENV
+
+    before = os.environ.get(TAG_ENV)
     reaper = Reaper(grace=0.5)
-    tracked, forgotten = _group(), _group()
+    untagged = {k: v for k, v in os.environ.items() if k != TAG_ENV}  # only the pipe's list speaks here
+    tracked, forgotten = _group(untagged), _group(untagged)
     try:
         reaper.track(tracked)
         reaper.track(forgotten)
@@ -43,3 +48,35 @@ def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_si
                 p.wait(5)
         if reaper.proc.poll() is None:
             reaper.proc.kill()
+        _restore(TAG_ENV, before)
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def test_a_process_started_but_not_yet_told_to_the_reaper_is_reaped_by_its_tag() -> None:
+    """The launcher killed between a restart's Popen and its `track`: the process carries the
+    launcher's tag (inherited from its environment), and the reaper finds it by that."""
+    from kvferry.launcher.reaper import TAG_ENV
+
+    before = os.environ.get(TAG_ENV)
+    reaper = Reaper(grace=0.5)
+    untold = None
+    try:
+        assert os.environ[TAG_ENV] == reaper.tag  # what the launcher starts from now on inherits it
+        untold = _group()  # started, never tracked
+        assert reaper.proc.stdin is not None
+        reaper.proc.stdin.close()
+        assert untold.wait(10) == -signal.SIGKILL
+        assert reaper.proc.wait(10) == 0
+    finally:
+        if untold is not None and untold.poll() is None:
+            os.killpg(untold.pid, signal.SIGKILL)
+            untold.wait(5)
+        if reaper.proc.poll() is None:
+            reaper.proc.kill()
+        _restore(TAG_ENV, before)
