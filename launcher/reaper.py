@@ -25,7 +25,7 @@ import time
 
 GRACE_S = 10.0
 MAX_GROUPS = 4096
-TAG_ENV = "KVFERRY_LAUNCHER_TAG"
+TAG_ENV = "LAUNCHED_BY_KVFERRY_UP"  # not KVFERRY_*: those are config keys (common/config.py)
 
 
 def _alive(pgid: int) -> bool:
