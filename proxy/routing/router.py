@@ -251,8 +251,9 @@ class Router:
     async def check_all(self) -> None:
         """One round of health checks over every instance; a change of state is logged."""
         insts = list(self.registry.instances.values())
-        # Bounded by the interval, so rounds never overlap.
-        seconds = min(PROBE_TIMEOUT_S, self.opts.health_interval)
+        # Not bounded by the interval: rounds never overlap (the loop waits for one, then sleeps),
+        # and a short interval must not make a busy engine's slower answer a failure.
+        seconds = PROBE_TIMEOUT_S
         results = await asyncio.gather(*(self.check(i, seconds) for i in insts))
         for inst, (good, why) in zip(insts, results, strict=True):
             if inst.removed:

@@ -348,10 +348,9 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
 
 def test_stall_a_sigstopped_decoders_streams_migrate_after_the_stall_timeout(cluster: dict, plain_vllm) -> None:
     before = _migrations(cluster["url"]).get("stall", 0)
-    t0 = time.monotonic()
     streams = _run_and_break(cluster, plain_vllm, signal.SIGSTOP)
-    assert time.monotonic() - t0 < 60
     _check(streams, plain_vllm)
+    # moved by the stall timer (its own label), not by the read timeout or a broken connection
     assert _migrations(cluster["url"]).get("stall", 0) >= before + 1
     assert "migrating a request from decoder" in Path(cluster["log"]).read_text()
 

@@ -142,6 +142,10 @@ class _Stream(threading.Thread):
                         self.ids += c.get("token_ids") or []
 
 
+def _tail(log: Path, n: int = 30) -> list[str]:
+    return log.read_text(errors="replace").splitlines()[-n:] if log.exists() else []
+
+
 def _running(url: str) -> float:
     return _metric(url, "vllm:num_requests_running")
 
@@ -164,7 +168,8 @@ def test_a_migrated_stream_shows_both_decode_legs_in_one_trace(cluster: dict) ->
         s.join(120)
     finally:
         os.killpg(victim["pid"], signal.SIGCONT)
-    assert "data: [DONE]" in s.lines and not any('"error"' in line for line in s.lines), s.lines[-3:]
+    errors = [line for line in s.lines if '"error"' in line]
+    assert "data: [DONE]" in s.lines and not errors, (errors, s.lines[-3:], _tail(cluster["log"]))
     assert len(s.ids) == 160
     spans = _spans(cluster["rx"], trace_id, {"decode": 2, "migration": 1, "llm_request": 2},
                    "both decode legs, the migration and the vLLM spans")
