@@ -106,14 +106,17 @@ class ReceiverProc:
         self.proc = ctx.Process(target=receiver_main, args=(child, self.init_port, self.alloc_port, self.pages,
                                                             dict(self.opts)), daemon=True)
         self.proc.start()
-        _, self.epoch, self.pid = self.ask("ready", timeout=60, send=False)
+        # Far from the few seconds it takes alone: torch, NIXL and UCX start in a fresh process, which
+        # took over 60 s beside a vLLM prefill step on a busy 2-core AVX2 machine.
+        _, self.epoch, self.pid = self.ask("ready", timeout=240, send=False)
         return self
 
     def ask(self, *cmd, timeout: float = 30, send: bool = True):
         if send:
             self.conn.send(cmd)
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"receiver process did not answer {cmd} within {timeout}s")
+            raise TimeoutError(f"receiver process did not answer {cmd} within {timeout}s "
+                               f"({'alive' if self.proc.is_alive() else f'exited {self.proc.exitcode}'})")
         return self.conn.recv()
 
     def state(self):

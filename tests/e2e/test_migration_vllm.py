@@ -223,7 +223,10 @@ def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster
 # client to leave while it computes; one of 6,144 takes seconds (and leaves room for a second
 # step under the 8,192-token model length).
 PREFILL_STEP = 6144
-PAGES_BACK_S = 2.0
+# A third of the lease (30 s): only the abort frees pages that soon. Alone they are back within
+# milliseconds; beside the rest of the suite on a 2-core AVX2 machine, with the prefiller's step
+# taking a minute, one point read 3 s.
+PAGES_BACK_S = 10.0
 
 
 class _Leaver:
@@ -284,16 +287,17 @@ def _reserved(cluster: dict) -> bool:
     return any(_pages(d["url"])[2] for d in cluster["decoders"])
 
 
-def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_within_2s_at_every_point(
+def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_long_before_the_lease_at_every_point(
         cluster: dict) -> None:
     """A client leaves before the prefiller has its request, while it waits in the prefiller's
     queue, during the first step of a two-step prompt, and during the one step of a short prompt
     (the prefiller about to answer). Each time every decoder's pd_buffer is free with nothing in
-    flight within 2 s of the close: the lease is 30 s, so only the prefiller's own final abort
+    flight within PAGES_BACK_S of the close: the lease is 30 s, so only the prefiller's own final abort
     frees them that soon, while its step still computes. The two-step prompt stops at the end of
     the step it was in: it is neither computed to its end nor sent. (A 6,144-token step takes
-    seconds on a CPU: this costs one such step and a short one. A prompt left between steps, with
-    a piece already written, is tests/transfer/test_prefill_abort_trust.py's.)"""
+    seconds on an AVX-512 CPU and a minute on an AVX2 one: this costs one such step and a short
+    one. A prompt left between steps, with a piece already written, is
+    tests/transfer/test_prefill_abort_trust.py's.)"""
     url = cluster["url"]
     prefiller = next(i for i in cluster["state"]["instances"] if i["role"] == "prefiller")
     plog = Path(prefiller["log"])
@@ -301,13 +305,14 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_with
     marks = [p.stat().st_size for p in logs]  # where each log stood when the test began
 
     def pages_back(closed: float, point: str, others: tuple[float, float] = (0, 0)) -> None:
-        """Within 2 s of the close the decoders hold only `others` (pages, transfers in flight)."""
+        """Within PAGES_BACK_S of the close the decoders hold only `others` (pages, transfers in flight)."""
         def saw() -> str:
             return (f"{point}: every decoder's pages back within {PAGES_BACK_S} s of the client's close; they hold "
                     f"{_decoders_held(cluster)} (pages, transfers in flight), not {others}, "
                     f"{time.monotonic() - closed:.2f} s after it; the logs since the test began:\n"
                     + _log_lines(logs, marks, ("transfer", "abort", "disconnect", "dropped", "ended after")))
         until(lambda: _decoders_held(cluster) == others, PAGES_BACK_S - (time.monotonic() - closed), saw)
+        print(f"{point}: pages back {time.monotonic() - closed:.3f} s after the client's close")
 
     def prefiller_idle() -> None:  # the step the prompt was in ends: then vLLM drops the request
         until(lambda: _engine_idle(prefiller["url"]) and _pages(prefiller["url"])[0] == _pages(prefiller["url"])[1],
