@@ -28,19 +28,15 @@ MAX_GROUPS = 4096
 TAG_ENV = "LAUNCHED_BY_KVFERRY_UP"  # not KVFERRY_*: those are config keys (common/config.py)
 
 
-def _alive(pgid: int) -> bool:
+def _signal(target: tuple[int, bool], sig: int) -> bool:
+    """Send `sig` (0: only look) to a (process group, True) or a (lone process, False); whether
+    it was there to receive it."""
+    ident, group = target
     try:
-        os.killpg(pgid, 0)
+        (os.killpg if group else os.kill)(ident, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def _signal(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def tagged(tag: str) -> tuple[set[int], set[int]]:
@@ -50,7 +46,11 @@ def tagged(tag: str) -> tuple[set[int], set[int]]:
     groups: set[int] = set()
     lone: set[int] = set()
     me = os.getpid()
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux): only the pipe's list is reaped
+        return groups, lone
+    for name in names:
         if not name.isdigit() or int(name) == me:
             continue
         pid = int(name)
@@ -67,36 +67,15 @@ def tagged(tag: str) -> tuple[set[int], set[int]]:
 
 def reap(groups: set[int], grace: float = GRACE_S, lone: set[int] | None = None) -> None:
     """SIGTERM every group (and lone process) still there, SIGKILL what is left after `grace` seconds."""
-    live = [g for g in groups if _alive(g)]
-    alone = [p for p in lone or () if _pid_alive(p)]
-    for g in live:
-        _signal(g, signal.SIGTERM)
-    for p in alone:
-        _kill(p, signal.SIGTERM)
+    live = [t for t in [(g, True) for g in groups] + [(p, False) for p in lone or ()] if _signal(t, 0)]
+    for t in live:
+        _signal(t, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while (live or alone) and time.monotonic() < deadline:
+    while live and time.monotonic() < deadline:
         time.sleep(0.2)
-        live = [g for g in live if _alive(g)]
-        alone = [p for p in alone if _pid_alive(p)]
-    for g in live:
-        _signal(g, signal.SIGKILL)
-    for p in alone:
-        _kill(p, signal.SIGKILL)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        live = [t for t in live if _signal(t, 0)]
+    for t in live:
+        _signal(t, signal.SIGKILL)
 
 
 def main() -> int:

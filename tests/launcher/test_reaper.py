@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
-from kvferry.launcher.reaper import Reaper
+import pytest
+
+from kvferry.launcher.reaper import TAG_ENV, Reaper
 from tests.polling import alive
 
 STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
@@ -23,10 +25,9 @@ def _group(env: dict[str, str] | None = None) -> subprocess.Popen:
     return p
 
 
-def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_sigterm() -> None:
-    from kvferry.launcher.reaper import TAG_ENV
-
-    before = os.environ.get(TAG_ENV)
+def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_sigterm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TAG_ENV, raising=False)  # the Reaper sets it; undone after the test
     reaper = Reaper(grace=0.5)
     untagged = {k: v for k, v in os.environ.items() if k != TAG_ENV}  # only the pipe's list speaks here
     tracked, forgotten = _group(untagged), _group(untagged)
@@ -48,22 +49,13 @@ def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_si
                 p.wait(5)
         if reaper.proc.poll() is None:
             reaper.proc.kill()
-        _restore(TAG_ENV, before)
 
 
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
-def test_a_process_started_but_not_yet_told_to_the_reaper_is_reaped_by_its_tag() -> None:
+def test_a_process_started_but_not_yet_told_to_the_reaper_is_reaped_by_its_tag(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher killed between a restart's Popen and its `track`: the process carries the
     launcher's tag (inherited from its environment), and the reaper finds it by that."""
-    from kvferry.launcher.reaper import TAG_ENV
-
-    before = os.environ.get(TAG_ENV)
+    monkeypatch.delenv(TAG_ENV, raising=False)
     reaper = Reaper(grace=0.5)
     untold = None
     try:
@@ -79,4 +71,3 @@ def test_a_process_started_but_not_yet_told_to_the_reaper_is_reaped_by_its_tag()
             untold.wait(5)
         if reaper.proc.poll() is None:
             reaper.proc.kill()
-        _restore(TAG_ENV, before)
