@@ -107,7 +107,7 @@ class ReceiverProc:
                                                             dict(self.opts)), daemon=True)
         self.proc.start()
         # Far from the few seconds it takes alone: torch, NIXL and UCX start in a fresh process, which
-        # took over 60 s beside a vLLM prefill step on a busy 2-core AVX2 machine.
+        # a busy 2-core machine running a vLLM prefill step beside it can stretch past a minute.
         _, self.epoch, self.pid = self.ask("ready", timeout=240, send=False)
         return self
 

@@ -253,8 +253,7 @@ class Router:
         insts = list(self.registry.instances.values())
         # Not bounded by the interval: rounds never overlap (the loop waits for one, then sleeps),
         # and a short interval must not make a busy engine's slower answer a failure.
-        seconds = PROBE_TIMEOUT_S
-        results = await asyncio.gather(*(self.check(i, seconds) for i in insts))
+        results = await asyncio.gather(*(self.check(i, PROBE_TIMEOUT_S) for i in insts))
         for inst, (good, why) in zip(insts, results, strict=True):
             if inst.removed:
                 continue  # removed while it was checked
@@ -273,7 +272,8 @@ class Router:
             self.metrics.healthy.labels(inst.id, inst.role, inst.url).set(1 if inst.healthy else 0)
         self.refresh_degraded()
         decoders = [i for i in insts if i.role == "decoder" and i.healthy]
-        pages = await asyncio.gather(*(health.engine_series(self.client.checks, i.url, seconds) for i in decoders))
+        pages = await asyncio.gather(*(health.engine_series(self.client.checks, i.url, PROBE_TIMEOUT_S)
+                                       for i in decoders))
         for inst, series in zip(decoders, pages, strict=True):
             inst.kv_usage = health.usage_of(series)
 

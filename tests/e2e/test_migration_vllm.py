@@ -223,9 +223,9 @@ def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster
 # client to leave while it computes; one of 6,144 takes seconds (and leaves room for a second
 # step under the 8,192-token model length).
 PREFILL_STEP = 6144
-# A third of the lease (30 s): only the abort frees pages that soon. Alone they are back within
-# milliseconds; beside the rest of the suite on a 2-core AVX2 machine, with the prefiller's step
-# taking a minute, one point read 3 s.
+# A third of the lease (30 s): only the abort frees pages that soon. They are back within
+# milliseconds on a quiet machine; a 2-core one that also runs the rest of the suite and a
+# minute-long prefill step can delay the abort by seconds.
 PAGES_BACK_S = 10.0
 
 
