@@ -15,6 +15,9 @@ number), medians over the requests of a round, then the median over rounds:
     1 ingress      client sent -> prefiller stub's handler entered (direct: the decoder's)
     2 P service    prefiller stub: handler entered -> answer written (its body read apart)
     3 middle       prefill answer written -> decoder stub's handler entered (the router's turn)
+    2+3 P in -> D in  the two together: causal per request (the decoder's leg is sent only once the
+                   prefiller's answer reached the router), where `3 middle` alone can read below
+                   zero on a busy machine (the stub stamps "written" only once it runs again)
     4 D            decoder stub: handler entered -> first chunk written (its body read apart)
     5 egress       decoder's first chunk written -> client has it (kvferry: the client's second
                    event; its first is the prefiller's token, sent before the decode leg)
@@ -202,6 +205,7 @@ def run(name: str, port: int, base: int, n: int, ps: int, ds: int, warm: int, ai
             add("2 P body read", p[3] - p[2])
             add("2 P service (in -> written)", p[5] - p[2])
             add("3 middle (P written -> D in)", d[2] - p[5])
+            add("2+3 P in -> D in", d[2] - p[2])
         else:
             add("1 ingress (send -> D in)", d[2] - cl["send"])
         add("4 D body read", d[3] - d[2])
