@@ -52,9 +52,15 @@ class Quarantine:
         `generation`, when given, is its own), nothing of it can land; its pages are free again.
         Whether they were."""
         held = self._held.get(transfer_id)
-        if held is None or not conn or conn != held[1] or (generation and held[0].generation != generation):
+        if held is None:
             return False
-        self._free(transfer_id)
+        if not conn or conn != held[1] or (generation and held[0].generation != generation):
+            logger.warning("transfer %s: a final abort %s; its pages stay held until no write can land",
+                           transfer_id, "of another generation" if conn == held[1] else
+                           "from a connection that did not reserve it")
+            return False
+        n = self._free(transfer_id)
+        logger.info("transfer %s: its sender wrote nothing; its %d pages are free again", transfer_id, n)
         return True
 
     def writer_gone(self, conn: bytes) -> int:

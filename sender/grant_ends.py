@@ -102,7 +102,11 @@ class GrantEnds:
         if peer.state.grants.get(grant.transfer_id) is grant:
             del peer.state.grants[grant.transfer_id]
         if abort:
-            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=nothing_in_flight(grant))
+            final = nothing_in_flight(grant)
+            await send_abort(peer, grant.transfer_id, grant.generation, reason, final=final)
+            if grant.cut:
+                logger.info("transfer %s: abort sent to receiver %s (%s)", grant.transfer_id, grant.addr,
+                            "final: no write can land" if final else "a write may still land")
         if drop:
             self._peers.drop(peer, reason)  # the connection may be broken: handshake afresh next time
         grant.ended = True

@@ -87,8 +87,8 @@ async def send_abort(peer: peering.Peer, transfer_id: str, generation: int, reas
     try:
         await peer.sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation,
                                                       reason=reason[:4000], final=final)), flags=zmq.NOBLOCK)
-    except zmq.ZMQError as e:
-        logger.debug("abort of %s not sent: %s", transfer_id, e)
+    except zmq.ZMQError as e:  # its pages come back when the connection's close is seen, or the lease ends
+        logger.warning("transfer %s: abort not sent to receiver %s: %s", transfer_id, peer.state.addr, e)
 
 
 async def renew(grant: Grant, timeout: float) -> None:

@@ -4,6 +4,7 @@ failing over, which must turn into bounded misses, never an error or a wait."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import threading
 import time
@@ -154,23 +155,27 @@ def test_a_damaged_value_is_a_counted_miss(tmp_path: Path, redis_available) -> N
 
 
 def test_a_dead_store_is_misses_without_waiting_then_comes_back(tmp_path: Path, redis_available, kvf_logs) -> None:
+    """53 calls against a closed port: each is a miss at once (the timeout, 30 s, is far from what
+    they take), and the back-off (1 s, then 2, 4, ...) keeps nearly all of them from trying."""
     port = free_port()
-    t = RemoteTier(f"redis://127.0.0.1:{port}", 2.0, Serde("naive", SHAPE))
+    t = RemoteTier(f"redis://127.0.0.1:{port}", 30.0, Serde("naive", SHAPE))
     t0 = time.monotonic()
     assert t.exists([b"A" * 16]) == [False]
     assert t.get(b"A" * 16, TOKENS, NBYTES) is None  # backed off: not even tried
     assert not t.put(b"A" * 16, chunk(1), TOKENS)
     for _ in range(50):
         t.exists([b"A" * 16])
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 30.0  # no call waited for the store's timeout
     s = t.stats()
-    assert s["remote_errors"] == 1 and s["remote_put_dropped"] == 1
+    # One try per back-off period: one, unless this thread stalled past the first second.
+    assert 1 <= s["remote_errors"] <= 3 and s["remote_put_dropped"] == 1, s
     warnings = [r for r in kvf_logs.records if "treating it as empty" in r.getMessage()]
-    assert len(warnings) == 1
+    assert len(warnings) == 1  # rate-limited to one per 10 s
     p = start_redis(tmp_path, port=port)
     try:
-        time.sleep(1.1)  # a sleep is the test's clock: past the first back-off (1 s)
-        assert t.put(b"A" * 16, chunk(1), TOKENS) and t.flush(10)
+        # Puts are dropped until the back-off ends; then one is taken.
+        until(lambda: t.put(b"A" * 16, chunk(1), TOKENS), 60, "a put taken once the store is back", every=0.2)
+        assert t.flush(10)
         assert t.exists([b"A" * 16]) == [True]
         assert any("answers again" in r.getMessage() for r in kvf_logs.records)
         t.close()
@@ -199,10 +204,11 @@ def test_a_silent_store_is_a_miss_within_the_timeout() -> None:
     th.start()
     try:
         for scheme in ("redis", "lm"):
+            # 0.5 s is the test's own timer; a get without it would wait for ever, so the wait
+            # for its miss is bounded far from 0.5 s.
             t = RemoteTier(f"{scheme}://127.0.0.1:{port}", 0.5, Serde("naive", SHAPE))
-            t0 = time.monotonic()
-            assert t.get(b"A" * 16, TOKENS, NBYTES) is None
-            assert time.monotonic() - t0 < 1.5
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                assert pool.submit(t.get, b"A" * 16, TOKENS, NBYTES).result(timeout=60) is None
             assert t.stats()["remote_errors"] == 1
             t.close()
     finally:
