@@ -150,7 +150,7 @@ def test_a_stalled_frame_is_cut_off(server) -> None:
     t0 = time.monotonic()
     got = reply_of(s)
     assert isinstance(got, m.ErrorReply) and got.code == "timeout"
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # cut off by the server's frame timeout: without it, never
     assert still_serves(port)
 
 
@@ -163,7 +163,7 @@ def test_a_dead_server_is_a_bounded_error_and_a_restart_is_picked_up(tmp_path: P
     t0 = time.monotonic()
     with pytest.raises(LMError):
         c.get(b"k")
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 30  # the client's 2 s timeout bounds it, far from this
     p = start_lm_server(tmp_path, port)
     try:
         assert c.get(b"k") is None  # a fresh, empty server; the client reconnected by itself
@@ -231,7 +231,7 @@ def test_a_peer_that_never_answers_the_challenge_is_cut_off(secret_server) -> No
     t0 = time.monotonic()
     got = reply_of(s)  # we send nothing
     assert isinstance(got, m.ErrorReply) and got.code == "unauthorized" and "no answer" in got.message
-    assert 0.8 < time.monotonic() - t0 < 4, "cut off after --frame-timeout (1 s)"
+    assert 0.8 < time.monotonic() - t0 < 30, "cut off after --frame-timeout (1 s)"
     assert closed(s)
     s.close()
     # A header too large for an answer is refused at once, before its bytes are read.
@@ -551,7 +551,7 @@ def test_a_trickled_reply_cannot_stretch_a_call_past_its_timeout() -> None:
         t0 = time.monotonic()
         with pytest.raises(LMError, match="TimeoutError"):
             c.exists([b"k"] * 100)
-        assert time.monotonic() - t0 < 2, "bounded by the call's timeout, not by each recv"
+        assert time.monotonic() - t0 < 10, "bounded by the call's timeout (1 s), not by each recv (29 s of trickle)"
     finally:
         done.set()
         t.join(timeout=10)
