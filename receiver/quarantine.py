@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvferry.buffer.pd_buffer import PDBuffer, Reservation
-from kvferry.common.log import get_logger
+from kvferry.common.log import RateLimitedLog, get_logger
 
 logger = get_logger(__name__)
+_refused = RateLimitedLog(logger)  # a peer can send final aborts at will: at most one line per 10 s
 
 
 class Quarantine:
@@ -55,7 +56,7 @@ class Quarantine:
         if held is None:
             return False
         if not conn or conn != held[1] or (generation and held[0].generation != generation):
-            logger.warning("transfer %s: a final abort %s; its pages stay held until no write can land",
+            _refused.warning("transfer %s: a final abort %s; its pages stay held until no write can land",
                            transfer_id, "of another generation" if conn == held[1] else
                            "from a connection that did not reserve it")
             return False
