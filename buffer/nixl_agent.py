@@ -52,7 +52,7 @@ def make_agent(name: str, net_devices: str | None = None) -> Any:
     """
     use_net_devices(net_devices)
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import nixl_agent, nixl_agent_config
     except ImportError as e:
         raise NixlUnavailable(f"nixl is not installed ({e}): pip install nixl") from None
     _nixl_logs_to_stderr()

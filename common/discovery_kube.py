@@ -64,6 +64,36 @@ MAX_PAGE_BYTES = 256 << 20
 MAX_LOGGED = 256
 QUIET_S = 10.0  # a watch silent this long past its own end is dropped and the pods listed again (default)
 CONNECT_S = 5.0
+TOKEN_REREAD_S = 60.0  # a ServiceAccount token is read again this long after its last read (kubelet rotates it)
+
+
+def in_cluster(cfg: Any, folder: str) -> None:
+    """Point `cfg` (a kubernetes.client.Configuration) at the API server a pod sees, with the
+    ServiceAccount's token and CA from `folder`, as the client's load_incluster_config does (which
+    reads only the default folder). The token is read again a minute after each read: kubelet
+    rotates projected tokens."""
+    from kubernetes import config
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST", ""), os.environ.get("KUBERNETES_SERVICE_PORT", "")
+    if not host or not port:
+        raise config.ConfigException("KUBERNETES_SERVICE_HOST or KUBERNETES_SERVICE_PORT is not set")
+    token_file, ca_file = os.path.join(folder, "token"), os.path.join(folder, "ca.crt")
+    if not os.path.isfile(ca_file) or os.path.getsize(ca_file) == 0:
+        raise config.ConfigException(f"{ca_file} is missing or empty")
+    read_at = [0.0]
+
+    def refresh(c: Any) -> None:
+        if time.monotonic() - read_at[0] < TOKEN_REREAD_S:
+            return
+        with open(token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise config.ConfigException(f"{token_file} is empty")
+        c.api_key["BearerToken"], read_at[0] = "bearer " + token, time.monotonic()
+
+    cfg.host = f"https://[{host}]:{port}" if ":" in host or "%" in host else f"https://{host}:{port}"
+    cfg.ssl_ca_cert = ca_file
+    refresh(cfg)
+    cfg.refresh_api_key_hook = refresh
 
 
 class _Gone(UnavailableError):
@@ -104,15 +134,13 @@ class KubeWatch:
 
     def _client(self) -> Any:
         from kubernetes import client, config
-        from kubernetes.config.incluster_config import InClusterConfigLoader
         t = self.target
         cfg = client.Configuration()
         try:
             if t.kubeconfig:
                 config.load_kube_config(config_file=t.kubeconfig, context=t.context or None, client_configuration=cfg)
             elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-                InClusterConfigLoader(os.path.join(t.serviceaccount, "token"),
-                                      os.path.join(t.serviceaccount, "ca.crt")).load_and_set(cfg)
+                in_cluster(cfg, t.serviceaccount)
             else:
                 config.load_kube_config(client_configuration=cfg)
         except (config.ConfigException, OSError, ValueError, TypeError) as e:

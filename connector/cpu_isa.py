@@ -10,8 +10,6 @@ as its own (docs/pd.md, "Why not on vLLM CPU").
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvferry.common.log import get_logger
@@ -36,11 +34,18 @@ def attention_isa(layout: KVLayout, kv_cache_dtype: str | None) -> str:
         return _rule_of_vllm_032(layout)
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, from the kernel's CPU flags (torch tells it only privately)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 def _rule_of_vllm_032(layout: KVLayout) -> str:
-    cpu: Any = torch.cpu
     if layout.head_size % 32 and not layout.head_size % 16:
         return "vec16"
-    amx = bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)())
-    if amx and layout.dtype == torch.bfloat16 and not layout.block_size % 32:
+    if amx_tiles() and layout.dtype == torch.bfloat16 and not layout.block_size % 32:
         return "amx"
     return "vec" if not layout.block_size % 32 else "vec16"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import api_guard
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,38 +126,51 @@ def test_no_proxy_function_is_over_60_lines() -> None:
     assert not long, "split these into steps: " + "; ".join(long)
 
 
-# Private names of other libraries the library may use because their owners document them.
-DOCUMENTED_PRIVATE = {"_exit"}  # os._exit: the documented way for a forked child to end
+def library_trees() -> dict[str, ast.AST]:
+    return {str(p.relative_to(REPO)): ast.parse(p.read_text())
+            for folder in ALLOWED for p in (REPO / folder).rglob("*.py")}
 
 
-def test_no_private_attribute_of_another_library() -> None:
-    """The library uses other libraries through their public API: no `obj._name` or
-    getattr(obj, "_name") unless kvferry itself defines `_name` (its own classes' privates)."""
-    trees = {p: ast.parse(p.read_text()) for folder in ALLOWED for p in (REPO / folder).rglob("*.py")}
-    own = set(DOCUMENTED_PRIVATE)
-    for tree in trees.values():
-        for n in ast.walk(tree):
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                own.add(n.name)
-            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
-                own.add(n.attr)
-            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                own.add(n.id)
-            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
-                own.add(n.value)  # __slots__ entries
-    found = []
-    for path, tree in trees.items():
-        for n in ast.walk(tree):
-            name = None
-            if isinstance(n, ast.Attribute):
-                name = n.attr
-            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "setattr",
-                                                                                             "hasattr")
-                  and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)):
-                name = n.args[1].value
-            if name and name.startswith("_") and not name.startswith("__") and name not in own:
-                found.append(f"{path.relative_to(REPO)}:{n.lineno}: {name}")
+def test_no_private_api_of_another_library() -> None:
+    """The library uses other libraries through their public API (tests/api_guard.py says what that
+    means); what a library offers only privately is in its PRIVATE_ALLOWED, each with the reason."""
+    found = api_guard.private_uses(library_trees())
     assert not found, "use the library's public API instead of: " + "; ".join(found)
+
+
+PLANTED = {  # each use the guard exists for, put back in a module of its own
+    "from prometheus_client.mmap_dict import MmapedDict, mmap_key": "prometheus_client.mmap_dict",
+    "from prometheus_client.utils import floatToGoString": "prometheus_client.utils",
+    "import uvicorn\nclass S(uvicorn.Server):\n    def capture_signals(self): yield": "capture_signals",
+    "import uvicorn\nclass S(uvicorn.Server):\n    def _serve(self): pass": "_serve",
+    "from uvicorn.protocols.http.auto import AutoHTTPProtocol\nAutoHTTPProtocol(_loop=None)": "_loop",
+    "from vllm.v1.attention.backends.cpu_attn import _get_attn_isa": "_get_attn_isa",
+    "import torch\ntorch.cpu._is_amx_tile_supported()": "_is_amx_tile_supported",
+    "import torch\ngetattr(torch.cpu, '_is_amx_tile_supported', None)": "_is_amx_tile_supported",
+    "from nixl._api import nixl_agent": "nixl._api",
+    "import nixl._api": "nixl._api",
+    "from kubernetes.config.incluster_config import InClusterConfigLoader": "kubernetes.config.incluster_config",
+    "from kubernetes import _private_thing": "_private_thing",
+}
+
+
+@pytest.mark.parametrize("code", sorted(PLANTED))
+def test_the_private_api_guard_flags_each_use_put_back(code: str) -> None:
+    """Planted in a module of its own (not under an allow-listed path), every use is flagged; the
+    library's own names still count as its own (`self._x` of a class it defines passes)."""
+    trees = library_trees()
+    own = api_guard.own_names(trees.values())
+    found = api_guard.private_uses({"planted/mod.py": ast.parse(code)}, own)
+    assert any(f.endswith(": " + PLANTED[code]) for f in found), (code, found)
+
+
+def test_the_private_api_guard_passes_public_uses() -> None:
+    code = ("import prometheus_client\nfrom prometheus_client.registry import Collector\n"
+            "class C(Collector):\n    def collect(self): return []\n"
+            "class D:\n    def __init__(self): self._x = 1\n    def f(self): return self._x\n"
+            "from nixl import nixl_agent\n")
+    tree = ast.parse(code)
+    assert api_guard.private_uses({"planted/mod.py": tree}) == []
 
 
 def module_name(path: Path) -> str:

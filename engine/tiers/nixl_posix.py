@@ -27,7 +27,7 @@ class NixlStorageError(UnavailableError, OSError):
 
 class NixlPosixDiskTier(DiskTier):
     def __init__(self, root: Path, layout_digest: bytes, max_pending_bytes: int = 2 << 30) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import nixl_agent, nixl_agent_config
 
         self.agent_name = f"kvferry-posix-{os.getpid()}-{id(self):x}"
         # No progress thread: POSIX I/O completes on the calls that poll it.

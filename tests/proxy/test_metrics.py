@@ -4,6 +4,9 @@ classes would show it, one process or several (its multiprocess files)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import prometheus_client as prom
@@ -110,3 +113,20 @@ def test_with_workers_an_instance_any_live_worker_finds_unhealthy_reads_0(tmp_pa
     assert healthy() == [line + " 0.0"]
     metrics.worker_died(pids[1], str(tmp_path))
     assert healthy() == [line + " 1.0"]
+
+
+
+def test_prometheus_clients_own_multiprocess_values_keep_a_removed_series(tmp_path: Path) -> None:
+    """Why proxy/metrics.py writes the multiprocess files itself: with prometheus-client's own
+    classes in multiprocess mode, a series removed (an instance gone) stays in the process's file,
+    so MultiProcessCollector keeps showing it and instance churn grows /metrics."""
+    code = ("from prometheus_client import Gauge\n"
+            "g = Gauge('kvferry_probe_healthy', 'probe', ['instance'], multiprocess_mode='all')\n"
+            "g.labels('gone:8000').set(1)\n"
+            "g.remove('gone:8000')\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    registry = CollectorRegistry()
+    mp_metrics.MultiProcessCollector(registry, path=str(tmp_path))
+    assert 'instance="gone:8000"' in generate_latest(registry).decode()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.buffer import peering  # noqa: E402
 from kvferry.common import messages as m  # noqa: E402

@@ -14,7 +14,7 @@ import time
 import msgspec
 import pytest
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.buffer import peering  # noqa: E402
 from kvferry.common import messages as m  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.common.config import load_config  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.buffer import nixl_agent  # noqa: E402
 from kvferry.common.config import load_config  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.buffer.pd_buffer import PDBuffer  # noqa: E402
 from kvferry.common import messages as m  # noqa: E402

@@ -14,7 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("nixl._api")
+pytest.importorskip("nixl")
 
 from kvferry.common import messages as m  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
