@@ -13,7 +13,7 @@ from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.engine.tiers.disk import HEADER_BYTES
 
 BACKENDS = ("GDS", "GDS_MT", "POSIX", "HF3FS", "OBJ")
-CPU_ONLY = ("POSIX", "HF3FS", "OBJ")  # the seed: these move data from CPU memory only
+CPU_ONLY = ("POSIX", "HF3FS", "OBJ")  # NIXL's storage plugins that move data from CPU memory only
 # What each back-end needs beyond the nixl wheel, for the refusal's one line.
 NEEDS = {
     "GDS": "a CUDA GPU with GPUDirect Storage (cuFile, nvidia-fs)",

@@ -1,4 +1,4 @@
-"""Config loading: seed files, precedence, and one-line errors that name the key."""
+"""Config loading: LMCache's example files, precedence, and one-line errors that name the key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from kvferry.common.config import ConfigError, KVFerryConfig, load_config
 
-SEEDS = sorted((Path(__file__).resolve().parents[2] / "examples" / "seeds").glob("*.yaml"))
+LMCACHE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "lmcache-configs").glob("*.yaml"))
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -18,27 +18,27 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_seed_files_are_all_here() -> None:
-    names = {p.name for p in SEEDS}
+    names = {p.name for p in LMCACHE_CONFIGS}
     for needed in ("lmcache-prefiller-config.yaml", "lmcache-decoder-config.yaml", "p2p_example1.yaml",
                    "redis.yaml", "redis-sentinel.yaml", "mooncake-config.yaml", "nixl-storage-posix.yaml"):
         assert needed in names
 
 
-@pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LMCACHE_CONFIGS, ids=lambda p: p.name)
 def test_every_seed_file_loads_via_lmcache_env(path: Path) -> None:
     cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(path)})
     assert isinstance(cfg, KVFerryConfig)
 
 
 def test_seed_decoder_and_prefiller_meaning() -> None:
-    seeds = SEEDS[0].parent
-    dec = load_config(env={"LMCACHE_CONFIG_FILE": str(seeds / "lmcache-decoder-config.yaml")})
+    configs = LMCACHE_CONFIGS[0].parent
+    dec = load_config(env={"LMCACHE_CONFIG_FILE": str(configs / "lmcache-decoder-config.yaml")})
     assert (dec.enable_pd, dec.pd_role, dec.pd_peer_host) == (True, "receiver", "localhost")
     assert dec.ports("pd_peer_init_port") == [7300] and dec.ports("pd_peer_alloc_port") == [7400]
     assert dec.pd_buffer_size == 1 << 30 and dec.pd_buffer_device == "cuda" and dec.local_cpu is False
-    pre = load_config(env={"KVFERRY_CONFIG_FILE": str(seeds / "lmcache-prefiller-config.yaml")})
+    pre = load_config(env={"KVFERRY_CONFIG_FILE": str(configs / "lmcache-prefiller-config.yaml")})
     assert (pre.pd_role, pre.pd_proxy_port, pre.transfer_channel) == ("sender", 7500, "nixl")
-    p2p = load_config(env={"LMCACHE_CONFIG_FILE": str(seeds / "p2p_example2.yaml")})
+    p2p = load_config(env={"LMCACHE_CONFIG_FILE": str(configs / "p2p_example2.yaml")})
     assert p2p.extra_config == {"lookup_backoff_time": 0.001}
     assert p2p.lmcache_instance_id == "lmcache_instance_2" and p2p.max_local_cpu_size == 100.0
 

@@ -1,4 +1,4 @@
-"""Addresses beyond loopback (issue 30): IPv6 endpoints on every kvferry socket and the proxy,
+"""Addresses beyond loopback: IPv6 endpoints on every kvferry socket and the proxy,
 bind failures that name their cause, advertised addresses distinct from bind addresses, and the
 proxy's KV-arrival wait with one sample per transfer."""
 

@@ -90,7 +90,7 @@ def test_log_lines_end_with_the_request_id_of_their_request() -> None:
 
 
 def test_otel_span_ids_do_not_follow_a_seeded_random() -> None:
-    """vLLM seeds `random` alike in every worker: the span ids of two workers' spans must still differ."""
+    """vLLM gives `random` the same seed in every worker: the span ids of two workers' spans must still differ."""
     import random
 
     from kvferry.common.otel import Tracing

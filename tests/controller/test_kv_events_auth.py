@@ -1,4 +1,4 @@
-"""vLLM's KV events across the network (issue 30): vLLM's own publisher (vllm.distributed.kv_events,
+"""vLLM's KV events across the network: vLLM's own publisher (vllm.distributed.kv_events,
 real ZMQ) on a Unix socket, kvferry's relay republishing it on TCP with the cluster secret. A
 subscriber without the secret gets nothing (no event, no replay); the proxy's event stream with it
 fills its prefix index, live and from the replay."""

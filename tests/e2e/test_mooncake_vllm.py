@@ -1,4 +1,4 @@
-"""Seed 002 appendix 2 on real vLLM CPU servers: a prefiller (kv_producer) and a decoder
+"""LMCache's Mooncake PD example on real vLLM CPU servers: a prefiller (kv_producer) and a decoder
 (kv_consumer) share KV only through a real mooncake_master (``mooncakestore://``, chunk_size 32: the
 smallest vLLM's CPU build allows),
 so the decoder loads a prompt the prefiller computed instead of recomputing it (vLLM's metrics show
@@ -29,7 +29,7 @@ from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import completion, source_tokens, tier_value, tokens_and_logprobs
 from tests.polling import until
 
-# Appendix 2 has chunk_size 16; vLLM's CPU attention wants blocks of a multiple of 32, and a chunk
+# LMCache's example has chunk_size 16; vLLM's CPU attention wants blocks of a multiple of 32, and a chunk
 # is whole blocks, so 32 is the smallest this build allows.
 CHUNK = 32
 ARGS = ["--dtype", "float32", "--no-enable-prefix-caching", "--block-size", str(CHUNK)]
@@ -45,8 +45,8 @@ def prompt(n: int = 600) -> list[int]:
 
 
 def appendix2_keys(m: MooncakeMaster, hostname: str) -> dict[str, object]:
-    """The seed's mooncake-{prefiller,decoder}-config.yaml, pointed at this master, with a smaller
-    segment and buffer than the seed's 30 GiB / 1 GiB."""
+    """LMCache's mooncake-{prefiller,decoder}-config.yaml, pointed at this master, with a smaller
+    segment and buffer than its 30 GiB / 1 GiB."""
     return {"chunk_size": CHUNK, "remote_url": m.url, "remote_serde": "naive", "local_cpu": False,
             "max_local_cpu_size": 2, "numa_mode": None,
             "extra_config": {**m.extra_config(256 << 20), "local_hostname": hostname, "local_buffer_size": 64 << 20,

@@ -1,4 +1,4 @@
-"""A disaggregated cluster across Linux network namespaces, discovered through etcd (issue 30): etcd,
+"""A disaggregated cluster across Linux network namespaces, discovered through etcd: etcd,
 two proxies, one prefiller and two decoders, each in a namespace of its own with its own address
 on a bridge (tests/netns.py), every instance started by `kvferry join` and registered with a
 lease, NIXL on TCP over the veths (`UCX_TLS=tcp`), the cluster secret on. Real vLLM CPU servers."""

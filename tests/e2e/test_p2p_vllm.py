@@ -1,5 +1,5 @@
 """P2P sharing between two real vLLM CPU instances through kvferry-controller over real NIXL
-(seeds 000/003 walk-through, seed 001's move, the controller's page, a chunk changed in a holder's
+(LMCache's P2P walk-through, the controller's move, the controller's page, a chunk changed in a holder's
 CPU tier after its MAC was made, a killed instance). The cluster runs with a cluster secret, as
 `kvferry up` makes one: every port speaks CurveZMQ and every lent chunk carries a keyed MAC.
 
@@ -110,7 +110,7 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
 
 
 def test_second_instance_retrieves_the_prompt_from_the_first(setup: Setup) -> None:
-    """Seed 003's walk-through: a long prompt on instance 1, then on instance 2."""
+    """LMCache's P2P walk-through: a long prompt on instance 1, then on instance 2."""
     one, two = setup.one, setup.two
     p = prompt(1000)
     want = tokens_and_logprobs(completion(one, p, 8))

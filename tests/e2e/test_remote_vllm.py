@@ -1,4 +1,4 @@
-"""Sharing KV between vLLM CPU instances through a remote store (seed 002, 4.2): a prompt served
+"""Sharing KV between vLLM CPU instances through a remote store (LMCache's Redis example): a prompt served
 by instance 1 is a remote hit on instance 2 through Redis as people run it (a password-protected
 server, one instance on its plain port as an ACL user, the other on its TLS port with a client
 certificate; Sentinels with their own password naming a password-protected master), and through

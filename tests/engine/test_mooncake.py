@@ -1,5 +1,5 @@
-"""The remote tier against a real mooncake_master (mooncakestore://, seed 002 4.3): round trips
-between two clients, per-rank keys, the seed's keys read and checked, a damaged or oversize value
+"""The remote tier against a real mooncake_master (mooncakestore://, LMCache's Mooncake example): round trips
+between two clients, per-rank keys, the example file's keys read and checked, a damaged or oversize value
 as a counted miss, and a master killed then restarted: bounded misses, then hits again."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def tier(m: MooncakeMaster, rank: int = 0, timeout: float = 2.0, **extra: object
 
 
 def test_the_seed_keys_are_read_and_checked() -> None:
-    seed = Path(__file__).resolve().parents[2] / "examples" / "seeds" / "mooncake-config.yaml"
+    seed = Path(__file__).resolve().parents[2] / "examples" / "lmcache-configs" / "mooncake-config.yaml"
     s = mooncake_settings.from_config(load_config(env={"LMCACHE_CONFIG_FILE": str(seed)}))
     assert (s.master, s.metadata_server, s.protocol, s.local_hostname) == (
         "localhost:50051", "http://localhost:8080/metadata", "tcp", "localhost")

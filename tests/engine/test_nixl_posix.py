@@ -1,4 +1,4 @@
-"""NIXL POSIX storage (seed 002 4.5) as the disk tier: chunks round-trip byte-exact through NIXL's
+"""NIXL POSIX storage (LMCache's NIXL storage example) as the disk tier: chunks round-trip byte-exact through NIXL's
 POSIX plugin, survive a restart (a new tier, and the planner's scan, find them), a damaged file is
 a counted miss, and files are interchangeable with the plain disk tier's."""
 
@@ -14,7 +14,7 @@ from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.disk import HEADER_BYTES, DiskTier, rank_root
 from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
 
-SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
+LMCACHE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "lmcache-configs"
 DIGEST = b"P" * 16
 N = 256 << 10
 
@@ -24,7 +24,7 @@ def chunk(seed: int) -> torch.Tensor:
 
 
 def test_the_seed_posix_file_is_the_disk_tier_in_nixl_path() -> None:
-    cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(SEEDS / "nixl-storage-posix.yaml")})
+    cfg = load_config(env={"LMCACHE_CONFIG_FILE": str(LMCACHE_CONFIGS / "nixl-storage-posix.yaml")})
     assert nixl_storage.posix(cfg)
     eff = nixl_storage.effective(cfg, N)
     assert eff.local_disk == "/mnt/nixl/cache/"

@@ -1,4 +1,4 @@
-"""Bad data from a P2P peer is a counted miss, never an exception (issue 20).
+"""Bad data from a P2P peer is a counted miss, never an exception.
 
 A holder in its own process (real NIXL over UCX between processes, real ZMQ, the cluster secret)
 lends its CPU tier's chunks; on command it lies in its leases (counts, sizes, addresses, NIXL

@@ -1,5 +1,5 @@
-"""LMCache back-ends kvferry does not run (seed 002 4.4 InfiniStore, 4.5 NIXL storage other than
-POSIX) load from the seed's files but stop the engine at start with one line that names what is missing and the
+"""LMCache back-ends kvferry does not run (InfiniStore, NIXL storage other than
+POSIX) load from LMCache's example files but stop the engine at start with one line that names what is missing and the
 alternative; nothing pretends to work."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from kvferry.common.config import load_config
 from kvferry.engine.offload.planner import OffloadPlanner
 
-SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
+LMCACHE_CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "lmcache-configs"
 NIXL = {"chunk_size": 256, "nixl_buffer_size": 1 << 30}
 
 
@@ -22,8 +22,8 @@ def nixl(backend: str, device: str = "cpu") -> dict:
 
 
 @pytest.mark.parametrize("keys,fix", [
-    (SEEDS / "infinistore-config.yaml", "InfiniStore speaks RDMA only.*use mooncakestore://"),
-    (SEEDS / "nixl-storage-obj.yaml", "nixl_backend OBJ \\(it needs an S3-compatible object store"),
+    (LMCACHE_CONFIGS / "infinistore-config.yaml", "InfiniStore speaks RDMA only.*use mooncakestore://"),
+    (LMCACHE_CONFIGS / "nixl-storage-obj.yaml", "nixl_backend OBJ \\(it needs an S3-compatible object store"),
     (nixl("HF3FS"), "nixl_backend HF3FS \\(it needs a 3FS file system"),
     (nixl("GDS", "cuda"), "nixl_backend GDS( \\(it needs a CUDA GPU)?.*use nixl_backend: POSIX, or local_disk"),
     (nixl("GDS_MT"), "nixl_backend GDS_MT"),

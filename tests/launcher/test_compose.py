@@ -1,4 +1,4 @@
-"""deploy/compose/ (seed 002 appendices 1 and 2 rewritten for kvferry) cannot rot: with no Docker
+"""deploy/compose/ (LMCache's Docker Compose examples rewritten for kvferry) cannot rot: with no Docker
 engine here, every service's command is parsed by the real CLI it names (kvferry-server,
 kvferry-proxy, vLLM's server, mooncake_master's flag list), every mounted config file loads with
 kvferry's config and store checks, and every vLLM role matches its config."""

@@ -1,4 +1,4 @@
-"""A light proxy install (issue 30): `pip install '.[proxy]'` into a fresh venv (no torch, NIXL or
+"""A light proxy install: `pip install '.[proxy]'` into a fresh venv (no torch, NIXL or
 vLLM) gives a working `kvferry-proxy`, which starts and answers /health in front of a stub engine.
 
 pip resolves the core dependencies from its configured index and cache (warm after `make setup`:
