@@ -24,6 +24,7 @@ class OffloadServer(VLLMServer):
 
 
 def p2p_keys(host: str = "127.0.0.1") -> dict[str, object]:
-    """LMCache's P2P keys (examples/lmcache-configs/p2p_example1.yaml) on free ports (add a controller's `worker_keys`)."""
+    """LMCache's P2P keys (examples/lmcache-configs/p2p_example1.yaml) on free ports (add a
+    controller's `worker_keys`)."""
     return {"enable_p2p": True, "p2p_host": host, "p2p_init_ports": free_port(), "p2p_lookup_ports": free_port(),
             "transfer_channel": "nixl"}

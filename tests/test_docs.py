@@ -69,7 +69,8 @@ CITED_SEED = re.compile(r"\bs[e]eds? \d|\bs[e]eds/|\bthe s[e]ed's\b|\bs[e]ed[ -]
                         r"|\b(?:in|from|unlike|as) the s[e]eds?\b(?! the client| of)", re.IGNORECASE)
 REAL_SEED = re.compile(r"[\w.-]s[e]ed\b|\bs[e]ed\s*[=:,)\]+]|[(\[\"'`{]s[e]ed\b"
                        r"|\b(?:random|sampling|sampled|hash|generator|rng|a|no|its|one|same|and|without a|with a|added)"
-                       r"\s+s[e]eds?\b|\bs[e]eds?\s+(?:the client|restarts|`random`|its|it|and|of|per|are)\b", re.IGNORECASE)
+                       r"\s+s[e]eds?\b|\bs[e]eds?\s+(?:the client|restarts|its|it|and|of|per|are)\b",
+                       re.IGNORECASE)
 LIBRARY = ("common", "proxy", "sender", "receiver", "buffer", "kernels", "engine", "connector", "controller",
            "launcher", "testing")
 TEXT = (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".c", ".sh", ".html", ".js", ".css", "Dockerfile")
