@@ -38,7 +38,6 @@ from collections import OrderedDict
 import msgspec
 from multidict import CIMultiDict
 
-from kvferry.proxy.flows.upstream import UpstreamClient
 from kvferry.proxy.http.messages import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics
@@ -47,6 +46,7 @@ from kvferry.proxy.routing.kv_events import BlockRemoved, BlockStored, EventBatc
 from kvferry.proxy.routing.prefix_index import prefix_keys
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
+from kvferry.proxy.upstream_client import UpstreamClient
 
 INSTANCES = (2, 16, 128, 1024)
 BS = 16

@@ -7,10 +7,10 @@ from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.flows.context import Context
-from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.messages import Request, Response, json_response
 from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, decoder_from, parse_url
-from kvferry.proxy.openai.errors import ProxyError, json_response
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.routing.registry import Instance
 
 logger = get_logger(__name__)

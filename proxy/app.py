@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -20,9 +21,9 @@ from kvferry.proxy.flows.chat import Chat
 from kvferry.proxy.flows.completions import Completions
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.kv_transfers import Transfers, notify_host
-from kvferry.proxy.flows.upstream import UpstreamClient
+from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http import limits
-from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.messages import Request, Response, error_body, json_response
 from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.instance_flags import OptionError
@@ -30,12 +31,16 @@ from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.openai.body import BodyReader
-from kvferry.proxy.openai.errors import ProxyError, error_body, json_response
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.membership import Discovery
 from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
+from kvferry.proxy.upstream_client import UpstreamClient
+
+if TYPE_CHECKING:
+    from kvferry.proxy.tracing import ProxyTracer
 
 logger = get_logger(__name__)
 
@@ -50,10 +55,11 @@ class Proxy:
         self.peers = peers
         self.metrics = ProxyMetrics()
         self.client = UpstreamClient(opts)
+        self.tracer: ProxyTracer | None = None
         if opts.otlp_traces_endpoint:  # imported only then: a proxy without tracing needs no OpenTelemetry
             from kvferry.proxy.tracing import ProxyTracer
             try:
-                self.client.tracer = ProxyTracer(opts)
+                self.client.tracer = self.tracer = ProxyTracer(opts)
             except ConfigurationError as e:
                 raise OptionError(f"--otlp-traces-endpoint: {e}") from None
         self.router = Router(opts, self.metrics, self.client, board)
@@ -202,8 +208,8 @@ class Proxy:
         self.transfers.close()
         for stream in self.router.cache.streams.values():
             stream.close()
-        if self.client.tracer is not None:  # the spans still batched go out now
-            await asyncio.to_thread(self.client.tracer.shutdown)
+        if self.tracer is not None:  # the spans still batched go out now
+            await asyncio.to_thread(self.tracer.shutdown)
 
     # ---- background (each under supervise(): a loop that raises is logged and started again) ----
     async def _health_loop(self) -> None:
@@ -277,7 +283,7 @@ class Proxy:
         its legs and its answer), its span when tracing is on, then `guarded`."""
         rid = request.rid = trace_context.request_id(request.headers.get("X-Request-Id"))
         REQUEST_ID.set(rid)  # this request's task's own copy: its log lines name it
-        tracer = self.client.tracer  # the API's requests are traced, not /health, /metrics, /admin
+        tracer = self.tracer  # the API's requests are traced, not /health, /metrics, /admin
         if tracer is not None and request.path.startswith("/v1/"):
             resp = await tracer.request(request, rid, self.guarded)
         else:
@@ -331,7 +337,7 @@ class Proxy:
         for role in ("decoder", "prefiller"):
             for inst in self.router.registry.of(role):
                 if inst.usable:
-                    with self.router.upstream(inst, leg="models") as up:
+                    with Upstream(self.router, inst, leg="models") as up:
                         status, body = await up.get("/v1/models")
                     return Response(body, status)
         raise ProxyError(503, "no healthy instance to list models from", "no_instance")

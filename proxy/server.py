@@ -27,11 +27,12 @@ from kvferry.common import netutil as net
 from kvferry.common.log import configure_logging, get_logger
 from kvferry.proxy.app import Proxy
 from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
+from kvferry.proxy.http.messages import error_body
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.multiproc.supervisor import Supervisor
-from kvferry.proxy.openai.errors import ProxyError, error_body
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions, parse
 
 __all__ = ["Proxy", "ProxyError", "main", "serve"]

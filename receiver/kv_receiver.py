@@ -6,7 +6,8 @@ Two threads, neither of which spins:
   request is its own task, and allocations that must wait for pages wait in a thread pool, so a
   slow or stuck request never holds up another.
 - ``kvf-recv-nixl``: the only user of the NIXL agent after start-up. It polls notifications
-  (every 50 us while a transfer is expected, every 20 ms when idle; an alloc wakes it at once),
+  (every 50 us for 50 ms after pages were reserved or a notification came, then backing off to
+  every 0.5 ms while a transfer is still awaited; every 20 ms when none is; an alloc wakes it),
   commits arrived transfers, sends the optional proxy notification, and expires leases. Its
   polls also drive UCX's progress on this side, which large writes need: UCX's rendezvous
   protocol moves the data when the target answers, so idle polling would stall a write. A
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -43,7 +45,6 @@ from kvferry.common.supervise import LoopHealth, supervise_thread
 from kvferry.receiver.errors import TransferError
 from kvferry.receiver.joints import Joints
 from kvferry.receiver.ports import Ports
-from kvferry.receiver.sleep import ReceiverSleep
 from kvferry.receiver.transfer_states import Incoming
 from kvferry.receiver.transfer_table import ReceivedTransfer, TransferTable
 
@@ -118,7 +119,11 @@ class ReceiverError(UnavailableError, RuntimeError):
     """The receiver cannot start (port taken, NIXL missing); the message names the fix."""
 
 
-class KVReceiver(ReceiverSleep):
+class SleepError(UnavailableError, RuntimeError):
+    """The receiver could not go to sleep in time (writes still in flight); it stays registered."""
+
+
+class KVReceiver:
     """Serves one TP rank's pd_buffer to senders; hands arrived transfers to the engine."""
 
     def __init__(self, cfg: ReceiverConfig, buffer: PDBuffer, fingerprint: m.LayoutFingerprint, *,
@@ -148,7 +153,9 @@ class KVReceiver(ReceiverSleep):
         self.table.on_quarantine = self._quarantined
         self.nixl_health = LoopHealth("receiver NIXL thread")
         self.counters = ReceiverCounters()
-        self._init_sleep()  # vLLM sleep mode: receiver/sleep.py
+        self._asleep = False  # vLLM sleep mode: allocs are refused while the pd_buffer is not registered
+        self._sleep_lock = threading.Lock()  # an alloc is either refused or seen by suspend()'s drain
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for the NIXL thread (agent calls)
 
     # ---- lifecycle ----
     def start(self) -> KVReceiver:
@@ -387,3 +394,79 @@ class KVReceiver(ReceiverSleep):
                 self._bad.warning("proxy at %s:%s is not reading notifications; dropped one",
                                   self.cfg.proxy_host, self.cfg.proxy_port)
 
+    # ---- vLLM sleep mode (docs/compatibility.md): drain the writes that may land, deregister the
+    # pd_buffer, register it again with a new epoch ----
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def suspend(self) -> int:
+        """Before vLLM frees or remaps the pd_buffer's memory: refuse new allocs, quarantine the
+        transfers not arrived yet (their senders are told, and stop writing), wait until no WRITE
+        can land in any page (each arrives, its sender says none will, or its lease ends; bounded by
+        pd_lease_seconds), then deregister the pd_buffer from NIXL.
+        Returns how many transfers were quarantined; idempotent."""
+        with self._sleep_lock:
+            if self._asleep:
+                return 0
+            self._asleep = True
+        self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
+        why = "the decoder went to sleep (vLLM sleep mode)"
+        n = self.table.quarantine_unarrived(why)
+        deadline = time.monotonic() + self.cfg.lease_seconds + 2.0  # each write lands or its lease ends
+        while self._allocating or self.table.writes_may_land():
+            if time.monotonic() >= deadline:
+                with self._sleep_lock:
+                    self._asleep = False  # vLLM's sleep fails with this: the receiver serves on
+                raise SleepError(f"receiver {self.receiver_id}: writes still in flight after pd_lease_seconds "
+                                    f"({self.cfg.lease_seconds:.0f}s); the pd_buffer stays registered and in service")
+            self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
+            n += self.table.quarantine_unarrived(why)  # an alloc granted while this began
+            self.table.sweep()
+            time.sleep(0.01)
+        self._on_nixl(self._deregister)
+        logger.info("receiver %s asleep: pd_buffer deregistered from NIXL (%d transfers in flight were "
+                    "quarantined and drained)", self.receiver_id, n)
+        return n
+
+    def resume(self) -> None:
+        """After vLLM remapped the memory: register the pd_buffer again and take a new epoch, so
+        every sender handshakes again and loads the new registration. Idempotent."""
+        with self._sleep_lock:
+            if not self._asleep:
+                return
+        self._on_nixl(self._register)
+        with self._sleep_lock:
+            self.epoch = random.SystemRandom().randrange(1, 1 << 62)
+            self._asleep = False
+        logger.info("receiver %s awake: pd_buffer registered again (epoch %d)", self.receiver_id, self.epoch)
+
+    def _deregister(self) -> None:
+        self.buffer.deregister()
+        self._agent_metadata = self._agent.get_agent_metadata()
+
+    def _register(self) -> None:
+        self.buffer.register(self._agent)
+        self._agent_metadata = self._agent.get_agent_metadata()
+
+    def _on_nixl(self, fn: Callable[[], object], timeout: float = 30.0) -> None:
+        """Run `fn` on the NIXL thread, the agent's only user (inline when that thread is not running)."""
+        alive = [t for t in self._threads if t.name == "kvf-recv-nixl" and t.is_alive()]
+        if not alive:
+            fn()
+            return
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        self._kick.set()
+        fut.result(timeout)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)

@@ -60,7 +60,6 @@ from kvferry.sender.grants import (
 )
 from kvferry.sender.prepared import checked_descs
 from kvferry.sender.results import ALLOC_SAMPLES, SenderCounters, SendResult
-from kvferry.sender.sleep import SenderSleep
 
 logger = get_logger(__name__)
 
@@ -83,7 +82,7 @@ def sender_config(cfg: KVFerryConfig, sender_id: str, tp_rank: int = 0) -> Sende
                         tp_rank=tp_rank, trust=zsock.trust_of(cfg), net_devices=cfg.nixl_net_devices)
 
 
-class KVSender(SenderSleep):
+class KVSender:
     """Sends chunks from this worker's registered memory to receivers; one per prefiller TP rank."""
 
     def __init__(self, cfg: SenderConfig, fingerprint: m.LayoutFingerprint, device: str = "cpu",
@@ -349,3 +348,28 @@ class KVSender(SenderSleep):
         finally:
             if not granted:
                 peer.busy -= 1
+
+    # ---- vLLM sleep mode: the caller drained the writes that read the registered memory ----
+    def suspend(self) -> None:
+        """vLLM sleep mode: deregister every region from NIXL; the caller drained the writes that
+        read them. Sends are refused until resume(). Idempotent."""
+        if self._asleep:
+            return
+        self._asleep = True
+        self._preps.close_all()  # no prepared handle outlives the registrations it reads
+        for descs in self._regs:
+            self._call(self._agent.deregister_memory, descs)
+        self._regs.clear()
+        self._metadata = self._call(self._agent.get_agent_metadata)
+
+    def resume(self) -> None:
+        """Register the same regions again (vLLM remapped them at the same addresses). Idempotent."""
+        if not self._asleep:
+            return
+        self._regs = [self._call(self._agent.register_memory, t) for t in self._tensors]
+        self._metadata = self._call(self._agent.get_agent_metadata)
+        self._asleep = False
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep

@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The size report (tests/test_layout.py `oversized`) after a run that checked the layout:
+    what may hold more than one job, to read, never a failure."""
+    ran = any(str(getattr(r, "nodeid", "")).startswith("tests/test_layout.py")
+              for reports in terminalreporter.stats.values() for r in reports)
+    if not ran:
+        return
+    from layout_sizes import oversized
+    big = oversized()
+    if big:
+        terminalreporter.section("sizes to read (more than one job?)")
+        for line in big:
+            terminalreporter.write_line(line)
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Two work units for `make test`'s two workers (`-n 2 --dist loadgroup`): tests/e2e (clusters of
     real vLLM servers, pinned to cores 0 and 1), in file order, on one; everything else on the

@@ -6,10 +6,12 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import api_guard
 import pytest
+from layout_sizes import CLASS_LINES, LIBRARY, MODULE_LINES, oversized
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,28 +104,16 @@ def test_make_lint_type_checks_every_library_folder() -> None:
     assert set(line.group(1).split()) == folders, f"make LIBRARY {line.group(1).split()} vs pyproject {sorted(folders)}"
 
 
-def test_modules_and_classes_stay_small() -> None:
-    """Library modules <= 500 lines and classes <= 300, so each keeps one job (tests, benchmarks exempt)."""
-    big = []
-    for folder in ALLOWED:
-        for path in (REPO / folder).rglob("*.py"):
-            src = path.read_text()
-            if src.count("\n") > 500:
-                big.append(f"{path.relative_to(REPO)}: {src.count(chr(10))} lines")
-            for node in ast.walk(ast.parse(src)):
-                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
-                    big.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
-    assert not big, "split these by concern: " + "; ".join(big)
-
-
-def test_no_proxy_function_is_over_60_lines() -> None:
-    """The proxy is read more than it is written: each function does one step of a request."""
-    long = []
-    for path in (REPO / "proxy").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
-                long.append(f"{path.relative_to(REPO)}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
-    assert not long, "split these into steps: " + "; ".join(long)
+def test_the_size_report_names_what_is_over(tmp_path: Path) -> None:
+    """The report finds a module, a class and a function over their sizes (planted), and nothing else."""
+    assert set(LIBRARY) == set(ALLOWED), "layout_sizes.LIBRARY lists the library's folders"
+    (tmp_path / "common").mkdir()
+    body = "".join(f"        x{i} = {i}\n" for i in range(CLASS_LINES))
+    (tmp_path / "common" / "big.py").write_text("class C:\n    def f(self) -> None:\n" + body + "\n" * MODULE_LINES)
+    (tmp_path / "common" / "small.py").write_text("def g() -> None:\n    pass\n")
+    assert oversized(tmp_path) == [f"common/big.py: {MODULE_LINES + CLASS_LINES + 2} lines",
+                                   f"common/big.py:C: class of {CLASS_LINES + 2} lines",
+                                   f"common/big.py:f: function of {CLASS_LINES + 1} lines"]
 
 
 def library_trees() -> dict[str, ast.AST]:
@@ -229,6 +219,43 @@ def test_no_two_library_modules_import_each_other() -> None:
     other: what both need moves to a third module, or one side takes a callback or Protocol."""
     assert not import_cycles(library_graph()), "break these import cycles: " + "; ".join(
         " <-> ".join(c) for c in import_cycles(library_graph()))
+
+
+def unit_of(module: str) -> str:
+    """The package a module counts in for cycles: its subpackage (kvferry.proxy.flows.chat ->
+    kvferry.proxy.flows), or itself for a module at a folder's top (kvferry.proxy.app)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) <= 3 else ".".join(parts[:-1])
+
+
+def grouped(graph: dict[str, set[str]], unit: Callable[[str], str]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) != unit(m))
+    for deps in list(out.values()):
+        for d in deps:
+            out.setdefault(d, set())
+    return out
+
+
+def test_no_two_subpackages_or_folders_import_each_other() -> None:
+    """docs/architecture.md's layers hold inside a folder too: its subpackages (proxy/flows,
+    proxy/routing, ...) and its top modules import one way, as the folders do."""
+    graph = library_graph()
+    for unit in (unit_of, lambda m: ".".join(m.split(".")[:2])):
+        cycles = import_cycles(grouped(graph, unit))
+        edges = [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+                 if any(unit(m) in c and unit(d) in c and unit(m) != unit(d) for c in cycles)]
+        assert not cycles, "break these cycles: " + "; ".join(" <-> ".join(c) for c in cycles) + ", made of: " + (
+            "; ".join(edges))
+
+
+def test_the_subpackage_cycle_check_finds_one() -> None:
+    graph = {"kvferry.proxy.flows.a": {"kvferry.proxy.routing.b"}, "kvferry.proxy.routing.b": {"kvferry.proxy.http.c"},
+             "kvferry.proxy.http.c": {"kvferry.proxy.flows.d"}, "kvferry.proxy.flows.d": set()}
+    assert import_cycles(graph) == []
+    assert import_cycles(grouped(graph, unit_of)) == [
+        ["kvferry.proxy.flows", "kvferry.proxy.http", "kvferry.proxy.routing"]]
 
 
 def test_the_connector_imports_only_engine_api_and_common() -> None:

@@ -22,6 +22,7 @@ from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import loaded_blocks, scatter_chunks
 from kvferry.engine.offload.ops import GB, CacheEvict, CacheLoad, CacheStore
 from kvferry.engine.p2p.service import P2PService
+from kvferry.engine.p2p.tier import P2PTier
 from kvferry.engine.remote import cachegen, mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers import nixl_storage
@@ -29,7 +30,6 @@ from kvferry.engine.tiers.base import LoadRequest, Tier
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.engine.tiers.disk import DiskTier, rank_root
 from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
-from kvferry.engine.tiers.p2p import P2PTier
 from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.kernels.paged_copy import PagedKV
 

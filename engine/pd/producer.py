@@ -41,7 +41,6 @@ from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.kv_spans import kv_spans
-from kvferry.engine.pd.producer_sleep import ProducerSleep
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt
 from kvferry.engine.pd.slicing import Slice, Slicer, as_decoder_rank, same_rank
 from kvferry.kernels.paged_copy import PagedKV
@@ -131,7 +130,7 @@ def _chain(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> No
     src.add_done_callback(copy)
 
 
-class PDProducer(ProducerSleep):
+class PDProducer:
     """Prefiller side: one per worker (TP rank)."""
 
     def __init__(self, cfg: KVFerryConfig, kv: PagedKV, fp: m.LayoutFingerprint, sender_id: str,
@@ -429,3 +428,31 @@ class PDProducer(ProducerSleep):
             self.cancel(tid)
         self.sender.close()
         self.staging.deregister()
+
+    # ---- vLLM sleep mode: cancel the prompts computing, drain staging's writes, deregister it ----
+    def suspend(self) -> None:
+        """vLLM sleep mode, before the staging memory is unmapped: prompts still computing are
+        cancelled, every write that reads staging ends (done, or cut at its lease), then the
+        staging pages are deregistered from NIXL. Idempotent."""
+        if self._asleep:
+            return
+        self._asleep = True
+        for tid in list(self._open):
+            self.cancel(tid)
+        deadline = time.monotonic() + self._staging_lease
+        while not self.staging.fully_free():
+            if time.monotonic() >= deadline:
+                logger.warning("prefiller going to sleep: staging pages still held after %.0fs; deregistering "
+                               "anyway (no write outlives its lease)", self._staging_lease)
+                break
+            time.sleep(0.005)
+        self.sender.suspend()
+        logger.info("prefiller asleep: staging deregistered from NIXL")
+
+    def resume(self) -> None:
+        """After vLLM remapped the memory: register the staging pages again. Idempotent."""
+        if not self._asleep:
+            return
+        self.sender.resume()
+        self._asleep = False
+        logger.info("prefiller awake: staging registered again")

@@ -19,10 +19,10 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.messages import Request, json_response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import body as bodies
-from kvferry.proxy.openai.errors import ProxyError, json_response
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.openai.merge import merge_samples
 from kvferry.proxy.routing.cache import Route
@@ -116,7 +116,7 @@ class Chat:
         one-token request is not, but its decoder serves it instead."""
         if p is not route.decoder:
             try:
-                with self.ctx.router.upstream(p, ntok, "single") as up:
+                with Upstream(self.ctx.router, p, ntok, "single") as up:
                     out = await call(up)
                 p.served_one()
                 return out

@@ -20,9 +20,10 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.migrate import ChatMove
 from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.messages import error_body
 from kvferry.proxy.http.sse import SSEResponse, sse
 from kvferry.proxy.openai import answers
-from kvferry.proxy.openai.errors import ProxyError, error_body
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.rewrite import CHAT_UNUSUAL, Client, plain_batch, plain_sse, swap_pairs
 
 logger = get_logger(__name__)

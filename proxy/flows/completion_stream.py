@@ -12,20 +12,37 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.proxy.flows import migrate
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.http.messages import error_body
 from kvferry.proxy.http.sse import SSEResponse, sse
 from kvferry.proxy.openai import answers
-from kvferry.proxy.openai.errors import ProxyError, error_body
-from kvferry.proxy.openai.legs import Prefilled, completion_decode_leg, prompt_ids
+from kvferry.proxy.openai.errors import ProxyError
+from kvferry.proxy.openai.legs import completion_decode_leg, prompt_ids
 from kvferry.proxy.openai.merge import offset_after
 from kvferry.proxy.openai.rewrite import CompletionRewriter
+from kvferry.proxy.routing.registry import Instance
 
 PATH = "/v1/completions"
+
+
+
+@dataclass
+class Prefilled:
+    """A completion's prefill leg, done. mode: "done" (`first` is the whole answer), "ids" (decode
+    from its token ids) or "regen" (it has no usable token ids: the decoder gets the client's
+    prompt and regenerates the first token)."""
+
+    first: dict
+    tid: str
+    decoder: Instance
+    prefiller: Instance
+    mode: str
 
 
 class CompletionStream:

@@ -9,19 +9,18 @@ from __future__ import annotations
 import time
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.flows.completion_stream import CompletionStream
+from kvferry.proxy.flows.completion_stream import CompletionStream, Prefilled
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg, whole_again
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.messages import Request, json_response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai import body as bodies
 from kvferry.proxy.openai.answers import BadAnswer
-from kvferry.proxy.openai.errors import ProxyError, json_response
+from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import (
-    Prefilled,
     completion_decode_leg,
     completion_prefill_leg,
     fan_out,
@@ -92,12 +91,12 @@ class Completions:
             if body.get("stream"):  # the client's stream is the proxy's to write
                 leg.pop("stream_options", None)
             try:
-                with ctx.router.upstream(p, ntok, "single") as up:
+                with Upstream(ctx.router, p, ntok, "single") as up:
                     return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
             except ProxyError as e:
                 if p is d or e.kind not in DECODER_CAN_SERVE:
                     raise
-            with ctx.router.upstream(d, ntok, "single") as up:  # its prefiller failed: the decoder answers
+            with Upstream(ctx.router, d, ntok, "single") as up:  # its prefiller failed: the decoder answers
                 return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, d, "done")
         ids = ctx.opts.legs_carry_ids
         try:
@@ -137,7 +136,7 @@ class Completions:
         p = pre.prefiller
         if ids is None:
             raise ProxyError(502, f"echo: {p.role} {p.url} returned no prompt_token_ids to echo", "bad_answer")
-        with self.ctx.router.upstream(p, leg="detokenize") as up:
+        with Upstream(self.ctx.router, p, leg="detokenize") as up:
             out = await up.json("/detokenize", {"model": body.get("model"), "tokens": ids})
         if not isinstance(out, dict) or not isinstance(out.get("prompt"), str):
             raise up.bad("/detokenize without a 'prompt' string")

@@ -70,7 +70,7 @@ class DecodeLeg:
         try:
             while True:
                 try:
-                    with self.ctx.router.upstream(self.decoder, prompt_tokens, kind) as up:
+                    with Upstream(self.ctx.router, self.decoder, prompt_tokens, kind) as up:
                         out = await call(up, self.leg)
                     self.holds = False  # the decoder loaded the KV and answered: nothing to abort
                     self.decoder.served_one()

@@ -42,11 +42,11 @@ async def prefill(ctx: Context, request: Request, path: str, body: dict, route: 
     with decoder.claimed():  # the decoder counts this request from now: see Instance.claimed
         for attempt in (0, 1):
             tid = "kvf-" + os.urandom(16).hex()  # as random as uuid4().hex, and cheaper
-            leg = prefill_leg(body, tid, decoder)
+            leg = prefill_leg(body, tid, decoder.disagg_spec)
             t0 = time.perf_counter()
             ctx.transfers.started(tid, decoder)  # its arrival notice may beat the prefiller's answer
             try:
-                with ctx.router.upstream(p, prompt_tokens, "prefill") as up:
+                with Upstream(ctx.router, p, prompt_tokens, "prefill") as up:
                     out = await up.json(path, leg, kind, raw_ids=True)
                     _check_answer(up, out)
                 p.served_one()

@@ -1,24 +1,21 @@
-"""Requests to the engines: the legs' connection pool and the health checks' (both on the one
-HTTP client, common/http_client.py), and `Upstream`, one leg to one instance, which maps every
-failure to a client error and reports it to the router."""
+"""`Upstream`: one leg to one instance (on proxy/upstream_client.py's connections), which maps
+every failure to a client error and reports it to the router."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from kvferry.common.http_client import Broken, Pool, Response, Timeout, Unreachable
+from kvferry.common.http_client import Broken, Response, Timeout, Unreachable
 from kvferry.common.log import REQUEST_ID, RateLimitedLog, get_logger
+from kvferry.proxy.http import json_codec
 from kvferry.proxy.http.sse import events as sse_events
 from kvferry.proxy.metrics import Value
-from kvferry.proxy.openai import answers, json_codec
+from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.answers import BadAnswer
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.registry import Instance
-
-if TYPE_CHECKING:
-    from kvferry.proxy.tracing import ProxyTracer
+from kvferry.proxy.upstream_client import LegTracer, UpstreamClient
 
 logger = get_logger(__name__)
 _decode_refusals = RateLimitedLog(logger, 10.0)
@@ -26,58 +23,11 @@ _TIMEOUT_FLAGS = {"connect": "--connect-timeout", "wait": "--upstream-connection
                   "read": "--read-timeout"}  # "stall": Upstream._stalled names its flag
 
 
-class UpstreamClient:
-    """The legs' pool and the health checks' (open between the app's start and cleanup), and the
-    headers every upstream request carries."""
-
-    CHECK_CONNECTIONS = 2  # per instance: a periodic check and a failed leg's probe at once
-
-    def __init__(self, opts: ProxyOptions) -> None:
-        self.opts = opts
-        self._pool: Pool | None = None
-        self._checks: Pool | None = None
-        self._closed = False
-        self.tracer: ProxyTracer | None = None  # --otlp-traces-endpoint: each leg's span (proxy/tracing.py)
-        self.headers = {"Content-Type": "application/json"}
-        if opts.upstream_api_key:
-            self.headers["Authorization"] = f"Bearer {opts.upstream_api_key}"
-
-    @property
-    def pool(self) -> Pool:
-        """The legs' connections, between start() and close()."""
-        assert self._pool is not None, "the upstream client is not started"
-        return self._pool
-
-    @property
-    def checks(self) -> Pool:
-        """The health checks' and load scrapes' connections, between start() and close()."""
-        assert self._checks is not None, "the upstream client is not started"
-        return self._checks
-
-    @property
-    def is_open(self) -> bool:
-        return self._pool is not None and not self._closed
-
-    def start(self) -> None:
-        o = self.opts
-        # Waiting for a free connection is bounded by the read timeout (at least the connect
-        # timeout), so a busy pool queues requests rather than failing them.
-        wait = max(o.read_timeout, o.connect_timeout)
-        # --workers N: the connections are the proxy's, split between its workers (at least one each).
-        per_worker = max(1, -(-o.upstream_connections // max(1, o.workers)))
-        self._pool = Pool(per_worker, o.connect_timeout, wait, o.read_timeout, self.headers, o.stall_timeout)
-        self._checks = Pool(self.CHECK_CONNECTIONS, o.connect_timeout, wait, o.read_timeout, self.headers,
-                            o.stall_timeout)
-
-    async def close(self) -> None:
-        self._closed = True
-        for p in (self._pool, self._checks):
-            if p is not None:
-                await p.close()
-
-
 class LegWatcher(Protocol):
-    """What a leg reports to (the router): its in-flight gauge, and each failure."""
+    """What a leg reports to (the router): its in-flight gauge, and each failure; and the
+    connections it is sent on."""
+
+    client: UpstreamClient
 
     def in_flight(self, inst: Instance) -> Value: ...
 
@@ -88,12 +38,11 @@ class Upstream:
     """One leg to one instance: counts its load, maps failures to client errors; every failure
     is logged, counted and makes the router probe the instance (`LegWatcher.upstream_failed`)."""
 
-    def __init__(self, router: LegWatcher, client: UpstreamClient, inst: Instance, prompt_tokens: int = 0,
-                 leg: str = "decode") -> None:
-        self.router, self.client, self.inst, self.tokens, self.leg = router, client, inst, prompt_tokens, leg
+    def __init__(self, router: LegWatcher, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> None:
+        self.router, self.client, self.inst, self.tokens, self.leg = router, router.client, inst, prompt_tokens, leg
         self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
         self._stream: Response | None = None  # events()'s answer: released at the latest on __exit__
-        self.traced: tuple[ProxyTracer, Any] | None = None  # with tracing on: the tracer and the leg's span
+        self.traced: tuple[LegTracer, Any] | None = None  # with tracing on: the tracer and the leg's span
 
     def __enter__(self) -> Upstream:
         i = self.inst

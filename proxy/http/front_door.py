@@ -48,8 +48,7 @@ from kvferry.common.errors import BadDataError
 from kvferry.common.http_conns import Conns
 from kvferry.common.log import get_logger
 from kvferry.proxy.http import head_rules
-from kvferry.proxy.http.messages import Request, Response
-from kvferry.proxy.openai.errors import error_body, json_response
+from kvferry.proxy.http.messages import Request, Response, error_body, json_response
 
 if TYPE_CHECKING:
     from kvferry.proxy.http.sse import Answer

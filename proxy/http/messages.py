@@ -8,9 +8,11 @@ writes itself (http/sse.py `SSEResponse`).
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Protocol
+from typing import Any, Protocol
 
 from multidict import CIMultiDict
+
+from kvferry.proxy.http import json_codec
 
 # Headers the server writes itself: a handler's own are dropped.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "content-type"})
@@ -67,3 +69,14 @@ def reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """OpenAI's error shape (as vLLM writes it): {"error": {message, type, param, code}}; the front
+    door's own refusals are in it too, since every client of the proxy reads OpenAI's."""
+    etype = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": etype, "param": param, "code": kind}}
+
+
+def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json_codec.dumps(obj), status, headers=headers)

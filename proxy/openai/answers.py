@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from kvferry.common.errors import BadDataError
-from kvferry.proxy.openai import json_codec
+from kvferry.proxy.http import json_codec
 
 # A prompt's token ids kept as the engine's JSON (msgspec.Raw) rather than a list: a long prompt's
 # ids were a prefill answer's whole decoding cost, and again its decode leg's encoding, per request.

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvferry.common.errors import KVFerryError
-from kvferry.proxy.http.messages import Response
-from kvferry.proxy.openai import json_codec
+from kvferry.proxy.http.messages import Response, error_body, json_response
 
 
 class ProxyError(KVFerryError):
@@ -24,13 +21,3 @@ class ProxyError(KVFerryError):
             return Response(self.body, self.status)
         return json_response(error_body(self.status, self.message, self.kind, self.param), self.status,
                              self.headers)
-
-
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
-    """OpenAI's error shape (as vLLM writes it): {"error": {message, type, param, code}}."""
-    etype = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": etype, "param": param, "code": kind}}
-
-
-def json_response(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(json_codec.dumps(obj), status, headers=headers)

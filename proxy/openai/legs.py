@@ -8,31 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from kvferry.common.transfer_params import decode_leg_params, prefill_leg_params
+from kvferry.common.transfer_params import DisaggSpec, decode_leg_params, prefill_leg_params
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.body import GREEDY_EPS
-from kvferry.proxy.routing.registry import Instance
 
 
-@dataclass
-class Prefilled:
-    """A completion's prefill leg, done. mode: "done" (`first` is the whole answer), "ids" (decode
-    from its token ids) or "regen" (it has no usable token ids: the decoder gets the client's
-    prompt and regenerates the first token)."""
-
-    first: dict
-    tid: str
-    decoder: Instance
-    prefiller: Instance
-    mode: str
-
-
-def prefill_leg(body: dict, transfer_id: str, decoder: Instance) -> dict:
-    """A prefill leg's body, sending its KV to `decoder` under `transfer_id`."""
-    return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder.disagg_spec))
+def prefill_leg(body: dict, transfer_id: str, decoder: DisaggSpec) -> dict:
+    """A prefill leg's body, sending its KV to `decoder` (its ports) under `transfer_id`."""
+    return dict(body, kv_transfer_params=prefill_leg_params(transfer_id, decoder))
 
 
 def completion_prefill_leg(body: dict, ids: bool = True) -> dict:

@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, Protocol
 
-from kvferry.proxy.openai import json_codec
+from kvferry.proxy.http import json_codec
 from kvferry.proxy.openai.merge import offset_after, shift_offsets
 
 # vLLM writes compact JSON: a chunk's token ids are found without parsing it ("prompt_token_ids"

@@ -17,7 +17,6 @@ import time
 from typing import Protocol, cast
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.flows.upstream import Upstream, UpstreamClient
 from kvferry.proxy.http.messages import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics, Value
@@ -39,6 +38,7 @@ from kvferry.proxy.routing.cache import (
 from kvferry.proxy.routing.identity import prompt_root
 from kvferry.proxy.routing.prefix_index import ROOT
 from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
+from kvferry.proxy.upstream_client import UpstreamClient
 
 logger = get_logger(__name__)
 _board_full_log = RateLimitedLog(logger, 10.0)
@@ -172,9 +172,6 @@ class Router:
                 return _UNCOUNTED
             g = inst.in_flight_gauge = self.metrics.in_flight.labels(inst.id, inst.role)
         return g
-
-    def upstream(self, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> Upstream:
-        return Upstream(self, self.client, inst, prompt_tokens, leg)
 
     def pick(self, request: Request, role: str, exclude: Instance | None = None) -> Instance:
         """An instance of `role` for this request (by the client's affinity header when set), not

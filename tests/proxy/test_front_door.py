@@ -20,9 +20,8 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.proxy.http import front_door
 from kvferry.proxy.http.front_door import FrontDoor, Handler
-from kvferry.proxy.http.messages import Request, Response
+from kvferry.proxy.http.messages import Request, Response, json_response
 from kvferry.proxy.http.sse import Answer, SSEResponse
-from kvferry.proxy.openai.errors import json_response
 from tests.polling import until, until_async
 from tests.stub_procs import (
     Proc,

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.proxy.openai import answers, json_codec
-from kvferry.proxy.openai.json_codec import MAX_DEPTH, deeper_than
+from kvferry.proxy.http import json_codec
+from kvferry.proxy.http.json_codec import MAX_DEPTH, deeper_than
+from kvferry.proxy.openai import answers
 from kvferry.proxy.server import main
 from tests.raw_http import answer, closed_within, connect
 from tests.stub_procs import Proc, proxy, stubs

@@ -279,11 +279,11 @@ def test_security_board_rows_are_reused_and_agreed(tmp_path: Path) -> None:
 
 
 def test_security_full_board_still_registers(tmp_path: Path) -> None:
-    from kvferry.proxy.flows.upstream import UpstreamClient
     from kvferry.proxy.instance_flags import InstanceSpec, parse_url
     from kvferry.proxy.metrics import ProxyMetrics
     from kvferry.proxy.options import parse
     from kvferry.proxy.routing.router import Router
+    from kvferry.proxy.upstream_client import UpstreamClient
     b = LoadBoard(2, str(tmp_path / "board.lock"))
     for i in range(board_mod.ROWS):
         b.claim(f"http://f{i}")

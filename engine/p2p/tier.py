@@ -1,4 +1,4 @@
-"""The P2P tier: chunks another instance's CPU tier lends, read over NIXL (engine/p2p/ does the work).
+"""The P2P tier: chunks another instance's CPU tier lends, read over NIXL (the rest of engine/p2p/ does the work).
 
 Peers are read, never written: a chunk reaches a peer only by that peer storing it itself, or by
 the controller's move (which the peer pulls)."""
