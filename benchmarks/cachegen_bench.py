@@ -59,7 +59,7 @@ from kvferry.connector.cpu_isa import attention_isa
 from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, Serde, peek
 from kvferry.kernels.layout import KVLayout
 from kvferry.launcher import tiny_model
-from kvferry.testing.stores import start_redis
+from kvferry.testing.store_servers import start_redis
 from kvferry.testing.vllm_servers import OffloadServer
 
 MAX_TOKENS = 16

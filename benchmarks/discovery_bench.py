@@ -39,7 +39,7 @@ from kvferry.common import discovery as disc
 from kvferry.common import secret
 from kvferry.common.etcd import Etcd
 from kvferry.common.netutil import free_port
-from kvferry.launcher import stores
+from kvferry.launcher import services
 from kvferry.testing.processes import wait_http
 
 ADMIN = {"Authorization": "Bearer bench-admin-key"}
@@ -137,7 +137,7 @@ def main() -> int:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvferry-discovery-bench-"))
     procs = Procs(work)
-    etcd = stores.start_etcd(work)
+    etcd = services.start_etcd(work)
     try:
         secret_file = work / "cluster.secret"
         secret.write_file(str(secret_file), secret.generate())

@@ -59,7 +59,7 @@ import msgspec
 from kvferry.common import secret
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
-from kvferry.testing.stores import Controller
+from kvferry.testing.store_servers import ControllerProcess
 from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -319,11 +319,11 @@ def mac_bench(rounds: int, nchunks: int, reader_core: int = 1, holder_core: int 
             "mac_hash_gbps_one_core": round(hash_gbps, 3), "mac_target_met": 1 - ratio < 0.10}
 
 
-def transfers(c: Controller) -> list[dict]:
+def transfers(c: ControllerProcess) -> list[dict]:
     return httpx.get(c.url + "/api/state", timeout=10).json()["transfers"]
 
 
-def wait_held(c: Controller, p: list[int], instance: str, timeout: float = 30.0) -> None:
+def wait_held(c: ControllerProcess, p: list[int], instance: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while instance not in httpx.post(c.url + "/lookup", json={"tokens": p}, timeout=10).json()["layout_info"]:
         if time.monotonic() > deadline:
@@ -361,7 +361,7 @@ def main() -> int:
     if args.cluster_secret:
         secret_file = tmp / "cluster.secret"
         secret.write_file(str(secret_file), secret.generate())
-    controller = Controller(tmp, secret_file=secret_file)
+    controller = ControllerProcess(tmp, secret_file=secret_file)
     servers: list[OffloadServer] = []
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"cold": [], "p2p": []}

@@ -41,8 +41,8 @@ from kvferry.engine.remote import mooncake_backend, mooncake_settings
 from kvferry.engine.remote.mooncake_backend import MooncakeClient
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.remote import RemoteTier
-from kvferry.launcher.stores import MooncakeMaster
-from kvferry.testing.stores import start_lm_server, start_redis
+from kvferry.launcher.services import MooncakeMaster
+from kvferry.testing.store_servers import start_lm_server, start_redis
 
 # Llama-3-8B's KV per token: 32 layers x K,V x 8 heads x 128 x bf16 = 128 KiB.
 SHAPE = ChunkShape(torch.bfloat16, num_layers=32, num_kv_heads=8, head_size=128, layout_digest=b"b" * 16)

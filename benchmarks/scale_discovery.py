@@ -2,7 +2,7 @@
 
     python benchmarks/scale_discovery.py [--quick]      # one JSON line
 
-A real etcd (kvferry.launcher.stores), 1-10 kvferry proxies (separate processes, ``--workers 1``,
+A real etcd (kvferry.launcher.services), 1-10 kvferry proxies (separate processes, ``--workers 1``,
 the cluster secret on) watching it, and N registered instances: N ``Registration`` objects in one
 registrar child process (the etcd traffic N ``kvferry join`` sidecars make: a lease, the signed
 record, and every TTL/3 a keepalive and the record re-written), their URLs pointing at nothing on
@@ -35,7 +35,7 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.common.etcd import EtcdError
 from kvferry.common.netutil import free_port
-from kvferry.launcher import stores
+from kvferry.launcher import services
 from kvferry.launcher.vllm_proc import die_with_parent
 from kvferry.testing.processes import wait_http
 
@@ -303,7 +303,7 @@ def measure(quick: bool) -> dict:
     shm = Path("/dev/shm")
     work = Path(tempfile.mkdtemp(prefix="kvferry-scale-discovery-", dir=shm if shm.is_dir() else None))
     procs = Procs(work)
-    etcd = stores.start_etcd(work)
+    etcd = services.start_etcd(work)
     regs: list[Registrar] = []
     points = []
     try:

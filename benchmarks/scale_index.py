@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from kvferry.proxy.routing.holders import Holders
-from kvferry.proxy.routing.kv_events import BlockStored, EventBatch, KVEventSubscription
+from kvferry.proxy.routing.kv_event_subscription import BlockStored, EventBatch, KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex
 
 BS, CHAIN = 16, 32

@@ -42,9 +42,9 @@ from kvferry.proxy.http.messages import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import parse
-from kvferry.proxy.routing.kv_events import BlockRemoved, BlockStored, EventBatch
+from kvferry.proxy.routing.instances import Instance
+from kvferry.proxy.routing.kv_event_subscription import BlockRemoved, BlockStored, EventBatch
 from kvferry.proxy.routing.prefix_index import prefix_keys
-from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.upstream_client import UpstreamClient
 

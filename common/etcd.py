@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvferry.common.errors import UnavailableError
-from kvferry.common.http_client import Broken, ClosedEarly, Pool, Response, Timeout, TooLarge, Unreachable
+from kvferry.common.http_client import Broken, ClientResponse, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
 
 CALL_TIMEOUT_S = 3.0  # one unary call
 MAX_ANSWER_BYTES = 1 << 20  # one unary answer (a range page has its own bound)
@@ -289,7 +289,7 @@ class Etcd:
             if "lease not found" not in str(e):
                 raise
 
-    async def _lines(self, r: Response, path: str) -> AsyncIterator[bytes]:
+    async def _lines(self, r: ClientResponse, path: str) -> AsyncIterator[bytes]:
         """The stream's lines, each bounded by MAX_WATCH_LINE while it is read (a whole line that
         came in one read too)."""
         buf = bytearray()

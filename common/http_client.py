@@ -16,7 +16,7 @@ within `wait_timeout`; and while a leg waits for bytes, no more than `read_timeo
 checked by one sweep per pool rather than a timer per read. A connection is reused only after a
 whole answer the engine did not mark `Connection: close`; an answer left half-read closes it.
 Buffered pieces are capped: the socket stops being read until the leg takes them. A stream's
-usual reads can be relayed in the connection's callback itself (`Response.sink`), without waking
+usual reads can be relayed in the connection's callback itself (`ClientResponse.sink`), without waking
 the leg's task.
 """
 
@@ -57,7 +57,7 @@ class ClosedEarly(Unreachable):
 
 
 class TooLarge(Broken):
-    """An answer past the reader's `limit` (`Response.read`): the caller may ask again for less."""
+    """An answer past the reader's `limit` (`ClientResponse.read`): the caller may ask again for less."""
 
 
 class Timeout(UnavailableError, TimeoutError):
@@ -76,7 +76,7 @@ class _Conn(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.resp: Response | None = None
+        self.resp: ClientResponse | None = None
         self.host: _Host | None = None  # set once connected; None again once closed
         self.closed = False
         self.ticks = 0  # reads so far: the sweep's sign of life
@@ -148,7 +148,7 @@ class _Conn(asyncio.Protocol):
                 self.transport.close()
 
 
-class Response:
+class ClientResponse:
     """An engine's answer: `status` once `Pool.request` returns; the body whole (`read`) or in
     the pieces each read brought (`pieces`). `release()` always, when done with it."""
 
@@ -294,7 +294,7 @@ class Pool:
             h.head = f"Host: {urlsplit(base).netloc}\r\n{self.extra}".encode()
 
     async def request(self, method: str, base: str, path: str, body: bytes | None = None,
-                      stream: bool = False, headers: bytes = b"") -> Response:
+                      stream: bool = False, headers: bytes = b"") -> ClientResponse:
         """Send one request to the engine at `base` (http://host:port); the answer once its head came.
         `stream`: a stream whose waits are bounded by `stall_timeout` (Timeout "stall"). `headers`:
         this request's own header lines ("Name: value\r\n" each, checked by the caller), after the
@@ -302,7 +302,7 @@ class Pool:
         h = self._host(base)
         for attempt in (0, 1):
             conn, reused = await self._conn(h)
-            r = Response(conn, stream)
+            r = ClientResponse(conn, stream)
             conn.resp = r
             self.busy.add(conn)
             head = f"{method} {path} HTTP/1.1\r\n".encode() + h.head + headers

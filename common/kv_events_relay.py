@@ -28,7 +28,7 @@ from kvferry.common.log import RateLimitedLog, get_logger
 
 logger = get_logger(__name__)
 
-MAX_FRAME_BYTES = 16 << 20  # as the proxy's bound on one event batch (proxy/routing/kv_events.py)
+MAX_FRAME_BYTES = 16 << 20  # as the proxy's bound on one event batch (proxy/routing/kv_event_subscription.py)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_FRAMES = 20_000

@@ -13,8 +13,8 @@ What is checked (docs/compatibility.md):
 - every vLLM attribute the connector reads (:data:`FIELDS`: the scheduler output, requests,
   ``KVCacheConfig``, vLLM's config) exists, with the annotation the connector expects where the
   shape matters;
-- the KV event types: the proxy's decoder (proxy/routing/kv_events.py) finds the fields, required-ness,
-  tags and array layout it decodes, and the connector's encoder (connector/kv_events.py) passes
+- the KV event types: the proxy's decoder (proxy/routing/kv_event_subscription.py) finds the fields, required-ness,
+  tags and array layout it decodes, and the connector's encoder (connector/tier_events.py) passes
   every required field of ``BlockStored`` / ``BlockRemoved`` and no unknown one.
 
 Run: ``python -m kvferry.connector.api_compat [--wheel PATH | --source DIR]`` (JSON out, exit 1 on a
@@ -342,36 +342,38 @@ def _flag(info: ClassInfo, key: str) -> bool:
 def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> None:
     n = 0
     # The proxy's decoder (read as source: the connector does not import the proxy).
-    dec_path = CONNECTOR_DIR.parent / "proxy" / "routing" / "kv_events.py"
-    decoder = own_classes("proxy/routing/kv_events.py", ast.parse(dec_path.read_text(encoding="utf-8"), str(dec_path)))
+    dec_path = CONNECTOR_DIR.parent / "proxy" / "routing" / "kv_event_subscription.py"
+    decoder = own_classes("proxy/routing/kv_event_subscription.py",
+                          ast.parse(dec_path.read_text(encoding="utf-8"), str(dec_path)))
     for ours_name, theirs in (("BlockStored", "BlockStored"), ("BlockRemoved", "BlockRemoved"),
                               ("AllBlocksCleared", "AllBlocksCleared"), ("EventBatch", "KVEventBatch")):
         ours = decoder[ours_name]
         info = idx.cls(EVENTS_MODULE, theirs)
         if info is None:
-            rep.problems.append(f"{EVENTS_MODULE}.{theirs} is missing (decoded by proxy/routing/kv_events.py)")
+            rep.problems.append(f"{EVENTS_MODULE}.{theirs} is missing "
+                                "(decoded by proxy/routing/kv_event_subscription.py)")
             continue
         want_tag, want_array = _flag(ours, "tag"), _flag(ours, "array_like")
         tag, array = _flag(info, "tag"), _flag(info, "array_like")
         if tag != want_tag or array != want_array:
-            rep.problems.append(f"{theirs} is encoded with tag={tag}, array_like={array} in this vLLM; "
-                                f"proxy/routing/kv_events.py decodes tag={want_tag}, array_like={want_array}")
+            rep.problems.append(f"{theirs} is encoded with tag={tag}, array_like={array} in this vLLM; proxy/routing/"
+                                f"kv_event_subscription.py decodes tag={want_tag}, array_like={want_array}")
         order = info.field_order
         for i, name in enumerate(ours.field_order):
             n += 1
             m = info.members.get(name)
             if m is None or m.kind != "field":
                 rep.problems.append(f"{theirs}.{name} is missing in this vLLM ({EVENTS_MODULE}; decoded by "
-                                    "proxy/routing/kv_events.py)")
+                                    "proxy/routing/kv_event_subscription.py)")
                 continue
             if not ours.members[name].has_default and m.has_default:
                 rep.problems.append(f"{theirs}.{name} has a default in this vLLM ({m.where}): with omit_defaults "
-                                    "it may be left out, and proxy/routing/kv_events.py requires it")
+                                    "it may be left out, and proxy/routing/kv_event_subscription.py requires it")
             if want_array and (i >= len(order) or order[i] != name):
                 rep.problems.append(f"{theirs} is an array: field {i} is {order[i] if i < len(order) else None!r} "
-                                    f"in this vLLM, proxy/routing/kv_events.py reads {name!r} there")
+                                    f"in this vLLM, proxy/routing/kv_event_subscription.py reads {name!r} there")
     # The connector's encoder: BlockStored(...) / BlockRemoved(...) calls take every required field.
-    enc = sources.get("connector/kv_events.py")
+    enc = sources.get("connector/tier_events.py")
     for cls in ("BlockStored", "BlockRemoved"):
         info = idx.cls(EVENTS_MODULE, cls)
         if info is None or enc is None:
@@ -380,10 +382,10 @@ def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> No
         for kwargs, line in _calls_kwargs(enc, cls):
             n += 1
             for k in sorted(kwargs - set(fields)):
-                rep.problems.append(f"connector/kv_events.py:{line} passes {k}= to {cls}, which this vLLM does not "
+                rep.problems.append(f"connector/tier_events.py:{line} passes {k}= to {cls}, which this vLLM does not "
                                     "have")
             for k in sorted(k for k, m in fields.items() if not m.has_default and k not in kwargs):
-                rep.problems.append(f"connector/kv_events.py:{line} does not pass {cls}.{k}, required in this vLLM "
+                rep.problems.append(f"connector/tier_events.py:{line} does not pass {cls}.{k}, required in this vLLM "
                                     f"({fields[k].where})")
     rep.checked["event_fields"] = n
 

@@ -22,10 +22,10 @@ from kvferry.common.transfer_params import (
     prefill_params,
 )
 from kvferry.connector.block_table import BlockTable
-from kvferry.connector.kv_events import start_relay, to_vllm
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
 from kvferry.connector.request_identity import IdentityReader, Unkeyable
 from kvferry.connector.roles import Roles, engine_id, salt
+from kvferry.connector.tier_events import start_relay, to_vllm
 from kvferry.engine.api import OffloadPlanner, PromptIdentity, notice_addr
 
 if TYPE_CHECKING:

@@ -72,7 +72,7 @@ def tree_version(tree: SourceTree) -> str:
 
 
 @dataclass
-class Member:
+class SourceMember:
     name: str
     kind: str  # field | attr | method | classmethod | staticmethod | property | self
     owner: str  # the class that defines it
@@ -87,7 +87,7 @@ class Member:
 class ClassInfo:
     module: str
     name: str
-    members: dict[str, Member] = field(default_factory=dict)
+    members: dict[str, SourceMember] = field(default_factory=dict)
     keywords: dict[str, str] = field(default_factory=dict)  # class keywords (msgspec: tag, array_like)
     field_order: list[str] = field(default_factory=list)  # annotated fields, bases first
     vllm_bases: list[str] = field(default_factory=list)
@@ -208,14 +208,14 @@ class Index:
         for item in node.body:
             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                 n = item.target.id
-                info.members[n] = Member(n, "field", node.name, ast.unparse(item.annotation), item.value is not None,
-                                         node=item, where=f"{module}:{item.lineno}")
+                info.members[n] = SourceMember(n, "field", node.name, ast.unparse(item.annotation),
+                                               item.value is not None, node=item, where=f"{module}:{item.lineno}")
                 if n not in info.field_order:
                     info.field_order.append(n)
             elif isinstance(item, ast.Assign):
                 for t in item.targets:
                     if isinstance(t, ast.Name):
-                        info.members[t.id] = Member(t.id, "attr", node.name, has_default=True, node=item,
+                        info.members[t.id] = SourceMember(t.id, "attr", node.name, has_default=True, node=item,
                                                     where=f"{module}:{item.lineno}")
             elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 decos = _decorators(item)
@@ -224,7 +224,7 @@ class Index:
                 prev = info.members.get(item.name)
                 if kind == "property" and prev is not None and prev.owner == node.name and prev.kind == "property":
                     continue  # the setter of a property already seen
-                info.members[item.name] = Member(item.name, kind, node.name, abstract="abstractmethod" in decos,
+                info.members[item.name] = SourceMember(item.name, kind, node.name, abstract="abstractmethod" in decos,
                                                  node=item, where=f"{module}:{item.lineno}")
         for item in node.body:  # self.x = ... in any method
             if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -237,7 +237,7 @@ class Index:
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
                             and t.attr not in info.members:
                         ann = ast.unparse(sub.annotation) if isinstance(sub, ast.AnnAssign) else None
-                        info.members[t.attr] = Member(t.attr, "self", node.name, ann, True, node=sub,
+                        info.members[t.attr] = SourceMember(t.attr, "self", node.name, ann, True, node=sub,
                                                       where=f"{module}:{sub.lineno}")
         del where
         return info
@@ -254,7 +254,7 @@ class Param:
 
 
 def _params(fn: ast.AST | None, static: bool) -> tuple[list[Param], list[Param], bool, bool]:
-    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))  # a method's Member has its def
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))  # a method's SourceMember has its def
     a = fn.args
     pos = [Param(x.arg, "posonly", False) for x in a.posonlyargs] + [Param(x.arg, "pos", False) for x in a.args]
     for p, _ in zip(reversed(pos), reversed(a.defaults), strict=False):
@@ -270,7 +270,7 @@ def signature(fn: ast.AST | None) -> str:
     return f"{fn.name}({ast.unparse(fn.args)})"
 
 
-def signature_problem(base: Member, mine: Member) -> str | None:
+def signature_problem(base: SourceMember, mine: SourceMember) -> str | None:
     """Why vLLM's calls to `base` may not fit kvferry's `mine`, or None."""
     if base.kind != mine.kind and {base.kind, mine.kind} != {"method", "self"}:
         return f"vLLM's is a {base.kind}, kvferry's a {mine.kind}"
@@ -309,7 +309,7 @@ def signature_problem(base: Member, mine: Member) -> str | None:
     return None
 
 
-def call_problem(base: Member, call: ast.Call) -> str | None:
+def call_problem(base: SourceMember, call: ast.Call) -> str | None:
     """Why kvferry's `super().x(...)` call does not fit vLLM's `x`, or None."""
     pos, kw, var, varkw = _params(base.node, base.kind == "staticmethod")
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):

@@ -2,7 +2,7 @@
 
 Trust (docs/security.md): with a cluster secret every ZMQ socket speaks
 CurveZMQ, so a worker without the secret gets no frame through either way; with an admin key every
-HTTP endpoint but /health needs it (controller/api.py). Without them a loopback controller serves
+HTTP endpoint but /health needs it (controller/http_api.py). Without them a loopback controller serves
 as LMCache's does; beyond loopback each missing one is a warning, or a one-line error under
 --require-cluster-secret.
 """
@@ -20,7 +20,7 @@ from kvferry.common.log import get_logger
 from kvferry.controller.guard import ASGIApp
 from kvferry.controller.http import DEFAULT_LIMITS, HttpLimits, HttpServer
 from kvferry.controller.models import MoveEvent
-from kvferry.controller.registry import LOCATIONS, Instance, Registry, RegistryError
+from kvferry.controller.registry import LOCATIONS, InstanceWorkers, RegistryError, WorkerRegistry
 from kvferry.controller.worker_links import PORTS, WorkerLinks, new_id
 
 logger = get_logger(__name__)
@@ -37,7 +37,7 @@ class Controller:
         self.admin_key = admin_key or None
         self.hosts = Hosts(host, allowed_hosts)  # the HTTP API's names without an admin key (controller/guard.py)
         self.http_limits = http_limits
-        self.registry = Registry()
+        self.registry = WorkerRegistry()
         # What workers and HTTP clients got wrong; shown in /health.
         self.counters = {"bad_frames": 0, "rejected_messages": 0, "bad_lookups": 0, "failed_commands": 0,
                          "unauthorized_http": 0, "dropped_connections": 0}
@@ -64,7 +64,7 @@ class Controller:
             raise SystemExit(f"kvferry-controller: {e}") from None
 
     async def start(self, app: ASGIApp) -> None:
-        """Serve `app` (controller/api.py's build_app of this controller) and the worker links."""
+        """Serve `app` (controller/http_api.py's build_app of this controller) and the worker links."""
         self.check_exposure()
         self.links.start()
         self._http = HttpServer(app, self.host, self.port, self.http_limits, self._dropped)
@@ -129,7 +129,7 @@ class Controller:
                 "num_chunks": sum(r.num_chunks for r in results), **({"error": "; ".join(failed)} if failed else {})}
 
     # ---- moves ----
-    async def _run_move(self, ev: MoveEvent, src: Instance, dst: Instance, keys: list[bytes],
+    async def _run_move(self, ev: MoveEvent, src: InstanceWorkers, dst: InstanceWorkers, keys: list[bytes],
                         copy: bool) -> None:
         try:
             await self._move_chunks(ev, src, dst, keys, copy)
@@ -137,7 +137,7 @@ class Controller:
             logger.exception("move %s failed", ev.event_id)
             ev.status, ev.error = "failed", f"{type(e).__name__}: {e}"
 
-    async def _move_chunks(self, ev: MoveEvent, src: Instance, dst: Instance, keys: list[bytes],
+    async def _move_chunks(self, ev: MoveEvent, src: InstanceWorkers, dst: InstanceWorkers, keys: list[bytes],
                            copy: bool) -> None:
         ev.status = "running"
         pairs = list(zip(src.ranks(), dst.ranks(), strict=True))

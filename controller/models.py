@@ -1,7 +1,7 @@
 """The HTTP API's request and response bodies, typed so /openapi.json and /docs describe them.
 
 Request fields are strict (no coercion: `"copy": "yes"` is refused, not read as true); a body that
-fails them is answered 400 `{"error": ...}` with the message controller/api.py gives per field.
+fails them is answered 400 `{"error": ...}` with the message controller/http_api.py gives per field.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class LookupRequest(RequestBody):
+class LookupBody(RequestBody):
     tokens: list[TokenId] = Field(description="the prompt's token ids (POST /tokenize on the vLLM server)")
 
 
@@ -50,7 +50,7 @@ class ErrorBody(BaseModel):
     error: str
 
 
-class LookupResponse(BaseModel):
+class LookupAnswer(BaseModel):
     event_id: str
     layout_info: dict[str, tuple[str, int]] = Field(
         description="instance_id -> [location, tokens of the prompt's prefix it holds]")

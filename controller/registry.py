@@ -84,7 +84,7 @@ class Worker:
 
 
 @dataclass
-class Instance:
+class InstanceWorkers:
     id: str
     workers: dict[int, Worker] = field(default_factory=dict)
 
@@ -119,10 +119,10 @@ class Instance:
         return next(iter(self.workers.values())).info.chunk_size
 
 
-class Registry:
+class WorkerRegistry:
     def __init__(self, clock=time.monotonic, history: int = 50, max_workers: int = MAX_WORKERS,
                  max_chunks_per_worker: int = MAX_CHUNKS_PER_WORKER, max_chunks: int = MAX_CHUNKS) -> None:
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, InstanceWorkers] = {}
         self.clock = clock
         self.transfers: deque[dict] = deque(maxlen=history)
         self.events: deque[dict] = deque(maxlen=history)
@@ -158,7 +158,7 @@ class Registry:
             raise RegistryError(f"{who}: refused, the controller already tracks {self.num_workers} workers (its "
                                 "bound); the others' heartbeats must stop first")
         if inst is None:
-            inst = self.instances[info.instance_id] = Instance(info.instance_id)
+            inst = self.instances[info.instance_id] = InstanceWorkers(info.instance_id)
         if old is not None:
             self.indexed -= len(old.chunks)
         else:
@@ -263,7 +263,7 @@ class Registry:
         return out
 
     # ---- move / clear planning ----
-    def instance(self, instance_id: str, role: str) -> Instance:
+    def instance(self, instance_id: str, role: str) -> InstanceWorkers:
         inst = self.instances.get(instance_id)
         if inst is None or not inst.complete:
             known = ", ".join(sorted(self.instances)) or "none"
@@ -271,8 +271,8 @@ class Registry:
                                 "lmcache_instance_id and that it has enable_controller: true")
         return inst
 
-    def plan_move(self, old: Sequence[str], new: Sequence[str], tokens: Sequence[int]) -> tuple[Instance, Instance,
-                                                                                                 list[bytes], int]:
+    def plan_move(self, old: Sequence[str], new: Sequence[str],
+                  tokens: Sequence[int]) -> tuple[InstanceWorkers, InstanceWorkers, list[bytes], int]:
         """(source, destination, keys to move, tokens they cover)."""
         for pos, name in ((old, "old_position"), (new, "new_position")):
             if len(pos) != 2:

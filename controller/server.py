@@ -1,7 +1,7 @@
 """`kvferry-controller`: the P2P cluster's registry, lookup service, mover and web page.
 
 Ports: `--monitor-ports` (ZMQ; workers report to pull/heartbeat, schedulers look up on reply,
-controller/worker_links.py) and `--port` (HTTP: LMCache's controller API, the page and /docs, controller/api.py).
+controller/worker_links.py) and `--port` (HTTP: LMCache's controller API, the page and /docs, controller/http_api.py).
 With `--cluster-secret-file` every ZMQ port speaks CurveZMQ; with `--admin-key` (or
 KVFERRY_ADMIN_KEY) the HTTP API needs the key (controller/cluster.py says how exposure is judged).
 """
@@ -20,9 +20,9 @@ from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.errors import ConfigurationError
 from kvferry.common.log import configure_logging, get_logger
-from kvferry.controller.api import build_app
 from kvferry.controller.cluster import Controller
 from kvferry.controller.http import HttpLimits
+from kvferry.controller.http_api import build_app
 
 logger = get_logger(__name__)
 

@@ -26,7 +26,7 @@ from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
-from kvferry.controller.registry import Registry, RegistryError, Worker
+from kvferry.controller.registry import RegistryError, Worker, WorkerRegistry
 
 logger = get_logger(__name__)
 
@@ -46,7 +46,7 @@ def new_id() -> str:
 class WorkerLinks:
     """The monitor ports' loops and the command sockets to workers, over one registry."""
 
-    def __init__(self, registry: Registry, host: str, ports: dict[str, int], trust: zsock.Trust,
+    def __init__(self, registry: WorkerRegistry, host: str, ports: dict[str, int], trust: zsock.Trust,
                  counters: dict[str, int], command_timeout: float = 120.0, sweep_interval: float = 0.5) -> None:
         self.registry, self.host, self.ports, self.trust = registry, host, ports, trust
         self.counters = counters  # shared with the HTTP side: /health shows them together

@@ -22,7 +22,7 @@ from kvferry.engine.pd.consumer import PDConsumer
 from kvferry.engine.pd.producer import PDProducer
 from kvferry.engine.pd.shared import fingerprint
 from kvferry.engine.pd.slicing import Slice, feeds
-from kvferry.engine.remote.base import RemoteError
+from kvferry.engine.remote.backend import RemoteError
 from kvferry.kernels.layout import KVLayout, detect_layout
 from kvferry.kernels.paged_copy import PagedKV
 from kvferry.sender.addr import ReceiverAddr

@@ -48,7 +48,7 @@ def version() -> str:
 
 
 @dataclass
-class Member:
+class JoinedInstance:
     """One instance to keep registered while `health_url` answers 200."""
 
     record: m.InstanceRecord
@@ -80,7 +80,7 @@ class Registrar:
             return False
         return r.status == 200
 
-    async def keep(self, member: Member, stop: asyncio.Event) -> None:
+    async def keep(self, member: JoinedInstance, stop: asyncio.Event) -> None:
         """Until `stop`: register once healthy, renew, withdraw after FAILS_TO_WITHDRAW failed checks."""
         reg = disc.Registration(self.target, member.record, self.secret, self.ttl)
         iid = member.record.instance_id
@@ -131,7 +131,7 @@ class Registrar:
         finally:
             await checks.close()
 
-    def start_thread(self, members: list[Member]) -> threading.Thread:
+    def start_thread(self, members: list[JoinedInstance]) -> threading.Thread:
         """Keep `members` registered from a thread of its own (the launcher is not async); `stop()` ends it."""
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
@@ -223,7 +223,7 @@ def _secret(args: argparse.Namespace, target: disc.Target, advertise: str) -> cl
     return secret
 
 
-async def _serve(args: argparse.Namespace, target: disc.Target, members: Member,
+async def _serve(args: argparse.Namespace, target: disc.Target, members: JoinedInstance,
                  secret: cluster_secret.ClusterSecret | None, proc_alive) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     inst.start()
     try:
-        return asyncio.run(_serve(args, target, Member(rec, _local_health(args.bind_host, port)), secret,
+        return asyncio.run(_serve(args, target, JoinedInstance(rec, _local_health(args.bind_host, port)), secret,
                                   lambda: inst.proc.poll() if inst.proc else 0))
     finally:
         inst.stop()
@@ -358,4 +358,4 @@ def _attach(args: argparse.Namespace, target: disc.Target, secret, advertise: st
                            init_ports=init, alloc_ports=alloc, kv_events=ev,
                            fingerprint=disc.fingerprint(served, args.dtype), tp_size=args.tp,
                            kvferry_version=version())
-    return asyncio.run(_serve(args, target, Member(rec, f"{url}/health"), secret, lambda: None))
+    return asyncio.run(_serve(args, target, JoinedInstance(rec, f"{url}/health"), secret, lambda: None))

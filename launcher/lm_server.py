@@ -17,7 +17,7 @@ from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.log import configure_logging, get_logger
 from kvferry.common.units import fmt_bytes
-from kvferry.engine.remote.lm.fd_limits import DEFAULT_MAX_CONNECTIONS, fit_connections
+from kvferry.engine.remote.lm.conn_cap import DEFAULT_MAX_CONNECTIONS, fit_connections
 from kvferry.engine.remote.lm.server import LMServer
 
 logger = get_logger(__name__)

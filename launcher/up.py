@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvferry.common import secret
 from kvferry.common.config import ConfigError, load_config
 from kvferry.common.netutil import advertised, http_url, is_loopback, local_host, port_is_free
-from kvferry.launcher import stores
+from kvferry.launcher import services
 from kvferry.launcher.local_node import UpError, gpu_count, model_of
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.reaper import Reaper
@@ -135,7 +135,7 @@ def plan(args: argparse.Namespace) -> dict:
         raise UpError(f"--port {args.port}: the port is in use; pick another (--port N)")
     if getattr(args, "discovery", None) is not None:
         if args.discovery == "etcd":
-            if stores.etcd_binary() is None:
+            if services.etcd_binary() is None:
                 raise UpError("--discovery etcd: etcd not found: apt-get install etcd-server (`make etcd`), or "
                               "give a running one: --discovery etcd://HOST:PORT/PREFIX")
         else:
@@ -163,7 +163,7 @@ def plan(args: argparse.Namespace) -> dict:
                                              "pd_handshake_timeout", "pd_alloc_timeout", "pd_lease_seconds",
                                              "pd_kv_ready_timeout", "pd_kv_timeout_action")
                 if getattr(cfg, k) is not None}
-    if args.remote == "mooncake" and stores.mooncake_master_binary() is None:
+    if args.remote == "mooncake" and services.mooncake_master_binary() is None:
         raise UpError("--remote mooncake: mooncake_master not found: pip install 'kvferry[cpu]' (or 'kvferry[cuda]')")
     if args.cluster_secret_file is not None:
         try:
@@ -219,15 +219,15 @@ class Cluster:
         self.admin_key_file: Path | None = None
         if not is_loopback(args.host) and not os.environ.get(ADMIN_KEY_ENV):
             self.admin_key_file = admin_key_file(self.log_dir)
-        self.store: stores.MooncakeMaster | None = None
-        self.etcd: stores.Proc | None = None
+        self.store: services.MooncakeMaster | None = None
+        self.etcd: services.Proc | None = None
         self.registrar: Registrar | None = None  # with --discovery
         self.discovery: str | None = getattr(args, "discovery", None)
         if self.discovery == "etcd":  # a local one-member etcd for this cluster
-            self.etcd = stores.start_etcd(self.log_dir)
+            self.etcd = services.start_etcd(self.log_dir)
             self.discovery = f"etcd://127.0.0.1:{self.etcd.port}/kvferry"
         if args.remote == "mooncake":  # prefillers share computed prompts through it
-            self.store = stores.MooncakeMaster(self.log_dir)
+            self.store = services.MooncakeMaster(self.log_dir)
             keys.update(remote_url=self.store.url, extra_config=self.store.extra_config())
         n = args.num_prefillers + args.num_decoders
         self.kv_events: list[tuple[str, str]] = []  # each instance's event publisher and replay socket
@@ -337,7 +337,7 @@ class Cluster:
         """Every instance into discovery, kept there while its /health passes (launcher/join.py)."""
         from kvferry.common import discovery as disc
         from kvferry.common import messages as m
-        from kvferry.launcher.join import Member, Registrar, version
+        from kvferry.launcher.join import JoinedInstance, Registrar, version
         assert self.discovery is not None  # only called with --discovery
         target = disc.parse_target(self.discovery)
         members = []
@@ -349,7 +349,7 @@ class Cluster:
                                    url=s.url, kv_events=[pub, replay],
                                    fingerprint=disc.fingerprint(self.p["served"]), tp_size=self.args.tp,
                                    kvferry_version=version(), **ports)
-            members.append(Member(rec, f"{s.url}/health"))
+            members.append(JoinedInstance(rec, f"{s.url}/health"))
         registrar = Registrar(target, secret.from_file(self.secret_file, "cluster secret"), self.args.lease_ttl)
         registrar.start_thread(members)
         self.registrar = registrar

@@ -11,7 +11,7 @@ from kvferry.proxy.http.messages import Request, Response, json_response
 from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, decoder_from, parse_url
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 logger = get_logger(__name__)
 

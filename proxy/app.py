@@ -33,8 +33,8 @@ from kvferry.proxy.multiproc.board import LoadBoard
 from kvferry.proxy.openai.body import BodyReader
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions
+from kvferry.proxy.routing.instances import Instance
 from kvferry.proxy.routing.membership import Discovery
-from kvferry.proxy.routing.registry import Instance
 from kvferry.proxy.routing.router import Router
 from kvferry.proxy.routing.tokens import PromptTokens
 from kvferry.proxy.upstream_client import UpstreamClient

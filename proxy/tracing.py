@@ -36,7 +36,7 @@ from kvferry.common.otel import Tracing
 from kvferry.proxy.http.messages import Request, Response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 Span = trace.Span
 _CARRIED = ("traceparent", "tracestate")

@@ -33,7 +33,7 @@ MAX_BODY = 32 << 20  # one export request at most (the SDK batches 512 spans)
 
 
 @dataclass(frozen=True)
-class Span:
+class ReceivedSpan:
     """One span as the receiver got it; ids as lowercase hex ("" for no parent)."""
 
     trace_id: str
@@ -58,14 +58,14 @@ def _value(v: AnyValue) -> Any:
     return getattr(v, kind) if kind else None
 
 
-def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
+def decode(request: trace_service_pb2.ExportTraceServiceRequest) -> list[ReceivedSpan]:
     out = []
     for rs in request.resource_spans:
         resource = {a.key: _value(a.value) for a in rs.resource.attributes}
         service = str(resource.get("service.name", ""))
         for ss in rs.scope_spans:
             for s in ss.spans:
-                out.append(Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, int(s.kind),
+                out.append(ReceivedSpan(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, int(s.kind),
                                 s.start_time_unix_nano, s.end_time_unix_nano,
                                 {a.key: _value(a.value) for a in s.attributes}, service, resource,
                                 int(s.status.code)))
@@ -111,7 +111,7 @@ class OTLPReceiver:
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
-        self._spans: list[Span] = []
+        self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._grpc: Any = None
         self._http: ThreadingHTTPServer | None = None
@@ -135,15 +135,15 @@ class OTLPReceiver:
     def http_endpoint(self) -> str:
         return f"http://{self.host}:{self.http_port}/v1/traces"
 
-    def add(self, spans: list[Span]) -> None:
+    def add(self, spans: list[ReceivedSpan]) -> None:
         with self._lock:
             self._spans += spans
 
-    def spans(self) -> list[Span]:
+    def spans(self) -> list[ReceivedSpan]:
         with self._lock:
             return list(self._spans)
 
-    def trace(self, trace_id: str) -> list[Span]:
+    def trace(self, trace_id: str) -> list[ReceivedSpan]:
         """The spans of one trace, in start order."""
         return sorted((s for s in self.spans() if s.trace_id == trace_id), key=lambda s: s.start_ns)
 
@@ -167,7 +167,7 @@ class OTLPReceiver:
         self.stop()
 
 
-def dump(spans: list[Span], path: str) -> None:
+def dump(spans: list[ReceivedSpan], path: str) -> None:
     with open(path, "w") as f:
         json.dump([asdict(s) for s in spans], f, indent=1)
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from kvferry.common.netutil import free_port
-from kvferry.launcher.stores import Proc, StoreStartError
+from kvferry.launcher.services import Proc, StoreStartError
 
 
 def prometheus_binary() -> str | None:

@@ -165,7 +165,7 @@ def plain_vllm(tiny_model_path: Path, log_dir: Path) -> Iterator[VLLMServer]:
 def redis_available() -> None:
     """redis-server must be installed (`make redis`); under CI=true (.ci/run) a missing
     one fails instead of skipping."""
-    from kvferry.testing.stores import redis_server_binary
+    from kvferry.testing.store_servers import redis_server_binary
     if redis_server_binary() is None:
         msg = "redis-server not installed: run `make redis` (apt-get install redis-server)"
         if os.environ.get("CI") == "true":  # not a KVFERRY_* variable: those are config keys
@@ -177,7 +177,7 @@ def redis_available() -> None:
 def etcd_available() -> None:
     """etcd must be installed (`make etcd`); under CI=true (.ci/run) a missing one fails instead
     of skipping."""
-    from kvferry.launcher.stores import etcd_binary
+    from kvferry.launcher.services import etcd_binary
     if etcd_binary() is None:
         msg = "etcd not installed: run `make etcd` (apt-get install etcd-server)"
         if os.environ.get("CI") == "true":
@@ -200,7 +200,7 @@ def prometheus_available() -> None:
 @pytest.fixture(scope="session")
 def etcd_server(etcd_available: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """One real etcd for the session's discovery tests (each test uses its own key prefix)."""
-    from kvferry.launcher.stores import start_etcd
+    from kvferry.launcher.services import start_etcd
     proc = start_etcd(tmp_path_factory.mktemp("etcd"))
     try:
         yield proc

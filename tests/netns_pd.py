@@ -159,7 +159,7 @@ def pages_all_free(d: VLLMServer | NsJoin, timeout: float = 30) -> bool:
 def start_etcd_in(net: NetnsCluster, i: int, work: Path) -> tuple[subprocess.Popen, str]:
     """A one-member etcd in namespace i, its client port on the namespace's address (its peer port on
     the namespace's loopback); returns the process and `HOST:PORT`."""
-    from kvferry.launcher.stores import etcd_binary
+    from kvferry.launcher.services import etcd_binary
     exe = etcd_binary()
     assert exe is not None, "etcd not installed: run `make etcd`"
     port, peer = free_port(), free_port()

@@ -113,13 +113,13 @@ def test_scale_bench_quick_discovery_and_transfer_run() -> None:
 
 def test_trace_picture_draws_a_dumped_trace(tmp_path: Path) -> None:
     """benchmarks/trace_picture.py draws what kvferry.testing.otlp_receiver.dump writes (docs/trace.svg)."""
-    from kvferry.testing.otlp_receiver import Span, dump
+    from kvferry.testing.otlp_receiver import ReceivedSpan, dump
 
     t = "ab" * 16
-    spans = [Span(t, "01" * 8, "ff" * 8, "POST /v1/completions", 2, 0, 9_000_000, {}, "kvferry-proxy", {}, 0),
-             Span(t, "02" * 8, "01" * 8, "prefill", 3, 1_000_000, 4_000_000, {"kvferry.instance": "p0"},
+    spans = [ReceivedSpan(t, "01" * 8, "ff" * 8, "POST /v1/completions", 2, 0, 9_000_000, {}, "kvferry-proxy", {}, 0),
+             ReceivedSpan(t, "02" * 8, "01" * 8, "prefill", 3, 1_000_000, 4_000_000, {"kvferry.instance": "p0"},
                   "kvferry-proxy", {}, 0),
-             Span(t, "03" * 8, "02" * 8, "kv.transfer", 1, 2_000_000, 3_500_000, {"kvferry.kv.bytes": 1 << 20},
+             ReceivedSpan(t, "03" * 8, "02" * 8, "kv.transfer", 1, 2_000_000, 3_500_000, {"kvferry.kv.bytes": 1 << 20},
                   "kvferry-prefiller", {}, 2)]
     dump(spans, str(tmp_path / "trace.json"))
     out = run_bench("benchmarks/trace_picture.py", str(tmp_path / "trace.json"), str(tmp_path / "trace.svg"))

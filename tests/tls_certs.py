@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvferry.testing.stores import ServerTLS
+from kvferry.testing.store_servers import ServerTLS
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from kvferry.engine.p2p.tier import P2PTier
 from kvferry.engine.remote import cachegen, mooncake_settings, redis_settings
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers import nixl_storage
-from kvferry.engine.tiers.base import LoadRequest, Tier
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.engine.tiers.disk import DiskTier, rank_root
 from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
 from kvferry.engine.tiers.remote import RemoteTier
+from kvferry.engine.tiers.tier import LoadRequest, Tier
 from kvferry.kernels.paged_copy import PagedKV
 
 logger = get_logger(__name__)

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from kvferry.engine.remote.base import PREFIX, Item, RemoteError
+from kvferry.engine.remote.backend import PREFIX, Item, RemoteError
 from kvferry.engine.remote.mooncake_settings import MAX_STAGING, MooncakeSettings
 from kvferry.engine.remote.serde import HEADER_BYTES
 

@@ -11,7 +11,7 @@ from typing import Any
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import get_logger
 from kvferry.common.netutil import is_loopback
-from kvferry.engine.remote.base import RemoteError, hostports
+from kvferry.engine.remote.backend import RemoteError, hostports
 
 logger = get_logger(__name__)
 

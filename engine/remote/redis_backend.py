@@ -26,7 +26,7 @@ from urllib.parse import parse_qsl, unquote
 
 from kvferry.common.log import get_logger
 from kvferry.common.redact import redact_url, userinfo_split
-from kvferry.engine.remote.base import PREFIX, Item, Mapped, RemoteError, hostports
+from kvferry.engine.remote.backend import PREFIX, Item, Mapped, RemoteError, hostports
 
 logger = get_logger(__name__)
 

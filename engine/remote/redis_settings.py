@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvferry.common.config import REDIS_SCHEMES, ConfigError, KVFerryConfig
 from kvferry.common.password_file import PasswordFileError, read_password_file
-from kvferry.engine.remote.base import RemoteError
+from kvferry.engine.remote.backend import RemoteError
 from kvferry.engine.remote.redis_backend import (
     RedisSettings,
     client_kwargs,

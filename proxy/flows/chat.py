@@ -26,7 +26,7 @@ from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.openai.merge import merge_samples
 from kvferry.proxy.routing.cache import Route
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 PATH = "/v1/chat/completions"
 T = TypeVar("T")

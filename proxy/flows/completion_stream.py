@@ -26,7 +26,7 @@ from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import completion_decode_leg, prompt_ids
 from kvferry.proxy.openai.merge import offset_after
 from kvferry.proxy.openai.rewrite import CompletionRewriter
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 PATH = "/v1/completions"
 

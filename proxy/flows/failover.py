@@ -20,7 +20,7 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.migrate import Migration, client_left
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 T = TypeVar("T")
 NextLeg = Callable[[ProxyError], "dict | None"]

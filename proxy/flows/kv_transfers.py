@@ -27,7 +27,7 @@ from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 logger = get_logger(__name__)
 

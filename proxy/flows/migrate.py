@@ -18,7 +18,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 logger = get_logger(__name__)
 

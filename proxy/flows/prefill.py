@@ -18,7 +18,7 @@ from kvferry.proxy.http.messages import Request
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import prefill_leg
 from kvferry.proxy.routing.cache import Route
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 
 logger = get_logger(__name__)
 

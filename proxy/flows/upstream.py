@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from kvferry.common.http_client import Broken, Response, Timeout, Unreachable
+from kvferry.common.http_client import Broken, ClientResponse, Timeout, Unreachable
 from kvferry.common.log import REQUEST_ID, RateLimitedLog, get_logger
 from kvferry.proxy.http import json_codec
 from kvferry.proxy.http.sse import events as sse_events
@@ -14,7 +14,7 @@ from kvferry.proxy.metrics import Value
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.answers import BadAnswer
 from kvferry.proxy.openai.errors import ProxyError
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 from kvferry.proxy.upstream_client import LegTracer, UpstreamClient
 
 logger = get_logger(__name__)
@@ -41,7 +41,7 @@ class Upstream:
     def __init__(self, router: LegWatcher, inst: Instance, prompt_tokens: int = 0, leg: str = "decode") -> None:
         self.router, self.client, self.inst, self.tokens, self.leg = router, router.client, inst, prompt_tokens, leg
         self.done = False  # events(): the stream's [DONE] came (the batch just yielded is its last)
-        self._stream: Response | None = None  # events()'s answer: released at the latest on __exit__
+        self._stream: ClientResponse | None = None  # events()'s answer: released at the latest on __exit__
         self.traced: tuple[LegTracer, Any] | None = None  # with tracing on: the tracer and the leg's span
 
     def __enter__(self) -> Upstream:
@@ -78,7 +78,7 @@ class Upstream:
             out += self.traced[0].headers(self.traced[1])
         return out
 
-    async def open(self, path: str, body: dict, stream: bool = False) -> Response:
+    async def open(self, path: str, body: dict, stream: bool = False) -> ClientResponse:
         """POST and return the response once its status is 2xx; errors become ProxyError. `stream`:
         a decode stream, whose every wait --stall-timeout bounds (its failure: kind "stall")."""
         c = self.client

@@ -12,9 +12,9 @@ from kvferry.common import zsock
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.holders import Holders
-from kvferry.proxy.routing.kv_events import KVEventSubscription
+from kvferry.proxy.routing.instances import Instance, RolePool
+from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, ROOT, PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance, Pool
 
 # What loading a token from kvferry's CPU or disk tier costs, as a fraction of computing it
 # (docs/proxy.md "Routing": cheaper than computing, not free).
@@ -109,7 +109,7 @@ class CacheView:
         holding the most of the prompt and SAMPLE others."""
         if len(pool) <= SCAN_ALL_UP_TO:
             return pool
-        by_id = pool.by_id if isinstance(pool, Pool) else {i.id: i for i in pool}
+        by_id = pool.by_id if isinstance(pool, RolePool) else {i.id: i for i in pool}
         out: dict[str, Instance] = {}
         if keys.tokens is not None:
             for bs in self.holders.block_sizes():

@@ -24,7 +24,7 @@ from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, parse_url
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions
-from kvferry.proxy.routing.registry import Instance
+from kvferry.proxy.routing.instances import Instance
 from kvferry.proxy.routing.router import Router
 
 logger = get_logger(__name__)

@@ -36,8 +36,8 @@ from kvferry.proxy.routing.cache import (
     served_mode,
 )
 from kvferry.proxy.routing.identity import prompt_root
+from kvferry.proxy.routing.instances import Instance, NoInstance, Registry
 from kvferry.proxy.routing.prefix_index import ROOT
-from kvferry.proxy.routing.registry import Instance, NoInstance, Registry
 from kvferry.proxy.upstream_client import UpstreamClient
 
 logger = get_logger(__name__)

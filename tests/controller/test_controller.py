@@ -22,8 +22,8 @@ from kvferry.common import messages as m
 from kvferry.common import secret, zsock
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
-from kvferry.controller.registry import Registry, RegistryError
-from kvferry.testing.stores import Controller
+from kvferry.controller.registry import RegistryError, WorkerRegistry
+from kvferry.testing.store_servers import ControllerProcess
 from tests.polling import until
 
 SALT = b"test-salt"
@@ -38,7 +38,7 @@ NO_ENV_SECRET = {k: v for k, v in os.environ.items()
 class FakeWorker:
     """One worker as the controller sees it: pushes reports, answers commands on its worker port."""
 
-    def __init__(self, c: Controller, instance_id: str, timeout: float = 30.0,
+    def __init__(self, c: ControllerProcess, instance_id: str, timeout: float = 30.0,
                  trust: zsock.Trust = zsock.PLAIN) -> None:
         self.ctx = zmq.Context.instance()
         self.trust = trust
@@ -80,8 +80,8 @@ class FakeWorker:
 
 
 @pytest.fixture
-def controller(tmp_path: Path) -> Iterator[Controller]:
-    c = Controller(tmp_path)
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    c = ControllerProcess(tmp_path)
     try:
         yield c
     finally:
@@ -92,7 +92,7 @@ def keys(tokens: list[int]) -> list[bytes]:
     return chunk_keys(tokens, CHUNK, SALT)
 
 
-def lookup(c: Controller, ks: list[bytes], asker: str = "asker", trust: zsock.Trust = zsock.PLAIN,
+def lookup(c: ControllerProcess, ks: list[bytes], asker: str = "asker", trust: zsock.Trust = zsock.PLAIN,
            wait: float = 5.0) -> m.LookupResponse | None:
     """The controller's answer; None (only when `wait` is given short) when none came."""
     s = zsock.connect(zmq.Context.instance(), zmq.DEALER, trust, zsock.tcp("127.0.0.1", c.reply))
@@ -111,7 +111,7 @@ def lookup(c: Controller, ks: list[bytes], asker: str = "asker", trust: zsock.Tr
         s.close(linger=0)
 
 
-def health(c: Controller) -> dict:
+def health(c: ControllerProcess) -> dict:
     return httpx.get(c.url + "/health", timeout=10).json()
 
 
@@ -122,11 +122,11 @@ def worker_info(instance_id: str, **kw: object) -> m.WorkerInfo:
     return m.WorkerInfo(**{**base, **kw})
 
 
-def state(c: Controller) -> dict:
+def state(c: ControllerProcess) -> dict:
     return httpx.get(c.url + "/api/state", timeout=10).json()
 
 
-def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controller: Controller) -> None:
+def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controller: ControllerProcess) -> None:
     tokens = list(range(100, 120))  # 5 chunks of 4
     ks = keys(tokens)
     a, b = FakeWorker(controller, "a", timeout=30.0), FakeWorker(controller, "b", timeout=1.0)
@@ -159,7 +159,7 @@ def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controll
         b.close()
 
 
-def test_a_restarted_controller_asks_workers_to_resync(controller: Controller, tmp_path: Path) -> None:
+def test_a_restarted_controller_asks_workers_to_resync(controller: ControllerProcess, tmp_path: Path) -> None:
     ks = keys(list(range(8)))
     w = FakeWorker(controller, "a")
     try:
@@ -167,7 +167,7 @@ def test_a_restarted_controller_asks_workers_to_resync(controller: Controller, t
         w.admit(ks)
         until(lambda: lookup(controller, ks).num_chunks == 2, what="the admission")
         controller.stop()
-        c2 = Controller(tmp_path, port=controller.port)
+        c2 = ControllerProcess(tmp_path, port=controller.port)
         # The new controller has new monitor ports: point the worker's reports at them.
         w.push.close(linger=0)
         w.push = zmq.Context.instance().socket(zmq.PUSH)
@@ -184,7 +184,7 @@ def test_a_restarted_controller_asks_workers_to_resync(controller: Controller, t
         w.close()
 
 
-def test_a_second_process_cannot_take_a_live_instance_id(controller: Controller) -> None:
+def test_a_second_process_cannot_take_a_live_instance_id(controller: ControllerProcess) -> None:
     first, second = FakeWorker(controller, "same"), FakeWorker(controller, "same")
     try:
         first.heartbeat()
@@ -199,7 +199,7 @@ def test_a_second_process_cannot_take_a_live_instance_id(controller: Controller)
         second.close()
 
 
-def test_http_errors_name_the_fix(controller: Controller) -> None:
+def test_http_errors_name_the_fix(controller: ControllerProcess) -> None:
     url = controller.url
     r = httpx.post(url + "/move", content=b"{not json", timeout=10)
     assert r.status_code == 400 and "not JSON" in r.json()["error"]
@@ -263,7 +263,7 @@ def test_bad_monitor_ports_are_refused(ports: str, msg: str) -> None:
     assert r.returncode == 2 and msg in r.stderr
 
 
-def test_bad_frames_and_messages_that_cannot_apply_do_not_stop_the_controller(controller: Controller) -> None:
+def test_bad_frames_and_messages_that_cannot_apply_do_not_stop_the_controller(controller: ControllerProcess) -> None:
     """Each of these used to be able to end the pull loop (an unobserved task exception) or, once
     registered, break lookups for everyone; now each is logged, counted, and the controller goes on."""
     junk = zmq.Context.instance().socket(zmq.PUSH)
@@ -308,7 +308,7 @@ def test_bad_frames_and_messages_that_cannot_apply_do_not_stop_the_controller(co
 
 
 def test_the_registry_is_bounded() -> None:
-    reg = Registry(max_workers=2, max_chunks_per_worker=3, max_chunks=4)
+    reg = WorkerRegistry(max_workers=2, max_chunks_per_worker=3, max_chunks=4)
     assert reg.register(worker_info("a")) and reg.register(worker_info("b"))
     with pytest.raises(RegistryError, match="already tracks 2 workers"):
         reg.register(worker_info("c"))
@@ -337,7 +337,7 @@ def test_with_a_cluster_secret_only_workers_holding_it_get_through(tmp_path: Pat
     path = tmp_path / "secret"
     secret.write_file(str(path), A)
     good_t = zsock.Trust(secret.from_text(A, "test"))
-    c = Controller(tmp_path, secret_file=path)
+    c = ControllerProcess(tmp_path, secret_file=path)
     good = FakeWorker(c, "good", trust=good_t)
     wrong = FakeWorker(c, "wrong", trust=zsock.Trust(secret.from_text(B, "test")))
     plain = FakeWorker(c, "plain")
@@ -365,7 +365,7 @@ def test_with_a_cluster_secret_only_workers_holding_it_get_through(tmp_path: Pat
 
 
 def test_the_admin_key_guards_everything_but_health(tmp_path: Path) -> None:
-    c = Controller(tmp_path, admin_key=ADMIN)
+    c = ControllerProcess(tmp_path, admin_key=ADMIN)
     try:
         url = c.url
         guarded = [("POST", "/move", {"tokens": [1]}), ("POST", "/clear", {}), ("GET", "/api/state", None),
@@ -420,7 +420,7 @@ def test_require_cluster_secret_refuses_an_exposed_controller_in_one_line(tmp_pa
 
 
 def test_openapi_describes_every_endpoint_and_docs_answer(tmp_path: Path) -> None:
-    c = Controller(tmp_path)
+    c = ControllerProcess(tmp_path)
     try:
         spec = httpx.get(c.url + "/openapi.json", timeout=10).json()
         assert {p: set(ops) for p, ops in spec["paths"].items()} == {
@@ -440,7 +440,7 @@ def test_openapi_describes_every_endpoint_and_docs_answer(tmp_path: Path) -> Non
 
 def test_docs_and_admin_routes_need_the_admin_key(tmp_path: Path) -> None:
     key = ADMIN + "-ключ"  # non-ASCII: matched on the header's UTF-8 bytes
-    c = Controller(tmp_path, admin_key=key)
+    c = ControllerProcess(tmp_path, admin_key=key)
     try:
         for path in ("/docs", "/openapi.json"):
             assert httpx.get(c.url + path, timeout=10).status_code == 401, path

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvferry.common.netutil import free_port
-from kvferry.launcher.stores import Proc
+from kvferry.launcher.services import Proc
 from tests.polling import until
 from tests.raw_http import answer, closed_by_the_timeout, closed_within, connect
 

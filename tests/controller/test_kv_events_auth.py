@@ -16,7 +16,7 @@ import zmq
 from kvferry.common import secret, zsock
 from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
-from kvferry.proxy.routing.kv_events import KVEventSubscription
+from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
 from tests.polling import until, until_async
 
@@ -135,7 +135,7 @@ def test_kv_events_auth_connector_starts_the_relay_from_its_config(tmp_path: Pat
     from vllm.config import KVEventsConfig
 
     from kvferry.common.config import ConfigError, load_config
-    from kvferry.connector.kv_events import start_relay
+    from kvferry.connector.tier_events import start_relay
 
     port, rport = free_port(), free_port()
     cfg = load_config(env={"KVFERRY_KV_EVENTS_RELAY_PORT": str(port), "KVFERRY_KV_EVENTS_RELAY_REPLAY_PORT": str(rport),

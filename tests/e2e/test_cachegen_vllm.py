@@ -19,7 +19,7 @@ import redis
 
 from kvferry.engine.remote.serde import HEADER_BYTES, peek
 from kvferry.launcher import tiny_model
-from kvferry.testing.stores import start_redis
+from kvferry.testing.store_servers import start_redis
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion, tier_value, tokens_and_logprobs
 from tests.polling import until

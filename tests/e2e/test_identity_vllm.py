@@ -33,10 +33,10 @@ from kvferry.connector.request_identity import IdentityReader
 from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.launcher.pd_instances import Decoder, Prefiller
-from kvferry.launcher.stores import Proc
+from kvferry.launcher.services import Proc
 from kvferry.launcher.vllm_proc import VLLMServer
 from kvferry.testing import tiny_lora
-from kvferry.testing.stores import start_redis
+from kvferry.testing.store_servers import start_redis
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import running_proxy, source_tokens
 from tests.polling import until

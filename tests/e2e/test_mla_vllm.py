@@ -29,7 +29,7 @@ from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
-from kvferry.testing.stores import Controller
+from kvferry.testing.store_servers import ControllerProcess
 from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 from tests.mla_helpers import FP32, answers_match, mla_fingerprint, prefix_drift
 from tests.pd_helpers import (
@@ -75,10 +75,10 @@ def mla_pd(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def mla_share(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> Iterator[tuple[OffloadServer, OffloadServer, Controller]]:
+              ) -> Iterator[tuple[OffloadServer, OffloadServer, ControllerProcess]]:
     """Two kv_both servers with a CPU tier each, sharing them through a controller (P2P over NIXL)."""
     work = tmp_path_factory.mktemp("mla-share")
-    controller = Controller(work)
+    controller = ControllerProcess(work)
     servers: list[OffloadServer] = []
     try:
         for name, core in (("instance_1", "1"), ("instance_2", "0")):
@@ -97,7 +97,7 @@ def mla_share(deepseek_model: Path, log_dir: Path, tmp_path_factory: pytest.Temp
 
 
 @pytest.fixture(scope="module")
-def mla_offload(mla_share: tuple[OffloadServer, OffloadServer, Controller]) -> OffloadServer:
+def mla_offload(mla_share: tuple[OffloadServer, OffloadServer, ControllerProcess]) -> OffloadServer:
     """The first of the two: a kv_both server with a CPU tier, in float32."""
     return mla_share[0]
 

@@ -24,7 +24,7 @@ from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.remote import mooncake_backend, mooncake_settings
 from kvferry.engine.tiers.remote import RemoteTier
 from kvferry.launcher.pd_instances import CONNECTOR, write_config
-from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
+from kvferry.launcher.services import MooncakeMaster, mooncake_master_binary
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import completion, source_tokens, tier_value, tokens_and_logprobs
 from tests.polling import until

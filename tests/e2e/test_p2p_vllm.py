@@ -32,7 +32,7 @@ from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.hashing import chunk_keys
 from kvferry.engine.offload.ops import offload_salt
-from kvferry.testing.stores import Controller
+from kvferry.testing.store_servers import ControllerProcess
 from kvferry.testing.vllm_servers import OffloadServer, p2p_keys
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
 from tests.polling import until
@@ -49,7 +49,7 @@ def prompt(n: int = 1000) -> list[int]:
 
 @dataclass
 class Setup:
-    controller: Controller
+    controller: ControllerProcess
     one: OffloadServer
     two: OffloadServer
     secret: str
@@ -90,7 +90,7 @@ def setup(tiny_model_path: Path, log_dir: Path, tmp_path_factory: pytest.TempPat
     work = tmp_path_factory.mktemp("p2p")
     text = csecret.generate()
     csecret.write_file(str(work / "cluster.secret"), text)
-    controller = Controller(work, secret_file=work / "cluster.secret")
+    controller = ControllerProcess(work, secret_file=work / "cluster.secret")
     servers: list[OffloadServer] = []
     keys = [p2p_keys(), p2p_keys()]
     try:

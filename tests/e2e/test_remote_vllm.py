@@ -26,8 +26,8 @@ from kvferry.common.hashing import chunk_keys
 from kvferry.engine.offload.ops import offload_salt
 from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.tiers.remote import PREFIX, RemoteTier
-from kvferry.launcher.stores import Proc
-from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
+from kvferry.launcher.services import Proc
+from kvferry.testing.store_servers import start_lm_server, start_redis, start_sentinel
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion, prom, source_tokens, tier_value, tokens_and_logprobs
 from tests.polling import until

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.proxy.routing.kv_events import KVEventSubscription
+from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
 from kvferry.testing.vllm_servers import OffloadServer
 from tests.pd_helpers import completion

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.testing.otlp_receiver import OTLPReceiver, Span, dump
+from kvferry.testing.otlp_receiver import OTLPReceiver, ReceivedSpan, dump
 from tests.polling import until
 from tests.up_cluster import second_proxy
 
@@ -48,10 +48,10 @@ def cluster(kvferry_up) -> Iterator[dict]:
         rx.stop()
 
 
-def _spans(rx: OTLPReceiver, trace_id: str, want: dict[str, int], what: str) -> dict[str, list[Span]]:
+def _spans(rx: OTLPReceiver, trace_id: str, want: dict[str, int], what: str) -> dict[str, list[ReceivedSpan]]:
     """The trace's spans by name once it holds at least `want[name]` of each (every process batches)."""
-    def got() -> dict[str, list[Span]] | None:
-        out: dict[str, list[Span]] = {}
+    def got() -> dict[str, list[ReceivedSpan]] | None:
+        out: dict[str, list[ReceivedSpan]] = {}
         for s in rx.trace(trace_id):
             out.setdefault(s.name, []).append(s)
         return out if all(len(out.get(n, [])) >= k for n, k in want.items()) else None

@@ -11,7 +11,7 @@ import pytest
 
 from kvferry.common.config import load_config
 from kvferry.engine.remote import mooncake_settings
-from kvferry.launcher.stores import mooncake_master_binary
+from kvferry.launcher.services import mooncake_master_binary
 from tests.polling import alive, until
 from tests.up_cluster import start_up, stop, tree
 

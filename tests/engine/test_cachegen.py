@@ -240,8 +240,8 @@ def backend(request: pytest.FixtureRequest, tmp_path, redis_available) -> Iterat
     """A real store of each remote backend; yields its remote_url and RemoteTier keywords."""
     from kvferry.common.config import load_config
     from kvferry.engine.remote import mooncake_backend, mooncake_settings
-    from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
-    from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
+    from kvferry.launcher.services import MooncakeMaster, mooncake_master_binary
+    from kvferry.testing.store_servers import start_lm_server, start_redis, start_sentinel
 
     procs: list = []
     try:

@@ -26,8 +26,8 @@ from kvferry.common import messages as m
 from kvferry.common import secret
 from kvferry.engine.remote.lm.client import LMClient, LMError
 from kvferry.engine.remote.lm.protocol import frame
-from kvferry.launcher.stores import Proc
-from kvferry.testing.stores import start_lm_server
+from kvferry.launcher.services import Proc
+from kvferry.testing.store_servers import start_lm_server
 from tests.polling import until
 
 KIB = 1 << 10

@@ -13,12 +13,12 @@ import torch
 
 from kvferry.common.config import ConfigError, load_config
 from kvferry.engine.remote import mooncake_backend, mooncake_settings
+from kvferry.engine.remote.backend import RemoteError
 from kvferry.engine.remote.backends import parse_url
-from kvferry.engine.remote.base import RemoteError
 from kvferry.engine.remote.mooncake_backend import MooncakeClient, _name
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.remote import RemoteTier
-from kvferry.launcher.stores import MooncakeMaster, mooncake_master_binary
+from kvferry.launcher.services import MooncakeMaster, mooncake_master_binary
 from tests.polling import until
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"M" * 16)

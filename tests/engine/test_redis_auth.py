@@ -22,8 +22,8 @@ from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.remote.redis_backend import RedisSettings, client_kwargs, parse_redis_url
 from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers.remote import RemoteError, RemoteTier
-from kvferry.launcher.stores import Proc
-from kvferry.testing.stores import start_redis, start_sentinel
+from kvferry.launcher.services import Proc
+from kvferry.testing.store_servers import start_redis, start_sentinel
 from tests.tls_certs import Certs, make_certs
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)

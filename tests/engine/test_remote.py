@@ -19,7 +19,7 @@ from kvferry.common.netutil import free_port
 from kvferry.engine.remote.backends import parse_url
 from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, Serde, SerdeError
 from kvferry.engine.tiers.remote import PREFIX, RemoteError, RemoteTier
-from kvferry.testing.stores import start_lm_server, start_redis, start_sentinel
+from kvferry.testing.store_servers import start_lm_server, start_redis, start_sentinel
 from tests.polling import until
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)

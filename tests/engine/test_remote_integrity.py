@@ -24,8 +24,8 @@ from kvferry.common import secret
 from kvferry.engine.remote.lm.client import LMClient
 from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, ForgedError, Serde, SerdeError
 from kvferry.engine.tiers.remote import PREFIX, RemoteTier
-from kvferry.launcher.stores import Proc
-from kvferry.testing.stores import start_lm_server, start_redis
+from kvferry.launcher.services import Proc
+from kvferry.testing.store_servers import start_lm_server, start_redis
 
 SHAPE = ChunkShape(torch.bfloat16, num_layers=2, num_kv_heads=2, head_size=16, layout_digest=b"L" * 16)
 TOKENS = 64

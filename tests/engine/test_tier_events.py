@@ -16,12 +16,12 @@ from kvferry.engine.offload.tier_events import ChunkRemoved, ChunkStored, TierEv
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.cache import CacheView, choose, effective
-from kvferry.proxy.routing.kv_events import KVEventSubscription
+from kvferry.proxy.routing.instances import Instance
+from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
-to_vllm = pytest.importorskip("kvferry.connector.kv_events").to_vllm
+to_vllm = pytest.importorskip("kvferry.connector.tier_events").to_vllm
 
 BS, CHUNK, BLOCK_BYTES = 16, 32, 1024  # vLLM blocks of 16 tokens, kvferry chunks of two blocks
 TOKENS = list(range(500, 500 + 2 * CHUNK + 5))  # two full chunks and a partial one

@@ -17,7 +17,7 @@ import yaml
 from kvferry.common.config import load_config
 from kvferry.engine.remote import mooncake_settings
 from kvferry.engine.remote.backends import parse_url
-from kvferry.launcher.stores import mooncake_master_binary
+from kvferry.launcher.services import mooncake_master_binary
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "compose"
 FILES = sorted(COMPOSE.glob("*/docker-compose.yaml"))
@@ -131,7 +131,7 @@ def _join(argv: list[str], service: dict, compose: Path) -> None:
 
 
 def _etcd(argv: list[str]) -> None:
-    from kvferry.launcher.stores import etcd_binary
+    from kvferry.launcher.services import etcd_binary
     exe = etcd_binary()
     if exe is None:
         pytest.skip("etcd not installed (make etcd)")

@@ -14,7 +14,7 @@ from kvferry.common import discovery as disc
 from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
 from kvferry.launcher import join
-from kvferry.launcher.join import Member, Registrar
+from kvferry.launcher.join import JoinedInstance, Registrar
 from tests.polling import until_async
 
 
@@ -64,7 +64,7 @@ def test_join_registers_while_health_answers_200_and_withdraws_after_failed_chec
         rec = m.InstanceRecord(instance_id="p-h", role="prefiller", model="stub", url=engine.url,
                                fingerprint=disc.fingerprint("stub"))
         reg, stop = Registrar(target, None, ttl=3, interval=0.05), asyncio.Event()
-        keep = asyncio.ensure_future(reg.keep(Member(rec, f"{engine.url}/health"), stop))
+        keep = asyncio.ensure_future(reg.keep(JoinedInstance(rec, f"{engine.url}/health"), stop))
         try:
             await until_async(lambda: listed() == ["p-h"] and engine.checks >= 4, 5, "p-h registered, checked on")
             assert engine.connections == 1  # every check on the one kept connection

@@ -467,9 +467,9 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
     """etcd dies: the proxy keeps its instances (and says so on /health and /metrics, where the
     alerts read it); a new etcd on the same address: the sidecars register again (their lease is
     unknown there) and the proxy lists it."""
-    from kvferry.launcher import stores
+    from kvferry.launcher import services
     secret_file, _ = cluster_secret
-    etcd = stores.start_etcd(tmp_path / "e1")
+    etcd = services.start_etcd(tmp_path / "e1")
     try:
         target = f"etcd://127.0.0.1:{etcd.port}/outage"
         p1, d1 = (_stub(procs, tmp_path, n) for n in ("p1", "d1"))
@@ -494,7 +494,7 @@ def test_discovery_etcd_outage_keeps_serving_and_recovers(etcd_available, cluste
                                                                     or 0) >= 1
         complete(px, 2)  # still serving what it knew
         assert {"p1", "d1"} <= set(_instances(px))
-        etcd = stores.start_etcd(tmp_path / "e2", port=etcd.port)
+        etcd = services.start_etcd(tmp_path / "e2", port=etcd.port)
 
         async def keys() -> int:
             e = Etcd(f"http://127.0.0.1:{etcd.port}")

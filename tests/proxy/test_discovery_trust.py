@@ -34,8 +34,8 @@ from kvferry.common import discovery_watch, secret
 from kvferry.common import messages as m
 from kvferry.common.etcd import KV, Etcd, EtcdAccessError, prefix_end
 from kvferry.common.netutil import free_port, machine_address
-from kvferry.launcher import stores
-from kvferry.launcher.join import Member, Registrar
+from kvferry.launcher import services
+from kvferry.launcher.join import JoinedInstance, Registrar
 from kvferry.testing.processes import wait_http
 from tests.logged_proc import Proc, complete, served
 from tests.polling import until
@@ -142,8 +142,8 @@ def cluster(etcd_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     registrar = Registrar(target, key, TTL)
     try:
         live_p, live_d, victim = (_stub(procs, work, n) for n in ("live-p", "live-d", "victim"))
-        registrar.start_thread([Member(_record("p-live", live_p), f"{live_p}/health"),
-                                Member(_record("d-live", live_d, "decoder"), f"{live_d}/health")])
+        registrar.start_thread([JoinedInstance(_record("p-live", live_p), f"{live_p}/health"),
+                                JoinedInstance(_record("d-live", live_d, "decoder"), f"{live_d}/health")])
         proxy, log = _proxy(procs, work, "proxy", f"etcd://127.0.0.1:{etcd_server.port}{prefix}", secret_file)
         until(lambda: {"p-live", "d-live"} <= set(_instances(proxy)), 10, "the proxy to list the live instances")
         client = Etcd(etcd)
@@ -354,14 +354,14 @@ def test_trust_garbage_keys_cost_bounded_logs_and_memory(cluster: Cluster,
 
 # ---- etcd's own security: users and client certificates ----
 
-def _etcd(work: Path, scheme: str = "http", *extra: str) -> stores.Proc:
+def _etcd(work: Path, scheme: str = "http", *extra: str) -> services.Proc:
     port, peer = free_port(), free_port()
     client, peer_url = f"{scheme}://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
     d = work / f"etcd-{port}"
     d.mkdir()
-    exe = stores.etcd_binary()
+    exe = services.etcd_binary()
     assert exe
-    return stores.Proc("etcd", [exe, "--name", "t", "--data-dir", str(d / "data"), "--listen-client-urls", client,
+    return services.Proc("etcd", [exe, "--name", "t", "--data-dir", str(d / "data"), "--listen-client-urls", client,
                                 "--advertise-client-urls", client, "--listen-peer-urls", peer_url,
                                 "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"t={peer_url}",
                                 "--logger", "zap", "--log-level", "warn", *extra], port, d / "etcd.log")
@@ -380,9 +380,9 @@ def _join_error(target: str, secret_file: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def started() -> Iterator[list[Proc | stores.Proc]]:
+def started() -> Iterator[list[Proc | services.Proc]]:
     """What a test starts (processes, an etcd), stopped in reverse order after it, pass or fail."""
-    things: list[Proc | stores.Proc] = []
+    things: list[Proc | services.Proc] = []
     yield things
     for t in reversed(things):
         t.stop()

@@ -16,9 +16,9 @@ import zmq
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError
 from kvferry.proxy.options import ProxyOptions, parse
 from kvferry.proxy.routing.cache import CacheView, choose, local_reason
-from kvferry.proxy.routing.kv_events import KVEventSubscription
+from kvferry.proxy.routing.instances import Instance
+from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance
 from tests.polling import until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvferry.testing.otlp_receiver import OTLPReceiver, Span
+from kvferry.testing.otlp_receiver import OTLPReceiver, ReceivedSpan
 from tests.polling import until
 from tests.stub_procs import Proc, log, post, proxy, stubs
 
@@ -43,10 +43,10 @@ def _reset(c: dict) -> None:
         httpx.post(s.url + "/stub/reset")
 
 
-def _trace(rx: OTLPReceiver, trace_id: str, names: set[str]) -> dict[str, list[Span]]:
+def _trace(rx: OTLPReceiver, trace_id: str, names: set[str]) -> dict[str, list[ReceivedSpan]]:
     """The trace's spans by name, once it holds every one of `names` (the proxy batches them)."""
-    def got() -> dict[str, list[Span]] | None:
-        out: dict[str, list[Span]] = {}
+    def got() -> dict[str, list[ReceivedSpan]] | None:
+        out: dict[str, list[ReceivedSpan]] = {}
         for s in rx.trace(trace_id):
             out.setdefault(s.name, []).append(s)
         return out if names <= out.keys() else None

@@ -17,8 +17,8 @@ from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing import cache
 from kvferry.proxy.routing.cache import CacheView, choose
 from kvferry.proxy.routing.holders import Holders
+from kvferry.proxy.routing.instances import Instance, Registry
 from kvferry.proxy.routing.prefix_index import CPU, GPU, PrefixIndex, prefix_keys
-from kvferry.proxy.routing.registry import Instance, Registry
 
 BS = 4
 

@@ -14,7 +14,7 @@ pytest.importorskip("nixl")
 from kvferry.common.config import load_config  # noqa: E402
 from kvferry.common.netutil import free_port  # noqa: E402
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint  # noqa: E402
-from kvferry.testing.otlp_receiver import OTLPReceiver, Span  # noqa: E402
+from kvferry.testing.otlp_receiver import OTLPReceiver, ReceivedSpan  # noqa: E402
 from tests.kv_caches import make_caches  # noqa: E402
 from tests.polling import until  # noqa: E402
 
@@ -45,8 +45,8 @@ def traced_pair():
             consumer.close()
 
 
-def _named(spans: list[Span]) -> dict[str, list[Span]]:
-    out: dict[str, list[Span]] = {}
+def _named(spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
+    out: dict[str, list[ReceivedSpan]] = {}
     for s in spans:
         out.setdefault(s.name, []).append(s)
     return out

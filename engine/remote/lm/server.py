@@ -44,7 +44,7 @@ from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.lm.byte_budget import ByteBudget
 from kvferry.engine.remote.lm.chunk_lru import ChunkLRU
-from kvferry.engine.remote.lm.fd_limits import DEFAULT_MAX_CONNECTIONS, open_spare
+from kvferry.engine.remote.lm.conn_cap import DEFAULT_MAX_CONNECTIONS, open_spare
 from kvferry.engine.remote.lm.protocol import (
     CLIENT_PURPOSE,
     LEN_BYTES,

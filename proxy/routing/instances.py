@@ -179,7 +179,7 @@ class Instance:
         return d
 
 
-class Pool(list[Instance]):
+class RolePool(list[Instance]):
     """The usable instances of one role, and the same by id: built when an instance comes, goes,
     or changes health or drain, not per request (a route reads it; nobody changes it)."""
 
@@ -199,7 +199,7 @@ class Registry:
     _rr: dict[str, itertools.count] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count())
     board: LoadBoard | None = None  # --workers N: load shared with the other workers
-    _pools: dict[str, Pool] = field(default_factory=dict)  # role -> its usable instances, while valid
+    _pools: dict[str, RolePool] = field(default_factory=dict)  # role -> its usable instances, while valid
 
     def add(self, spec: InstanceSpec) -> Instance:
         """A new instance; with a board, its row and id are the ones every worker uses for its URL.
@@ -234,11 +234,11 @@ class Registry:
     def of(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role]
 
-    def usable(self, role: str) -> Pool:
+    def usable(self, role: str) -> RolePool:
         """The usable instances of `role` (healthy, not draining), kept between changes."""
         pool = self._pools.get(role)
         if pool is None:
-            pool = self._pools[role] = Pool([i for i in self.instances.values() if i.role == role and i.usable])
+            pool = self._pools[role] = RolePool([i for i in self.instances.values() if i.role == role and i.usable])
         return pool
 
     def pick(self, role: str, affinity: str | None = None) -> Instance:

@@ -1,7 +1,7 @@
 """Starts the services `kvferry up` runs beside its instances, as child processes on free ports:
 mooncake_master (``--remote mooncake``) and etcd (``--discovery etcd``); `Proc` is any such
 process. The stores tests start (redis-server, Sentinels, kvferry-server, kvferry-controller) are
-in kvferry.testing.stores.
+in kvferry.testing.store_servers.
 
 mooncake_master comes from the mooncake-transfer-engine wheels (the ``cpu`` and ``cuda`` extras),
 which need libibverbs1 from the OS."""

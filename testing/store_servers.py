@@ -1,7 +1,7 @@
 """The stores and services tests and benchmarks start, as child processes on free ports:
 redis-server and Redis Sentinels (from the OS: ``apt-get install redis-server``; ``make redis``
 does it where apt is usable), kvferry-server (lm://) and kvferry-controller (P2P). Each is a
-`kvferry.launcher.stores.Proc`: ``.port``, ``.url_hostport``, ``.stop()``."""
+`kvferry.launcher.services.Proc`: ``.port``, ``.url_hostport``, ``.stop()``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.netutil import free_port
-from kvferry.launcher.stores import Proc, StoreStartError, wait_port
+from kvferry.launcher.services import Proc, StoreStartError, wait_port
 
 
 def redis_server_binary() -> str | None:
@@ -114,7 +114,7 @@ def start_lm_server(work: Path, port: int | None = None, *extra: str, secret_fil
                                             "cpu", *secret, *extra], port, work / f"lm-server-{port}.log")
 
 
-class Controller(Proc):
+class ControllerProcess(Proc):
     """kvferry-controller on free ports: `port` (HTTP), `pull`, `reply`, `heartbeat`; with
     `secret_file` its ZMQ ports speak CurveZMQ, with `admin_key` (passed in the environment, not
     on the command line) its HTTP API wants the key."""

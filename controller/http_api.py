@@ -98,9 +98,9 @@ def build_app(c: Controller) -> Guard:
         ok, body = c.health()
         return JSON(body, status_code=200 if ok else 503)
 
-    @app.post("/lookup", responses={200: {"model": api.LookupResponse}, **ERRORS},
+    @app.post("/lookup", responses={200: {"model": api.LookupAnswer}, **ERRORS},
               summary="Tokens of the prompt's prefix each instance holds")
-    async def lookup(body: api.LookupRequest) -> JSON:
+    async def lookup(body: api.LookupBody) -> JSON:
         return JSON(c.lookup(body.tokens))
 
     @app.post("/move", responses={200: {"model": api.MoveResponse}, **ERRORS},
