@@ -35,9 +35,9 @@ from pathlib import Path
 
 import httpx
 
-from kvferry.common import discovery as disc
 from kvferry.common import secret
-from kvferry.common.etcd import Etcd
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import Etcd
 from kvferry.common.netutil import free_port
 from kvferry.launcher import services
 from kvferry.testing.processes import wait_http

@@ -33,8 +33,8 @@ import torch
 
 from kvferry.buffer import nixl_agent
 from kvferry.buffer.pd_buffer import PDBuffer
-from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.kernels.head_map import ChunkGeometry, chunk_runs
 from kvferry.kernels.layout import KVLayout
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig

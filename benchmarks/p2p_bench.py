@@ -204,8 +204,8 @@ MAC_CHUNK = CHUNK * TOKEN_BYTES  # 4 MiB
 
 
 def _mac_worker(name: str, secret_text: str | None, nchunks: int):
-    from kvferry.common import messages as m
     from kvferry.common.config import KVFerryConfig
+    from kvferry.common.wire import messages as m
     from kvferry.engine.p2p.service import P2PService
     from kvferry.engine.tiers.cpu import CPUTier
     fp = m.LayoutFingerprint(model="p2p-bench", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
@@ -254,8 +254,8 @@ def mac_bench(rounds: int, nchunks: int, reader_core: int = 1, holder_core: int 
     """Median get throughput (lease + NIXL READ + checks, as a request's load does) of `nchunks`
     x 4 MiB from a holder without a secret, with one (tags made at store), and with one making
     tags at each lease; the three in turn in every round, the order rotating."""
-    from kvferry.common import messages as m
-    from kvferry.common.chunk_mac import ChunkMAC
+    from kvferry.common.wire import messages as m
+    from kvferry.common.wire.chunk_mac import ChunkMAC
     text = secret.generate()
     configs = {"plain": None, "mac": "store", "mac_tag_at_lease": "lease"}
     ctx = mp.get_context("spawn")

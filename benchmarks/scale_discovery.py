@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 import psutil
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.common.etcd import EtcdError
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import EtcdError
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.launcher import services
 from kvferry.launcher.vllm_proc import die_with_parent
 from kvferry.testing.processes import wait_http

@@ -38,7 +38,7 @@ from collections import OrderedDict
 import msgspec
 from multidict import CIMultiDict
 
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.exchange import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import parse

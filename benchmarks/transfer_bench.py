@@ -50,9 +50,9 @@ from hetero_tp_bench import RAW_NOTE, RawNotes
 
 from kvferry.buffer import nixl_agent
 from kvferry.buffer.pd_buffer import PDBuffer
-from kvferry.common import messages as m
 from kvferry.common import secret, zsock
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
 from kvferry.receiver.transfer_table import Incoming
 from kvferry.sender.addr import ReceiverAddr

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvferry.connector import api_compat, vllm_version  # neither imports vLLM
+from kvferry.connector import api_compat, vllm_version  # neither imports vLLM# neither imports vLLM
 
 
 def default_cache() -> Path:

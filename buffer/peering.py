@@ -28,10 +28,10 @@ import zmq
 import zmq.asyncio
 
 from kvferry.buffer.nixl_agent import NixlThread
-from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.errors import BadDataError, UnavailableError
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

@@ -21,7 +21,6 @@ from typing import TypeVar
 import zmq
 from zmq.utils import z85
 
-from kvferry.common import messages as m
 from kvferry.common import netutil as net
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.errors import ConfigurationError, UnavailableError
@@ -29,6 +28,7 @@ from kvferry.common.log import get_logger
 from kvferry.common.netutil import is_loopback
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.secret import load as load_secret
+from kvferry.common.wire import messages as m
 
 # A zmq.asyncio context makes asyncio sockets, a plain one plain sockets.
 SocketT = TypeVar("SocketT", bound=zmq.Socket)

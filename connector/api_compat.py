@@ -14,7 +14,7 @@ What is checked (docs/compatibility.md):
   ``KVCacheConfig``, vLLM's config) exists, with the annotation the connector expects where the
   shape matters;
 - the KV event types: the proxy's decoder (proxy/routing/kv_event_subscription.py) finds the fields, required-ness,
-  tags and array layout it decodes, and the connector's encoder (connector/tier_events.py) passes
+  tags and array layout it decodes, and the connector's encoder (connector/vllm_kv_events.py) passes
   every required field of ``BlockStored`` / ``BlockRemoved`` and no unknown one.
 
 Run: ``python -m kvferry.connector.api_compat [--wheel PATH | --source DIR]`` (JSON out, exit 1 on a
@@ -373,7 +373,7 @@ def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> No
                 rep.problems.append(f"{theirs} is an array: field {i} is {order[i] if i < len(order) else None!r} "
                                     f"in this vLLM, proxy/routing/kv_event_subscription.py reads {name!r} there")
     # The connector's encoder: BlockStored(...) / BlockRemoved(...) calls take every required field.
-    enc = sources.get("connector/tier_events.py")
+    enc = sources.get("connector/vllm_kv_events.py")
     for cls in ("BlockStored", "BlockRemoved"):
         info = idx.cls(EVENTS_MODULE, cls)
         if info is None or enc is None:
@@ -382,11 +382,11 @@ def _check_events(idx: Index, sources: dict[str, ast.Module], rep: Report) -> No
         for kwargs, line in _calls_kwargs(enc, cls):
             n += 1
             for k in sorted(kwargs - set(fields)):
-                rep.problems.append(f"connector/tier_events.py:{line} passes {k}= to {cls}, which this vLLM does not "
-                                    "have")
+                rep.problems.append(f"connector/vllm_kv_events.py:{line} passes {k}= to {cls}, which this vLLM "
+                                    "does not have")
             for k in sorted(k for k, m in fields.items() if not m.has_default and k not in kwargs):
-                rep.problems.append(f"connector/tier_events.py:{line} does not pass {cls}.{k}, required in this vLLM "
-                                    f"({fields[k].where})")
+                rep.problems.append(f"connector/vllm_kv_events.py:{line} does not pass {cls}.{k}, required in "
+                                    f"this vLLM ({fields[k].where})")
     rep.checked["event_fields"] = n
 
 

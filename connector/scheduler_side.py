@@ -13,7 +13,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvferry.common.config import ConfigError
 from kvferry.common.errors import KVFerryError
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.common.transfer_params import (
+from kvferry.common.wire.transfer_params import (
     ParamsError,
     PrefillParams,
     answer,
@@ -25,7 +25,7 @@ from kvferry.connector.block_table import BlockTable
 from kvferry.connector.metadata import KVFerryMetadata, LoadOp, OpenOp, PieceOp, SaveOp
 from kvferry.connector.request_identity import IdentityReader, Unkeyable
 from kvferry.connector.roles import Roles, engine_id, salt
-from kvferry.connector.tier_events import start_relay, to_vllm
+from kvferry.connector.vllm_kv_events import start_relay, to_vllm
 from kvferry.engine.api import OffloadPlanner, PromptIdentity, notice_addr
 
 if TYPE_CHECKING:

@@ -13,14 +13,14 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.common import messages as m
 from kvferry.common import zsock
-from kvferry.common.http_guard import Hosts
+from kvferry.common.http.guard import Hosts
 from kvferry.common.log import get_logger
-from kvferry.controller.guard import ASGIApp
+from kvferry.common.wire import messages as m
 from kvferry.controller.http import DEFAULT_LIMITS, HttpLimits, HttpServer
 from kvferry.controller.models import MoveEvent
 from kvferry.controller.registry import LOCATIONS, InstanceWorkers, RegistryError, WorkerRegistry
+from kvferry.controller.request_guard import ASGIApp
 from kvferry.controller.worker_links import PORTS, WorkerLinks, new_id
 
 logger = get_logger(__name__)
@@ -35,7 +35,7 @@ class Controller:
         self.host, self.port, self.ports = host, port, monitor_ports
         self.trust = trust
         self.admin_key = admin_key or None
-        self.hosts = Hosts(host, allowed_hosts)  # the HTTP API's names without an admin key (controller/guard.py)
+        self.hosts = Hosts(host, allowed_hosts)  # the HTTP API's names without an admin key (request_guard.py)
         self.http_limits = http_limits
         self.registry = WorkerRegistry()
         # What workers and HTTP clients got wrong; shown in /health.

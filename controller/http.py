@@ -7,7 +7,7 @@ which stops the server itself (uvicorn would re-raise a caught SIGTERM after shu
 uvicorn waits forever for a request head or body that stops halfway, and for a connection that
 sends nothing, and accepts connections without limit (its limit_concurrency answers 503 only to a
 whole request head). So each connection's protocol is uvicorn's own wrapped in
-common/http_conns.Bounded, given to uvicorn as its `http` protocol class (called as uvicorn calls
+common/http/connections.Bounded, given to uvicorn as its `http` protocol class (called as uvicorn calls
 any: config, server_state, app_state): a connection's first request is due --request-timeout
 after it opened, every later one as long after its first byte, and past --max-connections a new
 connection is answered a JSON 503 and closed before uvicorn sees it.
@@ -25,8 +25,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from kvferry.common import http_conns
-from kvferry.controller.guard import ASGIApp
+from kvferry.common.http import connections as http_conns
+from kvferry.controller.request_guard import ASGIApp
 
 GRACE_S = 5  # open requests get this long to finish at shutdown, then they are cancelled
 START_S = 30.0

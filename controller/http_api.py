@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException
 
 from kvferry.controller import models as api
 from kvferry.controller import page
-from kvferry.controller.guard import Guard
 from kvferry.controller.registry import RegistryError
+from kvferry.controller.request_guard import Guard
 
 if TYPE_CHECKING:
     from kvferry.controller.cluster import Controller

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvferry.common import messages as m
 from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

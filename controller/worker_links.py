@@ -22,10 +22,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise
+from kvferry.common.wire import messages as m
 from kvferry.controller.registry import RegistryError, Worker, WorkerRegistry
 
 logger = get_logger(__name__)

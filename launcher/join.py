@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
 from kvferry.common import secret as cluster_secret
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import EtcdAccessError, EtcdError
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.etcd import EtcdAccessError, EtcdError
-from kvferry.common.http_client import Broken, Pool, Unreachable
+from kvferry.common.http.client import Broken, Pool, Unreachable
 from kvferry.common.log import get_logger
 from kvferry.common.netutil import advertised, is_loopback
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

@@ -18,7 +18,7 @@ from kvferry.common import zsock
 from kvferry.common.log import configure_logging, get_logger
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.remote.lm.conn_cap import DEFAULT_MAX_CONNECTIONS, fit_connections
-from kvferry.engine.remote.lm.server import LMServer
+from kvferry.engine.remote.lm.lm_store import LMServer
 
 logger = get_logger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from kvferry.common.netutil import advertised, free_port
-from kvferry.common.transfer_params import DisaggSpec, to_dict
+from kvferry.common.wire.transfer_params import DisaggSpec, to_dict
 from kvferry.launcher.vllm_proc import VLLMServer
 
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.connector"}

@@ -139,7 +139,7 @@ def plan(args: argparse.Namespace) -> dict:
                 raise UpError("--discovery etcd: etcd not found: apt-get install etcd-server (`make etcd`), or "
                               "give a running one: --discovery etcd://HOST:PORT/PREFIX")
         else:
-            from kvferry.common.discovery import DiscoveryError, check_registrable, parse_target
+            from kvferry.common.discovery.sources import DiscoveryError, check_registrable, parse_target
             try:
                 check_registrable(parse_target(args.discovery), "kvferry up")
             except DiscoveryError as e:
@@ -335,8 +335,8 @@ class Cluster:
 
     def _register(self) -> None:
         """Every instance into discovery, kept there while its /health passes (launcher/join.py)."""
-        from kvferry.common import discovery as disc
-        from kvferry.common import messages as m
+        from kvferry.common.discovery import sources as disc
+        from kvferry.common.wire import messages as m
         from kvferry.launcher.join import JoinedInstance, Registrar, version
         assert self.discovery is not None  # only called with --discovery
         target = disc.parse_target(self.discovery)

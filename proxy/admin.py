@@ -7,7 +7,7 @@ from kvferry.common import secret as cluster_secret
 from kvferry.common.log import get_logger
 from kvferry.common.supervise import LoopHealth
 from kvferry.proxy.flows.context import Context
-from kvferry.proxy.http.messages import Request, Response, json_response
+from kvferry.proxy.http.exchange import Request, Response, json_response
 from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, decoder_from, parse_url
 from kvferry.proxy.openai.errors import ProxyError
@@ -134,8 +134,8 @@ class Admin:
         the command)."""
         disc = self.ctx.router.discovery
         if inst.discovery_id is not None and disc is not None:
-            from kvferry.common.discovery import DiscoveryError, ReadOnlyDiscovery
-            from kvferry.common.etcd import EtcdError
+            from kvferry.common.discovery.etcd import EtcdError
+            from kvferry.common.discovery.sources import DiscoveryError, ReadOnlyDiscovery
             try:
                 await disc.set_drain(inst, draining)
             except ReadOnlyDiscovery as e:  # the proxy only reads pods: the error says what to run

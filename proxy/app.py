@@ -10,9 +10,10 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from kvferry.common import http_guard, trace_context, zsock
 from kvferry.common import secret as cluster_secret
+from kvferry.common import trace_context, zsock
 from kvferry.common.errors import ConfigurationError
+from kvferry.common.http import guard as http_guard
 from kvferry.common.log import REQUEST_ID, get_logger
 from kvferry.common.netutil import is_loopback
 from kvferry.common.supervise import LoopHealth, supervise
@@ -23,7 +24,7 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.kv_transfers import Transfers, notify_host
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http import limits
-from kvferry.proxy.http.messages import Request, Response, error_body, json_response
+from kvferry.proxy.http.exchange import Request, Response, error_body, json_response
 from kvferry.proxy.http.routes import Routes
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.instance_flags import OptionError
@@ -227,7 +228,7 @@ class Proxy:
         the admin key, and only it (a client's --api-key never opens it: with --api-key and no
         --admin-key the admin API is closed); without keys (loopback only: _check_exposure) a
         Host that is not one of this proxy's names (a request with two Host lines names none); with
-        or without, a state change a browser marks as cross-site (common/http_guard.py).
+        or without, a state change a browser marks as cross-site (common/http/guard.py).
 
         An admin POST body is read as JSON whatever its Content-Type says, as the controller's is
         (`curl -d` sends a form type): a Content-Type rule would not stop a cross-site drain, whose

@@ -38,7 +38,7 @@ class ProxyOptions:
     admin: bool = True
     admin_key: str | None = field(default=None, repr=False)  # required on /admin/* when set; distinct from api_key
     allowed_host: list[str] = field(default_factory=list)  # the admin API's names without an admin key, beyond
-    # loopback's and --host's (DNS rebinding: common/http_guard.py)
+    # loopback's and --host's (DNS rebinding: common/http/guard.py)
     cluster_secret_file: str | None = None  # else env KVFERRY_CLUSTER_SECRET / KVFERRY_CLUSTER_SECRET_FILE
     require_cluster_secret: bool = False  # an unprotected port beyond loopback is a start-up error
     connect_timeout: float = 5.0
@@ -328,7 +328,7 @@ def _settings(vals: dict) -> ProxyOptions:
         if not 0 <= o.load_interval <= 3600:
             raise OptionError(f"--load-interval must be 0 (off) to 3600 seconds, got {o.load_interval}")
     if o.discovery is not None:
-        from kvferry.common.discovery import DiscoveryError, parse_target
+        from kvferry.common.discovery.sources import DiscoveryError, parse_target
         try:
             parse_target(o.discovery)
         except DiscoveryError as e:

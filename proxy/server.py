@@ -22,12 +22,13 @@ import socket
 import sys
 from collections.abc import Callable
 
-from kvferry.common import http_conns, zsock
 from kvferry.common import netutil as net
+from kvferry.common import zsock
+from kvferry.common.http import connections as http_conns
 from kvferry.common.log import configure_logging, get_logger
 from kvferry.proxy.app import Proxy
+from kvferry.proxy.http.exchange import error_body
 from kvferry.proxy.http.front_door import Bounds, FrontDoor, close_idle
-from kvferry.proxy.http.messages import error_body
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.multiproc.admin_log import Peers
 from kvferry.proxy.multiproc.board import LoadBoard

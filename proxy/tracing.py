@@ -31,9 +31,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from kvferry.common import transfer_params
 from kvferry.common.otel import Tracing
-from kvferry.proxy.http.messages import Request, Response
+from kvferry.common.wire import transfer_params
+from kvferry.proxy.http.exchange import Request, Response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.options import ProxyOptions
 from kvferry.proxy.routing.instances import Instance

@@ -1,12 +1,12 @@
 """The proxy's connections to the engines: the legs' pool and the health checks' (both on the one
-HTTP client, common/http_client.py), opened with the app and closed with it, and the headers every
+HTTP client, common/http/client.py), opened with the app and closed with it, and the headers every
 upstream request carries."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvferry.common.http_client import Pool
+from kvferry.common.http.client import Pool
 from kvferry.proxy.options import ProxyOptions
 
 

@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.common import messages as m
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

@@ -25,8 +25,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvferry.common import messages as m
 from kvferry.common.log import RateLimitedLog, get_logger
+from kvferry.common.wire import messages as m
 from kvferry.receiver.transfer_table import TransferTable
 
 logger = get_logger(__name__)

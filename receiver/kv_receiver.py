@@ -34,7 +34,6 @@ import zmq.asyncio
 
 from kvferry.buffer import nixl_agent, peering
 from kvferry.buffer.pd_buffer import BufferFullTimeout, BufferTooSmall, PDBuffer, PDBufferError
-from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.counters import Counters
@@ -42,6 +41,7 @@ from kvferry.common.errors import UnavailableError
 from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth, supervise_thread
+from kvferry.common.wire import messages as m
 from kvferry.receiver.errors import TransferError
 from kvferry.receiver.joints import Joints
 from kvferry.receiver.ports import Ports

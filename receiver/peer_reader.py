@@ -31,11 +31,11 @@ import zmq.asyncio
 
 from kvferry.buffer import peering
 from kvferry.buffer.nixl_agent import NixlThread
-from kvferry.common import messages as m
 from kvferry.common import zsock
-from kvferry.common.chunk_mac import ChunkMAC
 from kvferry.common.log import get_logger
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
+from kvferry.common.wire.chunk_mac import ChunkMAC
 
 logger = get_logger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.sender.errors import ChunkError
 
 Desc = tuple[int, int, int]  # (address, bytes, device id)

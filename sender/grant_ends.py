@@ -17,8 +17,8 @@ import asyncio
 import concurrent.futures
 
 from kvferry.buffer import nixl_agent, peering
-from kvferry.common import messages as m
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
 from kvferry.sender import prepared
 from kvferry.sender.errors import LeaseExpired, SendError, WriteFailed
 from kvferry.sender.grants import AllocLink, Grant, nothing_in_flight, send_abort

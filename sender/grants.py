@@ -13,8 +13,8 @@ from typing import Any
 import zmq
 
 from kvferry.buffer import peering
-from kvferry.common import messages as m
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import ChunkError, LeaseExpired, SendError, TransferDropped
 

@@ -32,11 +32,11 @@ import zmq
 import zmq.asyncio
 
 from kvferry.buffer import nixl_agent, peering
-from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
 from kvferry.common.samples import Samples
+from kvferry.common.wire import messages as m
 from kvferry.sender import prepared
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.errors import (

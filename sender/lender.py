@@ -18,7 +18,7 @@ The handshake declares the arena and every lease the spans of the registrations 
 reader can check each address before its NIXL READ (receiver/peer_reader.py).
 
 With a cluster secret every lent chunk carries a keyed MAC over its key and bytes
-(common/chunk_mac.py), made when the chunk enters the tier (off the fetch path: a get then costs
+(common/wire/chunk_mac.py), made when the chunk enters the tier (off the fetch path: a get then costs
 the reader's check only; a tag made at the lease adds the hash to every get's latency), or at its
 first lease if that comes first. Bytes changed in this tier after the tag was made (by a bug, or
 a WRITE from anyone holding our NIXL metadata) fail the reader's check.
@@ -38,9 +38,9 @@ import zmq.asyncio
 
 from kvferry.buffer import peering
 from kvferry.buffer.nixl_agent import NixlThread
-from kvferry.common import messages as m
-from kvferry.common.chunk_mac import ChunkMAC
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
+from kvferry.common.wire.chunk_mac import ChunkMAC
 
 logger = get_logger(__name__)
 

@@ -34,7 +34,7 @@ import uuid
 
 from aiohttp import web
 
-from kvferry.common.transfer_params import ParamsError, answer, error_answer, prefill_params
+from kvferry.common.wire.transfer_params import ParamsError, answer, error_answer, prefill_params
 
 EOS = 2
 # KVFERRY_STUB_TRACE=1: each completion's CLOCK_MONOTONIC times (ns), kept in memory and read (and

@@ -73,10 +73,10 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("proxy/metrics.py", "prometheus_client.utils"): (
         "floatToGoString: prometheus_client 0.26.0's bucket label text, so the proxy's `le` labels "
         "match the ones MultiProcessCollector writes for the same buckets"),
-    ("common/discovery_kube.py", "_preload_content"): (
+    ("common/discovery/kube.py", "_preload_content"): (
         "the kubernetes client (37.0.2) documents `_preload_content=False` on every API method as the "
         "way to read the raw response; the watch reads the body itself, bounded"),
-    ("common/discovery_kube.py", "_request_timeout"): (
+    ("common/discovery/kube.py", "_request_timeout"): (
         "the kubernetes client (37.0.2) documents `_request_timeout` on every API method as its "
         "connect/read timeout"),
 }

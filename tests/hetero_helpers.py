@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from kvferry.common import messages as m
 from kvferry.common.config import load_config
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.engine.api import PagedKV, PDConsumer, PDProducer, ReceiverAddr, fingerprint
 from kvferry.engine.pd.slicing import Slice, feeds
 from kvferry.kernels.head_map import rank_heads

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.vllm_proc import VLLMServer
 

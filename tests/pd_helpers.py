@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer

@@ -12,7 +12,7 @@ from kvferry.common.errors import BadDataError, ConfigurationError, KVFerryError
 FOLDERS = ("buffer", "common", "connector", "controller", "engine", "kernels", "launcher", "proxy", "receiver",
            "sender")
 # Control-flow signals internal to one module, never raised to a caller.
-INTERNAL = {"kvferry.engine.remote.lm.server.Unauthorized", "kvferry.engine.remote.lm.server.Closing",
+INTERNAL = {"kvferry.engine.remote.lm.lm_store.Unauthorized", "kvferry.engine.remote.lm.lm_store.Closing",
             "kvferry.proxy.openai.errors.ProxyError",
             "kvferry.sender.errors.ReceiverRestarted"}
 

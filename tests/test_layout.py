@@ -75,7 +75,7 @@ def test_subpackages_import_and_generic_names_do_not() -> None:
 
 
 def test_proxy_and_common_import_without_torch_or_vllm() -> None:
-    code = ("import sys, kvferry.proxy, kvferry.common.config, kvferry.common.messages, "
+    code = ("import sys, kvferry.proxy, kvferry.common.config, kvferry.common.wire.messages, "
             "kvferry.common.hashing, kvferry.controller; "
             "bad = [m for m in ('torch', 'vllm', 'nixl') if m in sys.modules]; "
             "assert not bad, bad")
@@ -362,3 +362,32 @@ def test_one_request_file_by_file_names_real_code() -> None:
         missing += [str(p.relative_to(REPO)) for p in paths if not p.exists()]
         missing += [f"{n} (in {files.strip()})" for n in names if n not in have]
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
+
+
+# Module names the library may repeat, each once per package that has one, and why.
+REPEATED_MODULES = {
+    "__init__.py": "a package's own file",
+    "__main__.py": "a package's `python -m` entry",
+    "errors.py": "each package's own error types, next to the code that raises them",
+    "server.py": "the process a package runs as (kvferry-proxy, kvferry-controller)",
+}
+
+
+def test_no_name_means_two_things_in_the_library() -> None:
+    """A class name is defined once in the library, and a module name is used once (less
+    REPEATED_MODULES'), so a name in a log line, a traceback or a doc points at one thing."""
+    classes: dict[str, list[str]] = {}
+    modules: dict[str, list[str]] = {}
+    for folder in ALLOWED:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            modules.setdefault(path.name, []).append(rel)
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef):
+                    classes.setdefault(node.name, []).append(rel)
+    twice = [f"class {n}: {', '.join(where)}" for n, where in sorted(classes.items()) if len(where) > 1]
+    twice += [f"module {n}: {', '.join(where)}" for n, where in sorted(modules.items())
+              if len(where) > 1 and n not in REPEATED_MODULES]
+    twice += [f"module {n}: twice in {p}" for n, where in modules.items() if n in REPEATED_MODULES
+              for p in {str(Path(w).parent) for w in where} if [str(Path(w).parent) for w in where].count(p) > 1]
+    assert not twice, "rename one of each: " + "; ".join(twice)

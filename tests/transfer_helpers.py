@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.receiver.conns import PROBE
 from tests.polling import TimedOut, until
 

@@ -67,8 +67,8 @@ def assert_the_cluster_has_a_secret_nobody_else_sees(tmp: Path, state: dict) -> 
     cluster.json and the configs, and a peer without it gets no NIXL metadata from a decoder."""
     import zmq
 
-    from kvferry.common import messages as m
     from kvferry.common import zsock
+    from kvferry.common.wire import messages as m
     from tests.transfer_helpers import fingerprint
 
     path = Path(state["cluster_secret_file"])

@@ -28,9 +28,9 @@ from kvferry.engine.remote.serde import ChunkShape, Serde
 from kvferry.engine.tiers import nixl_storage
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.engine.tiers.disk import DiskTier, rank_root
+from kvferry.engine.tiers.interface import LoadRequest, Tier
 from kvferry.engine.tiers.nixl_posix import NixlPosixDiskTier
 from kvferry.engine.tiers.remote import RemoteTier
-from kvferry.engine.tiers.tier import LoadRequest, Tier
 from kvferry.kernels.paged_copy import PagedKV
 
 logger = get_logger(__name__)

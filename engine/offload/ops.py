@@ -7,8 +7,8 @@ from typing import Any
 
 import xxhash
 
-from kvferry.common import messages as m
 from kvferry.common.hashing import salt_for
+from kvferry.common.wire import messages as m
 
 GB = 1 << 30  # LMCache's max_local_cpu_size / max_local_disk_size "GB" are GiB
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvferry.common import messages as m
 from kvferry.common.counters import Counters
+from kvferry.common.wire import messages as m
 from kvferry.engine.offload.ops import PLAIN, CacheLoad, PromptIdentity
 from kvferry.engine.p2p.lookup import ControllerLookup
 from kvferry.engine.tiers.remote import RemoteTier

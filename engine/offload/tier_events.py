@@ -1,5 +1,5 @@
 """What the indexed tiers (cpu, disk) took in and let go of since the last step, for the
-connector to publish as vLLM KV cache events (connector/tier_events.py) so that a router counts
+connector to publish as vLLM KV cache events (connector/vllm_kv_events.py) so that a router counts
 kvferry's copies too. Bounded: an event dropped here only costs the router's accuracy."""
 
 from __future__ import annotations

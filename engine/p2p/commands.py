@@ -9,9 +9,9 @@ import time
 import zmq.asyncio
 
 from kvferry.buffer import peering
-from kvferry.common import messages as m
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
 from kvferry.engine.p2p.fetching import P2PError, PeerFetcher
 from kvferry.engine.p2p.reports import ControllerReports
 from kvferry.engine.tiers.cpu import CPUTier

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.buffer import peering
-from kvferry.common import messages as m
 from kvferry.common.counters import Counters
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
 from kvferry.engine.p2p.reports import ControllerReports
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.receiver.peer_reader import BadPeerAnswer, FetchError, PeerReader

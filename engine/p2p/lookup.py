@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common import netutil, zsock
 from kvferry.common.backoff import Backoff
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

@@ -9,9 +9,9 @@ import sys
 
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common import zsock
 from kvferry.common.log import get_logger
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

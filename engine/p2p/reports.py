@@ -10,9 +10,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from kvferry.common import messages as m
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
+from kvferry.common.wire import messages as m
 from kvferry.engine.tiers.cpu import CPUTier
 from kvferry.sender.lender import ChunkLender
 

@@ -33,12 +33,13 @@ import zmq
 import zmq.asyncio
 
 from kvferry.buffer import nixl_agent, peering
-from kvferry.common import chunk_mac, zsock
-from kvferry.common import messages as m
+from kvferry.common import zsock
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import advertised
 from kvferry.common.supervise import LoopHealth, supervise
+from kvferry.common.wire import chunk_mac
+from kvferry.common.wire import messages as m
 from kvferry.engine.p2p.commands import ControllerCommands
 from kvferry.engine.p2p.fetching import PeerFetcher
 from kvferry.engine.p2p.lookup import zmq_url

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.engine.tiers.tier import LoadRequest
+from kvferry.engine.tiers.interface import LoadRequest
 
 if TYPE_CHECKING:
     from kvferry.engine.p2p.service import P2PService

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 from kvferry.buffer.pd_buffer import PDBuffer
 from kvferry.common import live_gauges
-from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
 from kvferry.engine.chunking import chunk_tokens, scatter_chunks
 from kvferry.engine.pd.kv_spans import kv_spans, wall_ns
 from kvferry.engine.pd.shared import buffer_device, buffer_gauges, bump, key_salt

@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from kvferry.buffer.pd_buffer import PDBuffer, PDBufferError, Reservation
-from kvferry.common import messages as m
 from kvferry.common.config import KVFerryConfig
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.live_gauges import LiveGauges
 from kvferry.common.log import get_logger
 from kvferry.common.samples import Samples
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
 from kvferry.engine.chunking import chunk_plan
 from kvferry.engine.pd.kv_spans import kv_spans
 from kvferry.engine.pd.shared import StagingError, buffer_device, buffer_gauges, bump, key_salt

@@ -4,10 +4,10 @@ salt, the pd_buffer's device and gauges."""
 from __future__ import annotations
 
 from kvferry.buffer.pd_buffer import PDBuffer
-from kvferry.common import messages as m
 from kvferry.common.config import ConfigError, KVFerryConfig
 from kvferry.common.errors import BadDataError
 from kvferry.common.hashing import salt_for
+from kvferry.common.wire import messages as m
 from kvferry.kernels.layout import LayoutError
 from kvferry.kernels.paged_copy import PagedKV
 

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.kernels.head_map import ChunkGeometry, chunk_runs, rank_heads, senders_of
 from kvferry.kernels.layout import KVLayout, LayoutError
 

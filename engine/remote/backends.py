@@ -9,7 +9,7 @@ from kvferry.common.config import REMOTE_SCHEMES as SCHEMES
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
 from kvferry.engine.remote.backend import Backend, Item, Mapped, RemoteError, hostports
-from kvferry.engine.remote.lm.client import LMClient, LMError
+from kvferry.engine.remote.lm.lm_client import LMClient, LMError
 from kvferry.engine.remote.mooncake_settings import SCHEME as MOONCAKE
 from kvferry.engine.remote.mooncake_settings import MooncakeSettings, from_config
 from kvferry.engine.remote.redis_backend import RedisSettings, open_redis, parse_redis_url

@@ -3,7 +3,7 @@
 A stored chunk is two parts: a small header and the payload. The header names the format that
 wrote it, the KV dtype and the chunk's shape (layers, tokens, KV heads, head size), the raw and
 stored payload lengths, an xxh3-64 checksum of the raw bytes, the writer's 16-byte layout digest
-and, with the cluster secret, a 16-byte keyed MAC (common/chunk_mac.py) over the store key, the
+and, with the cluster secret, a 16-byte keyed MAC (common/wire/chunk_mac.py) over the store key, the
 rest of the header and the stored payload. A reader with another model, dtype or memory layout,
 a damaged, truncated, oversize or forged value, or another key's value, gets a miss and never
 reads wrong KV.
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import xxhash
 
-from kvferry.common.chunk_mac import TAG_BYTES, ChunkMAC
 from kvferry.common.config import SERDES, ConfigError
 from kvferry.common.errors import BadDataError
+from kvferry.common.wire.chunk_mac import TAG_BYTES, ChunkMAC
 from kvferry.engine.remote import cachegen
 from kvferry.kernels.layout import KVLayout
 

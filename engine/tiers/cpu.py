@@ -10,7 +10,7 @@ import torch
 
 from kvferry.common.units import fmt_bytes
 from kvferry.engine.tiers.host_arena import HostArena
-from kvferry.engine.tiers.tier import LoadRequest
+from kvferry.engine.tiers.interface import LoadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class CPUTier:
                 self.listener("delete", key, old)
         return old
 
-    # ---- the Tier interface (engine/tiers/tier.py) ----
+    # ---- the Tier interface (engine/tiers/interface.py) ----
     def prefetch(self, req: LoadRequest) -> None:
         pass
 

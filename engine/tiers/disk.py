@@ -31,7 +31,7 @@ import xxhash
 
 from kvferry.common.counters import Counters
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.engine.tiers.tier import LoadRequest
+from kvferry.engine.tiers.interface import LoadRequest
 
 logger = get_logger(__name__)
 
@@ -235,7 +235,7 @@ class DiskTier:
             return f"a {size}-byte chunk, expected {nbytes}"
         return None
 
-    # ---- the Tier interface (engine/tiers/tier.py) ----
+    # ---- the Tier interface (engine/tiers/interface.py) ----
     def prefetch(self, req: LoadRequest) -> None:
         pass
 

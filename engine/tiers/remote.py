@@ -29,18 +29,18 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.common.backoff import Backoff
-from kvferry.common.chunk_mac import for_secret
 from kvferry.common.counters import Counters
 from kvferry.common.errors import BadDataError
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.redact import redact_url
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.wire.chunk_mac import for_secret
 from kvferry.engine.remote.backend import PREFIX, Backend, RemoteError  # noqa: F401 - PREFIX re-exported
 from kvferry.engine.remote.backends import open_backend
 from kvferry.engine.remote.mooncake_settings import MooncakeSettings
 from kvferry.engine.remote.redis_backend import RedisSettings
 from kvferry.engine.remote.serde import HEADER_BYTES, ForgedError, Serde, SerdeError, max_stored
-from kvferry.engine.tiers.tier import LoadRequest
+from kvferry.engine.tiers.interface import LoadRequest
 
 logger = get_logger(__name__)
 
@@ -249,7 +249,7 @@ class RemoteTier:
         with self._lock:
             return self.counters.as_dict()
 
-    # ---- the Tier interface (engine/tiers/tier.py) ----
+    # ---- the Tier interface (engine/tiers/interface.py) ----
     name = "remote"
 
     def prefetch(self, req: LoadRequest) -> None:

@@ -19,7 +19,7 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.messages import Request, json_response
+from kvferry.proxy.http.exchange import Request, json_response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import body as bodies
 from kvferry.proxy.openai.errors import ProxyError

@@ -20,7 +20,7 @@ from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.failover import DecodeLeg
 from kvferry.proxy.flows.migrate import ChatMove
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.messages import error_body
+from kvferry.proxy.http.exchange import error_body
 from kvferry.proxy.http.sse import SSEResponse, sse
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError

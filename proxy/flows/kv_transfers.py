@@ -19,11 +19,11 @@ from collections import OrderedDict
 import zmq
 import zmq.asyncio
 
-from kvferry.common import messages as m
 from kvferry.common import netutil as net
 from kvferry.common import zsock
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.supervise import LoopHealth
+from kvferry.common.wire import messages as m
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions

@@ -11,10 +11,10 @@ import time
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
-from kvferry.common.transfer_params import ParamsError, prefill_answer
+from kvferry.common.wire.transfer_params import ParamsError, prefill_answer
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.exchange import Request
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import prefill_leg
 from kvferry.proxy.routing.cache import Route

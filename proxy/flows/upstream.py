@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from kvferry.common.http_client import Broken, ClientResponse, Timeout, Unreachable
+from kvferry.common.http.client import Broken, ClientResponse, Timeout, Unreachable
 from kvferry.common.log import REQUEST_ID, RateLimitedLog, get_logger
 from kvferry.proxy.http import json_codec
 from kvferry.proxy.http.sse import events as sse_events

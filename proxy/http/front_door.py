@@ -45,10 +45,10 @@ from multidict import CIMultiDict
 
 from kvferry.common import trace_context
 from kvferry.common.errors import BadDataError
-from kvferry.common.http_conns import Conns
+from kvferry.common.http.connections import Conns
 from kvferry.common.log import get_logger
 from kvferry.proxy.http import head_rules
-from kvferry.proxy.http.messages import Request, Response, error_body, json_response
+from kvferry.proxy.http.exchange import Request, Response, error_body, json_response
 
 if TYPE_CHECKING:
     from kvferry.proxy.http.sse import Answer

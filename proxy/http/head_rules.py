@@ -21,7 +21,7 @@ before the head is whole.
 server and a proxy in front of it could each read another), and for a value that is not
 `host[:port]` with an RFC 3986 host: a name of unreserved, percent-encoded and sub-delimiter
 characters, or a bracketed IP literal (RFC 9112 §3.2). An empty value is valid (a target without
-an authority). The admin API's keyless rule (common/http_guard.py) then reads the one Host.
+an authority). The admin API's keyless rule (common/http/guard.py) then reads the one Host.
 """
 
 from __future__ import annotations

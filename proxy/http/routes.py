@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvferry.proxy.http.messages import Request
+    from kvferry.proxy.http.exchange import Request
     from kvferry.proxy.http.sse import Answer
 
 Handler = Callable[["Request"], Awaitable["Answer"]]

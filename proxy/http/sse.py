@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.proxy.http import json_codec
-from kvferry.proxy.http.messages import Connection, Request, Response
+from kvferry.proxy.http.exchange import Connection, Request, Response
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
 

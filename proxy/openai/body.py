@@ -9,7 +9,7 @@ from typing import Any
 
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.http import json_codec
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.exchange import Request
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.options import ProxyOptions

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvferry.common.errors import KVFerryError
-from kvferry.proxy.http.messages import Response, error_body, json_response
+from kvferry.proxy.http.exchange import Response, error_body, json_response
 
 
 class ProxyError(KVFerryError):

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from kvferry.common.transfer_params import DisaggSpec, decode_leg_params, prefill_leg_params
+from kvferry.common.wire.transfer_params import DisaggSpec, decode_leg_params, prefill_leg_params
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.body import GREEDY_EPS
 

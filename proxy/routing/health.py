@@ -1,5 +1,5 @@
 """What the proxy asks an engine about its health and load, on the library's one HTTP client
-(common/http_client.py): `GET /health`, and the few series of vLLM's `/metrics` routing reads
+(common/http/client.py): `GET /health`, and the few series of vLLM's `/metrics` routing reads
 (requests running and waiting, KV cache usage), parsed with prometheus-client's parser.
 
 Each call is bounded by the `seconds` it is given and never raises: a failure is an answer (an
@@ -12,7 +12,7 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvferry.common.http_client import Broken, Pool, Unreachable
+from kvferry.common.http.client import Broken, Pool, Unreachable
 
 MAX_HEALTH_BODY = 1 << 16  # vLLM's /health answers an empty body
 MAX_METRICS_PAGE = 1 << 24  # an engine's /metrics page: vLLM's is tens of KB, per engine and LoRA

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvferry.common.errors import UnavailableError
-from kvferry.common.transfer_params import DisaggSpec
+from kvferry.common.wire.transfer_params import DisaggSpec
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import Value
 from kvferry.proxy.multiproc.board import BoardFull, LoadBoard

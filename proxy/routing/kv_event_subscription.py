@@ -4,7 +4,7 @@ instance's PrefixIndex.
 vLLM publishes (topic, 8-byte big-endian seq, msgpack EventBatch) on a PUB socket and answers a
 start seq on its ROUTER replay socket with the batches it still holds, then an end marker
 (seq -1). These types are vLLM's wire format (vllm/distributed/kv_events.py), not kvferry's, so
-they live here and not in common/messages.py; every frame is size-checked and decoded into
+they live here and not in common/wire/messages.py; every frame is size-checked and decoded into
 bounded types, and a bad one is counted and skipped.
 
 The replay socket doubles as a heartbeat: every probe asks for the last seq seen. A live

@@ -14,13 +14,13 @@ import asyncio
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
-from kvferry.common.etcd import EtcdError
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import EtcdError
 from kvferry.common.log import get_logger
 from kvferry.common.netutil import is_loopback
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.supervise import LoopHealth
+from kvferry.common.wire import messages as m
 from kvferry.proxy.instance_flags import InstanceSpec, OptionError, parse_url
 from kvferry.proxy.metrics import ProxyMetrics
 from kvferry.proxy.options import ProxyOptions

@@ -17,7 +17,7 @@ import time
 from typing import Protocol, cast
 
 from kvferry.common.log import RateLimitedLog, get_logger
-from kvferry.proxy.http.messages import Request
+from kvferry.proxy.http.exchange import Request
 from kvferry.proxy.instance_flags import InstanceSpec
 from kvferry.proxy.metrics import ProxyMetrics, Value
 from kvferry.proxy.multiproc.admin_log import Peers

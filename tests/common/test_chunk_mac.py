@@ -2,8 +2,8 @@
 
 import os
 
-from kvferry.common import chunk_mac
 from kvferry.common.secret import from_text
+from kvferry.common.wire import chunk_mac
 
 A = from_text("a" * 32, "test")
 B = from_text("b" * 32, "test")

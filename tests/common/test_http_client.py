@@ -1,4 +1,4 @@
-"""common/http_client.py against real sockets: engines that keep, close, stall, break or garble
+"""common/http/client.py against real sockets: engines that keep, close, stall, break or garble
 their connections (raw asyncio servers in the test's loop), under asyncio's loop and uvloop's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from kvferry.common.http_client import MAX_BUFFERED, Broken, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
+from kvferry.common.http.client import MAX_BUFFERED, Broken, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
 from kvferry.common.netutil import free_port
 from tests.polling import until_async
 

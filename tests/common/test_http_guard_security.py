@@ -1,9 +1,9 @@
-"""common/http_guard.py's rules on the headers browsers send: which Host names a keyless admin API
+"""common/http/guard.py's rules on the headers browsers send: which Host names a keyless admin API
 answers to, and which requests count as sent by a page of another origin."""
 
 from __future__ import annotations
 
-from kvferry.common.http_guard import CROSS_SITE, Hosts, cross_site, refusal
+from kvferry.common.http.guard import CROSS_SITE, Hosts, cross_site, refusal
 
 
 def test_a_keyless_api_answers_only_to_its_own_names_security() -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 
 FP = m.LayoutFingerprint(model="tiny", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_size=64,
                          block_size=16, kv_layout="cpu", chunk_format="block", chunk_size=256)

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common import netutil, secret, zsock
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.proxy.instance_flags import OptionError
 from kvferry.proxy.options import parse
 from tests.polling import until
@@ -318,7 +318,7 @@ def test_ipv6_lm_server_listens_on_ipv6_loopback() -> None:
     """kvferry-server (lm://) binds an IPv6 address (it was IPv4 only) and a client connects there."""
     import asyncio
 
-    from kvferry.engine.remote.lm.server import LMServer
+    from kvferry.engine.remote.lm.lm_store import LMServer
 
     async def go() -> None:
         server = LMServer("::1", 0, 1 << 20, 1 << 16)

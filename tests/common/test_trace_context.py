@@ -10,7 +10,7 @@ import pytest
 
 from kvferry.common import log as kvlog
 from kvferry.common.trace_context import new_request_id, request_id, sampled, valid_traceparent
-from kvferry.common.transfer_params import (
+from kvferry.common.wire.transfer_params import (
     ParamsError,
     decode_leg_params,
     decode_params,

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.common import messages as m
 from kvferry.common import secret, zsock
 from kvferry.common.hashing import chunk_keys
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.controller.registry import RegistryError, WorkerRegistry
 from kvferry.testing.store_servers import ControllerProcess
 from tests.polling import until

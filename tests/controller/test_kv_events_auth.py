@@ -135,7 +135,7 @@ def test_kv_events_auth_connector_starts_the_relay_from_its_config(tmp_path: Pat
     from vllm.config import KVEventsConfig
 
     from kvferry.common.config import ConfigError, load_config
-    from kvferry.connector.tier_events import start_relay
+    from kvferry.connector.vllm_kv_events import start_relay
 
     port, rport = free_port(), free_port()
     cfg = load_config(env={"KVFERRY_KV_EVENTS_RELAY_PORT": str(port), "KVFERRY_KV_EVENTS_RELAY_REPLAY_PORT": str(rport),

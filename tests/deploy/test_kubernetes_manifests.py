@@ -340,12 +340,12 @@ def test_k8s_instance_pods_match_the_proxy_discovery(name: str) -> None:
 def test_k8s_discovery_value_is_one_the_proxy_accepts() -> None:
     """The proxy's own flag parser takes every flag of the Deployment. k8s:// itself is checked by
     kvferry's discovery parser where this tree has it."""
-    from kvferry.common.discovery import DiscoveryError, parse_target
+    from kvferry.common.discovery.sources import DiscoveryError, parse_target
     from kvferry.proxy import options
     args = argv(overlay("1p1d"), proxy(overlay("1p1d")))
     assert args[0] == "kvferry-proxy"
     admin_key = {"KVFERRY_ADMIN_KEY": "k" * 32}
-    with mock.patch("kvferry.common.discovery.parse_target"), mock.patch.dict("os.environ", admin_key):
+    with mock.patch("kvferry.common.discovery.sources.parse_target"), mock.patch.dict("os.environ", admin_key):
         o = options.parse(args[1:])
     assert (o.host, o.port, o.workers, o.require_cluster_secret) == ("0.0.0.0", 9000, 1, True)
     assert o.discovery_model == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvferry.common import messages as m
 from kvferry.common.config import ConfigError
 from kvferry.common.netutil import free_port
-from kvferry.common.transfer_params import (
+from kvferry.common.wire import messages as m
+from kvferry.common.wire.transfer_params import (
     VERSION,
     DisaggSpec,
     ParamsError,

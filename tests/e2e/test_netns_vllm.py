@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
-from kvferry.common.etcd import Etcd
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import Etcd
+from kvferry.common.wire import messages as m
 from tests.netns import NetnsCluster, ours, pid_running, unavailable_reason
 from tests.netns_pd import (
     NsJoin,

@@ -27,10 +27,10 @@ import torch
 import zmq
 
 from kvferry.buffer.nixl_agent import make_agent
-from kvferry.common import messages as m
 from kvferry.common import secret as csecret
 from kvferry.common import zsock
 from kvferry.common.hashing import chunk_keys
+from kvferry.common.wire import messages as m
 from kvferry.engine.offload.ops import offload_salt
 from kvferry.testing.store_servers import ControllerProcess
 from kvferry.testing.vllm_servers import OffloadServer, p2p_keys

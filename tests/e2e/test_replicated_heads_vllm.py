@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvferry.common import messages as m
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.pd_helpers import disagg, every_rank_free, plain, same_answers, serving, source_tokens, tiny_fingerprint

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from kvferry.common.discovery_entries import record_key
-from kvferry.common.discovery_target import parse_target
-from kvferry.common.etcd import Etcd
+from kvferry.common.discovery.entries import record_key
+from kvferry.common.discovery.etcd import Etcd
+from kvferry.common.discovery.target import parse_target
 from kvferry.common.netutil import free_port
 from kvferry.testing.prometheus import PrometheusServer, dashboard_queries
 from tests.polling import alive, until

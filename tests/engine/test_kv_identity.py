@@ -20,7 +20,7 @@ from vllm.v1.request import Request
 from kvferry.common.config import load_config
 from kvferry.common.hashing import EXTRA_BYTES, chunk_keys, extra_digest
 from kvferry.connector.request_identity import IdentityReader, Unkeyable, portable
-from kvferry.connector.tier_events import to_vllm
+from kvferry.connector.vllm_kv_events import to_vllm
 from kvferry.engine.api import PLAIN, OffloadPlanner
 from kvferry.proxy.routing.cache import PromptKeys
 from kvferry.proxy.routing.identity import prompt_root

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.remote.lm.client import LMClient, LMError
+from kvferry.common.wire import messages as m
+from kvferry.engine.remote.lm.lm_client import LMClient, LMError
 from kvferry.engine.remote.lm.protocol import frame
 from kvferry.launcher.services import Proc
 from kvferry.testing.store_servers import start_lm_server

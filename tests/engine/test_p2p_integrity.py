@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import torch
 
-from kvferry.common import messages as m
 from kvferry.common.config import load_config
+from kvferry.common.wire import messages as m
 from kvferry.engine.p2p.service import P2PService
 from kvferry.launcher.standalone import StandaloneEngine, parse_shape_spec
 from tests.polling import until

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.engine.p2p.fetching import P2PError
 from kvferry.engine.p2p.service import P2PService
 from tests.polling import until

@@ -19,9 +19,9 @@ import redis
 import torch
 import zstandard
 
-from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.engine.remote.lm.client import LMClient
+from kvferry.common.wire import messages as m
+from kvferry.engine.remote.lm.lm_client import LMClient
 from kvferry.engine.remote.serde import HEADER_BYTES, ChunkShape, ForgedError, Serde, SerdeError
 from kvferry.engine.tiers.remote import PREFIX, RemoteTier
 from kvferry.launcher.services import Proc

@@ -21,7 +21,7 @@ from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import CPU, DISK, GPU, PrefixIndex, prefix_keys
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
-to_vllm = pytest.importorskip("kvferry.connector.tier_events").to_vllm
+to_vllm = pytest.importorskip("kvferry.connector.vllm_kv_events").to_vllm
 
 BS, CHUNK, BLOCK_BYTES = 16, 32, 1024  # vLLM blocks of 16 tokens, kvferry chunks of two blocks
 TOKENS = list(range(500, 500 + 2 * CHUNK + 5))  # two full chunks and a partial one

@@ -116,7 +116,7 @@ def test_both_seed_deployments_are_here() -> None:
 def _join(argv: list[str], service: dict, compose: Path) -> None:
     """`kvferry join`: its flags parse, its --config file (through the volumes) loads and holds only
     what join takes from it, and it joins through etcd with the cluster secret."""
-    from kvferry.common import discovery
+    from kvferry.common.discovery import sources as discovery
     from kvferry.launcher import cli
     args = _parse_only(cli.main, argv[1:])
     assert args.cmd == "join" and args.role in ("prefiller", "decoder")

@@ -1,4 +1,4 @@
-"""launcher/join.py's health checks on the library's one HTTP client (common/http_client.py): a
+"""launcher/join.py's health checks on the library's one HTTP client (common/http/client.py): a
 member is registered while its /health answers 200 (its checks on one kept connection) and
 withdrawn after FAILS_TO_WITHDRAW failed ones; a check that gets no answer fails within its bound."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
+from kvferry.common.discovery import sources as disc
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.launcher import join
 from kvferry.launcher.join import JoinedInstance, Registrar
 from tests.polling import until_async
@@ -85,7 +85,7 @@ def test_join_health_check_without_an_answer_fails_within_its_bound(monkeypatch:
     monkeypatch.setattr(join, "HEALTH_TIMEOUT_S", 0.3)
 
     async def main() -> None:
-        from kvferry.common.http_client import Pool
+        from kvferry.common.http.client import Pool
         engine = Health()
         engine.status = None
         await engine.start()

@@ -19,11 +19,11 @@ import httpx
 import msgspec
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
 from kvferry.common import secret
-from kvferry.common.etcd import Etcd
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.etcd import Etcd
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from tests.logged_proc import Proc, complete, served
 from tests.polling import until, until_async
 
@@ -78,12 +78,12 @@ def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:
 
 
 def test_discovery_etcd_client_bounds_on_the_one_http_client(etcd_server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The client's bounds, on common/http_client.py: an Etcd built outside any loop works in one;
+    """The client's bounds, on common/http/client.py: an Etcd built outside any loop works in one;
     a range page past its byte bound is asked again with fewer keys (every key still comes); a
     watch line past MAX_WATCH_LINE is refused; a quiet watch ends as WatchIdle after its idle
     timeout; an endpoint nobody serves is an EtcdError naming it, not a hang."""
-    from kvferry.common import etcd as etcd_mod
-    from kvferry.common.etcd import EtcdError, WatchIdle
+    from kvferry.common.discovery import etcd as etcd_mod
+    from kvferry.common.discovery.etcd import EtcdError, WatchIdle
     etcd, prefix = Etcd(f"http://127.0.0.1:{etcd_server.port}"), _prefix().encode()  # no loop runs yet
 
     async def body() -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common.discovery_kube import KubeWatch
-from kvferry.common.discovery_pods import MAX_TP
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery.kube import KubeWatch
+from kvferry.common.discovery.pods import MAX_TP
 from kvferry.common.netutil import free_port
 from kvferry.testing.fake_kube import FakeKube, selector_matches
 from tests.logged_proc import Proc, complete, served

@@ -28,12 +28,13 @@ import httpx
 import msgspec
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common import discovery_entries as disc_entries
-from kvferry.common import discovery_watch, secret
-from kvferry.common import messages as m
-from kvferry.common.etcd import KV, Etcd, EtcdAccessError, prefix_end
+from kvferry.common import secret
+from kvferry.common.discovery import entries as disc_entries
+from kvferry.common.discovery import sources as disc
+from kvferry.common.discovery import watch as discovery_watch
+from kvferry.common.discovery.etcd import KV, Etcd, EtcdAccessError, prefix_end
 from kvferry.common.netutil import free_port, machine_address
+from kvferry.common.wire import messages as m
 from kvferry.launcher import services
 from kvferry.launcher.join import JoinedInstance, Registrar
 from kvferry.testing.processes import wait_http

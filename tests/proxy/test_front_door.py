@@ -19,8 +19,8 @@ import pytest
 
 from kvferry.common.netutil import free_port
 from kvferry.proxy.http import front_door
+from kvferry.proxy.http.exchange import Request, Response, json_response
 from kvferry.proxy.http.front_door import FrontDoor, Handler
-from kvferry.proxy.http.messages import Request, Response, json_response
 from kvferry.proxy.http.sse import Answer, SSEResponse
 from tests.polling import until, until_async
 from tests.stub_procs import (

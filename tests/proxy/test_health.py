@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvferry.common.http_client import Pool
+from kvferry.common.http.client import Pool
 from kvferry.common.netutil import free_port
 from kvferry.proxy.routing import health
 

@@ -20,9 +20,9 @@ import httpx
 import msgspec
 import pytest
 
-from kvferry.common import discovery as disc
-from kvferry.common import messages as m
+from kvferry.common.discovery import sources as disc
 from kvferry.common.netutil import free_port
+from kvferry.common.wire import messages as m
 from kvferry.launcher.vllm_proc import stop_group
 from kvferry.proxy import metrics as metrics_mod
 from kvferry.proxy.multiproc import admin_log as peers_mod

@@ -604,7 +604,7 @@ def test_refused_and_slow_upstreams_become_503_and_504() -> None:
 def test_receiver_notifications_feed_the_kv_wait_histogram() -> None:
     import zmq
 
-    from kvferry.common import messages as m
+    from kvferry.common.wire import messages as m
     p0, d0 = stubs(0, 0)
     ps, ds = [p0], [d0]
     note_port = free_port()
@@ -804,7 +804,7 @@ def test_a_dead_engine_is_ejected_at_once() -> None:
 def test_cluster_secret_on_the_proxys_zmq_sockets(tmp_path: Path) -> None:
     import zmq
 
-    from kvferry.common import messages as m
+    from kvferry.common.wire import messages as m
     path = tmp_path / "secret"
     secret.write_file(str(path), "s3cret-" * 6)
     right = zsock.Trust(secret.from_file(str(path), "test"))

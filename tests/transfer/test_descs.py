@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import ChunkError
 

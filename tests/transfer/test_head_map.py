@@ -164,7 +164,7 @@ def test_hetero_tp_mla_handshake_accepts_another_tp_size_gqa_does_not() -> None:
     import msgspec
 
     from kvferry.buffer.peering import layout_error
-    from kvferry.common import messages as msg
+    from kvferry.common.wire import messages as msg
 
     mla = msg.LayoutFingerprint(model="m", dtype="bfloat16", num_layers=8, num_kv_heads=1, head_size=576,
                                 block_size=16, kv_layout="mla", chunk_format="block", chunk_size=256, tp_size=1,

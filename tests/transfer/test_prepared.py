@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 from kvferry.sender.addr import ReceiverAddr
 from kvferry.sender.descs import write_descs
 from kvferry.sender.errors import ChunkError

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.common import messages as m
+from kvferry.common.wire import messages as m
 
 LEN_BYTES = 4  # every frame: a 4-byte big-endian length, then that many bytes of a msgpack header
 MAX_HEADER = m.MAX_FRAME_BYTES

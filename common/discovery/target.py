@@ -13,7 +13,7 @@ string serves the proxy's ``--discovery``, ``kvferry join --discovery`` and ``kv
   signed expiry plus this; default 1).
 
 ``k8s://NAMESPACE`` (proxies only: Kubernetes registers the pods) takes its own query
-(common/discovery_pods.py says what makes a pod an instance):
+(common/discovery/pods.py says what makes a pod an instance):
 
 - ``selector=LABELS``: the pods' label selector, URL-encoded (default ``app.kubernetes.io/part-of=kvferry``);
 - ``kubeconfig=FILE`` and ``context=NAME``: a kubeconfig (else in a pod its ServiceAccount, else
@@ -31,8 +31,8 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
+from kvferry.common.discovery.etcd import Etcd
 from kvferry.common.errors import ConfigurationError
-from kvferry.common.etcd import Etcd
 from kvferry.common.password_file import PasswordFileError, read_password_file
 
 DEFAULT_PREFIX = "/kvferry"

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvferry.common import messages as m
-from kvferry.common.discovery_entries import MAX_KEY_BYTES, Entry, Rejected, Snapshot, shown, verify
-from kvferry.common.discovery_target import Target, connect
-from kvferry.common.etcd import KV, WatchIdle
+from kvferry.common.discovery.entries import MAX_KEY_BYTES, Entry, Rejected, Snapshot, shown, verify
+from kvferry.common.discovery.etcd import KV, WatchIdle
+from kvferry.common.discovery.target import Target, connect
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.wire import messages as m
 
 logger = get_logger(__name__)
 

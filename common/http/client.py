@@ -1,6 +1,6 @@
 """The library's one HTTP/1.1 client: keep-alive connections per host on asyncio Protocols,
 parsed by httptools (llhttp, the parser aiohttp's server and uvicorn use). It carries the proxy's
-legs to the engines (its hot path) and health checks, etcd's JSON gateway (common/etcd.py) and
+legs to the engines (its hot path) and health checks, etcd's JSON gateway (common/discovery/etcd.py) and
 the launcher's health checks (launcher/join.py): one set of bounds and one set of errors.
 
 Why not aiohttp's client (or httpx): per request it builds request, response, stream-reader and

@@ -1,6 +1,6 @@
 """Discovery's etcd entries: where they live, how they are signed and bound, and what counts.
 
-An entry is a :class:`~kvferry.common.messages.SignedEntry` whose body is an ``InstanceRecord``
+An entry is a :class:`~kvferry.common.wire.messages.SignedEntry` whose body is an ``InstanceRecord``
 (at ``PREFIX/instances/<id>``) or a ``DrainMark`` (at ``PREFIX/drain/<id>``). With a cluster
 secret it counts only when its seal, an HMAC over (key, body, revision, expires), checks, and
 whatever the secret:
@@ -24,10 +24,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from kvferry.common import messages as m
+from kvferry.common.discovery.etcd import KV, Etcd, EtcdError
 from kvferry.common.errors import BadDataError
-from kvferry.common.etcd import KV, Etcd, EtcdError
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.wire import messages as m
 
 PURPOSE = "discovery-entry"
 MAX_KEY_BYTES = 512  # a longer key under the prefix is ignored unread

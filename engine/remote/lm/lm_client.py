@@ -9,9 +9,9 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 
-from kvferry.common import messages as m
 from kvferry.common.errors import UnavailableError
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.wire import messages as m
 from kvferry.engine.remote.lm.protocol import (
     CLIENT_PURPOSE,
     DEFAULT_MAX_CHUNK,

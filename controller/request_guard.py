@@ -4,7 +4,7 @@ its body is read: the admin key, the body's size and type, and the browser rules
 With an admin key, everything but /health needs it (Bearer, or Basic with the key as the password,
 which is what a browser sends for the page and /docs). Bodies are bounded, and every POST body is
 read as JSON whatever its Content-Type says (`curl -d` sends a form type), as LMCache's users expect.
-Because of that, and for bodiless requests alike, common/http_guard.py's rules hold: a request
+Because of that, and for bodiless requests alike, common/http/guard.py's rules hold: a request
 that changes state and that a browser marks as sent by another origin is refused, and without an
 admin key so is one whose Host is not a name the controller answers to (DNS rebinding); otherwise
 any web page could make a browser on the controller's host clear or move KV. /health is exempt
@@ -19,8 +19,8 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from kvferry.common import http_guard
 from kvferry.common import secret as csecret
+from kvferry.common.http import guard as http_guard
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

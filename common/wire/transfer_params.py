@@ -22,8 +22,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kvferry.common.errors import BadDataError
-from kvferry.common.messages import Id, NonNeg, Port
 from kvferry.common.trace_context import TRACEPARENT_LEN, TRACEPARENT_PATTERN, valid_traceparent
+from kvferry.common.wire.messages import Id, NonNeg, Port
 
 # 1: transfer_id, ret_first_tok, disagg_spec (LMCache's names); answer transfer_id, num_tokens, first_tok.
 # Optional since: traceparent (both legs).

@@ -370,7 +370,7 @@ class Span(msgspec.Struct, kw_only=True, frozen=True):
     nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
 
 
-# A chunk's keyed MAC (common/chunk_mac.py TAG_BYTES; messages import no hashing library).
+# A chunk's keyed MAC (common/wire/chunk_mac.py TAG_BYTES; messages import no hashing library).
 Tag = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
@@ -403,7 +403,7 @@ class PeerRelease(Msg, tag="peer_release", frozen=True):
     lease_id: Id
 
 
-class InstanceRecord(Msg, tag="instance", frozen=True):  # discovery (common/discovery.py): one instance's registration
+class InstanceRecord(Msg, tag="instance", frozen=True):  # discovery/sources.py: one registration
     instance_id: Id
     role: Annotated[str, msgspec.Meta(pattern="^(prefiller|decoder)$")]
     model: Text  # the served model name

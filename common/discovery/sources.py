@@ -8,17 +8,17 @@ Two engines, one view:
   goes when the lease ends (TTL seconds), and its record stops counting when its signed expiry
   passes even if someone keeps the lease alive. Drain marks live at ``PREFIX/drain/<instance_id>``
   under the drained registration's lease. Proxies list the prefix once and then watch it
-  (common/discovery_watch.py); what makes an entry count is in common/discovery_entries.py.
+  (common/discovery/watch.py); what makes an entry count is in common/discovery/entries.py.
 - ``file://PATH``: a YAML or JSON file ``{instances: [record, ...], drain: [instance_id, ...]}``
   that proxies re-read when it changes. The file is configuration, trusted as the command line
   is (its permissions protect it); ``kvferry join`` edits it under a lock.
 
 - ``k8s://NAMESPACE?selector=LABELS``: the pods the selector picks are the instances (their
-  labels and annotations say what each is: common/discovery_pods.py); proxies list and watch them
-  through the Kubernetes API (common/discovery_kube.py), whose RBAC decides who may add one. Pods
+  labels and annotations say what each is: common/discovery/pods.py); proxies list and watch them
+  through the Kubernetes API (common/discovery/kube.py), whose RBAC decides who may add one. Pods
   are registered by Kubernetes itself: ``kvferry join`` does not take it.
 
-The --discovery value (and etcd's TLS and users) is parsed in common/discovery_target.py.
+The --discovery value (and etcd's TLS and users) is parsed in common/discovery/target.py.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from collections.abc import Callable
 import msgspec
 import yaml
 
-from kvferry.common import messages as m
-from kvferry.common.discovery_entries import (
+from kvferry.common.discovery.entries import (
     Rejected,
     Snapshot,
     drain_key,
@@ -45,8 +44,9 @@ from kvferry.common.discovery_entries import (
     verify,
     write_entry,
 )
-from kvferry.common.discovery_kube import KubeWatch
-from kvferry.common.discovery_target import (
+from kvferry.common.discovery.etcd import EtcdError
+from kvferry.common.discovery.kube import KubeWatch
+from kvferry.common.discovery.target import (
     DEFAULT_PREFIX,
     DiscoveryError,
     ReadOnlyDiscovery,
@@ -54,10 +54,10 @@ from kvferry.common.discovery_target import (
     connect,
     parse_target,
 )
-from kvferry.common.discovery_watch import EtcdWatch, OnChange
-from kvferry.common.etcd import EtcdError
+from kvferry.common.discovery.watch import EtcdWatch, OnChange
 from kvferry.common.log import get_logger
 from kvferry.common.secret import ClusterSecret
+from kvferry.common.wire import messages as m
 
 __all__ = ["DEFAULT_PREFIX", "DEFAULT_TTL_S", "DiscoveryError", "EtcdWatch", "FileWatch", "KubeWatch",
            "ReadOnlyDiscovery", "Registration", "Rejected", "Snapshot", "Target", "check_access",

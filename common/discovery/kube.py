@@ -1,6 +1,6 @@
 """A proxy's view of discovery from the Kubernetes API (``--discovery k8s://NAMESPACE``): list the
 selected pods, then watch them from the list's resourceVersion; what makes a pod an instance is in
-common/discovery_pods.py.
+common/discovery/pods.py.
 
 The failures other routers' users met, and what this does about each:
 
@@ -35,8 +35,8 @@ from typing import Any
 
 import msgspec
 
-from kvferry.common.discovery_entries import Snapshot
-from kvferry.common.discovery_pods import (
+from kvferry.common.discovery.entries import Snapshot
+from kvferry.common.discovery.pods import (
     BOOKMARK,
     EVENT,
     POD,
@@ -48,7 +48,7 @@ from kvferry.common.discovery_pods import (
     role_of,
     standing,
 )
-from kvferry.common.discovery_target import DiscoveryError, Target
+from kvferry.common.discovery.target import DiscoveryError, Target
 from kvferry.common.errors import UnavailableError
 from kvferry.common.log import get_logger
 

@@ -2,7 +2,7 @@
 command line, ``kvferry-server``, is launcher/lm_server.py.
 
 Protocol (TCP, every frame): a 4-byte big-endian length, that many bytes of a msgpack header
-(:class:`~kvferry.common.messages.RemotePut` / ``RemoteGet`` / ``RemoteExists``, answered by
+(:class:`~kvferry.common.wire.messages.RemotePut` / ``RemoteGet`` / ``RemoteExists``, answered by
 ``RemoteReply`` or ``ErrorReply``), then, for a put or a found get, ``nbytes`` raw payload bytes.
 Reads are exact (a frame may arrive a byte at a time). A header over 4 MiB, a payload over
 ``--max-frame``, or a header that does not decode is answered with an error and the connection is
@@ -36,12 +36,12 @@ import os
 import socket
 from collections.abc import Sequence
 
-from kvferry.common import messages as m
 from kvferry.common.fd_limits import fd_limit
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.common.netutil import tcp_listener
 from kvferry.common.secret import ClusterSecret
 from kvferry.common.units import fmt_bytes
+from kvferry.common.wire import messages as m
 from kvferry.engine.remote.lm.byte_budget import ByteBudget
 from kvferry.engine.remote.lm.chunk_lru import ChunkLRU
 from kvferry.engine.remote.lm.conn_cap import DEFAULT_MAX_CONNECTIONS, open_spare

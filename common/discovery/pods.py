@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvferry.common import messages as m
 from kvferry.common.errors import BadDataError
+from kvferry.common.wire import messages as m
 
 ROLE_LABELS = ("kvferry.io/role", "llm-d.ai/role")
 ROLES = {"prefill": "prefiller", "prefiller": "prefiller", "decode": "decoder", "decoder": "decoder"}

@@ -1,7 +1,7 @@
 """A small etcd v3 client over etcd's JSON gRPC gateway (``/v3/...``), on the library's one HTTP
-client (common/http_client.py).
+client (common/http/client.py).
 
-kvferry's discovery (common/discovery.py) needs put, range (a prefix, in pages), delete, a
+kvferry's discovery (common/discovery/sources.py) needs put, range (a prefix, in pages), delete, a
 compare-and-put transaction, leases (grant, keepalive, revoke) and a streaming watch. etcd (3.4
 and later) answers them all as JSON over HTTP, so the proxy needs no gRPC or protobuf. Keys and
 values are base64 on the wire; 64-bit integers (revisions, lease ids, TTLs) are JSON strings.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvferry.common.errors import UnavailableError
-from kvferry.common.http_client import Broken, ClientResponse, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
+from kvferry.common.http.client import Broken, ClientResponse, ClosedEarly, Pool, Timeout, TooLarge, Unreachable
 
 CALL_TIMEOUT_S = 3.0  # one unary call
 MAX_ANSWER_BYTES = 1 << 20  # one unary answer (a range page has its own bound)

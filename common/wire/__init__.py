@@ -1,0 +1,1 @@
+"""The wire contract between processes: versioned messages, kv_transfer_params, chunk MACs."""
