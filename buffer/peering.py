@@ -247,10 +247,11 @@ class PeerTable(Generic[S]):
                 return  # every peer is mid-transfer: over the bound until one finishes
             self.drop(idle, f"the peer table is full ({self.max_peers} peers): least recently used dropped")
 
-    def drop(self, peer: Peer, why: str) -> None:
-        """Forget `peer`: its socket closed, its NIXL agent removed; a later get() handshakes again."""
+    def drop(self, peer: Peer, why: str) -> asyncio.Future | None:
+        """Forget `peer`: its socket closed, its NIXL agent removed (the future: done once removed,
+        on the NIXL thread); a later get() handshakes again. None for a peer already dropped."""
         if peer.dropped:
-            return
+            return None
         peer.dropped = True
         if self._peers.get(peer.key) is peer:
             del self._peers[peer.key]
@@ -263,7 +264,7 @@ class PeerTable(Generic[S]):
         if peer.watch is not None and peer.watch is not _current_task():
             peer.watch.cancel()
         peer.sock.close(linger=0)
-        self.nixl.call(self._remove_agent, peer.agent)
+        return self.nixl.call(self._remove_agent, peer.agent)
 
     async def _watch(self, peer: Peer) -> None:
         """Drop `peer` once its data-port connection closes (the receiver died, restarted or gave
@@ -285,9 +286,9 @@ class PeerTable(Generic[S]):
         except Exception as e:  # noqa: BLE001 - already gone is fine
             logger.debug("remove_remote_agent(%s): %s", name, e)
 
-    def close(self) -> None:
-        for peer in list(self._peers.values()):
-            self.drop(peer, "closing")
+    def close(self) -> list[asyncio.Future]:
+        """Drop every peer; the futures say when each one's NIXL agent is removed."""
+        return [f for peer in list(self._peers.values()) if (f := self.drop(peer, "closing")) is not None]
 
     async def _handshake(self, host: str, port: int, timeout: float) -> m.Welcome:
         where = f"{self.role} {host}:{port}"

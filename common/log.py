@@ -6,8 +6,8 @@ library's (and pytest's caplog sees them). What prints them, and how, is decided
 the process:
 
 - kvferry's own programs call ``configure_logging()`` first thing in their entry point
-  (``kvferry-controller``, ``kvferry-server``, the ``kvferry`` commands that run services, the
-  standalone engine, the stub engine; ``kvferry-proxy`` too): one stderr handler on the
+  (``kvferry-controller``, ``kvferry-server``, ``kvferry-proxy``, the ``kvferry`` commands that
+  run services, the standalone engine): one stderr handler on the
   ``kvferry`` logger in kvferry's format (close to LMCache's lines), level from
   ``KVFERRY_LOG_LEVEL`` / ``LMCACHE_LOG_LEVEL`` (default INFO), not propagated to the root logger.
 - Inside vLLM the process is vLLM's: the connector calls ``configure_in_vllm(...)`` where vLLM
@@ -18,10 +18,6 @@ the process:
   vLLM's level (``--log-level`` / ``VLLM_LOGGING_LEVEL``), into the server's stderr as before;
   with it off, nothing is set and they propagate to the root logger the user configures. A
   ``kvferry`` logger that already has a handler (a ``--log-config-file`` naming it) is left as it is.
-
-Changed: until now the first ``get_logger`` call added the handler and turned propagation off, so
-importing any kvferry module did it, in vLLM's processes and in tests too (which then needed a
-fixture to see kvferry's records).
 """
 
 from __future__ import annotations

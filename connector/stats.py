@@ -101,6 +101,8 @@ SERIES: dict[str, tuple[str, str, str | None]] = {
     "pd_quarantined": ("kvferry:pd_quarantined_transfers", "Aborted transfers whose pages waited for a write that "
                        "might still land", None),
     "pd_bad_frames": ("kvferry:pd_bad_frames", "Malformed frames rejected on the receiver's ports", None),
+    "pd_aborts_received": ("kvferry:pd_aborts_received", "Aborts handled on the receiver's alloc port (a sender's, "
+                           "the proxy's, a request's that ended)", None),
     "pd_loop_restarts": ("kvferry:pd_loop_restarts", "Times the receiver's NIXL thread failed and was started "
                          "again (its log says why)", None),
     "p2p_loop_restarts": ("kvferry:p2p_loop_restarts", "Times a P2P service loop (heartbeats, reports) failed and "

@@ -111,6 +111,7 @@ class ReceiverCounters(Counters):
     arrivals: int = 0
     bad_frames: int = 0
     alloc_errors: int = 0
+    aborts: int = 0  # AbortTransfer frames handled on the alloc port, from senders, proxies and requests
     proxy_notifications: int = 0
     refusals: dict[str, int] = field(default_factory=dict)  # alloc refusals by ErrorReply code
 
@@ -241,6 +242,9 @@ class KVReceiver:
         if isinstance(req, m.AbortTransfer):
             if not self.joints.abort(req, ident):
                 self.table.abort(req.transfer_id, req.generation, req.reason, conn=ident, final=req.final)
+            self.counters.aborts += 1
+            if req.ack:
+                await peering.reply(sock, ident, m.AbortAck(transfer_id=req.transfer_id, generation=req.generation))
             return
         if isinstance(req, m.RenewLease):
             left = self.table.renew(req.transfer_id, req.generation, self.joints.conn(req.transfer_id, ident))

@@ -12,7 +12,7 @@ Everything a peer can make this side hold is bounded: leases per peer (MAX_LEASE
 "busy"), their length, and the table of what metadata each peer has seen (MAX_SEEN_PEERS, least
 recently used first out: a forgotten peer is sent the metadata again).
 
-The CPU tier's arena is registered once (engine/host_arena.py says why); a chunk outside it gets a
+The CPU tier's arena is registered once (engine/tiers/host_arena.py says why); a chunk outside it gets a
 registration of its own when it enters the tier, dropped when it leaves and no lease holds it.
 The handshake declares the arena and every lease the spans of the registrations it sends, so a
 reader can check each address before its NIXL READ (receiver/peer_reader.py).

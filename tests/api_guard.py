@@ -67,7 +67,7 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
         "uvicorn 0.54.0 calls its http protocol class with `_loop=`; the wrapper passes it through"),
     ("proxy/metrics.py", "prometheus_client.mmap_dict"): (
         "prometheus_client 0.26.0's multiprocess values cannot drop a series from their files "
-        "(tests/proxy/test_metrics_workers.py shows it), so a gone instance's series would stay on "
+        "(tests/proxy/test_metrics.py shows it), so a gone instance's series would stay on "
         "/metrics; the proxy writes the same files itself (MmapedDict, mmap_key) and reads them with "
         "the documented MultiProcessCollector"),
     ("proxy/metrics.py", "prometheus_client.utils"): (

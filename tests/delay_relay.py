@@ -75,7 +75,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
             due, data = await queue.get()
             wait = due - time.monotonic()
             if wait > 0:
-                await asyncio.sleep(wait)  # a sleep is the relay's job: the link's delay
+                await asyncio.sleep(wait)  # a sleep (pacing): the relay's job: the link's delay
             if data is None:
                 with contextlib.suppress(OSError, RuntimeError):
                     if writer.can_write_eof():

@@ -23,7 +23,7 @@ from kvferry.engine.pd.shared import KV_LAYOUT_NAMES
 from kvferry.launcher.pd_instances import Decoder, Prefiller
 from kvferry.launcher.vllm_proc import VLLMServer
 from tests.polling import TimedOut, answers, until
-from tests.transfer_helpers import next_answer
+from tests.transfer_helpers import abort_acked, next_answer
 
 
 def completion(server: VLLMServer, prompt: list[int], max_tokens: int, client: httpx.Client | None = None,
@@ -179,9 +179,9 @@ class RawPeer:
         return reply
 
     def abort(self, tid: str, generation: int, final: bool = True) -> None:
-        """`final`: this peer wrote nothing into the pages (it never does), so they are free at once."""
-        self.alloc_sock.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=generation, reason="test",
-                                                      final=final)))
+        """`final`: this peer wrote nothing into the pages (it never does), so they are free at once;
+        returns once the receiver acknowledged it."""
+        abort_acked(self.alloc_sock, tid, generation, final=final)
 
     def fully_free(self, timeout: float = 20) -> bool:
         """True once an alloc of every page succeeds (it is handed back at once)."""
@@ -190,7 +190,6 @@ class RawPeer:
             reply = self.alloc(tid, self.num_pages)
             if isinstance(reply, m.AllocResponse):
                 self.abort(tid, reply.generation)
-                time.sleep(0.2)  # a sleep: the abort lands before anyone allocates again (an abort has no reply)
                 return True
             assert reply.code == "buffer_full", reply
             return False

@@ -295,22 +295,35 @@ def _sleeps(tree: ast.AST) -> list[ast.Call]:
             and n.func.value.id in ("time", "asyncio")]
 
 
+# The two places a sleep is right in a test, and what its line says (`# a sleep (kind): why`).
+SLEEP_KINDS = {
+    "pacing": "the behaviour under test is timing the test makes: a slow engine, paced writes, a "
+              "client that reads nothing, waiting out a timer the test set",
+    "window": "nothing may happen within T: a refusal that must hold, a connection that must stay",
+}
+_SLEEP_LINE = re.compile(r"# a sleep \((\w+)\): \S")
+
+
 def test_tests_wait_for_conditions_with_tests_polling() -> None:
-    """A test waits for what it needs with tests/polling.py (until, until_async), not with a sleep
-    before its assert nor with a deadline loop of its own. A sleep stays only where a sleep is right
-    (pacing under test, a window in which something must not happen, a socket that gives no sign to
-    wait on), and its line says so: `# a sleep ...`."""
-    bad = []
+    """A test waits for what it needs with tests/polling.py (until, until_async) on a condition the
+    product shows (a counter, an acknowledgement, a state), not with a sleep before its assert nor a
+    deadline loop of its own. A sleep stays only as one of SLEEP_KINDS, and its line says which."""
+    bad, kinds = [], {k: 0 for k in SLEEP_KINDS}
     for path in sorted((REPO / "tests").rglob("*.py")):
         if path.name == "polling.py":
             continue
         text = path.read_text()
         lines, tree, name = text.splitlines(), ast.parse(text), path.relative_to(REPO)
-        bad += [f"{name}:{c.lineno}: a sleep whose line does not say why (`# a sleep ...`)" for c in _sleeps(tree)
-                if "# a sleep" not in lines[c.lineno - 1]]
+        for c in _sleeps(tree):
+            said = _SLEEP_LINE.search(lines[c.lineno - 1])
+            if said is None or said.group(1) not in SLEEP_KINDS:
+                bad.append(f"{name}:{c.lineno}: a sleep whose line does not say `# a sleep (pacing|window): why`")
+            else:
+                kinds[said.group(1)] += 1
         bad += [f"{name}:{w.lineno}: a deadline loop (tests.polling.until)" for w in ast.walk(tree)
                 if isinstance(w, ast.While) and _sleeps(w) and "deadline" in ast.unparse(w)]
     assert not bad, "; ".join(bad)
+    assert all(kinds.values()), kinds  # both kinds are in use: the pattern still matches real lines
 
 
 # tests/ mirrors the library: a folder per layer (transfer = sender, receiver, buffer, kernels and the

@@ -88,7 +88,7 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
             elif cmd == "state":
                 s = buf.stats()
                 conn.send(("state", buf.fully_free(), s.pages_free, r.counters.as_dict(), s.leases_expired,
-                           r.table.sizes()))
+                           r.table.sizes(), s.extra["waiting"]))
 
 
 @dataclass
@@ -177,6 +177,20 @@ def sender_main(conn, addr: tuple, pages: int) -> None:
             conn.recv()  # wait to be killed; EOF when the test process is gone
         except EOFError:
             pass
+
+
+def abort_acked(sock: zmq.Socket, transfer_id: str, generation: int = 0, reason: str = "test", final: bool = False,
+                timeout_ms: int = 10_000) -> None:
+    """Send an abort on `sock` (a DEALER on an alloc port) and wait for the receiver's AbortAck:
+    then the abort holds for the next request, on any connection. Other messages are read past."""
+    sock.send(m.encode(m.AbortTransfer(transfer_id=transfer_id, generation=generation, reason=reason, final=final,
+                                       ack=True)))
+    deadline = time.monotonic() + timeout_ms / 1000
+    while (left := deadline - time.monotonic()) > 0:
+        reply = next_answer(sock, max(1, int(left * 1000)))
+        if isinstance(reply, m.AbortAck) and reply.transfer_id == transfer_id:
+            return
+    raise AssertionError(f"no AbortAck for {transfer_id} within {timeout_ms} ms")
 
 
 def next_answer(sock: zmq.Socket, timeout_ms: int) -> m.Msg | None:

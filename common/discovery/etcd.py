@@ -308,7 +308,8 @@ class Etcd:
         nothing (not even etcd's progress notice) arrives for `idle_timeout` seconds: then
         WatchIdle (an EtcdError). etcd sends a progress notice every `progress_notify` interval
         (10 min by default), so callers re-list and re-watch on WatchIdle rather than treat it as
-        an outage."""
+        an outage. The first batch is empty: etcd's notice that the watch was created, after which
+        every change is seen."""
         path = "/v3/watch"
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision), "progress_notify": True}}

@@ -17,6 +17,7 @@ from kvferry.common.errors import BadDataError
 # 3: AllocResponse without `skip`; PeerChunks' `spans` and `tags` (a mixed cluster fails with
 #    "peer speaks protocol 2", not "malformed" frames or leases rejected as hostile).
 # 4: RenewLease / LeaseRenewed: a sender that reserved pages before its prompt computed keeps them.
+#    AbortTransfer.ack / AbortAck (optional: an older receiver ignores `ack` and answers nothing).
 PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 4 << 20
 
@@ -157,6 +158,17 @@ class AbortTransfer(Msg, tag="abort", frozen=True):
     generation: NonNeg = 0
     reason: Text = ""
     final: bool = False
+    ack: bool = False  # the receiver answers AbortAck once the abort is applied (or refused)
+
+
+class AbortAck(Msg, tag="abort_ack", frozen=True):
+    """The receiver's answer to an AbortTransfer that asked for one (`ack`), sent once the abort was
+    handled: whatever it changed (pages freed or quarantined, a late alloc refused) holds for the
+    next request on any connection. An abort the receiver refuses (another connection's final
+    abort) is acknowledged too: the answer says it was read, not that it freed anything."""
+
+    transfer_id: Id
+    generation: NonNeg = 0
 
 
 class ProxyNotification(Msg, tag="proxy_notify", frozen=True):
@@ -432,7 +444,7 @@ class SignedEntry(Msg, tag="signed", frozen=True):  # body: an encoded InstanceR
 
 Message = Union[
     Hello, Welcome, AllocRequest, AllocResponse, RenewLease, LeaseRenewed, ErrorReply, ArrivalNotice,
-    AbortTransfer, ProxyNotification, ServerHello, AuthAnswer, AuthOk, RemotePut, RemoteGet, RemoteExists,
+    AbortTransfer, AbortAck, ProxyNotification, ServerHello, AuthAnswer, AuthOk, RemotePut, RemoteGet, RemoteExists,
     RemoteReply, RegisterWorker, DeregisterWorker, Heartbeat, ChunkAdmit, ChunkEvict, TransferReport,
     LookupRequest, LookupResponse, PullChunks, DropChunks, ClearChunks, Resync, CommandResult, TierNotice,
     PeerFetch, PeerChunks, PeerRelease, InstanceRecord, DrainMark, SignedEntry

@@ -99,7 +99,8 @@ class PDConsumer:
             "pd_loaded": c.loaded, "pd_received_bytes": c.received_bytes, "pd_kv_timeouts": c.kv_timeouts,
             "pd_arrival_wait_seconds": c.arrival_wait_seconds, "pd_arrival_waits": c.arrival_waits,
             "pd_received": rx.arrivals, "pd_quarantined": self.receiver.table.counters["quarantined"],
-            "pd_bad_frames": rx.bad_frames, "pd_loop_restarts": self.receiver.nixl_health.restarts,
+            "pd_bad_frames": rx.bad_frames, "pd_aborts_received": rx.aborts,
+            "pd_loop_restarts": self.receiver.nixl_health.restarts,
             f"pd_transfers_in_flight|{self.tp_rank}": self.receiver.table.expecting(),
             **buffer_gauges(self.buffer, self.tp_rank)}
         out.update({f"pd_recomputed|{k}": v for k, v in c.recomputed.items()})

@@ -60,6 +60,7 @@ class ProducerCounters:
     failures: dict[str, int] = field(default_factory=dict)
     early: int = 0  # sent into pages reserved before the prompt computed
     pieces: int = 0  # writes made while the prompt was still computing (chunked prefill)
+    pieces_done: int = 0  # of those, the writes that ended DONE (landed in the decoder's pages)
 
 
 @dataclass
@@ -221,6 +222,7 @@ class PDProducer:
         self._traced_write(out, out.writes[-1], chunks, False)
         out.written = upto
         self.counters.pieces += 1
+        out.writes[-1].add_done_callback(self._piece_ended)
 
     def submit(self, transfer_id: str, receiver: ReceiverAddr, token_ids: Sequence[int], block_ids: Sequence[int],
                num_tokens: int, share: Slice | None = None, traceparent: str | None = None, request_id: str = ""
@@ -428,6 +430,10 @@ class PDProducer:
             self.cancel(tid)
         self.sender.close()
         self.staging.deregister()
+
+    def _piece_ended(self, f: concurrent.futures.Future) -> None:
+        if _ok(f):
+            self.counters.pieces_done += 1  # one writer (the NIXL thread's callbacks) for this counter
 
     # ---- vLLM sleep mode: cancel the prompts computing, drain staging's writes, deregister it ----
     def suspend(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvferry.common.log import get_logger
 from kvferry.common.reasons import CLIENT_LEFT
+from kvferry.proxy.flows.context import Context
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.routing.instances import Instance
@@ -27,7 +28,7 @@ MIGRATE_KINDS = frozenset({"stream_broken", "stream_error", "timeout", "stall", 
 class Migration:
     """One request's moves: which decoders failed it, how many moves are left."""
 
-    def __init__(self, ctx, limit: int) -> None:  # ctx: proxy.context.Context (it imports routing)
+    def __init__(self, ctx: Context, limit: int) -> None:
         self.ctx = ctx
         self.limit = limit
         self.moves = 0

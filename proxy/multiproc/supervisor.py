@@ -4,7 +4,7 @@ The supervisor (this module; it runs no event loop and serves nothing) makes wha
 share, then forks them: each worker is a whole proxy (instances, health checks, KV-event streams,
 discovery) that binds --port with SO_REUSEPORT, so the kernel spreads connections over them. They
 share:
-- load: each instance's requests in flight and queued prompt tokens (routing/board.py), so two
+- load: each instance's requests in flight and queued prompt tokens (multiproc/board.py), so two
   workers do not both send their next prompt to the prefiller that looks idle to each alone;
   round-robin turns too; and instance ids (a row's), so every worker names an instance alike;
 - admin changes (multiproc/admin_log.py): one made through any worker holds on all of them for every later

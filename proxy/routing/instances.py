@@ -35,7 +35,7 @@ class Instance:
     discovery_id: str | None = None  # its instance_id in discovery (etcd or file); None: a static flag
     engine_load: int | None = None  # vLLM's running + waiting requests at the last /metrics scrape
     own_at_scrape: int = 0  # this proxy's in-flight requests then
-    # With --workers N: the load every worker sees (routing/board.py), at this row; None: one
+    # With --workers N: the load every worker sees (multiproc/board.py), at this row; None: one
     # process, an instance removed, or one added while every row was held (its load this worker's own).
     board: LoadBoard | None = field(default=None, repr=False, compare=False)
     row: int = 0

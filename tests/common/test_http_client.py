@@ -137,7 +137,7 @@ def test_at_most_limit_connections_and_waiting_for_one_is_bounded(loop_kind: str
         peak = max(peak, open_now)
         try:
             while await read_request(r):
-                await asyncio.sleep(0.2)  # a sleep is the test: a slow engine holds each connection
+                await asyncio.sleep(0.2)  # a sleep (pacing): a slow engine holds each connection
                 w.write(ok())
                 await w.drain()
         finally:
@@ -173,7 +173,7 @@ def test_an_engine_that_sends_nothing_times_out_on_the_read_timeout(loop_kind: s
         if n == 2:  # the head, one piece, then silence
             w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
             await w.drain()
-        await asyncio.sleep(30)  # a sleep is the test: the engine's silence
+        await asyncio.sleep(30)  # a sleep (pacing): the engine's silence
 
     async def main() -> None:
         async with Engine(serve) as e:
@@ -202,7 +202,7 @@ def test_a_stream_that_sends_nothing_fails_on_the_stall_timeout(loop_kind: str) 
         if n >= 2:  # the head and one piece; then silence (the first: silence at once)
             w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
             await w.drain()
-        await asyncio.sleep(30)  # a sleep is the test: the engine's silence
+        await asyncio.sleep(30)  # a sleep (pacing): the engine's silence
 
     async def main() -> None:
         async with Engine(serve) as e:
@@ -217,7 +217,7 @@ def test_a_stream_that_sends_nothing_fails_on_the_stall_timeout(loop_kind: str) 
             with pytest.raises(Timeout) as ex:
                 async for piece in resp.pieces():
                     got.append(piece)
-                    await asyncio.sleep(0.8)  # a sleep is the test: the caller's own time, not the engine's silence
+                    await asyncio.sleep(0.8)  # a sleep (pacing): the caller's own time, not the engine's silence
             resp.release()
             assert ex.value.what == "stall" and got == [b"hello"] and 1.15 <= loop.time() - t0 < 20.0
             assert not p.busy and all(not h.idle and h.open == 0 for h in p.hosts.values())
@@ -232,7 +232,7 @@ def test_a_stream_cut_mid_answer_gives_its_pieces_then_broken(loop_kind: str) ->
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                 b"f\r\ndata: {\"a\":1}\n\n\r\n")
         await w.drain()
-        await asyncio.sleep(0.05)  # a sleep is the test: the piece is read before the cut
+        await asyncio.sleep(0.05)  # a sleep (pacing): the piece is read before the cut
         w.transport.abort()
 
     async def main() -> None:
@@ -259,11 +259,11 @@ def test_a_sink_takes_reads_in_the_callback_and_leaves_the_rest_to_pieces_in_ord
         await read_request(r)
         w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         await w.drain()
-        await asyncio.sleep(0.05)  # a sleep is the test: pieces paced to be one read each
+        await asyncio.sleep(0.05)  # a sleep (pacing): pieces paced to be one read each
         for piece in sent:  # one read each: the reader is back waiting before the next
             w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await w.drain()
-            await asyncio.sleep(0.05)  # a sleep is the test: as above
+            await asyncio.sleep(0.05)  # a sleep (pacing): as above
         w.write(b"0\r\n\r\n")
         await w.drain()
 
@@ -308,7 +308,7 @@ def test_bytes_that_are_not_http_and_a_refused_connection_are_errors_not_hangs(l
         await read_request(r)
         w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
         await w.drain()
-        await asyncio.sleep(5)  # a sleep is the test: the peer keeps the connection open, saying no more
+        await asyncio.sleep(5)  # a sleep (pacing): the peer keeps the connection open, saying no more
 
     async def main() -> None:
         async with Engine(serve) as e:

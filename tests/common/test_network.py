@@ -233,7 +233,7 @@ def test_transfer_wait_has_one_sample_per_transfer_whichever_comes_first() -> No
         # The usual order: answer first, notice after.
         assert httpx.post(px.url + "/v1/completions", json={"prompt": "late", "max_tokens": 3},
                           timeout=30).status_code == 200
-        time.sleep(0.05)  # a sleep is the test's order: the notice comes after the answer
+        time.sleep(0.05)  # a sleep (pacing): the notice comes 50 ms after the answer, past the histogram's first bucket
         notice(log(p0)["requests"][1]["kv_transfer_params"]["transfer_id"])
         until(lambda: _wait_samples(px.url)[0] == 2.0, 5.0, lambda: f"two samples: {_wait_samples(px.url)}")
         transfers = len(log(p0)["requests"])

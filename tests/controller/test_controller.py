@@ -151,7 +151,7 @@ def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controll
         t0 = time.monotonic()
         while time.monotonic() - t0 < 2.5:
             a.heartbeat()
-            time.sleep(0.2)  # a sleep is the test: a heartbeats through the window, b stays silent
+            time.sleep(0.2)  # a sleep (window): a heartbeats through the window, b stays silent
         assert [i["instance_id"] for i in state(controller)["instances"]] == ["a"]
         assert "no heartbeat for" in controller.log.read_text()
     finally:

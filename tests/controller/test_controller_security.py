@@ -120,6 +120,6 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(keyl
     # A keep-alive connection idle past the timeout between two whole requests is not cut.
     with httpx.Client(timeout=10) as c:
         assert c.get(keyless.url + "/health").status_code == 200
-        time.sleep(REQUEST_S * 1.5)  # a sleep is the test: nothing to wait for, the connection must still be there
+        time.sleep(REQUEST_S * 1.5)  # a sleep (window): the connection must still be there after it
         assert c.post(keyless.url + "/lookup", json={"tokens": [1]}).status_code == 200
         assert c.get(keyless.url + "/health").status_code == 200

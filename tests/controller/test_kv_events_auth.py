@@ -18,6 +18,7 @@ from kvferry.common.kv_events_relay import KVEventsRelay, RelaySpec, dialable
 from kvferry.common.netutil import free_port
 from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
+from tests.kv_event_helpers import replay_holds
 from tests.polling import until, until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
@@ -51,17 +52,19 @@ def test_kv_events_auth_only_a_subscriber_with_the_secret_hears_the_relay(tmp_pa
 
     async def go() -> None:
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(EARLY, 100)]))
-        await asyncio.sleep(0.3)  # a sleep: the publisher's thread sends it before anyone listens (nothing to wait for)
+        await until_async(lambda: replay_holds(f"ipc://{tmp_path}/replay.sock") == 1, what="the batch published")
         tasks = [asyncio.ensure_future(s.run(probe_interval=0.2)) for s in streams]
         try:
             await until_async(lambda: len(good.index) == 1)  # the replay, through the relay
-            await asyncio.sleep(0.3)  # a sleep: subscriptions settle before the live event (a PUB shows none)
+            # A PUB shows no subscriber: an empty batch each poll until the relay passes one on live.
+            await until_async(lambda: pub.publish(kv.KVEventBatch(ts=time.time(), events=[])) or relay.relayed >= 1,
+                              what="the relay to hear the publisher live", every=0.1)
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
             await until_async(lambda: len(good.index) == 5)
             assert good.index.cached_tokens(prefix_keys(DOC, BS)) == 4 * BS
             assert good.index.cached_tokens(prefix_keys(EARLY, BS)) == BS
             assert good.fresh
-            await asyncio.sleep(1.0)  # a sleep is the test: time for strangers' probes and events, were they let in
+            await asyncio.sleep(1.0)  # a sleep (window): time for strangers' probes and events, were they let in
             for s in (wrong, plain):
                 assert len(s.index) == 0 and s.last_seq is None and s.last_heard is None and not s.fresh, s.name
             assert relay.relayed >= 1 and relay.replays >= 1
@@ -106,7 +109,7 @@ def test_kv_events_auth_raw_zmq_stranger_gets_no_frame(tmp_path: Path) -> None:
         assert len(friend.recv_multipart()) == 3
         for i in range(5):
             pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:BS], 10 + i)]))
-            time.sleep(0.05)  # a sleep: events spread out over time, each a chance for a stranger
+            time.sleep(0.05)  # a sleep (pacing): events spread out over time, each a chance for a stranger
         assert not sub.poll(500) and not dealer.poll(100), "a stranger received KV events"
     finally:
         ctx.destroy(linger=0)

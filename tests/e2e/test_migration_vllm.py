@@ -210,7 +210,7 @@ def test_client_leaves_right_after_the_first_token_nothing_is_recomputed(cluster
           3.0, lambda: f"the pages back: {[_pages(u) for u in logs]}", every=0.05)
     until(lambda: all(_engine_idle(u) for u in logs), 15, "the decoders to drop the requests whose client left",
           every=0.2)
-    time.sleep(1.0)  # a sleep is the test: a recompute would be logged by now
+    time.sleep(1.0)  # a sleep (window): a recompute would be logged by now
     for u, p in logs.items():
         with open(p, "rb") as f:
             f.seek(start[u])

@@ -169,7 +169,7 @@ def test_chat_prompts_are_predicted_from_the_chat_template(cluster: dict) -> Non
     before = held()
     chat("first question")
     until(lambda: held() > before, 30, "the first question's BlockStored events")
-    time.sleep(1)  # a sleep: the decode leg's blocks too, if it stores any (no count of them to wait for)
+    time.sleep(1)  # a sleep (window): the decode leg's BlockStored events, if it sends any, come within this
     routes0 = proxy_counters(cluster, "kvferry_proxy_routing_decisions_total")
     p0 = sum(proxy_counters(cluster, "kvferry_proxy_predicted_cached_tokens_total").values())
     a0 = sum(proxy_counters(cluster, "kvferry_proxy_actual_cached_tokens_total").values())

@@ -137,7 +137,7 @@ def test_a_frame_may_arrive_a_byte_at_a_time(server) -> None:
     s = raw(port)
     for i in range(0, len(data), 97):  # short writes with pauses: the server reads exactly
         s.sendall(data[i:i + 97])
-        time.sleep(0.002)  # a sleep is the test: the frame comes in paced short writes
+        time.sleep(0.002)  # a sleep (pacing): the frame comes in paced short writes
     assert isinstance(reply_of(s), m.RemoteReply)
     s.close()
     assert LMClient("127.0.0.1", port).get(b"slow") == blob
@@ -359,7 +359,7 @@ def test_a_trickled_partial_length_prefix_is_cut_off_by_the_frame_timeout(tmp_pa
         head = frame(m.RemoteGet(key=b"k"))[:3]
         for b in head:  # three bytes of four, a third of a second apart: still one frame in progress
             s.sendall(bytes([b]))
-            time.sleep(0.3)  # a sleep is the test: the prefix trickles in slower than a frame
+            time.sleep(0.3)  # a sleep (pacing): the prefix trickles in slower than a frame
         got = reply_of(s)  # waits up to 5 s: the idle timeout (600 s) must not be what applies
         assert isinstance(got, m.ErrorReply) and got.code == "timeout" and "length prefix" in got.message
         assert closed(s)

@@ -126,7 +126,7 @@ def test_lm_with_the_cluster_secret_and_clients_without_it(tmp_path: Path, kvf_l
         assert plain.exists([b"A" * 16]) == [False]
         assert plain.stats()["remote_errors"] == 1
         assert "set cluster_secret_file" in kvf_logs.text
-        time.sleep(1.1)  # a sleep is the test's clock: past the 1 s back-off, its put is tried, and refused
+        time.sleep(1.1)  # a sleep (pacing): past the 1 s back-off the test set, its put is tried, and refused
         assert plain.put(b"B" * 16, chunk(2), TOKENS) and plain.flush(10)
         assert plain.stats()["stored_chunks|remote"] == 0 and plain.stats()["remote_errors"] == 2
         assert good.exists([b"A" * 16, b"B" * 16]) == [True, False]

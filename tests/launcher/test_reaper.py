@@ -40,7 +40,7 @@ def test_a_launcher_that_dies_takes_what_it_started_with_it_even_what_ignores_si
         reaper.proc.stdin.close()
         assert tracked.wait(10) == -signal.SIGKILL  # SIGTERM ignored, SIGKILL after the grace
         assert reaper.proc.wait(10) == 0
-        time.sleep(0.2)  # a sleep is the test: the forgotten group is not killed meanwhile
+        time.sleep(0.2)  # a sleep (window): the forgotten group is not killed meanwhile
         assert alive(forgotten.pid), "a group the launcher had stopped itself must be left alone"
     finally:
         for p in (tracked, forgotten):

@@ -58,13 +58,16 @@ def test_discovery_etcd_client_put_range_watch_lease(etcd_server) -> None:
             assert [(kv.key, kv.value, kv.lease) for kv in kvs] == [(prefix + b"/a", b"\x00\xffbytes", lease)]
             seen: list = []
 
+            started = asyncio.Event()
+
             async def watch() -> None:
                 async for evs in etcd.watch(prefix + b"/", rev + 1, 10):
+                    started.set()  # the first batch is etcd's "created" notice: the watch is live
                     seen.extend((e.kind, e.kv.key) for e in evs)
                     if len(seen) >= 2:
                         return
             w = asyncio.ensure_future(watch())
-            await asyncio.sleep(0.2)  # a sleep: the watch has no "started" to wait for; it sees what follows live
+            await asyncio.wait_for(started.wait(), 10)
             await etcd.put(prefix + b"/b", b"x")
             await etcd.revoke(lease)  # takes /a with it
             await asyncio.wait_for(w, 5)
@@ -145,7 +148,7 @@ def test_discovery_etcd_registration_appears_withdraws_and_expires(etcd_server, 
             await reg.register()
             beat = asyncio.ensure_future(reg.keep_alive(stop))
             await seconds_until(lambda v: "p-1" in v.records, "the second registration")
-            await asyncio.sleep(3.0)  # a sleep is the test: longer than the TTL, the renewals keep it
+            await asyncio.sleep(3.0)  # a sleep (window): longer than the TTL, the renewals keep it
             assert "p-1" in views[-1].records
             stop.set()
             await beat

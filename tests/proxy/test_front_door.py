@@ -193,7 +193,7 @@ def test_a_pipelined_head_is_judged_when_its_turn_comes() -> None:
             assert await r.readexactly(14) == b"9\r\ndata: 1\n\n\r\n"  # the first event's chunk
             w.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: k\r\nContent-Length: 2\r\n"
                     b"Expect: 100-continue\r\n\r\n")
-            with pytest.raises(TimeoutError):  # a sleep-bound wait is the test: nothing may come meanwhile
+            with pytest.raises(TimeoutError):  # a sleep (window): nothing may come meanwhile
                 await asyncio.wait_for(r.readline(), 0.5)
             release.set()
             rest = b""
@@ -240,7 +240,7 @@ def test_a_slow_client_pauses_the_stream_and_one_that_leaves_cancels_it() -> Non
             w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
             w.write(post_bytes("/v1/completions", b"{}"))
             await r.readline()
-            await asyncio.sleep(1.0)  # a sleep is the test: the client reads nothing more meanwhile
+            await asyncio.sleep(1.0)  # a sleep (window): the client reads nothing more meanwhile
             (door,) = doors
             assert door.transport is not None
             assert progress["sent"] < 200, progress  # the writer waited, it did not buffer the stream
@@ -339,9 +339,9 @@ def test_a_client_that_reads_nothing_for_the_stall_timeout_is_cut_off() -> None:
             await r.readline()
             for _ in range(15):  # 1.5 s reading slowly, far slower than the handler writes: not cut
                 await r.read(1 << 15)
-                await asyncio.sleep(0.1)  # a sleep is the test: a slow reader
+                await asyncio.sleep(0.1)  # a sleep (pacing): a slow reader
             assert doors and not progress["cancelled"]
-            await asyncio.sleep(0.3)  # a sleep is the test: not cut within this time
+            await asyncio.sleep(0.3)  # a sleep (window): not cut within this time
             assert doors and not progress["cancelled"]  # not yet: the bound has not passed
             await until_async(lambda: progress["cancelled"], 3.0, "the stalled stream to be cut", every=0.02)
             assert progress["cancelled"] and not doors
@@ -381,7 +381,7 @@ def test_the_proxy_cuts_a_stream_its_client_stopped_reading_and_frees_the_decode
         r, w = await asyncio.open_connection(sock=s, limit=1 << 12)
         w.write(raw)
         assert (await r.readline()).startswith(b"HTTP/1.1 200")
-        await asyncio.sleep(0.5)  # a sleep is the test: reading nothing more, not yet cut
+        await asyncio.sleep(0.5)  # a sleep (window): reading nothing more, not yet cut
         assert decoder()["in_flight"] == 1
         await until_async(lambda: decoder()["in_flight"] == 0, 10, "the decode leg to end", every=0.1)
         d = decoder()

@@ -218,7 +218,7 @@ def test_requests_that_stop_arriving_are_closed_within_the_timeout_security(guar
     # answered for longer than it.
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {CLIENT}"}) as c:
         assert c.post(guarded.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
-        time.sleep(REQUEST_S * 1.5)  # a sleep is the test: nothing to wait for, the connection must still be there
+        time.sleep(REQUEST_S * 1.5)  # a sleep (window): the connection must still be there after it
         assert c.post(guarded.url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}).status_code == 200
         assert c.get(guarded.url + "/health").status_code == 200
         with c.stream("POST", guarded.url + "/v1/completions",

@@ -32,7 +32,7 @@ async def _serve(answers: dict[str, tuple[int, bytes]]) -> tuple[asyncio.Server,
             path = head.split(b" ", 2)[1].decode()
             status, body = answers[path]
             if status == 0:
-                await asyncio.sleep(3600)  # a sleep that is the behaviour: an engine that never answers
+                await asyncio.sleep(3600)  # a sleep (pacing): an engine that never answers
             writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n%s" % (status, len(body), body))
             await writer.drain()
     server = await asyncio.start_server(handle, "127.0.0.1", 0)

@@ -19,6 +19,7 @@ from kvferry.proxy.routing.cache import CacheView, choose, local_reason
 from kvferry.proxy.routing.instances import Instance
 from kvferry.proxy.routing.kv_event_subscription import KVEventSubscription
 from kvferry.proxy.routing.prefix_index import PrefixIndex, prefix_keys
+from tests.kv_event_helpers import replay_holds
 from tests.polling import until_async
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
@@ -108,7 +109,7 @@ def test_events_published_before_the_proxy_started_are_replayed(tmp_path: Path, 
     async def go() -> None:
         pub = publisher(tmp_path)
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC)]))
-        await asyncio.sleep(0.5)  # a sleep: published to nobody before the stream starts (nothing to wait for)
+        await until_async(lambda: replay_holds(f"ipc://{tmp_path}/replay.sock") == 1, what="the batch published")
         task = asyncio.ensure_future(s.run(probe_interval=0.2))
         try:
             await until_async(lambda: len(s.index) == 5)
@@ -216,7 +217,7 @@ def test_a_closed_stream_ends_its_loop_quietly(tmp_path: Path) -> None:
 
     async def go() -> None:
         task = asyncio.ensure_future(s.run(probe_interval=0.1))
-        await asyncio.sleep(0.3)  # a sleep is the test: the loop runs a few probes, then is closed under it
+        await asyncio.sleep(0.3)  # a sleep (pacing): the loop runs a few probes, then is closed under it
         s.close()
         await asyncio.wait_for(task, 5)  # returns: no exception for the supervisor to restart
     asyncio.run(go())

@@ -838,7 +838,7 @@ def test_cluster_secret_on_the_proxys_zmq_sockets(tmp_path: Path) -> None:
         strangers[0].connect(url)
         for s in strangers:
             s.send(note)
-        time.sleep(0.5)  # a sleep is the test: the strangers' notices are given time to (not) count
+        time.sleep(0.5)  # a sleep (window): the strangers' notices are given time to (not) count
         text = httpx.get(px.url + "/metrics").text
         assert "kvferry_proxy_kv_transfer_wait_seconds_count 0.0" in text
         assert "kvferry_proxy_notifications_total{" not in text

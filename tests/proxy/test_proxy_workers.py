@@ -130,7 +130,7 @@ def test_admin_changes_and_ejections_reach_every_worker() -> None:
             with httpx.Client() as c:
                 assert c.post(px.url + "/v1/completions", json={"prompt": f"e{i}", "max_tokens": 2},
                               timeout=30).status_code == 200
-        time.sleep(0.5)  # a sleep is the test: the probe that confirms the ejection, and any late errors, come by now
+        time.sleep(0.5)  # a sleep (window): the probe that confirms the ejection, and any late errors, come by now
         text = httpx.get(px.url + "/metrics").text
         assert _metric(text, f'kvferry_proxy_errors_total{{instance="{ids[p1.url]}",kind="unreachable"}}') <= 2
     finally:
@@ -198,7 +198,7 @@ def test_a_worker_that_never_listens_is_killed_after_the_start_deadline(monkeypa
     monkeypatch.setattr(workers, "START_S", 1.0)
 
     def stuck(opts, board, peers, index, ready) -> int:
-        time.sleep(600)  # a sleep is the test: a worker that never calls ready()
+        time.sleep(600)  # a sleep (pacing): a worker that never calls ready()
         return 0
 
     opts = parse(["--prefiller", "http://127.0.0.1:1", "--decoder", "http://127.0.0.1:2,7000,7001"])

@@ -90,7 +90,7 @@ def test_a_prompt_whose_request_ends_mid_prefill_gives_back_staging_and_decoder_
     blocks = list(range(8))
     producer.open("C", addr, tokens, 128)
     until(lambda: producer.progress("C", blocks[:4], 64) or producer.counters.pieces == 1, 10, "the first piece")
-    time.sleep(0.3)  # a sleep: the piece's write ends DONE (the sender shows no sign of it to wait on)
+    until(lambda: producer.counters.pieces_done == 1, 10, "the piece's write to end DONE")
     t0 = time.monotonic()
     producer.cancel("C")
     until(producer.staging.fully_free, 5, "the staging pages back")
@@ -115,7 +115,7 @@ def test_a_prompt_computing_longer_than_the_lease_keeps_its_pages_and_arrives(pa
     while time.monotonic() - t0 < 3.5:  # steps of a slow chunked prefill, past the 2 s lease
         done = min(done + 8, n - 1)
         producer.progress("K", blocks, done)
-        time.sleep(0.25)  # a sleep is the test: a slow prefill's steps
+        time.sleep(0.25)  # a sleep (pacing): a slow prefill's steps
     assert producer.counters.pieces >= 1
     assert producer.submit("K", addr, tokens, blocks, n).result(10).sent_chunks == 4
     assert until(lambda: consumer.poll(0.05)[0], 10, "the transfer loaded") == {"k"}

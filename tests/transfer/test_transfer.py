@@ -28,7 +28,7 @@ from kvferry.sender.errors import (  # noqa: E402
 )
 from kvferry.sender.kv_sender import KVSender, SenderConfig  # noqa: E402
 from tests.polling import until, until_async  # noqa: E402
-from tests.transfer_helpers import PAGE, ReceiverProc, fingerprint, next_answer, sender_main, trust  # noqa: E402
+from tests.transfer_helpers import PAGE, ReceiverProc, abort_acked, fingerprint, next_answer, sender_main, trust  # noqa: E402
 
 
 @pytest.fixture
@@ -205,9 +205,9 @@ def test_buffer_full_waits_fifo_then_fails_naming_pd_buffer_size(receiver, sende
     # FIFO, no overtaking: w1 (3 pages) waits for the filler; w2 (1 page) would fit now but
     # must queue behind w1, so a stream of small requests can never starve a large one.
     f1 = s.send("w1", r.addr, keys(3, 3), chunks_of(src, 3), 96)
-    time.sleep(0.2)  # a sleep: w1 is queued first (the order under test; the receiver shows no queue)
+    until(lambda: r.state()[6] == 1, 10, lambda: f"w1 to queue for pages: {r.state()}")
     f2 = s.send("w2", r.addr, keys(1, 4), chunks_of(src, 1, 3), 32)
-    time.sleep(0.3)  # a sleep is the test: w2 must not be served in this time
+    time.sleep(0.3)  # a sleep (window): w2 must not be served in this time
     assert not f1.done() and not f2.done(), "w2 overtook w1"
     assert r.ask("claim", "fill", 5)[0] == "ok"
     assert f1.result(10).sent_chunks == 3 and f2.result(10).sent_chunks == 1
@@ -298,7 +298,7 @@ def test_a_killed_senders_arrived_data_stays_readable(receiver) -> None:
     finally:
         if proc.is_alive():
             proc.kill()
-    time.sleep(1.5)  # a sleep is the test: past the receiver's grace after the close, the data stays
+    time.sleep(1.5)  # a sleep (window): past the receiver's grace after the close, the data stays
     ok, num_tokens, data = r.ask("claim", "landed-1", 5)
     assert ok == "ok" and num_tokens == 4 * 32
     want = torch.arange(4 * PAGE, dtype=torch.int64).to(torch.uint8)
@@ -422,9 +422,9 @@ def test_idle_sender_and_receiver_use_under_5_percent_of_a_core(receiver) -> Non
         assert conn.poll(30) and conn.recv() == ("sent",)
         assert conn.poll(30) and conn.recv() == ("done",)
         assert r.ask("claim", "warm", 10)[0] == "ok"
-        time.sleep(0.5)  # a sleep: the transfer's after-work settles before idle is measured
+        time.sleep(0.5)  # a sleep (window): past the receiver's fast polling after the claim (FAST_S), before idle is measured
         before = {pid: _cpu_seconds(pid) for pid in (r.pid, proc.pid)}
-        time.sleep(5)  # a sleep is the test: the idle window measured
+        time.sleep(5)  # a sleep (window): the idle time measured
         used = {pid: (_cpu_seconds(pid) - t0) / 5 for pid, t0 in before.items()}
     finally:
         proc.kill()
@@ -548,14 +548,14 @@ def test_an_abort_between_alloc_and_write_never_lets_the_late_write_into_another
     assert r.state()[2] == 2, r.state()
     proxy = raw_socket(r.alloc_port, None)  # another connection than A's sender: the proxy's abort
     try:
-        proxy.send(m.encode(m.AbortTransfer(transfer_id="A", generation=0, reason="client disconnected")))
-        time.sleep(0.3)  # a sleep: the abort lands before B's alloc (an abort has no reply to wait for)
+        abort_acked(proxy, "A", reason="client disconnected")  # it holds before B's alloc
     finally:
         proxy.close(linger=0)
     assert b.send("B", r.addr, keys(2, 2), chunks_of(src_b, 2), 64).result(30).sent_chunks == 2
     gate.set()
     assert fa.result(30).sent_chunks == 2  # A's write went somewhere: into its own, quarantined pages
-    time.sleep(0.3)  # a sleep: A's late write lands (if it went astray) before B is read
+    # A's notification (after its write landed) ends its quarantine: its 2 pages are free, B's held.
+    until(lambda: r.state()[2] == 2, 10, lambda: f"A's notification to free its pages: {r.state()}")
     kind, _, data = r.ask("claim", "B", 10)
     assert kind == "ok"
     for i in range(2):
@@ -583,7 +583,7 @@ def test_a_final_abort_frees_pages_at_once_only_from_the_connection_that_reserve
             assert isinstance(reply, m.AllocResponse)
             closer.send(m.encode(m.AbortTransfer(transfer_id=tid, generation=reply.generation, final=True)))
             if closer is other:
-                time.sleep(0.3)  # a sleep is the test: someone else's final abort must not free the pages
+                time.sleep(0.3)  # a sleep (window): someone else's final abort must not free the pages
                 # Someone else's "final" means nothing: a WRITE of t1's sender may still be coming.
                 assert r.state()[2] == 0 and r.state()[5]["quarantine"] == 1
                 # The sender that reserved them is told, so that it can answer with its own abort.
@@ -595,7 +595,7 @@ def test_a_final_abort_frees_pages_at_once_only_from_the_connection_that_reserve
         reply = ask(mine, m.AllocRequest(transfer_id="t3", sender_id="s", epoch=r.epoch, chunk_keys=keys(2),
                                          num_tokens=2))
         other.send(m.encode(m.AbortTransfer(transfer_id="t3", generation=0)))
-        time.sleep(0.3)  # a sleep is the test: another connection's abort must not free them
+        time.sleep(0.3)  # a sleep (window): another connection's abort must not free them
         assert r.state()[2] == 2
         assert r.wait_fully_free(3 + 2), r.state()
     finally:
@@ -634,9 +634,8 @@ def test_a_hostile_authenticated_peer_leaves_the_table_bounded_and_the_buffer_fr
         assert any("queues" in x.message for x in replies)
         # A generation-0 abort of a live transfer (not the sender's own connection), and an abort
         # before its alloc: that alloc is then refused.
-        other.send(m.encode(m.AbortTransfer(transfer_id="d1", generation=0, reason="hostile")))
-        other.send(m.encode(m.AbortTransfer(transfer_id="later", generation=0, reason="early")))
-        time.sleep(0.3)  # a sleep: both aborts land before the alloc they precede (no reply to wait for)
+        abort_acked(other, "d1", reason="hostile")
+        abort_acked(other, "later", reason="early")  # both hold before the alloc they precede
         told = next_answer(sock, 3000)  # d1's sender is told of the abort, once
         assert isinstance(told, m.AbortTransfer) and told.transfer_id == "d1" and told.reason == "hostile", told
         assert (reply := alloc("later", 1)).code == "aborted" and "before its alloc" in reply.message
@@ -678,7 +677,7 @@ def test_an_early_grant_written_in_pieces_is_readable_only_when_notified_and_kep
     assert s.write(grant, chunks_of(src, 2), 0).result(30).sent_chunks == 2
     kind, name, _ = r.ask("claim", "E", 0.3)
     assert (kind, name) == ("err", "TransferTimeout"), "a piece without the notification must not be readable"
-    time.sleep(2.4)  # a sleep is the test: "compute" past the 1.5 s lease, the sender renews it meanwhile
+    time.sleep(2.4)  # a sleep (pacing): "compute" past the 1.5 s lease, the sender renews it meanwhile
     res = s.write(grant, chunks_of(src, 2, 2), 2, notify=True).result(30)
     assert res.sent_chunks == 4 and res.bytes == 4 * PAGE and set(res.phases) >= {"alloc", "to_nixl", "write"}
     kind, _, data = r.ask("claim", "E", 10)
@@ -744,7 +743,7 @@ def test_an_early_grant_released_unwritten_frees_its_pages_at_once_and_one_not_k
     s.release(grant, "the request ended")
     assert r.wait_fully_free(1), "an unwritten grant given back must free its pages at once"
     grant = s.reserve("X", r.addr, keys(2), 2 * 32).result(30)
-    time.sleep(1.2)  # a sleep is the test: not kept, the lease runs out and the write is refused
+    time.sleep(1.2)  # a sleep (pacing): not kept, the lease runs out and the write is refused
     with pytest.raises(LeaseExpired, match="pd_lease_seconds"):
         s.write(grant, chunks_of(src, 2), 0, notify=True).result(30)
     assert r.wait_fully_free(3), r.state()
