@@ -422,7 +422,7 @@ def test_idle_sender_and_receiver_use_under_5_percent_of_a_core(receiver) -> Non
         assert conn.poll(30) and conn.recv() == ("sent",)
         assert conn.poll(30) and conn.recv() == ("done",)
         assert r.ask("claim", "warm", 10)[0] == "ok"
-        time.sleep(0.5)  # a sleep (window): past the receiver's fast polling after the claim (FAST_S), before idle is measured
+        time.sleep(0.5)  # a sleep (window): past the fast polling after the claim (FAST_S)
         before = {pid: _cpu_seconds(pid) for pid in (r.pid, proc.pid)}
         time.sleep(5)  # a sleep (window): the idle time measured
         used = {pid: (_cpu_seconds(pid) - t0) / 5 for pid, t0 in before.items()}
