@@ -10,15 +10,13 @@ otherwise (and always with --first-token decoder) the client gets the decoder's 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvferry.proxy.flows import migrate
 from kvferry.proxy.flows.chat_stream import ChatStream, chat_as_stream
 from kvferry.proxy.flows.context import Context
-from kvferry.proxy.flows.failover import DecodeLeg
-from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
-from kvferry.proxy.flows.upstream import Upstream
+from kvferry.proxy.flows.failover import DecodeLeg, serve_whole
+from kvferry.proxy.flows.prefill import NoPrefiller, prefill
 from kvferry.proxy.http.exchange import Request, json_response
 from kvferry.proxy.http.sse import Answer
 from kvferry.proxy.openai import body as bodies
@@ -26,7 +24,6 @@ from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import chat_decode_leg, chat_prefill_leg, fan_out, same_first_token, sample
 from kvferry.proxy.openai.merge import merge_samples
 from kvferry.proxy.routing.cache import Route
-from kvferry.proxy.routing.instances import Instance
 
 PATH = "/v1/chat/completions"
 T = TypeVar("T")
@@ -106,27 +103,8 @@ class Chat:
         if ctx.opts.legs_carry_ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
             # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
             leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
-        return await self._alone(route, p, ntok, lambda up: ChatStream(ctx, request, PATH, t0, move=move).run(
+        return await serve_whole(ctx, route, p, ntok, lambda up: ChatStream(ctx, request, PATH, t0, move=move).run(
             up, leg), move.mig if move is not None else None)
-
-    async def _alone(self, route: Route, p: Instance, ntok: int, call: Callable[[Upstream], Awaitable[T]],
-                     mig: migrate.Migration | None = None) -> T:
-        """`call` on the one instance that serves the request alone. A decoder that fails it before
-        its first chunk (nothing reached the client) is replaced by another; a prefiller serving a
-        one-token request is not, but its decoder serves it instead."""
-        if p is not route.decoder:
-            try:
-                with Upstream(self.ctx.router, p, ntok, "single") as up:
-                    out = await call(up)
-                p.served_one()
-                return out
-            except ProxyError as e:
-                if e.kind not in DECODER_CAN_SERVE:
-                    raise
-            p = route.decoder  # a one-token answer's prefiller failed: its decoder serves it
-        dl = DecodeLeg(self.ctx, p, {}, "", mig)
-        movable = route.local
-        return await dl.run(lambda up, leg: call(up), lambda e: {} if movable else None, ntok, "single")
 
     async def _route(self, request: Request, body: dict, single: bool) -> tuple[Route, int]:
         tokens = await self.ctx.tokens.chat_async(body)
@@ -159,7 +137,7 @@ class Chat:
                 route = ctx.router.served_alone(route)
         if max_tokens == 1 or route.local:
             p = route.prefiller if max_tokens == 1 and route.prefiller else d
-            return await self._alone(route, p, ntok, lambda up: up.json(PATH, body, "chat"))
+            return await serve_whole(ctx, route, p, ntok, lambda up: up.json(PATH, body, "chat"))
         assert pre is not None  # a route with a prefiller, whose leg answered
         first, tid = pre
         if first["choices"][0].get("finish_reason") in FINISHED:

@@ -11,8 +11,8 @@ import time
 from kvferry.common.log import RateLimitedLog, get_logger
 from kvferry.proxy.flows.completion_stream import CompletionStream, Prefilled
 from kvferry.proxy.flows.context import Context
-from kvferry.proxy.flows.failover import DecodeLeg, whole_again
-from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE, NoPrefiller, prefill
+from kvferry.proxy.flows.failover import DecodeLeg, serve_whole, whole_again
+from kvferry.proxy.flows.prefill import NoPrefiller, prefill
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.http.exchange import Request, json_response
 from kvferry.proxy.http.sse import Answer
@@ -90,14 +90,13 @@ class Completions:
             leg = dict(body, stream=False)
             if body.get("stream"):  # the client's stream is the proxy's to write
                 leg.pop("stream_options", None)
-            try:
-                with Upstream(ctx.router, p, ntok, "single") as up:
-                    return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, p, "done")
-            except ProxyError as e:
-                if p is d or e.kind not in DECODER_CAN_SERVE:
-                    raise
-            with Upstream(ctx.router, d, ntok, "single") as up:  # its prefiller failed: the decoder answers
-                return Prefilled(await up.json("/v1/completions", leg, "completion"), "", d, d, "done")
+            served = [p]
+
+            async def one_token(up: Upstream) -> dict:
+                served[0] = up.inst
+                return await up.json("/v1/completions", leg, "completion")
+            out = await serve_whole(ctx, route, p, ntok, one_token)
+            return Prefilled(out, "", d, served[0], "done")
         ids = ctx.opts.legs_carry_ids
         try:
             first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids),

@@ -1,4 +1,6 @@
-"""The one failover every flow uses: a decode leg on one decoder after another.
+"""The one failover every flow uses: a decode leg on one decoder after another (`DecodeLeg`), and
+a request one instance serves whole (`serve_whole`: a one-token answer's prefiller, then its
+decoder). The next instance is always the router's `elsewhere` (the prefill retry uses it too).
 
 A leg that fails for the instance's reason (unreachable, a 5xx, a stall or timeout, a broken
 stream: `migrate.MIGRATE_KINDS`) goes on another usable decoder, fewest active sequences first,
@@ -18,9 +20,11 @@ from typing import TypeVar
 
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.migrate import Migration, client_left
+from kvferry.proxy.flows.prefill import DECODER_CAN_SERVE
 from kvferry.proxy.flows.upstream import Upstream
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.routing.instances import Instance
+from kvferry.proxy.routing.router import Route
 
 T = TypeVar("T")
 NextLeg = Callable[[ProxyError], "dict | None"]
@@ -92,3 +96,23 @@ def whole_again(leg: dict) -> NextLeg:
     transfer (the next decoder computes the prompt's KV itself)."""
     again = {k: v for k, v in leg.items() if k != "kv_transfer_params"}
     return lambda e: again
+
+
+async def serve_whole(ctx: Context, route: Route, p: Instance, prompt_tokens: int,
+                      call: Callable[[Upstream], Awaitable[T]], mig: Migration | None = None) -> T:
+    """`call` on the one instance `p` that serves the request whole (a one-token answer's
+    prefiller, or the route's decoder). A prefiller that fails it for a reason its decoder can
+    serve (DECODER_CAN_SERVE) is replaced by that decoder; a decoder that fails it before its first
+    chunk (nothing reached the client) is replaced by another when the route is local."""
+    if p is not route.decoder:
+        try:
+            with Upstream(ctx.router, p, prompt_tokens, "single") as up:
+                out = await call(up)
+            p.served_one()
+            return out
+        except ProxyError as e:
+            if e.kind not in DECODER_CAN_SERVE:
+                raise
+    dl = DecodeLeg(ctx, route.decoder, {}, "", mig)
+    movable = route.local
+    return await dl.run(lambda up, leg: call(up), lambda e: {} if movable else None, prompt_tokens, "single")

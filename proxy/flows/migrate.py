@@ -38,14 +38,14 @@ class Migration:
         return e.kind in MIGRATE_KINDS and self.moves < self.limit
 
     def next_decoder(self, failed: Instance, e: ProxyError) -> Instance | None:
-        """Another usable decoder (fewest active sequences first), or None; counts the move."""
+        """Another usable decoder (the router's `elsewhere`), or None; counts the move."""
         self.failed.append(failed)
-        pool = [i for i in self.ctx.router.registry.of("decoder") if i.usable and i not in self.failed]
-        if not pool:
+        try:
+            d = self.ctx.router.elsewhere("decoder", self.failed, "move the request to")
+        except ProxyError:
             logger.warning("cannot migrate a request off %s %s (%s): no other healthy decoder", failed.id,
                            failed.url, e.kind)
             return None
-        d = min(pool, key=lambda i: (i.all_active, i.all_queued))
         self.moves += 1
         self.ctx.metrics.migrations.labels(e.kind).inc()
         tracer = self.ctx.router.client.tracer

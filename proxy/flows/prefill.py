@@ -69,7 +69,7 @@ async def prefill(ctx: Context, request: Request, path: str, body: dict, route: 
                 t_retry = time.time_ns()
                 failed = p
                 try:
-                    p = ctx.router.pick(request, "prefiller", exclude=p)
+                    p = ctx.router.elsewhere("prefiller", [failed], "retry the prefill leg on")
                 except ProxyError:
                     if alone:  # nobody to retry on: the decoder computes the prompt itself
                         raise NoPrefiller(e.message) from e

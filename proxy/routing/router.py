@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import time
+from collections.abc import Sequence
 from typing import Protocol, cast
 
 from kvferry.common.log import RateLimitedLog, get_logger
@@ -173,20 +173,23 @@ class Router:
             g = inst.in_flight_gauge = self.metrics.in_flight.labels(inst.id, inst.role)
         return g
 
-    def pick(self, request: Request, role: str, exclude: Instance | None = None) -> Instance:
-        """An instance of `role` for this request (by the client's affinity header when set), not
-        `exclude`; a 503 when there is none."""
+    def pick(self, request: Request, role: str) -> Instance:
+        """An instance of `role` for this request (by the client's affinity header when set); a 503
+        when there is none."""
         key = request.headers.get(self.opts.affinity_header) if self.opts.affinity_header else None
         try:
-            inst = self.registry.pick(role, key)
-            if exclude is not None and inst is exclude:
-                others = [i for i in self.registry.usable(role) if i is not exclude]
-                if not others:
-                    raise NoInstance(f"no other healthy {role} to retry on")
-                inst = random.choice(others)
-            return inst
+            return self.registry.pick(role, key)
         except NoInstance as e:
             raise ProxyError(503, str(e), "no_instance") from None
+
+    def elsewhere(self, role: str, tried: Sequence[Instance], why: str) -> Instance:
+        """The one rule for trying a leg again after `tried` failed it (a prefill retry, a decode
+        leg that moves): the usable instance of `role` not tried yet with the fewest active
+        sequences and queued prompt tokens (every proxy worker's). A 503 naming `why` when none is."""
+        others = [i for i in self.registry.usable(role) if i not in tried]
+        if not others:
+            raise ProxyError(503, f"no other healthy {role} to {why}", "no_instance")
+        return min(others, key=lambda i: (i.all_active, i.all_queued))
 
     # ---- failures and health ----
     def upstream_failed(self, inst: Instance, leg: str, kind: str, cause: str) -> None:
