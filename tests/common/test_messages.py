@@ -24,6 +24,8 @@ SAMPLES = [
     m.ErrorReply(code="buffer_full", message="raise pd_buffer_size", transfer_id="t1"),
     m.ArrivalNotice(transfer_id="t1", generation=3),
     m.AbortTransfer(transfer_id="t1", reason="client gone", final=True),
+    m.AbortTransfer(transfer_id="t1", generation=3, ack=True),
+    m.AbortAck(transfer_id="t1", generation=3),
     m.RenewLease(transfer_id="t1", generation=3),
     m.LeaseRenewed(transfer_id="t1", generation=3, lease_seconds=30.0),
     m.ProxyNotification(transfer_id="t1", receiver_id="d0", num_chunks=3, num_tokens=700),
