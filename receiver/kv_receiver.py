@@ -423,7 +423,7 @@ class KVReceiver:
                 with self._sleep_lock:
                     self._asleep = False  # vLLM's sleep fails with this: the receiver serves on
                 raise SleepError(f"receiver {self.receiver_id}: writes still in flight after pd_lease_seconds "
-                                    f"({self.cfg.lease_seconds:.0f}s); the pd_buffer stays registered and in service")
+                                 f"({self.cfg.lease_seconds:.0f}s); the pd_buffer stays registered and in service")
             self.buffer.cancel_waiters("the decoder is going to sleep (vLLM sleep mode)")
             n += self.table.quarantine_unarrived(why)  # an alloc granted while this began
             self.table.sweep()

@@ -105,8 +105,8 @@ def _third_party(module: str) -> bool:
 
 
 def own_names(trees: Iterable[ast.AST]) -> set[str]:
-    """Every name kvferry itself defines: functions, classes, parameters, stored attributes and names,
-    and the strings of a `__slots__`."""
+    """Every name kvferry itself defines: functions, classes, stored attributes and names, and the
+    strings of a `__slots__`."""
     own = set(DOCUMENTED_PRIVATE)
     for tree in trees:
         for n in ast.walk(tree):

@@ -64,6 +64,7 @@ MAX_PAGE_BYTES = 256 << 20
 MAX_LOGGED = 256
 QUIET_S = 10.0  # a watch silent this long past its own end is dropped and the pods listed again (default)
 CONNECT_S = 5.0
+MAX_TOKEN_BYTES = 64 << 10  # a projected ServiceAccount token is a JWT of a few KiB
 TOKEN_REREAD_S = 60.0  # a ServiceAccount token is read again this long after its last read (kubelet rotates it)
 
 
@@ -81,18 +82,28 @@ def in_cluster(cfg: Any, folder: str) -> None:
         raise config.ConfigException(f"{ca_file} is missing or empty")
     read_at = [0.0]
 
+    def read_token() -> str:
+        with open(token_file, "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+        token = raw.decode("ascii", "replace").strip()
+        if not token or len(raw) > MAX_TOKEN_BYTES:
+            raise config.ConfigException(f"{token_file} is empty or over {MAX_TOKEN_BYTES} bytes")
+        return token
+
     def refresh(c: Any) -> None:
+        """The client's hook before each request: a failed re-read (a rotation under way) keeps
+        the token it has, so a call never fails on the file; the first read's failure is the caller's."""
         if time.monotonic() - read_at[0] < TOKEN_REREAD_S:
             return
-        with open(token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise config.ConfigException(f"{token_file} is empty")
-        c.api_key["BearerToken"], read_at[0] = "bearer " + token, time.monotonic()
+        try:
+            c.api_key["BearerToken"] = "bearer " + read_token()
+        except (OSError, config.ConfigException) as e:
+            logger.warning("discovery: the ServiceAccount token could not be read again (%s); keeping the last one", e)
+        read_at[0] = time.monotonic()
 
     cfg.host = f"https://[{host}]:{port}" if ":" in host or "%" in host else f"https://{host}:{port}"
     cfg.ssl_ca_cert = ca_file
-    refresh(cfg)
+    cfg.api_key["BearerToken"], read_at[0] = "bearer " + read_token(), time.monotonic()
     cfg.refresh_api_key_hook = refresh
 
 

@@ -119,7 +119,7 @@ class Chat:
         if self.ctx.opts.legs_carry_ids:
             leg["return_token_ids"] = True  # the first token's id, for a stream that moves (proxy/flows/migrate.py)
         try:
-            first, tid, _ = await prefill(self.ctx, request, PATH, leg, route, ntok, "chat")
+            first, tid, _ = await prefill(self.ctx, PATH, leg, route, ntok, "chat")
         except NoPrefiller:
             return None
         return first, tid

@@ -99,7 +99,7 @@ class Completions:
             return Prefilled(out, "", d, served[0], "done")
         ids = ctx.opts.legs_carry_ids
         try:
-            first, tid, p = await prefill(ctx, request, "/v1/completions", completion_prefill_leg(body, ids),
+            first, tid, p = await prefill(ctx, "/v1/completions", completion_prefill_leg(body, ids),
                                           route, ntok, "completion")
         except NoPrefiller:
             ctx.router.served_alone(route)

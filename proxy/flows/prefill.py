@@ -14,7 +14,6 @@ from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.common.wire.transfer_params import ParamsError, prefill_answer
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.flows.upstream import Upstream
-from kvferry.proxy.http.exchange import Request
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import prefill_leg
 from kvferry.proxy.routing.cache import Route
@@ -33,7 +32,7 @@ class NoPrefiller(UnavailableError):
     request alone (degraded) rather than the client getting an error."""
 
 
-async def prefill(ctx: Context, request: Request, path: str, body: dict, route: Route,
+async def prefill(ctx: Context, path: str, body: dict, route: Route,
                   prompt_tokens: int, kind: str) -> tuple[dict, str, Instance]:
     """(the prefiller's answer, the transfer id, the prefiller). A transfer that will not be read
     (the leg failed, the client left) is aborted on the decoder at once."""

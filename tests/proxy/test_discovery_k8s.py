@@ -342,3 +342,28 @@ def test_k8s_two_proxies_with_workers_follow_the_pods(tmp_path: Path, procs: lis
         assert served(p0) == before
         text = httpx.get(f"{proxies[0]}/metrics", timeout=5).text
         assert re.search(r'kvferry_proxy_discovery_healthy\{source="k8s"\} 1', text), text[-2000:]
+
+
+def test_in_cluster_credentials_are_bounded_and_a_failed_reread_keeps_the_token(tmp_path, monkeypatch) -> None:
+    """The ServiceAccount folder is a file from outside the process: an oversized token is refused
+    at start; a token that cannot be read again later (mid-rotation) leaves the last one in use."""
+    from kubernetes import client, config
+
+    from kvferry.common.discovery import kube
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "token").write_text("x" * (kube.MAX_TOKEN_BYTES + 1))
+    with pytest.raises(config.ConfigException, match="over"):
+        kube.in_cluster(client.Configuration(), str(tmp_path))
+    (tmp_path / "token").write_text("first\n")
+    cfg = client.Configuration()
+    kube.in_cluster(cfg, str(tmp_path))
+    assert cfg.host == "https://[fd00::1]:6443" and cfg.api_key["BearerToken"] == "bearer first"
+    monkeypatch.setattr(kube, "TOKEN_REREAD_S", 0.0)  # the next request re-reads the file
+    (tmp_path / "token").unlink()
+    cfg.refresh_api_key_hook(cfg)
+    assert cfg.api_key["BearerToken"] == "bearer first"
+    (tmp_path / "token").write_text("second")
+    cfg.refresh_api_key_hook(cfg)
+    assert cfg.api_key["BearerToken"] == "bearer second"
