@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -100,6 +102,16 @@ def receiver_main(conn, init_port: int, alloc_port: int, page: int, pages: int, 
                     conn.send(got.arrived_at)
 
 
+def waited(fut: concurrent.futures.Future, what: str, seconds: float = 60.0):
+    """`fut`'s result; past `seconds`, every thread's stack goes to stderr (where it was stuck)."""
+    try:
+        return fut.result(seconds)
+    except concurrent.futures.TimeoutError:
+        print(f"{what}: no result within {seconds:g}s; this process's threads:", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        raise
+
+
 def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]], pages: list[int],
               tid: str) -> tuple[float, float]:
     """A bare NIXL WRITE into the receiver's `pages` with a notification naming `tid`, through the
@@ -120,13 +132,13 @@ def raw_write(sender: KVSender, addr: ReceiverAddr, chunks: list[tuple[int, int]
                                        for p, (_, n) in zip(pages, chunks, strict=True)], region.mem_type)
         h = agent.initialize_xfer("WRITE", local, remote, peer.agent, note)
         state = agent.transfer(h)
-        while state == "PROC":
+        while state == "PROC" and time.monotonic() - t < 30:
             state = agent.check_xfer_state(h)
         dt = time.monotonic() - t
         agent.release_xfer_handle(h)
         assert state == "DONE", state
         return t, dt
-    return asyncio.run_coroutine_threadsafe(run(), sender._loop).result(60)
+    return waited(asyncio.run_coroutine_threadsafe(run(), sender._loop), f"raw write {tid}")
 
 
 class Receiver:
@@ -170,13 +182,13 @@ def bench_size(chunk: int, batch: int, reps: int, device: str) -> dict:
                 """Call -> readable on the receiver. `early`: the pages were reserved beforehand
                 (untimed), as the PD path reserves them while the prefill computes."""
                 if early:
-                    grant = s.reserve(tid, r.addr, keys, batch).result(60)
+                    grant = waited(s.reserve(tid, r.addr, keys, batch), f"reserve {tid}")
                     s.prepare(grant, chunks, 0)
                     t0 = time.monotonic()
-                    res = s.write(grant, chunks, 0, notify=True).result(60)
+                    res = waited(s.write(grant, chunks, 0, notify=True), f"write {tid}")
                 else:
                     t0 = time.monotonic()
-                    res = s.send(tid, r.addr, keys, chunks, batch).result(60)
+                    res = waited(s.send(tid, r.addr, keys, chunks, batch), f"send {tid}")
                 readable = r.ask("claim", tid)
                 dt = readable - t0
                 for k, v in res.phases.items():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Coroutine
+from typing import Any
 
 from kvferry.buffer import nixl_agent, peering
 from kvferry.common.log import get_logger
@@ -37,7 +39,17 @@ class GrantEnds:
 
     def written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
                 f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future[SendResult]) -> None:
-        """On the NIXL thread: a write of `grant` ended; `out` gets its result."""
+        """On the NIXL thread: a write of `grant` ended; `out` gets its result, whatever happens
+        here (a caller waiting on it must not wait forever)."""
+        try:
+            self._written(grant, nchunks, nbytes, called, notify, f, out)
+        except Exception as e:
+            logger.exception("transfer %s: ending its write failed", grant.transfer_id)
+            if not out.done():
+                out.set_exception(SendError(f"transfer {grant.transfer_id}: ending its write failed: {e!r}"))
+
+    def _written(self, grant: Grant, nchunks: int, nbytes: int, called: float, notify: bool,
+                 f: concurrent.futures.Future[nixl_agent.XferDone], out: concurrent.futures.Future[SendResult]) -> None:
         x = f.result()
         with grant.lock:  # `clean` before `writes` shrinks: a drop that then finds none in flight reads it
             if x.state != "DONE":
@@ -45,8 +57,7 @@ class GrantEnds:
             grant.writes.discard(f)
             settled = bool(grant.cut) and not grant.writes
         if settled and x.state == "DONE" and not notify:  # the last write in flight of a dropped grant
-            asyncio.run_coroutine_threadsafe(self.end(grant, f"dropped by the receiver ({grant.cut})", abort=True),
-                                             self._loop)
+            self._to_loop(self.end(grant, f"dropped by the receiver ({grant.cut})", abort=True))
         if x.state != "DONE":
             # A write was posted: it may still land until the lease ends, so the abort is not final.
             err = (LeaseExpired(f"transfer {grant.transfer_id} to {grant.addr}: the write did not finish within "
@@ -60,15 +71,23 @@ class GrantEnds:
         grant.written += nbytes
         res = grant_result(grant, called, x.posted, x.done)
         if notify:
-            asyncio.run_coroutine_threadsafe(self.end(grant, "", abort=False, sent=res.bytes), self._loop)
+            self._to_loop(self.end(grant, "", abort=False, sent=res.bytes))
         out.set_result(res)
 
     def fail(self, grant: Grant, out: concurrent.futures.Future[SendResult], err: SendError, reason: str,
              drop: bool = False) -> None:
         """`out` fails with `err`; the grant ends with an abort saying `reason` (and, with `drop`,
         the connection to its receiver is dropped)."""
-        asyncio.run_coroutine_threadsafe(self.end(grant, reason, abort=True, drop=drop, failed=True), self._loop)
+        self._to_loop(self.end(grant, reason, abort=True, drop=drop, failed=True))
         out.set_exception(err)
+
+    def _to_loop(self, end: Coroutine[Any, Any, None]) -> None:
+        """Run an end on the loop; once the sender closed its loop, the end is dropped (the
+        receiver's lease frees the pages, and the connection is gone anyway)."""
+        try:
+            asyncio.run_coroutine_threadsafe(end, self._loop)
+        except RuntimeError:  # the loop is closed
+            end.close()
 
     def dropped(self, peer: peering.Peer[AllocLink], msg: m.AbortTransfer) -> None:
         """The receiver dropped one of this connection's transfers (the proxy's abort: its client

@@ -8,7 +8,8 @@ What counts as reaching past it, in a library file:
   not, though its name has no underscore);
 - `obj._name`, or getattr/hasattr/setattr with a literal "_name", where kvferry defines no `_name`
   itself (its own classes' privates are its own);
-- a private keyword argument (`f(_loop=...)`), which only a private signature takes;
+- a private keyword argument (`f(_loop=...)`), which only a private signature takes, also when it
+  comes in a dict the call splats (`kw["_loop"] = ...; f(**kw)`, `f(**{"_loop": ...})`);
 - a class of kvferry overriding a method of another library's class that is not one of that
   class's documented extension points (OVERRIDABLE), or any private method of it.
 
@@ -76,6 +77,9 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("common/discovery/kube.py", "_preload_content"): (
         "the kubernetes client (37.0.2) documents `_preload_content=False` on every API method as the "
         "way to read the raw response; the watch reads the body itself, bounded"),
+    ("common/discovery/kube.py", "_continue"): (
+        "the kubernetes client (37.0.2) names the list call's `continue` query parameter `_continue` "
+        "(`continue` is a Python keyword), as its API reference documents"),
     ("common/discovery/kube.py", "_request_timeout"): (
         "the kubernetes client (37.0.2) documents `_request_timeout` on every API method as its "
         "connect/read timeout"),
@@ -163,9 +167,42 @@ def private_uses(files: dict[str, ast.AST], own: set[str] | None = None) -> list
                         and _private(n.args[1].value) and n.args[1].value not in own):
                     found.append((rel, n.lineno, n.args[1].value))
                 found += [(rel, n.lineno, k.arg) for k in n.keywords if k.arg and _private(k.arg)]
+                found += [(rel, n.lineno, key) for k in n.keywords if k.arg is None and isinstance(k.value, ast.Dict)
+                          for key in _private_strings(k.value.keys)]
+        found += _splatted_keys(rel, tree)
         found += _overrides(rel, tree)
     return [f"{rel}:{line}: {what}" for rel, line, what in found
             if (rel, what) not in PRIVATE_ALLOWED and not (rel.startswith("connector/") and what in PRIVATE_NAMES)]
+
+
+def _splatted_keys(rel: str, tree: ast.AST) -> list[tuple[str, int, str]]:
+    """Private keyword arguments a function passes in a dict it splats (`f(**kw)`): the dict's
+    literal or stored keys (`kw = {"_x": 1}`, `kw["_x"] = 1`). A literal `f(**{"_x": 1})` is
+    private_uses' own keyword check."""
+    found: set[tuple[str, int, str]] = set()  # a nested function is walked with its outer one too
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        splat = {k.value.id for n in ast.walk(fn) if isinstance(n, ast.Call) for k in n.keywords
+                 if k.arg is None and isinstance(k.value, ast.Name)}
+        if not splat:
+            continue
+        for n in ast.walk(fn):
+            keys: list[ast.expr | None] = []
+            if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Dict):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if any(isinstance(t, ast.Name) and t.id in splat for t in targets):
+                    keys = list(n.value.keys)
+            elif (isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                  and n.value.id in splat):
+                keys = [n.slice]
+            found |= {(rel, n.lineno, key) for key in _private_strings(keys)}
+    return sorted(found)
+
+
+def _private_strings(nodes: list[ast.expr | None]) -> list[str]:
+    """The private names among `nodes` that are string constants (a dict's keys, a subscript)."""
+    return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str) and _private(n.value)]
 
 
 def _unreviewed(module: str) -> bool:

@@ -114,20 +114,20 @@ def run_prompt(h: Hetero, tid: str, n: int, pieces: bool = True, early: bool = T
     if pieces and early:
         for r, p in enumerate(h.producers):
             want = len(h.feeds(r))
-            until(lambda p=p, want=want: p.progress(tid, src_blocks[:4], 64) or p.counters.pieces >= want, 10,
+            until(lambda p=p, want=want: p.progress(tid, src_blocks[:4], 64) or p.counters.pieces >= want, 60,
                   f"prefiller rank {r}'s first piece")
     results = [p.submit(tid, addr, tokens, src_blocks, n, s)
                for r, p in enumerate(h.producers) for addr, s in h.feeds(r)]
     for f in results:
-        assert f.result(10).sent_chunks == -(-n // CHUNK)
+        assert f.result(60).sent_chunks == -(-n // CHUNK)
     for d, c in enumerate(h.consumers):
-        assert until(lambda c=c: c.poll(0.05)[0], 10, f"decoder rank {d} loaded") == {f"req{d}"}
+        assert until(lambda c=c: c.poll(0.05)[0], 60, f"decoder rank {d} loaded") == {f"req{d}"}
     return src_blocks, dst_blocks
 
 
 @contextlib.contextmanager
-def hetero(src_tp: int, dst_tp: int, total: int, layout: str = "cpu", lease: float = 2.0,
-           ready: float = 5.0, bs_src: int = BS, bs_dst: int = BS) -> Iterator[Hetero]:
+def hetero(src_tp: int, dst_tp: int, total: int, layout: str = "cpu", lease: float = 60.0,
+           ready: float = 60.0, bs_src: int = BS, bs_dst: int = BS) -> Iterator[Hetero]:
     """`bs_src`, `bs_dst`: the two sides' block sizes (each cache has NBLOCKS blocks)."""
     ports = [(free_port(), free_port()) for _ in range(dst_tp)]
     cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 64 * 16384, "pd_peer_host": "127.0.0.1",

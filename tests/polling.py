@@ -18,7 +18,7 @@ class TimedOut(AssertionError):
     """`until`'s condition still false at its deadline (an AssertionError: a test fails on it)."""
 
 
-def until(pred, timeout: float = 10.0, what="condition", every: float = 0.05):
+def until(pred, timeout: float = 30.0, what="condition", every: float = 0.05):
     """`pred()`'s first truthy value, polled every `every` s; TimedOut after `timeout` s.
     `what` names the condition: a string, or a function called at the timeout (to say what it saw).
     An exception from `pred` (an AssertionError that a process died, say) ends the wait at once."""
@@ -30,7 +30,7 @@ def until(pred, timeout: float = 10.0, what="condition", every: float = 0.05):
     return v
 
 
-async def until_async(pred, timeout: float = 10.0, what="condition", every: float = 0.05):
+async def until_async(pred, timeout: float = 30.0, what="condition", every: float = 0.05):
     """`until` inside an event loop: `pred()` (awaited when it returns an awaitable) polled every
     `every` s without blocking the loop; TimedOut after `timeout` s."""
     deadline = time.monotonic() + timeout

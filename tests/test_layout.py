@@ -131,6 +131,9 @@ def test_no_private_api_of_another_library() -> None:
 PLANTED = {  # each use the guard exists for, put back in a module of its own
     "from prometheus_client.mmap_dict import MmapedDict, mmap_key": "prometheus_client.mmap_dict",
     "from prometheus_client.utils import floatToGoString": "prometheus_client.utils",
+    "import uvicorn\ndef f(c):\n    kw = {}\n    kw['_loop'] = 1\n    uvicorn.Config(c, **kw)": "_loop",
+    "import uvicorn\ndef f(c):\n    kw = {'_loop': 1}\n    uvicorn.Config(c, **kw)": "_loop",
+    "import uvicorn\nuvicorn.Config(None, **{'_loop': 1})": "_loop",
     "import uvicorn\nclass S(uvicorn.Server):\n    def capture_signals(self): yield": "capture_signals",
     "import uvicorn\nclass S(uvicorn.Server):\n    def _serve(self): pass": "_serve",
     "from uvicorn.protocols.http.auto import AutoHTTPProtocol\nAutoHTTPProtocol(_loop=None)": "_loop",
@@ -158,7 +161,8 @@ def test_the_private_api_guard_passes_public_uses() -> None:
     code = ("import prometheus_client\nfrom prometheus_client.registry import Collector\n"
             "class C(Collector):\n    def collect(self): return []\n"
             "class D:\n    def __init__(self): self._x = 1\n    def f(self): return self._x\n"
-            "from nixl import nixl_agent\n")
+            "from nixl import nixl_agent\n"
+            "def g(f):\n    d = {'_id': 1}\n    d['_rev'] = 2\n    return f(d, **{'limit': 1})\n")
     tree = ast.parse(code)
     assert api_guard.private_uses({"planted/mod.py": tree}) == []
 
@@ -328,23 +332,43 @@ def test_tests_wait_for_conditions_with_tests_polling() -> None:
 
 # tests/ mirrors the library: a folder per layer (transfer = sender, receiver, buffer, kernels and the
 # PD engine), e2e for real-vLLM clusters, deploy for deploy/ (manifests); at its root only what checks the
-# whole repository.
+# whole repository. Inside a folder, a subfolder per subpackage: tests/proxy/<p>/ for proxy/<p>/, and
+# tests/transfer/<layer>/ for a layer of its own (kernels/, buffer/, sender/, receiver/); a test of
+# several of them stays in the folder itself.
 TEST_FOLDERS = {"common", "proxy", "transfer", "engine", "controller", "launcher", "e2e", "deploy"}
+TRANSFER_LAYERS = {"kernels", "buffer", "sender", "receiver"}
 REPO_WIDE_TESTS = {"test_layout.py", "test_docs.py", "test_errors.py", "test_benchmarks_run.py"}
 
 
+def _mirrors(folder: str, sub: str) -> bool:
+    """tests/<folder>/<sub>/ names a part of the library: proxy/<sub>/ is a subpackage, or <sub> is
+    one of the transfer layers."""
+    if folder == "transfer":
+        return sub in TRANSFER_LAYERS and (REPO / sub / "__init__.py").is_file()
+    return (REPO / folder / sub / "__init__.py").is_file()
+
+
 def test_test_files_live_in_the_folder_of_what_they_test() -> None:
-    """A new test file goes under tests/<folder>/ (helpers stay at tests/, named *_helpers.py or for
-    their job); pytest imports test files by basename, so two with one name would clash."""
+    """A new test file goes under tests/<folder>/ or tests/<folder>/<subpackage>/ (helpers stay at
+    tests/, named *_helpers.py or for their job); pytest imports test files by basename, so two
+    with one name would clash."""
     tests = REPO / "tests"
     at_root = {p.name for p in tests.glob("test_*.py")} - REPO_WIDE_TESTS
     folders = {p.parent.name for p in tests.glob("*/test_*.py")} - TEST_FOLDERS
-    nested = [str(p.relative_to(tests)) for p in tests.glob("*/*/test_*.py")]
+    nested = [str(p.relative_to(tests)) for p in tests.glob("*/*/test_*.py")
+              if p.parent.parent.name not in TEST_FOLDERS or not _mirrors(p.parent.parent.name, p.parent.name)]
+    deeper = [str(p.relative_to(tests)) for p in tests.glob("*/*/*/**/test_*.py")]
     names = [p.name for p in tests.rglob("test_*.py")]
     clashes = sorted({n for n in names if names.count(n) > 1})
-    assert not (at_root or folders or nested or clashes), (
-        f"test files at tests/ {sorted(at_root)}, in unknown folders {sorted(folders)}, nested {nested}, "
-        f"same basename {clashes}: put each under tests/<one of {sorted(TEST_FOLDERS)}>/ with a name of its own")
+    assert not (at_root or folders or nested or deeper or clashes), (
+        f"test files at tests/ {sorted(at_root)}, in unknown folders {sorted(folders)}, in subfolders that "
+        f"name no subpackage {nested + deeper}, same basename {clashes}: put each under tests/<one of "
+        f"{sorted(TEST_FOLDERS)}>/ (or its subfolder for one subpackage) with a name of its own")
+
+
+def test_the_layout_rule_refuses_a_subfolder_that_names_no_subpackage() -> None:
+    assert _mirrors("proxy", "routing") and _mirrors("transfer", "sender")
+    assert not _mirrors("proxy", "sender") and not _mirrors("transfer", "routing") and not _mirrors("engine", "x")
 
 
 def _defined(path: Path) -> set[str]:
@@ -359,12 +383,18 @@ def _defined(path: Path) -> set[str]:
     return out
 
 
-def test_one_request_file_by_file_names_real_code() -> None:
-    """docs/architecture.md's walk through one request names files and functions that exist."""
+def _walk(heading: str) -> list[str]:
+    """The numbered rows of one of docs/architecture.md's file-by-file walks."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    table = text.split("## One request, file by file", 1)[1].split("\n## ", 1)[0]
-    rows = [r for r in table.splitlines() if r.startswith("| ") and r[2].isdigit()]
-    assert len(rows) >= 10, table
+    table = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return [r for r in table.splitlines() if r.startswith("| ") and r[2].isdigit()]
+
+
+@pytest.mark.parametrize("heading", ["One request, file by file", "A streamed chat chunk, file by file"])
+def test_one_request_file_by_file_names_real_code(heading: str) -> None:
+    """docs/architecture.md's walks through a request name files and functions that exist."""
+    rows = _walk(heading)
+    assert len(rows) >= 10, rows
     missing = []
     for row in rows:
         files, funcs = [c.strip() for c in row.strip("| ").split(" | ")][1:3]
@@ -375,6 +405,14 @@ def test_one_request_file_by_file_names_real_code() -> None:
         missing += [str(p.relative_to(REPO)) for p in paths if not p.exists()]
         missing += [f"{n} (in {files.strip()})" for n in names if n not in have]
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
+
+
+def test_a_streamed_chat_chunk_passes_through_at_most_15_files() -> None:
+    """The walk of a streamed chat request names every file its chunk passes; a relay spread over
+    more files than that is one to fold back."""
+    files = {f for row in _walk("A streamed chat chunk, file by file")
+             for f in re.findall(r"`([\w/]+\.py)`", row.split(" | ")[1])}
+    assert 10 <= len(files) <= 15, sorted(files)
 
 
 # Module names the library may repeat (a folder holds a name once, so once per package), and why.

@@ -77,8 +77,7 @@ class Chat:
         move = None
         if ids and migrate.chat_movable(body) and (fast is None or choice.get("token_ids")):
             # Both legs give token ids, so a failed stream can continue elsewhere.
-            move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None,
-                                    first.get("prompt_token_ids"))
+            move = migrate.ChatMove(ctx, body, tid, choice.get("token_ids") if fast is not None else None)
             leg["return_token_ids"] = True
         dl = DecodeLeg(ctx, d, leg, tid, move.mig if move is not None else None)
 
@@ -102,7 +101,7 @@ class Chat:
         leg, move = body, None
         if ctx.opts.legs_carry_ids and route.local and max_tokens != 1 and migrate.chat_movable(body):
             # A decoder that fails mid-stream hands the rest to another (prompt ids from its stream).
-            leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None, None)
+            leg, move = dict(body, return_token_ids=True), migrate.ChatMove(ctx, body, "", None)
         return await serve_whole(ctx, route, p, ntok, lambda up: ChatStream(ctx, request, PATH, t0, move=move).run(
             up, leg), move.mig if move is not None else None)
 

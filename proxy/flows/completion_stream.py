@@ -1,5 +1,6 @@
 """A streamed completion after its prefill leg: the first token at once, then the decoder's
-chunks under the proxy's id, offsets and usage (openai/rewrite.py's CompletionRewriter), on one
+chunks under the proxy's id, offsets and usage (openai/stream_relay.py's StreamRelay and
+CompletionChunks), on one
 decoder after another when one fails (flows/failover.py's DecodeLeg).
 
 A decode leg that fails mid-stream continues on another decoder from the tokens the client got
@@ -25,7 +26,7 @@ from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError
 from kvferry.proxy.openai.legs import completion_decode_leg, prompt_ids
 from kvferry.proxy.openai.merge import offset_after
-from kvferry.proxy.openai.rewrite import CompletionRewriter
+from kvferry.proxy.openai.stream_relay import COMPLETION, CompletionChunks, StreamRelay
 from kvferry.proxy.routing.instances import Instance
 
 PATH = "/v1/completions"
@@ -62,9 +63,10 @@ class CompletionStream:
         self.resp = SSEResponse()
         lp = self.choice.get("logprobs") if mode == "ids" and body.get("logprobs") is not None else None
         # The tokens the client got are kept ("ids" mode only: the proxy knows the prompt's token ids).
-        self.rw = CompletionRewriter(self.resp, ctx.metrics.itl, bool(body.get("return_token_ids")), lp is not None,
-                                     [] if mode == "ids" else None, (self.rid, self.created), offset_after(lp),
-                                     self._leg_usage, self._no_ids)
+        self.relay = StreamRelay(self.resp, COMPLETION, ctx.metrics.itl, bool(body.get("return_token_ids")),
+                                 [] if mode == "ids" else None)
+        self.chunks = CompletionChunks(self.relay, (self.rid, self.created), lp is not None, offset_after(lp),
+                                       self._leg_usage, self._no_ids)
         self.leg_start = 0.0
         self.dl: DecodeLeg | None = None
         self.last_batch = b""  # the decoder's last chunks, written with the usage and [DONE] (one write fewer)
@@ -88,7 +90,7 @@ class CompletionStream:
             await self.resp.write(self.last_batch + sse(error_body(e.status, e.message, e.kind)))
             self.last_batch = b""
         finally:
-            self.ctx.metrics.itl.observe_all(self.rw.gaps)
+            self.relay.flush_gaps()
             dl.drop_transfer("decode leg did not finish")  # nothing once the leg finished or moved
         await self.resp.write_eof(self.last_batch + self._usage() + b"data: [DONE]\n\n")
         self.ctx.metrics.total.observe(time.perf_counter() - self.t0)
@@ -121,27 +123,27 @@ class CompletionStream:
         """One decode leg's stream to the client. A read of usual chunks that comes while this task
         waits is written by the rewriter in the decoder connection's callback (one task switch
         less per token)."""
-        rw, metrics = self.rw, self.ctx.metrics
+        relay, chunks, metrics = self.relay, self.chunks, self.ctx.metrics
         self.leg_start = time.perf_counter()
-        rw.new_leg(self.leg_start)
+        chunks.new_leg(self.leg_start)
         try:
-            async for batch in up.events(PATH, leg, rw.direct):
-                if rw.swap is None:
+            async for batch in up.events(PATH, leg, relay.direct):
+                if relay.swap is None:
                     chunk = up.chunk(batch[0])
-                    rw.learn((chunk.get("id"), chunk.get("created")))
+                    chunks.learn((chunk.get("id"), chunk.get("created")))
                     metrics.decoder_first.observe(time.perf_counter() - self.leg_start)
                     if self.ttft_due:
                         metrics.ttft.observe(time.perf_counter() - self.t0)
                         self.ttft_due = False
-                out = rw.batch(batch, up.chunk)
+                out = chunks.batch(batch, up.chunk)
                 if out:
                     if up.done:  # [DONE] came with it: one write with the stream's end
                         self.last_batch = out
                     else:
                         await self.resp.write(out)
-                rw.tick()
+                relay.tick()
         except ProxyError:
-            if not rw.ended:
+            if not relay.ended:
                 raise
             # The client has the whole answer: only the stream's end was lost.
 
@@ -149,11 +151,11 @@ class CompletionStream:
         """The leg for the next decoder: the rest of the answer after what the client got, or the
         whole request again while a decoder computing all of it sent nothing; None: no move."""
         assert self.dl is not None
-        rw, leg, pre = self.rw, self.dl.leg, self.pre
-        sent = rw.sent
+        relay, leg, pre = self.relay, self.dl.leg, self.pre
+        sent = relay.sent
         if sent is None:
             # A decoder that computes the whole answer moves only before its first chunk.
-            if pre.mode == "regen" and rw.swap is None:
+            if pre.mode == "regen" and relay.swap is None:
                 return migrate.continuation_leg(leg, None, [], self.max_tokens, None)
             return None
         left = self.max_tokens - 1 - len(sent)
@@ -167,7 +169,7 @@ class CompletionStream:
     def _leg_usage(self, u: dict) -> None:
         """The decode leg's own usage chunk: counted, not relayed."""
         self.fingerprint = u.get("system_fingerprint") or self.fingerprint
-        if self.rw.sent is None:
+        if self.relay.sent is None:
             self.completion_tokens += u["usage"].get("completion_tokens") or 0
         if self.pre.mode == "regen":
             self.prompt_tokens = u["usage"].get("prompt_tokens") or self.prompt_tokens
@@ -180,7 +182,7 @@ class CompletionStream:
         happened upstream."""
         if not (self.body.get("stream_options") or {}).get("include_usage"):
             return b""
-        n = 1 + len(self.rw.sent) if self.rw.sent is not None else self.completion_tokens
+        n = 1 + len(self.relay.sent) if self.relay.sent is not None else self.completion_tokens
         u: dict = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                    "choices": [], "usage": {"prompt_tokens": self.prompt_tokens,
                                             "total_tokens": self.prompt_tokens + n, "completion_tokens": n}}

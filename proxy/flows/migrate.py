@@ -19,6 +19,7 @@ from kvferry.common.reasons import CLIENT_LEFT
 from kvferry.proxy.flows.context import Context
 from kvferry.proxy.openai import answers
 from kvferry.proxy.openai.errors import ProxyError
+from kvferry.proxy.openai.stream_relay import StreamRelay
 from kvferry.proxy.routing.instances import Instance
 
 logger = get_logger(__name__)
@@ -96,57 +97,31 @@ def chat_movable(body: dict) -> bool:
 
 
 class ChatMove:
-    """A streamed chat request's state for a move: the prompt's token ids and every token id the
-    client received (the proxy asks both legs for them)."""
+    """A streamed chat request's state for a move: its body, the transfer the first decoder holds,
+    the prefiller's first token ids (sent before the decoder's), and its moves. What the client
+    received, and the prompt's ids, are the stream's (openai/stream_relay.py's relay and ChatChunks)."""
 
-    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None, prompt: Any) -> None:
+    def __init__(self, ctx, body: dict, tid: str, first_ids: list[int] | None) -> None:
         self.ctx, self.body, self.tid = ctx, body, tid
         self.mig = Migration(ctx, ctx.opts.max_migrations)
         self.want_ids = bool(body.get("return_token_ids"))
-        # The prefiller's (a list, or msgspec.Raw as answers.loads_answer keeps them), else the decoder's.
-        self.prompt: Any = prompt or None
         self.first = list(first_ids or [])  # the prefiller's token, sent before the decoder's
-        self.got: list[int] = []
-        self.ok = True  # False once a chunk came without token ids, or with tool calls or reasoning
-        self.ended = False
         self.moved = False
 
-    @property
-    def sent(self) -> list[int]:
-        return self.first + self.got
+    def can_move(self, e: ProxyError, relay: StreamRelay, prompt: Any) -> bool:
+        """The stream can go on elsewhere: every token the client got is known, none ended it, and
+        the prompt's ids are known."""
+        return relay.sent is not None and not relay.ended and prompt is not None and self.mig.can_move(e)
 
-    def track(self, chunk: dict) -> None:
-        """Note a chunk about to go to the client; take out the ids the client did not ask for."""
-        if chunk.get("prompt_token_ids"):
-            self.prompt = self.prompt or list(chunk["prompt_token_ids"])
-            if not self.want_ids:
-                chunk["prompt_token_ids"] = None
-        for c in chunk.get("choices") or []:
-            delta = c.get("delta") or {}
-            if any(delta.get(k) for k in ("tool_calls", "reasoning", "reasoning_content", "function_call")):
-                self.ok = False
-            ids = c.get("token_ids")
-            if ids is None:
-                if delta.get("content"):
-                    self.ok = False
-            else:
-                self.got += ids
-                if not self.want_ids:
-                    c["token_ids"] = None
-            if c.get("finish_reason"):
-                self.ended = True
-
-    def can_move(self, e: ProxyError) -> bool:
-        return self.ok and not self.ended and self.prompt is not None and self.mig.can_move(e)
-
-    def leg(self) -> dict | None:
-        """The completions request that continues the answer, or None when nothing is left to make."""
-        b, sent = self.body, self.sent
+    def leg(self, sent: list[int], prompt: Any) -> dict | None:
+        """The completions request that continues the answer after `sent`, or None when nothing is
+        left to make."""
+        b = self.body
         leg = {k: b[k] for k in CHAT_SAMPLING if k in b}
         mx = b.get("max_completion_tokens") or b.get("max_tokens")
         if mx is not None and mx - len(sent) <= 0:
             return None
-        leg.update(model=b.get("model"), prompt=list(answers.ids_list(self.prompt) or []) + sent, stream=True,
+        leg.update(model=b.get("model"), prompt=list(answers.ids_list(prompt) or []) + sent, stream=True,
                    stream_options={"include_usage": True}, return_token_ids=True,
                    max_tokens=None if mx is None else mx - len(sent))
         if b.get("logprobs"):
@@ -154,24 +129,3 @@ class ChatMove:
         if b.get("min_tokens"):
             leg["min_tokens"] = max(0, b["min_tokens"] - len(sent))
         return leg
-
-    def chat_chunk(self, c: dict, head: dict) -> dict:
-        """A continuation's completion choice as a chat chunk (logprobs in chat's shape)."""
-        out = {"index": 0, "delta": {"content": c.get("text") or ""}, "logprobs": None,
-               "finish_reason": c.get("finish_reason")}
-        lp = c.get("logprobs")
-        if self.body.get("logprobs") and isinstance(lp, dict):
-            k = self.body.get("top_logprobs") or 0
-            content = []
-            for i, tok in enumerate(lp.get("tokens") or []):
-                top = (lp.get("top_logprobs") or [None] * (i + 1))[i] or {}
-                content.append({"token": tok, "logprob": max((lp.get("token_logprobs") or [])[i], -9999.0),
-                                "bytes": list(tok.encode("utf-8", errors="replace")),
-                                "top_logprobs": [{"token": t, "logprob": max(v, -9999.0),
-                                                  "bytes": list(t.encode("utf-8", errors="replace"))}
-                                                 for t, v in list(top.items())[:k]]})
-            out["logprobs"] = {"content": content}
-        if c.get("finish_reason"):
-            out["stop_reason"] = c.get("stop_reason")
-        out["token_ids"] = c.get("token_ids")
-        return dict(head, choices=[out])

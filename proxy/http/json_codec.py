@@ -3,7 +3,7 @@ relays are parsed and written here, and only here.
 
 msgspec rather than the json module: it decodes and encodes several times faster, which bounds how
 long one large body holds the event loop (decoding in a thread would not help: it holds the GIL).
-It writes compact JSON, as vLLM does, which the byte-level chunk rewriter (openai/rewrite.py)
+It writes compact JSON, as vLLM does, which the byte-level chunk rewriter (openai/stream_relay.py)
 relies on.
 
 Nesting. msgspec decodes recursively, bounded by the interpreter's recursion limit: past it

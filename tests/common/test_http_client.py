@@ -173,7 +173,7 @@ def test_an_engine_that_sends_nothing_times_out_on_the_read_timeout(loop_kind: s
         if n == 2:  # the head, one piece, then silence
             w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
             await w.drain()
-        await asyncio.sleep(30)  # a sleep (pacing): the engine's silence
+        await asyncio.sleep(60)  # a sleep (pacing): the engine's silence
 
     async def main() -> None:
         async with Engine(serve) as e:
@@ -182,7 +182,7 @@ def test_an_engine_that_sends_nothing_times_out_on_the_read_timeout(loop_kind: s
             with pytest.raises(Timeout) as ex:
                 await p.request("POST", e.url, "/x", b"{}")
             took = asyncio.get_running_loop().time() - t0
-            assert ex.value.what == "read" and 0.35 <= took < 20.0, took  # the engine is silent for 30 s
+            assert ex.value.what == "read" and 0.35 <= took < 30.0, took  # the engine is silent for 60 s
             resp = await p.request("POST", e.url, "/x", b"{}")
             got = []
             with pytest.raises(Timeout):
@@ -202,16 +202,16 @@ def test_a_stream_that_sends_nothing_fails_on_the_stall_timeout(loop_kind: str) 
         if n >= 2:  # the head and one piece; then silence (the first: silence at once)
             w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
             await w.drain()
-        await asyncio.sleep(30)  # a sleep (pacing): the engine's silence
+        await asyncio.sleep(60)  # a sleep (pacing): the engine's silence
 
     async def main() -> None:
         async with Engine(serve) as e:
-            p = Pool(4, connect_timeout=2.0, wait_timeout=5.0, read_timeout=30.0, headers={}, stall_timeout=0.4)
+            p = Pool(4, connect_timeout=2.0, wait_timeout=5.0, read_timeout=60.0, headers={}, stall_timeout=0.4)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             with pytest.raises(Timeout) as ex:  # the wait for the head counts too
                 await p.request("POST", e.url, "/x", b"{}", stream=True)
-            assert ex.value.what == "stall" and 0.35 <= loop.time() - t0 < 20.0  # silent for 30 s
+            assert ex.value.what == "stall" and 0.35 <= loop.time() - t0 < 30.0  # silent for 60 s
             resp = await p.request("POST", e.url, "/x", b"{}", stream=True)
             got, t0 = [], loop.time()
             with pytest.raises(Timeout) as ex:
@@ -219,7 +219,7 @@ def test_a_stream_that_sends_nothing_fails_on_the_stall_timeout(loop_kind: str) 
                     got.append(piece)
                     await asyncio.sleep(0.8)  # a sleep (pacing): the caller's own time, not the engine's silence
             resp.release()
-            assert ex.value.what == "stall" and got == [b"hello"] and 1.15 <= loop.time() - t0 < 20.0
+            assert ex.value.what == "stall" and got == [b"hello"] and 1.15 <= loop.time() - t0 < 30.0
             assert not p.busy and all(not h.idle and h.open == 0 for h in p.hosts.values())
             await p.close()
     run(main, loop_kind)
@@ -371,7 +371,7 @@ def test_a_reader_slower_than_its_engine_stops_the_socket_not_the_memory(loop_ki
             p = pool()
             resp = await p.request("GET", e.url, "/big")
             # the engine sends on; the client does not read
-            await until_async(lambda: resp.paused, 5, "the reader to pause")
+            await until_async(lambda: resp.paused, 60, "the reader to pause")
             assert resp.paused and resp.size <= MAX_BUFFERED + (1 << 18)
             got = bytearray()
             async for piece in resp.pieces():

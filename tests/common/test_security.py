@@ -168,7 +168,7 @@ def test_a_loop_that_raises_is_logged_counted_and_started_again(kvf_logs) -> Non
 
     t = threading.Thread(target=supervise_thread, args=(th, tbody, stop, 0.01))
     t.start()
-    until(lambda: len(calls) >= 2, 5, "the thread's restart", every=0.01)
+    until(lambda: len(calls) >= 2, 60, "the thread's restart", every=0.01)
     stop.set()
     t.join(5)
     assert len(calls) == 2 and th.restarts == 1 and not t.is_alive()

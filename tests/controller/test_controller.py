@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,7 +128,8 @@ def state(c: ControllerProcess) -> dict:
 def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controller: ControllerProcess) -> None:
     tokens = list(range(100, 120))  # 5 chunks of 4
     ks = keys(tokens)
-    a, b = FakeWorker(controller, "a", timeout=30.0), FakeWorker(controller, "b", timeout=1.0)
+    a, b = FakeWorker(controller, "a", timeout=30.0), FakeWorker(controller, "b", timeout=30.0)
+    c = FakeWorker(controller, "c", timeout=1.0)
     try:
         for w in (a, b):
             w.heartbeat()
@@ -147,16 +147,23 @@ def test_lookup_answers_the_longest_prefix_and_forgets_silent_instances(controll
         b.send(m.ChunkEvict(instance_id="b", worker_id=0, epoch=b.info.epoch, location="LocalCPUBackend",
                             keys=[ks[0]]))
         until(lambda: lookup(controller, ks, asker="x").instance_id == "a", what="b's eviction")
-        # b stops heartbeating: dropped after its 1 s timeout, while a (heartbeating) stays.
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 2.5:
+        # c heartbeats once and goes silent: dropped after its 1 s timeout, while a and b
+        # (heartbeating, with 30 s timeouts) stay.
+        def listed() -> list[str]:
+            return sorted(i["instance_id"] for i in state(controller)["instances"])
+
+        until(lambda: c.heartbeat() or "c" in listed(), what="c registered")  # until seen: 1 s is short
+
+        def only_c_dropped() -> bool:
             a.heartbeat()
-            time.sleep(0.2)  # a sleep (window): a heartbeats through the window, b stays silent
-        assert [i["instance_id"] for i in state(controller)["instances"]] == ["a"]
+            b.heartbeat()
+            return listed() == ["a", "b"]
+
+        until(only_c_dropped, 60, what=lambda: f"c dropped while a and b stay; listed {listed()}", every=0.2)
         assert "no heartbeat for" in controller.log.read_text()
     finally:
-        a.close()
-        b.close()
+        for w in (a, b, c):
+            w.close()
 
 
 def test_a_restarted_controller_asks_workers_to_resync(controller: ControllerProcess, tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ def publish_until_heard(pub: kv.ZmqEventPublisher, sock: zmq.Socket) -> None:
     def heard() -> bool:
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[stored(DOC[:BS])]))
         return bool(sock.poll(100))
-    until(heard, 15, "an event through the relay (the subscriber with the secret got nothing)", every=0)
+    until(heard, 60, "an event through the relay (the subscriber with the secret got nothing)", every=0)
 
 
 def test_kv_events_auth_raw_zmq_stranger_gets_no_frame(tmp_path: Path) -> None:

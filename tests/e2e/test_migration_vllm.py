@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -308,11 +308,14 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_whil
     logs = [Path(cluster["log"]), plog] + [Path(d["log"]) for d in cluster["decoders"]]
     marks = [p.stat().st_size for p in logs]  # where each log stood when the test began
 
-    def pages_back(closed: float, point: str, others: tuple[float, float] = (0, 0), prompt: int = 0) -> None:
-        """The decoders come to hold only `others` (pages, transfers in flight). `prompt`: the
-        tokens of a prompt that had pages; they came back by its sender's final abort, answering
-        the receiver's drop, before the step the prompt was in ended (the prefiller logs that end)."""
-        at = [p.stat().st_size for p in logs]
+    def pages_back(leave: Callable[[], float], point: str, others: tuple[float, float] = (0, 0),
+                   prompt: int = 0) -> None:
+        """The client leaves (`leave()`: when it closed), and the decoders come to hold only
+        `others` (pages, transfers in flight). `prompt`: the tokens of a prompt that had pages;
+        they came back by its sender's final abort, answering the receiver's drop, before the step
+        the prompt was in ended (the prefiller logs that end)."""
+        at = [p.stat().st_size for p in logs]  # before the client leaves: the lines its leaving makes come after
+        closed = leave()
 
         def saw() -> str:
             return (f"{point}: every decoder's pages back; they hold {_decoders_held(cluster)} (pages, transfers "
@@ -340,7 +343,7 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_whil
 
     until(lambda: _decoders_free(cluster) and _engine_idle(prefiller["url"]), 60, "a quiet cluster", every=0.2)
     # Before the prefiller has it: the proxy's abort comes before any alloc, and a late one is refused.
-    pages_back(_Leaver(url, 50, 1).leave(), "before the prefiller")
+    pages_back(_Leaver(url, 50, 1).leave, "before the prefiller")
     prefiller_idle()
     # A computes its first step; B, sent then, waits behind it in the prefiller's queue. B leaves,
     # then A, before its first step ends.
@@ -351,8 +354,8 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_whil
     # B's prefill leg is on its way to the prefiller (vLLM's own queue gauge moves only between
     # steps, after A's first one).
     until(lambda: _prefill_legs(url) >= 2, 30, "B's prefill leg sent", every=0.01)
-    pages_back(b.leave(), "B waiting in the prefiller's queue", others=held)
-    pages_back(a.leave(), "A in its first step", prompt=a.n)
+    pages_back(b.leave, "B waiting in the prefiller's queue", others=held)
+    pages_back(a.leave, "A in its first step", prompt=a.n)
     prefiller_idle()
     # D leaves during its one step: its pages are granted, nothing is written, the answer is next.
     # 4,000 tokens (one step, under PREFILL_STEP): a step of seconds, so the polls of both
@@ -360,7 +363,7 @@ def test_trust_a_client_that_leaves_during_prefill_frees_the_decoders_pages_whil
     # loaded run's polls missed it).
     d = _Leaver(url, 4000, 4)
     until(lambda: _reserved(cluster), 120, "D's pages reserved (its step computes)", every=0.02)
-    pages_back(d.leave(), "D in its only step", prompt=d.n)
+    pages_back(d.leave, "D in its only step", prompt=d.n)
     prefiller_idle()
     with open(plog, "rb") as f:
         f.seek(marks[1])

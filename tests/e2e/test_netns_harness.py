@@ -49,7 +49,7 @@ def test_netns_harness_links_counters_relay_delay_and_cleanup(tmp_path) -> None:
         assert len(ours(net.pid)[0]) == 2
         net.popen(1, [sys.executable, "-c", ECHO, net.addr(1), str(port)], log=tmp_path / "echo.log")
         # the test's process reaches a namespace over the bridge
-        until(lambda: listening(net.addr(1), port), 10, f"{net.addr(1)}:{port} to listen")
+        until(lambda: listening(net.addr(1), port), 60, f"{net.addr(1)}:{port} to listen")
         # namespace 0 -> 1 directly: the KV-sized blob shows on both links' counters
         rx1, tx1 = net.veth_bytes(1)
         r = net.run(0, [sys.executable, "-c", CLIENT, net.addr(1), str(port), str(size)])

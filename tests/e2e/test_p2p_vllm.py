@@ -287,17 +287,27 @@ def test_killed_instance_is_dropped_and_its_prompts_recomputed(setup: Setup) -> 
     setup.wait_holders(p, {"instance_1": len(p)})
     os.killpg(one.proc.pid, signal.SIGKILL)
     one.proc.wait(timeout=30)
-    killed = time.monotonic()
+    killed = time.time()
     # Meanwhile instance 2 still gets instance 1 from the controller, fails to fetch (bounded by
-    # blocking_timeout_secs) and recomputes: the same answer.
+    # blocking_timeout_secs, 3 s) and recomputes: the same answer. A fetch from the dead peer
+    # without that bound would hold the request until the client's 300 s timeout.
     t0 = time.monotonic()
     got = tokens_and_logprobs(completion(two, p, 8))
-    assert time.monotonic() - t0 < 3.0 + 5.0
+    assert time.monotonic() - t0 < 60
     assert got[0] == want[0]
     assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-3
-    # After the heartbeat timeout the controller forgets instance 1.
+
+    def failed() -> list[dict]:  # instance 2's failed fetches from instance 1 since the kill (its transfer reports)
+        state = httpx.get(setup.controller.url + "/api/state", timeout=10).json()
+        return [t for t in state["transfers"] if t["kind"] == "p2p" and t["from"] == "instance_1"
+                and t["to"] == "instance_2" and not t["ok"] and t["at"] >= killed]
+    # The fetch's own clock: it gave up on its 3 s bound (the request's recompute not counted), far
+    # from the 10 s of the default blocking_timeout_secs.
+    fetches = until(failed, 60, "instance 2's report of its failed fetch", every=0.2)
+    assert all(f["ms"] < 2 * 3.0e3 for f in fetches), fetches
+    # After the heartbeat timeout the controller forgets instance 1 (its log says why).
     until(lambda: "instance_1" not in httpx.get(setup.controller.url + "/health", timeout=10).json()["instances"],
-          killed + HEARTBEAT_TIMEOUT + 5 - time.monotonic(), "the controller to forget the killed instance", every=0.2)
+          60, "the controller to forget the killed instance", every=0.2)
     assert "instance_1" not in setup.holders(p)
     assert "no heartbeat for" in setup.controller.log.read_text()
     # Instance 2 kept what it computed; later requests hit its own CPU tier.

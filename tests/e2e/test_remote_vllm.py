@@ -236,7 +236,7 @@ def counted(server: OffloadServer, name: str) -> float:
 
 def wait_counted(server: OffloadServer, name: str, above: float) -> None:
     """Until the counter (exported with vLLM's stats, a little after the request) passes `above`."""
-    until(lambda: counted(server, name) > above, 10, f"{name} to count the rejected chunk", every=0.2)
+    until(lambda: counted(server, name) > above, 60, f"{name} to count the rejected chunk", every=0.2)
 
 
 def primary_and_standby(s: Setup) -> tuple[Proc, Proc]:

@@ -66,7 +66,7 @@ def run_and_check(p: Prefiller, d: Decoder, ref: VLLMServer, model: Path, seed: 
     # and every page of every rank is free.
     every_rank_free(d, replicated_fp(model, len(d.init_ports)), name)
     print(f"{name}: largest logprob difference from the plain instance {same_answers(answers):.3g}")
-    until(lambda: all(sends(p, tids)), 10, "the prefiller's stored lines")
+    until(lambda: all(sends(p, tids)), 60, "the prefiller's stored lines")
     time.sleep(1)  # a sleep (window): a later send's line, if there is one, comes by now
     return sends(p, tids)
 

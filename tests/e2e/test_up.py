@@ -139,4 +139,4 @@ def test_a_child_that_dies_while_starting_stops_the_rest(tmp_path: Path) -> None
 
     def leftovers() -> list[str]:
         return subprocess.run(["pgrep", "-f", str(bogus)], capture_output=True, text=True).stdout.split()
-    until(lambda: not leftovers(), 10, lambda: f"no process left of the failed start: {leftovers()}")
+    until(lambda: not leftovers(), 60, lambda: f"no process left of the failed start: {leftovers()}")

@@ -45,7 +45,7 @@ def test_decoders_serve_whole_requests_while_no_prefiller_lives_trust() -> None:
         r = post(px.url, "/v1/completions", BODY)
         assert r.status_code == 200, r.text
         return httpx.get(px.url + "/health", timeout=10).json()["status"] == "degraded"
-    until(degraded, 10, "/health degraded")
+    until(degraded, 60, "/health degraded")
     assert httpx.get(px.url + "/health", timeout=10).status_code == 200, "decoders serve: up, degraded"
     before = {d.url: len(log(d)["requests"]) for d in (d0, d1)}
     r = post(px.url, "/v1/completions", dict(BODY, max_tokens=1))
@@ -63,7 +63,7 @@ def test_decoders_serve_whole_requests_while_no_prefiller_lives_trust() -> None:
     assert _metric(px.url, 'kvferry_proxy_served_total{mode="degraded"}') >= 5
     # It comes back on its port: disaggregation resumes with the health check that sees it.
     back = Proc(["-m", "kvferry.testing.stub_engine", "--port", port], p0.url, "/health")
-    until(lambda: httpx.get(px.url + "/health", timeout=10).json()["status"] == "ok", 10, "the prefiller back")
+    until(lambda: httpx.get(px.url + "/health", timeout=10).json()["status"] == "ok", 60, "the prefiller back")
     assert post(px.url, "/v1/completions", BODY).status_code == 200
     assert len(log(back)["requests"]) == 1, "disaggregated again"
     assert _metric(px.url, "kvferry_proxy_degraded") == 0.0

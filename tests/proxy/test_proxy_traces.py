@@ -43,14 +43,18 @@ def _reset(c: dict) -> None:
         httpx.post(s.url + "/stub/reset")
 
 
-def _trace(rx: OTLPReceiver, trace_id: str, names: set[str]) -> dict[str, list[ReceivedSpan]]:
-    """The trace's spans by name, once it holds every one of `names` (the proxy batches them)."""
+def _trace(rx: OTLPReceiver, trace_id: str, names: set[str],
+           counts: dict[str, int] | None = None) -> dict[str, list[ReceivedSpan]]:
+    """The trace's spans by name, once it holds every one of `names`, and `counts[name]` of those
+    named there (the proxy exports spans in batches: one trace's spans may arrive in two)."""
     def got() -> dict[str, list[ReceivedSpan]] | None:
         out: dict[str, list[ReceivedSpan]] = {}
         for s in rx.trace(trace_id):
             out.setdefault(s.name, []).append(s)
-        return out if names <= out.keys() else None
-    return until(got, 15, lambda: f"spans {sorted(names)} of trace {trace_id}, got {[s.name for s in rx.spans()]}")
+        if not names <= out.keys() or any(len(out.get(n, ())) < k for n, k in (counts or {}).items()):
+            return None
+        return out
+    return until(got, 60, lambda: f"spans {sorted(names)} of trace {trace_id}, got {[s.name for s in rx.spans()]}")
 
 
 def _seen(c: dict) -> list[tuple[str, dict, dict]]:
@@ -112,7 +116,7 @@ def test_trace_shows_a_retried_prefill_leg_and_a_migrated_stream(traced) -> None
                     headers={"traceparent": _tp(trace_id)}).status_code == 200
         if log(traced["p"][0])["requests"]:  # it took this one, and failed it
             break
-    spans = _trace(rx, trace_id, {"retry", "prefill"})
+    spans = _trace(rx, trace_id, {"retry", "prefill"}, {"prefill": 2})
     assert len(spans["prefill"]) == 2
     failed, ok = sorted(spans["prefill"], key=lambda s: s.start_ns)
     assert failed.status == 2 and failed.attributes["error.type"] == "upstream_5xx" and ok.status != 2
@@ -130,7 +134,7 @@ def test_trace_shows_a_retried_prefill_leg_and_a_migrated_stream(traced) -> None
         assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1] if isinstance(e, dict))
         if httpx.get(traced["d"][0].url + "/health").status_code == 503:  # it took this stream, and died
             break
-    spans = _trace(rx, trace_id, {"migration", "decode"})
+    spans = _trace(rx, trace_id, {"migration", "decode"}, {"decode": 2})
     assert len(spans["decode"]) == 2
     first, second = sorted(spans["decode"], key=lambda s: s.start_ns)
     mig, = spans["migration"]

@@ -69,7 +69,7 @@ def workers(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
     init, alloc = free_port(), free_port()
     common = {"chunk_size": CHUNK, "enable_pd": True, "local_cpu": False, "pd_buffer_size": 16 * 16384,
-              "pd_lease_seconds": 5.0, "pd_kv_ready_timeout": 5.0}
+              "pd_lease_seconds": 5.0, "pd_kv_ready_timeout": 60.0}
     p = KVFerryConnector(vllm_config("kv_producer", {**common, "pd_role": "sender"}), KVConnectorRole.WORKER)
     d = KVFerryConnector(vllm_config("kv_consumer", {**common, "pd_role": "receiver", "pd_peer_host": "127.0.0.1",
                                                      "pd_peer_init_port": init, "pd_peer_alloc_port": alloc}),
@@ -120,7 +120,7 @@ def decoder_step(d) -> tuple[set[str], set[int]]:
     return done, d.get_block_ids_with_load_errors()
 
 
-def loaded(d, timeout: float = 10.0) -> tuple[set[str], set[int]]:
+def loaded(d, timeout: float = 60.0) -> tuple[set[str], set[int]]:
     """Steps until a load ends: (those requests, failed block ids; empty when loaded)."""
     def ended() -> tuple[set[str], set[int]] | None:
         done, errors = decoder_step(d)
@@ -175,7 +175,7 @@ def test_sleep_restore_then_pd_transfer_is_byte_exact_and_nixl_registrations_fol
     assert loaded(d) == ({"dreq"}, set())
     assert rows(dst, db, n - 1) == rows(src, sb, n - 1), "the decoder's KV differs from the prefiller's"
     assert sender.counters.handshakes == 2
-    until(lambda: pw.producer.staging.fully_free() and dw.consumer.buffer.fully_free(), 5, "every page back")
+    until(lambda: pw.producer.staging.fully_free() and dw.consumer.buffer.fully_free(), 60, "every page back")
 
 
 # ---- a write in flight when the decoder goes to sleep ----
@@ -184,7 +184,7 @@ def test_sleep_restore_then_pd_transfer_is_byte_exact_and_nixl_registrations_fol
 def pair():
     cfg = load_config({"chunk_size": CHUNK, "pd_buffer_size": 16 * 16384, "pd_peer_host": "127.0.0.1",
                        "pd_peer_init_port": free_port(), "pd_peer_alloc_port": free_port(),
-                       "pd_lease_seconds": 6.0, "pd_kv_ready_timeout": 5.0})
+                       "pd_lease_seconds": 60.0, "pd_kv_ready_timeout": 5.0})
     src_caches = make_caches("cpu", LAYERS, NBLOCKS, BS, HEADS, HEAD, torch.bfloat16, seed=1)
     dst_caches = make_caches("cpu", LAYERS, NBLOCKS, BS, HEADS, HEAD, torch.bfloat16, seed=2)
     src, dst = PagedKV(src_caches, "cpu"), PagedKV(dst_caches, "cpu")
@@ -205,7 +205,7 @@ def test_sleep_waits_for_a_granted_write_then_deregisters_and_refuses_allocs(pai
     tokens = list(range(100, 196))
     blocks = list(range(6))
     producer.open("G", addr, tokens, 96)
-    until(lambda: all(o.grant.done() for o in producer._open["G"].values()), 10, "the decoder's pages granted")
+    until(lambda: all(o.grant.done() for o in producer._open["G"].values()), 60, "the decoder's pages granted")
 
     t0 = time.monotonic()
     done = threading.Event()
@@ -214,8 +214,8 @@ def test_sleep_waits_for_a_granted_write_then_deregisters_and_refuses_allocs(pai
     sleeper.start()
     # The granted transfer is quarantined, not forgotten, and its sender is told: it posts no write
     # from then on and, having posted none, says so (a final abort). Only then does the pd_buffer go.
-    assert done.wait(5), "suspend did not end once the sender said no write would land"
-    assert time.monotonic() - t0 < 4.0, "suspend waited for the lease instead of the sender's word"
+    assert done.wait(30), "suspend did not end once the sender said no write would land"
+    assert time.monotonic() - t0 < 30, "suspend waited for the 60 s lease instead of the sender's word"
     assert producer._open["G"][addr].grant.result().cut, "the decoder slept before the sender stopped writing"
     with pytest.raises(TransferDropped):  # the prompt finished computing meanwhile: nothing more is written
         producer.submit("G", addr, tokens, blocks, 96).result(10)
@@ -232,4 +232,4 @@ def test_sleep_waits_for_a_granted_write_then_deregisters_and_refuses_allocs(pai
     consumer.resume()
     res = producer.submit("I", addr, tokens, blocks, 96).result(10)
     assert res.sent_chunks == 3 and res.handshook, "the sender must handshake again after the decoder woke"
-    until(lambda: producer.staging.fully_free(), 5, "staging back")
+    until(lambda: producer.staging.fully_free(), 60, "staging back")

@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from kvferry.proxy.flows.chat_stream import ChatRelay
 from kvferry.proxy.http.sse import plain_events
-from kvferry.proxy.openai.rewrite import CHAT_UNUSUAL, plain_batch, plain_sse
+from kvferry.proxy.openai.stream_relay import CHAT, CHAT_UNUSUAL, StreamRelay, plain_batch, plain_sse
 
 SWAP = (b'"id":"cmpl-d"', b'"id":"cmpl-client"', b'"created":5', b'"created":9')
 
@@ -119,7 +118,7 @@ def test_without_ids_to_keep_a_chunk_needs_none(ids: bytes) -> None:
     b"data: " + chunk(0) + b"\n\ndata: " + chunk(1),  # a chunk cut short
 ])
 def test_what_a_direct_read_must_not_relay_is_refused(sse: bytes) -> None:
-    """plain_sse takes a read as the engine wrote it (CompletionRewriter.direct): anything but whole
+    """plain_sse takes a read as the engine wrote it (StreamRelay.direct): anything but whole
     usual events is refused, for the leg's task to take."""
     assert plain_sse(sse, SWAP, True, keep_ids=False) is None
 
@@ -150,12 +149,12 @@ def test_a_chat_batch_gets_the_clients_id_time_and_model_and_moves_only_plain_co
 
 
 def test_a_chat_stream_without_a_move_goes_out_as_written_tool_calls_and_usage_too() -> None:
-    """Only a move needs plain content and ids (migrate.ChatMove); without one, ChatRelay sends a
+    """Only a move needs plain content and ids (migrate.ChatMove); without one, the relay sends a
     tool call and the usage as the engine wrote them, the client's id swapped in."""
     batch = [chat_chunk(0, "", tool_calls=[{"index": 0}]),
              json.dumps({"id": "chatcmpl-d", "created": 5, "model": "dm", "choices": [], "usage": {"total_tokens": 3}},
                         separators=(",", ":")).encode()]
-    relay = ChatRelay(None, None)  # type: ignore[arg-type]  # usual() writes nothing itself
+    relay = StreamRelay(None, CHAT, None, True, None, ())  # type: ignore[arg-type]  # usual() writes nothing itself
     relay.learn(("chatcmpl-d", 5, "dm"), ("chatcmpl-p", 5, "dm"))
     out = relay.usual(batch)
     assert out == b"data: " + b"\n\ndata: ".join(batch).replace(b"chatcmpl-d", b"chatcmpl-p") + b"\n\n"

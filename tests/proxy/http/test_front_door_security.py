@@ -99,7 +99,7 @@ def test_connections_past_the_cap_get_a_clear_503_security(client_key_only: Proc
             with connect(_port(client_key_only)) as s:
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
                 return answer(s)[0] == 200
-        until(served, 5, "a connection served once one of the capped ones closed")
+        until(served, 60, "a connection served once one of the capped ones closed")
     finally:
         for s in held:
             s.close()

@@ -142,7 +142,7 @@ def test_k8s_watch_follows_every_pod_state(tmp_path: Path) -> None:
             fk.add("d2", {**SELECT, "kvferry.io/role": "decode"}, {"kvferry.io/model": "stub"})
             fk.add("d3", {**SELECT, "kvferry.io/role": "decode"}, {"kvferry.io/model": "stub",
                                                                     "kvferry.io/init-ports": "1," * MAX_TP + "1"})
-            await until_async(lambda: w.rejected.count("malformed") >= 2, 10, "d2 and d3 rejected")
+            await until_async(lambda: w.rejected.count("malformed") >= 2, 60, "d2 and d3 rejected")
             assert w.view == {} and w.watch.lists == 1  # one list: everything since came by the watch
             await w.stop()
     asyncio.run(run())
@@ -171,7 +171,7 @@ def test_k8s_watch_relists_after_a_lost_delete_410_a_dropped_and_a_silent_watch(
             _prefill(fk, "p3", "http://x:8103")
             await w.until({"p2": False, "p3": False}, timeout=5)
             # A watch that goes silent (no event, no bookmark, never ends): dropped and listed again.
-            await until_async(lambda: fk.count("watch") > 0, 5, "a watch")
+            await until_async(lambda: fk.count("watch") > 0, 60, "a watch")
             lists = fk.count("list")
             fk.silence()
             fk.lose("p2")

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with torch on CUDA hosts)")
 
-HERE = Path(__file__).resolve().parents[1]  # tests/, where kv_caches.py lives
+HERE = Path(__file__).resolve().parents[2]  # tests/, where kv_caches.py lives
 
 CHECK = r"""
 import sys, torch

@@ -151,7 +151,7 @@ def test_a_killed_worker_is_replaced_and_none_outlives_the_proxy() -> None:
         served_before = 6
         victim = min(before)
         os.kill(victim, signal.SIGKILL)
-        until(lambda: len(now := _workers(px.proc.pid)) == 2 and victim not in now, 15,
+        until(lambda: len(now := _workers(px.proc.pid)) == 2 and victim not in now, 60,
               "the killed worker to be replaced", every=0.1)
         now = _workers(px.proc.pid)
         assert len(now) == 2 and victim not in now, now
@@ -205,5 +205,5 @@ def test_a_worker_that_never_listens_is_killed_after_the_start_deadline(monkeypa
     sup = workers.Supervisor(opts, 1, stuck)
     t0 = time.monotonic()
     assert sup.run() == 1
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # START_S (1 s) ended it, not the stuck worker's 600 s
     assert not sup.pids

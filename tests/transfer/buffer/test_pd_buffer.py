@@ -35,8 +35,8 @@ def test_request_larger_than_buffer_fails_at_once() -> None:
     buf = PDBuffer(PAGE * 4, "cpu", PAGE)
     t0 = time.monotonic()
     with pytest.raises(BufferTooSmall) as e:
-        buf.reserve(5, "t", lease_seconds=10, timeout=30)
-    assert time.monotonic() - t0 < 1
+        buf.reserve(5, "t", lease_seconds=10, timeout=60)
+    assert time.monotonic() - t0 < 30  # not after the 60 s it was allowed to wait
     assert "holds 4 chunks; this request needs 5: raise pd_buffer_size" in str(e.value)
 
 
@@ -86,11 +86,12 @@ def test_expiry_in_reserved_and_committed_states() -> None:
 
 def test_full_buffer_times_out_with_clear_error() -> None:
     buf = PDBuffer(PAGE * 2, "cpu", PAGE)
-    r = buf.reserve(2, "a", lease_seconds=60)
+    r = buf.reserve(2, "a", lease_seconds=120)
     t0 = time.monotonic()
     with pytest.raises(BufferFullTimeout, match="raise pd_buffer_size or pd_alloc_timeout"):
         buf.reserve(1, "b", lease_seconds=60, timeout=0.3)
-    assert 0.25 < time.monotonic() - t0 < 3
+    # Its 0.3 s timeout ended the wait, not the holder's 120 s lease (which would have granted it).
+    assert 0.25 < time.monotonic() - t0 < 30
     buf.release(r)
     assert buf.fully_free() and buf.stats().timeouts == 1
 
@@ -99,8 +100,9 @@ def test_waiter_is_woken_by_lease_expiry_without_a_reaper() -> None:
     buf = PDBuffer(PAGE * 2, "cpu", PAGE)
     buf.reserve(2, "abandoned", lease_seconds=0.3)  # a sender that died: never written
     t0 = time.monotonic()
-    r = buf.reserve(2, "next", lease_seconds=10, timeout=5)
-    assert 0.25 < time.monotonic() - t0 < 2
+    r = buf.reserve(2, "next", lease_seconds=10, timeout=60)
+    # Woken when the 0.3 s lease ended, not at its own 60 s deadline (where it would reap and get them).
+    assert 0.25 < time.monotonic() - t0 < 30
     buf.release(r)
     assert buf.fully_free()
 
@@ -113,19 +115,20 @@ def test_cancel_waiters_ends_blocked_reserves_at_once() -> None:
 
     def waiter() -> None:
         try:
-            buf.reserve(1, "w", lease_seconds=60, timeout=30)
+            buf.reserve(1, "w", lease_seconds=60, timeout=60)
         except PDBufferError as e:
             errors.append(e)
 
     threads = [threading.Thread(target=waiter) for _ in range(2)]
     for t in threads:
         t.start()
-    until(lambda: buf.stats().extra["waiting"] >= 2, 10, "both reserves waiting", every=0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 2, 60, "both reserves waiting", every=0.01)
     t0 = time.monotonic()
     assert buf.cancel_waiters("receiver closing") == 2
     for t in threads:
-        t.join(5)
-    assert time.monotonic() - t0 < 2 and not any(t.is_alive() for t in threads)
+        t.join(30)
+    # Ended by the cancel, not by their 60 s timeout.
+    assert time.monotonic() - t0 < 30 and not any(t.is_alive() for t in threads)
     assert len(errors) == 2 and all("receiver closing" in str(e) for e in errors)
     buf.release(held)
     assert buf.fully_free() and buf.stats().extra["waiting"] == 0
@@ -139,24 +142,24 @@ def test_fifo_no_starvation_of_a_large_request() -> None:
     got: dict[str, Reservation] = {}
 
     def want(name: str, n: int) -> None:
-        got[name] = buf.reserve(n, name, lease_seconds=60, timeout=10)
+        got[name] = buf.reserve(n, name, lease_seconds=60, timeout=60)
         order.append(name)
 
     big = threading.Thread(target=want, args=("big", 4))
     big.start()
-    until(lambda: buf.stats().extra["waiting"] >= 1, 10, "the big reserve waiting", every=0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 1, 60, "the big reserve waiting", every=0.01)
     # One page is free, but the small request must queue behind the big one.
     with pytest.raises(BufferFullTimeout):
         buf.reserve(1, "sneaky", lease_seconds=60, timeout=0)
     small = threading.Thread(target=want, args=("small", 1))
     small.start()
-    until(lambda: buf.stats().extra["waiting"] >= 2, 10, "the small reserve waiting too", every=0.01)
+    until(lambda: buf.stats().extra["waiting"] >= 2, 60, "the small reserve waiting too", every=0.01)
     for r in held:
         buf.release(r)
-    big.join(5)
+    big.join(60)
     assert order == ["big"]
     buf.release(got["big"])
-    small.join(5)
+    small.join(60)
     assert order == ["big", "small"]
     buf.release(got["small"])
     assert buf.fully_free()
@@ -169,7 +172,7 @@ def test_two_large_requests_interleaving_do_not_deadlock() -> None:
     def worker(name: str) -> None:
         try:
             for _ in range(50):
-                r = buf.reserve(4, name, lease_seconds=5, timeout=10)
+                r = buf.reserve(4, name, lease_seconds=5, timeout=60)
                 buf.commit(r)
                 buf.begin_read(r)
                 buf.release(r)
@@ -194,7 +197,7 @@ def test_threads_never_share_a_page() -> None:
     def worker(name: str, n: int) -> None:
         for _ in range(200):
             try:
-                r = buf.reserve(n, name, lease_seconds=5, timeout=5)
+                r = buf.reserve(n, name, lease_seconds=5, timeout=60)
             except BufferFullTimeout as e:
                 errors.append(str(e))
                 return

@@ -108,7 +108,7 @@ def test_netns_discovery_etcd_stub_two_proxies_expiry_join_forged_entry_and_clea
         async def registered() -> float:
             client = Etcd(f"http://{etcd}")
             try:
-                await until_async(lambda: client.get(disc.record_key(PREFIX, "d3")), 10, "d3 to register", every=0.01)
+                await until_async(lambda: client.get(disc.record_key(PREFIX, "d3")), 60, "d3 to register", every=0.01)
                 return time.monotonic()
             finally:
                 await client.close()

@@ -136,7 +136,7 @@ def test_hetero_mla_one_ranks_copy_travels(tp_p: int, tp_d: int, fmt: str) -> No
 def test_hetero_block_size_16_to_32_in_the_token_and_block_formats() -> None:
     """Per-token runs make differing block sizes work too (P block 16 -> D block 32), in kvferry's
     model of each layout (vLLM CPU's real block interior is not token-addressable: refused at the
-    handshake, tests/transfer/test_hetero_block_size.py)."""
+    handshake, tests/transfer/buffer/test_hetero_block_size.py)."""
     hetero("cpu", "token", "token", total=4, tp_p=2, tp_d=1, bs_p=16, bs_d=32)
     hetero("cpu", "block", "block", total=4, tp_p=1, tp_d=2, bs_p=16, bs_d=32)
     hetero("flash_nhd", "block", "token", total=4, tp_p=2, tp_d=2, bs_p=32, bs_d=16, name_d="cpu")
