@@ -823,6 +823,42 @@ def test_a_closed_connection_is_told_from_a_live_one_on_a_reused_descriptor() ->
     assert reply.code == "probe" and reply.transfer_id is None
 
 
+def test_a_connection_whose_first_probe_was_still_delivered_is_found_gone_by_a_later_one() -> None:
+    """ZMQ reports a close before its I/O thread ends the identity's pipe: a probe in between is
+    delivered, and only a later one finds the identity gone."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from kvferry.receiver.conns import ConnWatch
+
+    async def main() -> tuple[list[bytes], bytes, bytes]:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        gone: list[bytes] = []
+        # no run(): the close is reported by hand, while the connection is still open
+        watch = ConnWatch(router, gone.append, grace=0.1, probes=8)
+        a = ctx.socket(zmq.DEALER)
+        a.connect(f"tcp://127.0.0.1:{port}")
+        await a.send(b"hello")
+        parts = await router.recv_multipart(copy=False)
+        ia = parts[0].bytes
+        watch.seen(ia, parts[0].get(zmq.SRCFD))
+        watch.closed(parts[0].get(zmq.SRCFD))
+        first = await asyncio.wait_for(a.recv(), 60)  # the first probe reached a live connection
+        a.close(linger=0)
+        await until_async(lambda: gone, 60, "a later probe to find the closed connection")
+        watch.stop()
+        router.close(linger=0)
+        ctx.term()
+        return gone, ia, first
+
+    gone, ia, first = asyncio.run(main())
+    assert gone == [ia]
+    assert m.decode(first, expect=m.ErrorReply).code == "probe"
+
+
 def test_receiver_polls_fast_after_a_reservation_then_backs_off_while_the_transfer_is_awaited() -> None:
     """The NIXL thread's pause: 50 us within FAST_S of pages reserved or a notification, then
     doubling to AWAIT_POLL_S while a transfer is still awaited (a prefill step may take seconds,
