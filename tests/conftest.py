@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import faulthandler
 import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +18,28 @@ import pytest
 from kvferry.common.netutil import free_port
 from kvferry.launcher import tiny_model
 from kvferry.launcher.vllm_proc import VLLMServer
+from tests.polling import TimedOut
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test that timed out waiting shows where every thread was: this process's and its
+    receiver processes' (tests/transfer_helpers.py), on stderr beside the failure."""
+    yield
+    if call.when != "call" or call.excinfo is None:
+        return
+    if not call.excinfo.errisinstance((TimeoutError, concurrent.futures.TimeoutError, TimedOut)):
+        return
+    from tests.transfer_helpers import DUMPABLE
+    print(f"--- {item.nodeid} timed out: every thread's stack ---", file=sys.stderr)
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    for pid in list(DUMPABLE):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    if DUMPABLE:
+        time.sleep(1)  # a sleep (window): the receivers write their stacks to the shared stderr
 
 
 @pytest.hookimpl(optionalhook=True)

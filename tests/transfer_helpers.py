@@ -52,11 +52,16 @@ def peer_addr(w) -> m.PeerAddr:
 
 
 def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict) -> None:
+    import faulthandler
+    import signal
+
     import torch
 
     from kvferry.buffer.pd_buffer import PDBuffer
     from kvferry.receiver.kv_receiver import KVReceiver, ReceiverConfig
     from kvferry.receiver.transfer_table import TransferError
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests/conftest.py asks on a timeout
 
     torch.set_num_threads(1)
     fp = fingerprint(**opts.pop("fingerprint", {}))
@@ -91,6 +96,9 @@ def receiver_main(conn, init_port: int, alloc_port: int, pages: int, opts: dict)
                            r.table.sizes(), s.extra["waiting"]))
 
 
+DUMPABLE: set[int] = set()  # receiver processes that dump their threads' stacks on SIGUSR1
+
+
 @dataclass
 class ReceiverProc:
     """A receiver in its own process; `restart()` keeps its ports (a new epoch, as a real restart)."""
@@ -106,6 +114,7 @@ class ReceiverProc:
         self.proc = ctx.Process(target=receiver_main, args=(child, self.init_port, self.alloc_port, self.pages,
                                                             dict(self.opts)), daemon=True)
         self.proc.start()
+        DUMPABLE.add(self.proc.pid)
         # Far from the few seconds it takes alone: torch, NIXL and UCX start in a fresh process, which
         # a busy 2-core machine running a vLLM prefill step beside it can stretch past a minute.
         _, self.epoch, self.pid = self.ask("ready", timeout=240, send=False)
@@ -144,6 +153,7 @@ class ReceiverProc:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+        DUMPABLE.discard(self.proc.pid)
 
     def restart(self) -> None:
         self.stop()
