@@ -3,7 +3,7 @@
     python benchmarks/proxy_bench.py --json [--concurrency 1,32,256] [--requests 2000] [--tokens 16]
         [--prompt-words 256] [--endpoint completions|chat] [--rounds 2] [--workers 1]
         [--baseline-path DIR] [--no-vllm-router] [--token-delay SECONDS] [--tokenizer DIR] [--decoder-first]
-        [--traced]
+        [--lmcache-flags] [--traced]
 
 "direct" streams from the decoder stub itself; "kvferry" goes through kvferry's proxy (prefill leg
 on the prefiller stub, decode leg on the decoder stub), same load, same run. When `vllm-router`
@@ -12,16 +12,21 @@ mode against the same stubs twice: "vllm_router_rr" (--policy round_robin) and
 "vllm_router_default" (its default policy, cache_aware, which asks the engines' /tokenize).
 `--decoder-first` adds "kvferry_decoder_first": kvferry with `--first-token decoder` (the decoder
 computes every token, no token ids on either leg, as vllm-router's PD mode).
+`--lmcache-flags` starts every kvferry target with LMCache's disagg_proxy_server.py flags
+(`--prefiller-host ... --proxy-port`) instead of kvferry's `--prefiller`/`--decoder` URLs.
 `--traced` adds "kvferry_traced": kvferry with --otlp-traces-endpoint, every request traced
 (sample ratio 1) into an OTLP receiver (kvferry.testing.otlp_receiver, gRPC) in this process.
 `--baseline-path DIR` adds "kvferry_base" (and, with `--decoder-first`,
-"kvferry_base_decoder_first"): the proxy imported from DIR (a checkout of an older commit, e.g.
-`git worktree add /tmp/base HEAD~3`, with a `kvferry` package in it), to measure a change before
-and after in one run. Targets are measured in turns (every target at one concurrency,
+"kvferry_base_decoder_first"): the proxy imported from DIR/kvferry, an older commit's tree (e.g.
+`mkdir -p /tmp/base/kvferry && git archive COMMIT | tar -x -C /tmp/base/kvferry`, then
+`--baseline-path /tmp/base`), to measure a change before and after in one run; "vs_base" gives
+the ratios per round's medians. Targets are measured in turns (every target at one concurrency,
 then the next), `--rounds` times: the machine's speed drifts, so only numbers from one run compare.
 
 Reports per target and concurrency: req/s, p50/p99 TTFT and latency, added p50/p99 latency over
-direct, and the router's CPU ms per request (its processes' CPU from /proc, workers included).
+direct, and the router's CPU ms per request (its processes' CPU from /proc, workers included);
+with vllm-router, "vs_router_rr": each kvferry mode's CPU ratio and added p50 difference to round
+robin's, medians over rounds.
 """
 
 from __future__ import annotations
@@ -157,6 +162,17 @@ def vllm_router_binary() -> str | None:
 ROUTER_POLICIES = {"vllm_router_rr": ["--policy", "round_robin"], "vllm_router_default": []}
 
 
+def instance_flags(args: argparse.Namespace, ps: int, ds: int) -> list[str]:
+    """kvferry's own instance flags, or with `--lmcache-flags` LMCache's (one prefiller, one decoder,
+    and the proxy's notify port, which LMCache's receivers push "KV arrived" to)."""
+    if args.lmcache_flags:
+        return ["--num-prefillers", "1", "--prefiller-host", "127.0.0.1", "--prefiller-port", str(ps),
+                "--num-decoders", "1", "--decoder-host", "127.0.0.1", "--decoder-port", str(ds),
+                "--decoder-init-port", str(free_port()), "--decoder-alloc-port", str(free_port()),
+                "--proxy-host", "127.0.0.1", "--proxy-port", str(free_port())]
+    return ["--prefiller", f"http://127.0.0.1:{ps}", "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}"]
+
+
 def start_targets(args: argparse.Namespace, ps: int, ds: int,
                   routers: tuple[str, ...] = tuple(ROUTER_POLICIES)) -> dict[str, subprocess.Popen]:
     """Every router under test (vllm-router with the `routers` policies), listening; name -> process."""
@@ -175,8 +191,8 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
         env = dict(os.environ)
         if path:
             env["PYTHONPATH"] = path
-        cmd = [sys.executable, "-m", "kvferry.proxy", "--port", str(px), "--prefiller", f"http://127.0.0.1:{ps}",
-               "--decoder", f"http://127.0.0.1:{ds},{free_port()},{free_port()}", "--health-interval", "30"]
+        cmd = [sys.executable, "-m", "kvferry.proxy", "--port", str(px), *instance_flags(args, ps, ds),
+               "--health-interval", "30"]
         if args.workers is not None:  # a --baseline-path older than --workers does not start: leave it out
             cmd += ["--workers", str(args.workers)]
         if name.endswith("decoder_first"):
@@ -223,6 +239,31 @@ def vs_base(result: dict, args: argparse.Namespace) -> dict:
     return out
 
 
+def vs_router(result: dict, args: argparse.Namespace) -> dict:
+    """Per kvferry mode and concurrency, against vllm-router round robin within each round: the
+    median (and range) of the CPU-per-request ratio, and of the added p50 difference in ms."""
+    out: dict = {}
+    rr = "vllm_router_rr"
+    for mode in ("kvferry", "kvferry_decoder_first"):
+        if mode not in result or rr not in result:
+            continue
+        for c in args.concurrency.split(","):
+            keys = [c] if args.rounds == 1 else [f"{c}#{r}" for r in range(args.rounds)]
+            cpu, more = [], []
+            for k in keys:
+                now, then = result[mode].get(k, {}), result[rr].get(k, {})
+                if now.get("cpu_ms_per_request") and then.get("cpu_ms_per_request"):
+                    cpu.append(now["cpu_ms_per_request"] / then["cpu_ms_per_request"])
+                a, b = result["added"][mode].get(k, {}).get("p50_ms"), result["added"][rr].get(k, {}).get("p50_ms")
+                if a is not None and b is not None:
+                    more.append(a - b)
+            out.setdefault(mode, {})[c] = {
+                "cpu_ratio_median": round(statistics.median(cpu), 3) if cpu else None,
+                "cpu_ratio_range": [round(min(cpu), 3), round(max(cpu), 3)] if cpu else None,
+                "added_p50_more_ms_median": round(statistics.median(more), 3) if more else None}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -243,6 +284,9 @@ def main() -> int:
                     help="seconds the stubs take per token (0: a burst; a real decode step is milliseconds)")
     ap.add_argument("--decoder-first", action="store_true",
                     help="also run kvferry-proxy --first-token decoder (\"kvferry_decoder_first\")")
+    ap.add_argument("--lmcache-flags", action="store_true",
+                    help="start every kvferry target with LMCache's disagg_proxy_server.py flags "
+                         "(--prefiller-host/-port ... --proxy-host/-port) instead of --prefiller/--decoder URLs")
     ap.add_argument("--traced", action="store_true",
                     help="also run kvferry-proxy with every request traced (\"kvferry_traced\")")
     args = ap.parse_args()
@@ -263,7 +307,7 @@ def main() -> int:
         result: dict = {"direct": {}, **{name: {} for name in targets}, "added": {name: {} for name in targets},
                         "setup": {"endpoint": args.endpoint, "prompt_words": args.prompt_words,
                                   "tokens": args.tokens, "requests": args.requests, "workers": args.workers,
-                                  "tokenizer": args.tokenizer,
+                                  "tokenizer": args.tokenizer, "lmcache_flags": args.lmcache_flags,
                                   "token_delay": args.token_delay}}
         for rnd in range(args.rounds):
             for c in (int(x) for x in args.concurrency.split(",")):
@@ -280,6 +324,8 @@ def main() -> int:
         result["zero_errors"] = {name: all(r["errors"] == 0 for r in result[name].values()) for name in targets}
         if args.baseline_path:
             result["vs_base"] = vs_base(result, args)
+        if "vllm_router_rr" in targets:
+            result["vs_router_rr"] = vs_router(result, args)
         if receiver is not None:
             result["traced_spans_received"] = len(receiver.spans())
         print(json.dumps(result))
