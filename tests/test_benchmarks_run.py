@@ -84,6 +84,13 @@ def test_proxy_bench_runs() -> None:
                for t in ("kvferry", "kvferry_decoder_first") for c in ("1", "4"))
 
 
+def test_proxy_bench_runs_with_lmcache_flags() -> None:
+    """Every kvferry target started with LMCache's disagg_proxy_server.py flags serves the load."""
+    out = run_bench("benchmarks/proxy_bench.py", "--json", "--requests", "20", "--concurrency", "2",
+                    "--no-vllm-router", "--workers", "1", "--prompt-words", "16", "--lmcache-flags")
+    assert out["setup"]["lmcache_flags"] is True and out["zero_errors"] == {"kvferry": True}
+    assert out["kvferry"]["2"]["requests"] == 20
+
 
 def test_scale_bench_quick_runs() -> None:
     """The routing and index curves' shape checks (ratios, not times) pass on today's code."""
