@@ -73,8 +73,21 @@ class _Files:
     def file(self, prefix: str) -> MmapedDict:
         d = self.dicts.get(prefix)
         if d is None:
-            d = self.dicts[prefix] = MmapedDict(self.path(prefix))
+            d = self.dicts[prefix] = self._new(self.path(prefix))
             self.values[prefix], self.dead[prefix] = {}, 0
+        return d
+
+    @staticmethod
+    def _new(path: str) -> MmapedDict:
+        """A file made under a temporary name and renamed once it holds its header: a reader of the
+        folder (another worker's /metrics) fails on a file it finds empty, and MmapedDict creates
+        its file empty before it sizes it. One already there (a dead worker's whose pid this one
+        reuses) is opened as it is: its counters stay in the totals."""
+        if os.path.exists(path):
+            return MmapedDict(path)
+        tmp = path + ".new"  # not *.db: readers never see it
+        d = MmapedDict(tmp)
+        os.replace(tmp, path)
         return d
 
     def drop(self, iid: str) -> None:

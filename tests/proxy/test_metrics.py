@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import prometheus_client as prom
@@ -114,6 +115,47 @@ def test_with_workers_an_instance_any_live_worker_finds_unhealthy_reads_0(tmp_pa
     metrics.worker_died(pids[1], str(tmp_path))
     assert healthy() == [line + " 1.0"]
 
+
+
+def _first_request(folder: str) -> None:
+    metrics.multiprocess(folder)
+    ProxyMetrics().requests.labels("/v1/completions", "200").inc()
+
+
+def _workers_one_after_another(folder: str, n: int) -> None:
+    """`n` workers in turn, each counting one request (which makes its files) and leaving; each in a
+    folder of its own (`folder`/0, /1, ...), so that a reader's pass reads one worker's files."""
+    ctx = multiprocessing.get_context("fork")
+    for i in range(n):
+        (Path(folder) / str(i)).mkdir()
+        p = ctx.Process(target=_first_request, args=(str(Path(folder) / str(i)),))
+        p.start()
+        p.join(30)
+
+
+def test_with_workers_a_page_read_while_a_worker_makes_its_files_is_whole(tmp_path: Path) -> None:
+    """A worker that starts (a replaced one) makes its files while /metrics reads the folder: a file
+    is never seen under its name before it holds its header (prometheus-client's reader fails on
+    an empty one, and the page would be a 500)."""
+    writer = multiprocessing.get_context("fork").Process(target=_workers_one_after_another,
+                                                         args=(str(tmp_path), 300))
+    writer.start()
+    errors: list[str] = []
+    passes, k = 0, 0
+    deadline = time.monotonic() + 600  # far: 300 forks take seconds
+    while writer.is_alive() and time.monotonic() < deadline:
+        if (tmp_path / str(k + 1)).exists():
+            k += 1
+        if not (tmp_path / str(k)).exists():
+            continue
+        try:  # what the page's render reads, over the newest worker's folder
+            list(mp_metrics.MultiProcessCollector(None, str(tmp_path / str(k))).collect())
+        except Exception as e:
+            errors.append(repr(e))
+        passes += 1
+    writer.join(30)
+    assert writer.exitcode == 0 and k > 0
+    assert not errors, f"{len(errors)} of {passes} reads failed, e.g. {errors[0]}"
 
 
 def test_prometheus_clients_own_multiprocess_values_keep_a_removed_series(tmp_path: Path) -> None:
