@@ -165,7 +165,7 @@ ROUTER_POLICIES = {"vllm_router_rr": ["--policy", "round_robin"], "vllm_router_d
 def instance_flags(args: argparse.Namespace, ps: int, ds: int) -> list[str]:
     """kvferry's own instance flags, or with `--lmcache-flags` LMCache's (one prefiller, one decoder,
     and the proxy's notify port, which LMCache's receivers push "KV arrived" to)."""
-    if args.lmcache_flags:
+    if getattr(args, "lmcache_flags", False):  # c1_segments.py passes its own args
         return ["--num-prefillers", "1", "--prefiller-host", "127.0.0.1", "--prefiller-port", str(ps),
                 "--num-decoders", "1", "--decoder-host", "127.0.0.1", "--decoder-port", str(ds),
                 "--decoder-init-port", str(free_port()), "--decoder-alloc-port", str(free_port()),
