@@ -215,52 +215,31 @@ def start_targets(args: argparse.Namespace, ps: int, ds: int,
     return out
 
 
-def vs_base(result: dict, args: argparse.Namespace) -> dict:
-    """Per mode and concurrency, the medians over rounds of this proxy's CPU per request and added
-    p50 latency over the baseline's, each ratio taken within one round."""
+def compare(result: dict, args: argparse.Namespace, pairs: list[tuple[str, str]], added_key: str) -> dict:
+    """Per (mode, other) pair and concurrency, within each round: the CPU-per-request ratio of mode
+    to other, and its added p50 as `added_key` says ("added_p50_ratio_median": the ratio,
+    "added_p50_more_ms_median": the difference in ms); medians over rounds (the CPU's range too)."""
     out: dict = {}
-    for mode, base in (("kvferry", "kvferry_base"), ("kvferry_decoder_first", "kvferry_base_decoder_first")):
-        if base not in result:
+    for mode, other in pairs:
+        if mode not in result or other not in result:
             continue
         for c in args.concurrency.split(","):
             keys = [c] if args.rounds == 1 else [f"{c}#{r}" for r in range(args.rounds)]
             cpu, added = [], []
             for k in keys:
-                now, then = result[mode].get(k, {}), result[base].get(k, {})
+                now, then = result[mode].get(k, {}), result[other].get(k, {})
                 if now.get("cpu_ms_per_request") and then.get("cpu_ms_per_request"):
                     cpu.append(now["cpu_ms_per_request"] / then["cpu_ms_per_request"])
-                a, b = result["added"][mode].get(k, {}).get("p50_ms"), result["added"][base].get(k, {}).get("p50_ms")
-                if a is not None and b:
+                a = result["added"][mode].get(k, {}).get("p50_ms")
+                b = result["added"][other].get(k, {}).get("p50_ms")
+                if added_key == "added_p50_ratio_median" and a is not None and b:
                     added.append(a / b)
+                elif added_key == "added_p50_more_ms_median" and a is not None and b is not None:
+                    added.append(a - b)
             out.setdefault(mode, {})[c] = {
                 "cpu_ratio_median": round(statistics.median(cpu), 3) if cpu else None,
                 "cpu_ratio_range": [round(min(cpu), 3), round(max(cpu), 3)] if cpu else None,
-                "added_p50_ratio_median": round(statistics.median(added), 3) if added else None}
-    return out
-
-
-def vs_router(result: dict, args: argparse.Namespace) -> dict:
-    """Per kvferry mode and concurrency, against vllm-router round robin within each round: the
-    median (and range) of the CPU-per-request ratio, and of the added p50 difference in ms."""
-    out: dict = {}
-    rr = "vllm_router_rr"
-    for mode in ("kvferry", "kvferry_decoder_first"):
-        if mode not in result or rr not in result:
-            continue
-        for c in args.concurrency.split(","):
-            keys = [c] if args.rounds == 1 else [f"{c}#{r}" for r in range(args.rounds)]
-            cpu, more = [], []
-            for k in keys:
-                now, then = result[mode].get(k, {}), result[rr].get(k, {})
-                if now.get("cpu_ms_per_request") and then.get("cpu_ms_per_request"):
-                    cpu.append(now["cpu_ms_per_request"] / then["cpu_ms_per_request"])
-                a, b = result["added"][mode].get(k, {}).get("p50_ms"), result["added"][rr].get(k, {}).get("p50_ms")
-                if a is not None and b is not None:
-                    more.append(a - b)
-            out.setdefault(mode, {})[c] = {
-                "cpu_ratio_median": round(statistics.median(cpu), 3) if cpu else None,
-                "cpu_ratio_range": [round(min(cpu), 3), round(max(cpu), 3)] if cpu else None,
-                "added_p50_more_ms_median": round(statistics.median(more), 3) if more else None}
+                added_key: round(statistics.median(added), 3) if added else None}
     return out
 
 
@@ -323,9 +302,11 @@ def main() -> int:
                         print(key, name, r, flush=True)
         result["zero_errors"] = {name: all(r["errors"] == 0 for r in result[name].values()) for name in targets}
         if args.baseline_path:
-            result["vs_base"] = vs_base(result, args)
+            result["vs_base"] = compare(result, args, [("kvferry", "kvferry_base"), (
+                "kvferry_decoder_first", "kvferry_base_decoder_first")], "added_p50_ratio_median")
         if "vllm_router_rr" in targets:
-            result["vs_router_rr"] = vs_router(result, args)
+            result["vs_router_rr"] = compare(result, args, [(m, "vllm_router_rr") for m in (
+                "kvferry", "kvferry_decoder_first")], "added_p50_more_ms_median")
         if receiver is not None:
             result["traced_spans_received"] = len(receiver.spans())
         print(json.dumps(result))
